@@ -1,0 +1,25 @@
+# The README's commands. `make demo` and `make test` set up .venv on first use.
+# TORCH_SPEC picks the torch build: the default is the CPU build this project is tested
+# with; GPU users install their CUDA/ROCm/XPU torch first and run `make TORCH_SPEC= test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+
+$(VENV)/.ready: pyproject.toml
+	python3 -m venv $(VENV)
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: demo test lint bench
+demo: $(VENV)/.ready
+	$(PY) -m ftopt.demo
+
+test: $(VENV)/.ready
+	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+lint: $(VENV)/.ready
+	$(VENV)/bin/ruff check ftopt tests benchmarks
+
+bench: $(VENV)/.ready
+	$(PY) benchmarks/eager_cpu.py
