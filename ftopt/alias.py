@@ -1,0 +1,216 @@
+"""Optimizers as short chains of transforms (optax signatures and defaults).
+
+Every alias takes keyword-only ``skip_zeros`` (see :func:`ftopt.skip_zeros`) and
+``state_bits`` (32, or 8 for 8-bit blockwise states, see :func:`quantize_states`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ftopt.base import GradientTransformation
+from ftopt.combine import chain, masked
+from ftopt.combine import skip_zeros as skip_zeros_marker
+from ftopt.quantize import quantize_states
+from ftopt.schedules import ScalarOrSchedule
+from ftopt.transforms import (
+    add_decayed_weights,
+    scale_by_adam,
+    scale_by_ademamix,
+    scale_by_learning_rate,
+    scale_by_lion,
+    scale_by_rms,
+    scale_by_rss,
+    scale_by_trust_ratio,
+    trace,
+)
+
+__all__ = ["adagrad", "adam", "adamw", "ademamix", "lamb", "lars", "lion", "rmsprop", "sgd"]
+
+Float = float | torch.Tensor
+
+
+def _finish(parts: list, skip_zeros: bool, state_bits: int) -> GradientTransformation:
+    if skip_zeros:
+        parts.append(skip_zeros_marker())
+    tx = chain(*parts)
+    if state_bits == 32:
+        return tx
+    return quantize_states(tx, bits=state_bits)
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule,
+    momentum: Float | None = None,
+    nesterov: bool = False,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """SGD, with optional (Nesterov) momentum: ``chain(trace(momentum), lr)``."""
+    parts = [] if momentum is None else [trace(momentum, nesterov)]
+    return _finish([*parts, scale_by_learning_rate(learning_rate)], skip_zeros, state_bits)
+
+
+def adam(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-8,
+    eps_root: Float = 0.0,
+    *,
+    nesterov: bool = False,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr))``."""
+    parts = [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
+             scale_by_learning_rate(learning_rate)]
+    return _finish(parts, skip_zeros, state_bits)
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-8,
+    eps_root: Float = 0.0,
+    weight_decay: Float = 1e-4,
+    mask: Any = None,
+    *,
+    nesterov: bool = False,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """AdamW: ``chain(scale_by_adam, add_decayed_weights(wd, mask), scale_by_learning_rate)``.
+
+    The decay is multiplied by the learning rate: p ← p − lr·(m̂/(√v̂+eps) + wd·p), which
+    is torch.optim.AdamW and bitsandbytes' Adam/AdamW.
+    """
+    parts = [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
+             add_decayed_weights(weight_decay, mask),
+             scale_by_learning_rate(learning_rate)]
+    return _finish(parts, skip_zeros, state_bits)
+
+
+def lion(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.99,
+    weight_decay: Float = 1e-3,
+    mask: Any = None,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """Lion: ``chain(scale_by_lion(b1, b2), add_decayed_weights(wd, mask), lr)``."""
+    parts = [scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask),
+             scale_by_learning_rate(learning_rate)]
+    return _finish(parts, skip_zeros, state_bits)
+
+
+def rmsprop(
+    learning_rate: ScalarOrSchedule,
+    decay: Float = 0.9,
+    eps: Float = 1e-8,
+    initial_scale: float = 0.0,
+    eps_in_sqrt: bool = True,
+    momentum: Float | None = None,
+    nesterov: bool = False,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """RMSprop: ``chain(scale_by_rms(...), lr, trace(momentum))`` (optax's order)."""
+    parts = [scale_by_rms(decay, eps, initial_scale, eps_in_sqrt=eps_in_sqrt),
+             scale_by_learning_rate(learning_rate)]
+    if momentum is not None:
+        parts.append(trace(momentum, nesterov))
+    return _finish(parts, skip_zeros, state_bits)
+
+
+def adagrad(
+    learning_rate: ScalarOrSchedule,
+    initial_accumulator_value: float = 0.1,
+    eps: Float = 1e-7,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """Adagrad: ``chain(scale_by_rss(initial_accumulator_value, eps), lr)``."""
+    parts = [scale_by_rss(initial_accumulator_value, eps),
+             scale_by_learning_rate(learning_rate)]
+    return _finish(parts, skip_zeros, state_bits)
+
+
+def lamb(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-6,
+    eps_root: Float = 0.0,
+    weight_decay: Float = 0.0,
+    mask: Any = None,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """LAMB: ``chain(scale_by_adam, add_decayed_weights, scale_by_trust_ratio, lr)``."""
+    parts = [scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
+             scale_by_trust_ratio(), scale_by_learning_rate(learning_rate)]
+    return _finish(parts, skip_zeros, state_bits)
+
+
+def lars(
+    learning_rate: ScalarOrSchedule,
+    weight_decay: Float = 0.0,
+    weight_decay_mask: Any = True,
+    trust_coefficient: Float = 0.001,
+    eps: Float = 0.0,
+    trust_ratio_mask: Any = True,
+    momentum: Float = 0.9,
+    nesterov: bool = False,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """LARS (optax order): ``chain(add_decayed_weights, masked(scale_by_trust_ratio),
+    lr, trace(momentum))``."""
+    parts = [
+        add_decayed_weights(weight_decay, mask=_all_or(weight_decay_mask)),
+        _maybe_masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps),
+                      trust_ratio_mask),
+        scale_by_learning_rate(learning_rate),
+        trace(momentum, nesterov),
+    ]
+    return _finish(parts, skip_zeros, state_bits)
+
+
+def _all_or(mask: Any) -> Any:
+    return None if mask is True else mask
+
+
+def _maybe_masked(tx: GradientTransformation, mask: Any) -> GradientTransformation:
+    return tx if mask is True else masked(tx, mask)
+
+
+def ademamix(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    b3: ScalarOrSchedule = 0.9999,
+    alpha: ScalarOrSchedule = 5.0,
+    eps: Float = 1e-8,
+    eps_root: Float = 0.0,
+    weight_decay: Float = 0.0,
+    mask: Any = None,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """AdEMAMix (as optax.contrib): ``chain(scale_by_ademamix, add_decayed_weights, lr)``."""
+    parts = [scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root),
+             add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]
+    return _finish(parts, skip_zeros, state_bits)

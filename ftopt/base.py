@@ -1,0 +1,96 @@
+"""Core types: ``GradientTransformation``, ``EmptyState`` and the trivial transforms."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from ftopt import tree as tree_lib
+
+PyTree = Any
+Params = PyTree
+Updates = PyTree
+OptState = PyTree
+
+__all__ = [
+    "GradientTransformation",
+    "EmptyState",
+    "identity",
+    "set_to_zero",
+    "stateless",
+    "register_state",
+]
+
+
+class TransformInitFn(Protocol):
+    def __call__(self, params: Params) -> OptState: ...
+
+
+class TransformUpdateFn(Protocol):
+    def __call__(
+        self, updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, OptState]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pure ``(init, update)`` pair, as in optax.
+
+    ``init(params) -> state``; ``update(updates, state, params=None, **extra) ->
+    (updates, new_state)``. Neither mutates its inputs. Extra keyword arguments are
+    accepted and ignored by transforms that do not use them.
+
+    ftopt transforms are bound methods of small objects (``tx.update.__self__``); the
+    lowering reads the elementwise rule off those objects to fuse a chain.
+    """
+
+    init: TransformInitFn
+    update: TransformUpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transform."""
+
+
+def register_state(cls: type) -> type:
+    """Allow ``torch.load(weights_only=True)`` to rebuild a state NamedTuple."""
+    torch.serialization.add_safe_globals([cls])
+    return cls
+
+
+register_state(EmptyState)
+
+
+class _Stateless:
+    def __init__(self, fn: Callable[[Updates, Params | None], Updates]):
+        self.fn = fn
+
+    def init(self, params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(self, updates, state, params=None, **extra):
+        del extra
+        return self.fn(updates, params), state
+
+
+def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransformation:
+    """A transform from a function ``fn(updates, params) -> updates`` with no state.
+
+    It runs eagerly (ftopt cannot see inside ``fn``), so a chain holding it is not fused.
+    """
+    obj = _Stateless(fn)
+    return GradientTransformation(obj.init, obj.update)
+
+
+def identity() -> GradientTransformation:
+    """Leaves updates unchanged: u ← u."""
+    from ftopt.transforms.scaling import scale
+
+    return scale(1.0)
+
+
+def set_to_zero() -> GradientTransformation:
+    """Replaces every update by zero: u ← 0 (``None`` leaves stay ``None``)."""
+    return stateless(lambda updates, params: tree_lib.map(torch.zeros_like, updates))

@@ -1,0 +1,260 @@
+"""Combinators: ``chain``, ``named_chain``, ``masked``, ``partition``, ``skip_zeros``.
+
+Each combinator is a small object whose bound ``init``/``update`` form the
+``GradientTransformation``; the lowering walks these objects (``tx.update.__self__``) to
+find the rules of a chain.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from ftopt import tree as tree_lib
+from ftopt.base import EmptyState, GradientTransformation, register_state
+from ftopt.rules import RuleTransform
+
+__all__ = [
+    "chain",
+    "named_chain",
+    "masked",
+    "partition",
+    "skip_zeros",
+    "MaskedState",
+    "PartitionState",
+    "owner",
+    "zero_mask_of",
+]
+
+
+def owner(tx: GradientTransformation) -> Any:
+    """The object behind a transform (``None`` for a transform ftopt did not build)."""
+    return getattr(tx.update, "__self__", None)
+
+
+def zero_mask_of(updates) -> Any:
+    """``g == 0`` for every leaf (``+0.0`` and ``-0.0``; NaN is not zero)."""
+    return tree_lib.map(lambda g: g == 0, updates)
+
+
+def _mask_aware(tx: GradientTransformation) -> bool:
+    return isinstance(owner(tx), (RuleTransform, Chain, SkipZeros, Masked))
+
+
+def _apply_zero_mask(updates, zero_mask):
+    def select(u, m):
+        return torch.where(m, torch.full((), -0.0, dtype=u.dtype, device=u.device), u)
+
+    return tree_lib.map(select, updates, zero_mask)
+
+
+class SkipZeros:
+    """Marker: the chain holding it leaves zero-gradient elements untouched (SPEC §3)."""
+
+    def init(self, params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(self, updates, state, params=None, **extra):
+        del params, extra
+        return updates, state
+
+
+class Chain:
+    """Applies transforms in sequence; the state is a tuple (or, named, an OrderedDict)."""
+
+    def __init__(self, transforms: Sequence[GradientTransformation],
+                 names: Sequence[str] | None = None):
+        for i, t in enumerate(transforms):
+            if not isinstance(t, GradientTransformation):
+                raise TypeError(f"chain element {i} is not a GradientTransformation: {t!r}")
+        self.transforms = tuple(transforms)
+        self.names = tuple(names) if names is not None else None
+        self.skip_zeros = any(isinstance(owner(t), SkipZeros) for t in self.transforms)
+
+    def rebuild(self, transforms: Sequence[GradientTransformation]) -> GradientTransformation:
+        obj = Chain(transforms, self.names)
+        return GradientTransformation(obj.init, obj.update)
+
+    def init(self, params):
+        states = [t.init(params) for t in self.transforms]
+        if self.names is None:
+            return tuple(states)
+        return OrderedDict(zip(self.names, states))
+
+    def _inner_states(self, state) -> list:
+        if self.names is None:
+            if not isinstance(state, tuple) or len(state) != len(self.transforms):
+                raise ValueError(
+                    f"chain of {len(self.transforms)} transforms expects a tuple of "
+                    f"{len(self.transforms)} states, got {_describe(state)}")
+            return list(state)
+        if not isinstance(state, Mapping) or list(state.keys()) != list(self.names):
+            raise ValueError(f"named_chain expects states named {list(self.names)}, got "
+                             f"{_describe(state)}")
+        return [state[n] for n in self.names]
+
+    def update(self, updates, state, params=None, **extra):
+        inner = self._inner_states(state)
+        if self.skip_zeros and extra.get("zero_mask") is None:
+            extra = {**extra, "zero_mask": zero_mask_of(updates)}
+        zero_mask = extra.get("zero_mask")
+        new_states = []
+        for t, s in zip(self.transforms, inner):
+            updates, s = t.update(updates, s, params, **extra)
+            if zero_mask is not None and not _mask_aware(t):
+                updates = _apply_zero_mask(updates, zero_mask)
+            new_states.append(s)
+        if self.names is None:
+            return updates, tuple(new_states)
+        return updates, OrderedDict(zip(self.names, new_states))
+
+
+def _describe(state) -> str:
+    if isinstance(state, tuple):
+        return f"{type(state).__name__} of length {len(state)}"
+    if isinstance(state, Mapping):
+        return f"mapping with keys {list(state.keys())}"
+    return type(state).__name__
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Applies ``transforms`` in order; the state is the tuple of their states."""
+    obj = Chain(transforms)
+    return GradientTransformation(obj.init, obj.update)
+
+
+def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransformation:
+    """Like :func:`chain`; the state is an ``OrderedDict`` keyed by the given names."""
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        raise ValueError(f"named_chain names must be unique, got {names}")
+    obj = Chain([t for _, t in named], names)
+    return GradientTransformation(obj.init, obj.update)
+
+
+def skip_zeros(inner: GradientTransformation | None = None) -> GradientTransformation:
+    """Leaves every element whose raw gradient is exactly zero bit-for-bit untouched.
+
+    ``skip_zeros()`` inside a chain makes the whole chain skip-aware; ``skip_zeros(inner)``
+    wraps one transform. For an element with g == 0 (+0.0 or −0.0; NaN is not zero) the
+    update is zero, so the parameter stays bit-identical, and every per-element state of
+    the chain keeps its pre-step value; step counts advance. Every other element is
+    bit-identical to the result without ``skip_zeros``. Norms see the skipped elements as 0.
+    """
+    obj = SkipZeros()
+    marker = GradientTransformation(obj.init, obj.update)
+    if inner is None:
+        return marker
+    return chain(inner, marker)
+
+
+@register_state
+class MaskedState(NamedTuple):
+    """The inner state of :func:`masked`, over the selected leaves only."""
+
+    inner_state: Any
+
+
+def _select(tree, mask_tree):
+    return tree_lib.map(lambda x, m: x if m else None, tree, mask_tree)
+
+
+class Masked:
+    """Applies ``inner`` to the leaves where ``mask`` is True; others pass through."""
+
+    def __init__(self, inner: GradientTransformation, mask: Any):
+        self.inner = inner
+        self.mask = mask
+
+    def rebuild(self, transforms: Sequence[GradientTransformation]) -> GradientTransformation:
+        obj = Masked(transforms[0], self.mask)
+        return GradientTransformation(obj.init, obj.update)
+
+    @property
+    def transforms(self) -> tuple[GradientTransformation, ...]:
+        return (self.inner,)
+
+    def _mask_for(self, tree):
+        mask = self.mask(tree) if callable(self.mask) else self.mask
+        spec = tree_lib.structure(tree)
+        paths, _, _ = tree_lib.flatten_with_paths(tree)
+        flat = tree_lib.flatten_like(spec, mask, "mask", paths)
+        return tree_lib.unflatten(spec, [bool(m) for m in flat])
+
+    def init(self, params):
+        return MaskedState(self.inner.init(_select(params, self._mask_for(params))))
+
+    def update(self, updates, state, params=None, **extra):
+        if not isinstance(state, MaskedState):
+            raise ValueError(f"masked expects a MaskedState, got {type(state).__name__}")
+        mask = self._mask_for(params if params is not None else updates)
+        sub = _select(updates, mask)
+        sub_params = _select(params, mask) if params is not None else None
+        if extra.get("zero_mask") is not None:
+            extra = {**extra, "zero_mask": _select(extra["zero_mask"], mask)}
+        new_sub, inner_state = self.inner.update(sub, state.inner_state, sub_params, **extra)
+        return _fill(new_sub, updates), MaskedState(inner_state)
+
+
+def _fill(sub, full):
+    """``sub`` with ``None`` holes filled from ``full`` (same structure as ``full``)."""
+    spec = tree_lib.structure(full)
+    paths, flat_full, _ = tree_lib.flatten_with_paths(full)
+    flat_sub = tree_lib.flatten_like(spec, sub, "updates", paths)
+    return tree_lib.unflatten(spec, [s if s is not None else f
+                                     for s, f in zip(flat_sub, flat_full)])
+
+
+def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
+    """Applies ``inner`` only where ``mask`` (a pytree of bools, or a function of the
+    params returning one) is True; other updates pass through and get no inner state."""
+    obj = Masked(inner, mask)
+    return GradientTransformation(obj.init, obj.update)
+
+
+@register_state
+class PartitionState(NamedTuple):
+    """The inner states of :func:`partition`, keyed by label."""
+
+    inner_states: Any
+
+
+def partition(
+    transforms: Mapping[Any, GradientTransformation],
+    param_labels: Any | Callable[[Any], Any],
+) -> GradientTransformation:
+    """Applies ``transforms[label]`` to the leaves carrying ``label``.
+
+    ``param_labels`` is a pytree of labels like the params, or a function of the params
+    returning one. Every leaf must carry a label present in ``transforms``.
+    """
+    labels_of = param_labels if callable(param_labels) else (lambda _: param_labels)
+
+    def mask_for(label):
+        return lambda tree: tree_lib.map(lambda lab: lab == label, labels_of(tree))
+
+    def check(tree):
+        missing = {lab for lab in tree_lib.leaves(labels_of(tree))} - set(transforms)
+        if missing:
+            raise ValueError(f"partition: labels {sorted(map(str, missing))} have no "
+                             "transform")
+
+    inner = {label: masked(tx, mask_for(label)) for label, tx in transforms.items()}
+
+    def init(params):
+        check(params)
+        return PartitionState({k: t.init(params) for k, t in inner.items()})
+
+    def update(updates, state, params=None, **extra):
+        check(params if params is not None else updates)
+        new_states = {}
+        for label, tx in inner.items():
+            updates, new_states[label] = tx.update(updates, state.inner_states[label], params,
+                                                   **extra)
+        return updates, PartitionState(new_states)
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,228 @@
+"""The eager evaluator: runs an elementwise rule body over all leaves at once.
+
+A rule body is ordinary Python arithmetic over values plus the ``ops`` namespace. Here a
+value is a :class:`Vec`: one entry per leaf, of one of three kinds
+
+* ``elem``: a tensor per leaf (updates, params, states and everything computed from them);
+* ``leaf``: a scalar per leaf (a per-leaf norm, a trust ratio);
+* ``scalar``: one scalar for all leaves (a hyperparameter, a bias correction).
+
+Binary operations broadcast the lower kind up. In ``foreach`` mode operations on tensor
+lists call ``torch._foreach_*`` (one dispatch for all leaves); in ``loop`` mode every op
+is a plain torch op per leaf, which autograd and ``torch.func`` transforms understand.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+
+import torch
+
+_KIND_ORDER = {"scalar": 0, "leaf": 1, "elem": 2}
+
+# Binary operators with a foreach counterpart that accepts (list, list), (list, float)
+# and (list, list-of-floats).
+_FOREACH_BINARY = {
+    operator.add: torch._foreach_add,
+    operator.sub: torch._foreach_sub,
+    operator.mul: torch._foreach_mul,
+    operator.truediv: torch._foreach_div,
+}
+
+
+def functorch_active() -> bool:
+    """True inside ``torch.func.grad``/``vmap``/... (the eager loop mode must be used)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+class Vec:
+    """One value of a rule body, for every active leaf (see the module docstring)."""
+
+    __slots__ = ("kind", "items", "mode")
+
+    def __init__(self, kind: str, items: list, mode: str):
+        self.kind = kind
+        self.items = items
+        self.mode = mode
+
+    # -- broadcasting -----------------------------------------------------------------
+    def _expanded(self, n: int) -> list:
+        return self.items * n if self.kind == "scalar" else self.items
+
+    def _binary(self, other, op: Callable, reverse: bool = False) -> Vec:
+        other = _as_vec(other, self.mode)
+        a, b = (other, self) if reverse else (self, other)
+        kind = max(a.kind, b.kind, key=_KIND_ORDER.__getitem__)
+        if kind == "scalar":
+            return Vec("scalar", [op(a.items[0], b.items[0])], self.mode)
+        n = len(a.items) if a.kind != "scalar" else len(b.items)
+        fast = self.mode == "foreach" and kind == "elem" and op in _FOREACH_BINARY
+        if fast and a.kind == "elem" and _foreach_operand(b):
+            rhs = b.items[0] if b.kind == "scalar" else b.items
+            return Vec("elem", list(_FOREACH_BINARY[op](a.items, rhs)), self.mode)
+        return Vec(kind, [op(x, y) for x, y in zip(a._expanded(n), b._expanded(n))], self.mode)
+
+    def __add__(self, o):
+        return self._binary(o, operator.add)
+
+    def __radd__(self, o):
+        return self._binary(o, operator.add, reverse=True)
+
+    def __sub__(self, o):
+        return self._binary(o, operator.sub)
+
+    def __rsub__(self, o):
+        return self._binary(o, operator.sub, reverse=True)
+
+    def __mul__(self, o):
+        return self._binary(o, operator.mul)
+
+    def __rmul__(self, o):
+        return self._binary(o, operator.mul, reverse=True)
+
+    def __truediv__(self, o):
+        return self._binary(o, operator.truediv)
+
+    def __rtruediv__(self, o):
+        return self._binary(o, operator.truediv, reverse=True)
+
+    def __gt__(self, o):
+        return self._binary(o, operator.gt)
+
+    def __ge__(self, o):
+        return self._binary(o, operator.ge)
+
+    def __lt__(self, o):
+        return self._binary(o, operator.lt)
+
+    def __le__(self, o):
+        return self._binary(o, operator.le)
+
+    def __eq__(self, o):  # type: ignore[override]
+        return self._binary(o, operator.eq)
+
+    def __ne__(self, o):  # type: ignore[override]
+        return self._binary(o, operator.ne)
+
+    def __and__(self, o):
+        return self._binary(o, operator.and_)
+
+    def __or__(self, o):
+        return self._binary(o, operator.or_)
+
+    def __neg__(self):
+        if self.kind == "elem" and self.mode == "foreach":
+            return Vec("elem", list(torch._foreach_neg(self.items)), self.mode)
+        return self._unary(operator.neg)
+
+    def _unary(self, fn: Callable) -> Vec:
+        return Vec(self.kind, [fn(x) for x in self.items], self.mode)
+
+    __hash__ = None  # comparisons build values, they do not compare objects
+
+
+def _foreach_operand(b: Vec) -> bool:
+    """Whether ``b`` can be the right operand of a foreach binary op."""
+    if b.kind == "elem":
+        return True
+    return all(_is_number(x) for x in b.items)
+
+
+def _as_vec(x, mode: str) -> Vec:
+    return x if isinstance(x, Vec) else Vec("scalar", [x], mode)
+
+
+def _scalar_fn(number_fn: Callable, tensor_fn: Callable) -> Callable:
+    return lambda x: tensor_fn(x) if isinstance(x, torch.Tensor) else number_fn(x)
+
+
+_sqrt = _scalar_fn(math.sqrt, torch.sqrt)
+_abs = _scalar_fn(abs, torch.abs)
+
+
+def _sign_number(x: float) -> float:
+    return float((x > 0) - (x < 0))
+
+
+class EagerOps:
+    """The ``ops`` namespace of rule bodies, evaluated with torch on :class:`Vec` values."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def _map(self, x, fn: Callable, foreach: Callable | None = None) -> Vec:
+        x = _as_vec(x, self.mode)
+        if foreach is not None and x.kind == "elem" and self.mode == "foreach":
+            return Vec("elem", list(foreach(x.items)), self.mode)
+        return x._unary(fn)
+
+    def sqrt(self, x) -> Vec:
+        return self._map(x, _sqrt, torch._foreach_sqrt)
+
+    def abs(self, x) -> Vec:
+        return self._map(x, _abs, torch._foreach_abs)
+
+    def sign(self, x) -> Vec:
+        return self._map(x, _scalar_fn(_sign_number, torch.sign), torch._foreach_sign)
+
+    def where(self, cond, a, b) -> Vec:
+        cond, a, b = (_as_vec(v, self.mode) for v in (cond, a, b))
+        kind = max(cond.kind, a.kind, b.kind, key=_KIND_ORDER.__getitem__)
+        n = max(len(v.items) for v in (cond, a, b))
+        items = [
+            _where(c, x, y) for c, x, y in zip(cond._expanded(n), a._expanded(n), b._expanded(n))
+        ]
+        return Vec(kind, items, self.mode)
+
+    def maximum(self, a, b) -> Vec:
+        return self.where(_as_vec(a, self.mode) >= b, a, b)
+
+    def minimum(self, a, b) -> Vec:
+        return self.where(_as_vec(a, self.mode) <= b, a, b)
+
+    def leaf_norm(self, x) -> Vec:
+        """‖x‖₂ of each leaf (a ``leaf`` value)."""
+        x = _as_vec(x, self.mode)
+        if self.mode == "foreach" and x.items:
+            return Vec("leaf", list(torch._foreach_norm(x.items)), self.mode)
+        return Vec("leaf", [torch.linalg.vector_norm(t) for t in x.items], self.mode)
+
+    def global_norm(self, x) -> Vec:
+        """‖x‖₂ over all leaves (a ``scalar`` value)."""
+        norms = self.leaf_norm(x).items
+        if not norms:
+            return Vec("scalar", [0.0], self.mode)
+        return Vec("scalar", [torch.linalg.vector_norm(torch.stack(norms))], self.mode)
+
+
+def _where(c, x, y):
+    if isinstance(c, torch.Tensor):
+        return torch.where(c, x, y)
+    return x if c else y
+
+
+def elem(items: Sequence[torch.Tensor], mode: str) -> Vec:
+    return Vec("elem", list(items), mode)
+
+
+def leafwise(items: Sequence, mode: str) -> Vec:
+    return Vec("leaf", list(items), mode)
+
+
+def scalar(value, mode: str) -> Vec:
+    return Vec("scalar", [value], mode)
+
+
+def choose_mode(tensors: Sequence[torch.Tensor], *, force_loop: bool = False) -> str:
+    """``loop`` under autograd or ``torch.func``, ``foreach`` otherwise."""
+    if force_loop or functorch_active():
+        return "loop"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "loop"
+    return "foreach"

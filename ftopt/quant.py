@@ -1,0 +1,214 @@
+"""8-bit blockwise quantization of optimizer states (eager reference).
+
+A tensor ``x`` is flattened and cut into blocks of ``block_size`` consecutive elements
+(the last block may be partial). Block ``b`` stores ``absmax[b] = max_i |x_i|`` in fp32
+and every element stores a uint8 index ``c_i`` into a sorted 256-entry code ``q``
+(bitsandbytes' dynamic map)::
+
+    v_i = clamp(x_i / absmax[b], -1, 1)          (v_i = 0 where absmax[b] == 0)
+    c_i = nearest(v_i)                           (tie rule below)
+    x_hat_i = q[c_i] * absmax[b]
+
+Tie rule (exact, float32): let ``hi`` be the first index with ``q[hi] >= v`` (clamped
+to ``[1, K-1]``) and ``lo = hi - 1``. The element takes ``hi`` iff
+``fl32(q[hi] - v) < fl32(v - q[lo])``, otherwise ``lo``. So an exact tie, and any
+near-tie whose two distances round to the same float32, goes to the LOWER index. This
+equals ``argmin_k fl32(|v - q[k]|)`` with first-index tie breaking (``torch.argmin``)
+for the dynamic maps, whose code gaps are far above float32 rounding of ``v - q[k]``.
+The fused backend must compute ``x / absmax`` with round-to-nearest division
+(``tl.math.div_rn``) and the two distances in float32 to reproduce the codes bit-exactly.
+
+An all-zero block (``absmax == 0``) encodes every element to the code of 0.0 and
+dequantizes to exactly 0 (no 0/0). NaN inputs are not guarded (as in bitsandbytes).
+
+Note: the signed map holds +1.0 but not -1.0, so re-quantizing a dequantized block whose
+largest magnitude is negative shrinks its absmax to ``0.99297 * absmax``; re-quantization
+is idempotent only when the block's extreme element is positive (always, for the
+unsigned map on non-negative data).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = [
+    "create_dynamic_map",
+    "dynamic_map",
+    "block_absmax",
+    "expand_absmax",
+    "nearest_code",
+    "encode_with_absmax",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+]
+
+
+def create_dynamic_map(
+    signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8
+) -> torch.Tensor:
+    """bitsandbytes' dynamic quantization map: ``2**total_bits`` sorted float32 values.
+
+    With ``E = max_exponent_bits`` and ``N = total_bits - 1``, decade ``i = 0..E-1``
+    (scale ``10**(i - E + 1)``, i.e. 1e-6 ... 1 for the defaults) splits ``[0.1, 1]`` into
+    ``2**(i + N - E)`` equal bins (twice as many when unsigned) and contributes the bin
+    midpoints times the scale (and their negatives when signed). ``2**(N - E) - 1`` extra
+    midpoints join the last decade, then 0 and 1.0 are added, the list is padded with
+    zeros to ``2**total_bits`` entries and sorted.
+
+    Defaults, signed: 127 negatives, 0 at index 127, 128 positives; range
+    ``[-0.99296875, 1.0]``; smallest magnitude 5.5e-7. Unsigned: 0, then 255 positives
+    from 3.25e-7 to 1.0.
+
+    Args:
+      signed: include negative values (default: True).
+      max_exponent_bits: number of decades (default: 7).
+      total_bits: code width; at most 8 so that codes fit in uint8 (default: 8).
+    """
+    if not 2 <= total_bits <= 8:
+        raise ValueError(f"total_bits must be in [2, 8], got {total_bits}")
+    non_sign_bits = total_bits - 1
+    if not 1 <= max_exponent_bits <= non_sign_bits:
+        raise ValueError(
+            f"max_exponent_bits must be in [1, {non_sign_bits}], got {max_exponent_bits}"
+        )
+    extra_bits = non_sign_bits - max_exponent_bits
+
+    def midpoints(bins: int, scale: float) -> list[float]:
+        # Bin edges and midpoints in float32, scaled in float64, as bitsandbytes does,
+        # so that the final float32 values match its map bit for bit.
+        edges = torch.linspace(0.1, 1.0, bins + 1, dtype=torch.float32)
+        mids = ((edges[:-1] + edges[1:]) / 2.0).tolist()
+        return [scale * m for m in mids]
+
+    values: list[float] = []
+    for i in range(max_exponent_bits):
+        scale = 10.0 ** (i - max_exponent_bits + 1)
+        bins = 2 ** (i + extra_bits + (0 if signed else 1))
+        mids = midpoints(bins, scale)
+        values += mids + ([-m for m in mids] if signed else [])
+    if extra_bits > 0:
+        mids = midpoints(2**extra_bits - 1, 1.0)
+        values += mids + ([-m for m in mids] if signed else [])
+    values += [0.0, 1.0]
+    size = 2**total_bits
+    if len(values) > size:  # pragma: no cover - impossible for valid arguments
+        raise AssertionError(f"dynamic map has {len(values)} > {size} entries")
+    values += [0.0] * (size - len(values))
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+@functools.cache
+def _cached_map(signed: bool, device: torch.device) -> torch.Tensor:
+    return create_dynamic_map(signed).to(device)
+
+
+def dynamic_map(signed: bool, device: torch.device | str | None = None) -> torch.Tensor:
+    """The default 8-bit signed or unsigned dynamic map on ``device``, cached.
+
+    One tensor per ``(signed, device)``; treat it as read-only.
+    """
+    # Normalize "cuda" to "cuda:0" etc. so both spellings share one cache entry.
+    device = torch.empty(0, device=device).device
+    return _cached_map(bool(signed), device)
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+
+
+def block_absmax(x: torch.Tensor, block_size: int = 256) -> torch.Tensor:
+    """``absmax[b] = max |x_i|`` over block ``b`` of the flattened ``x``; fp32, ``(ceil(n/B),)``.
+
+    A partial last block is padded with zeros, which do not change its maximum.
+    """
+    _check_block_size(block_size)
+    flat = x.reshape(-1).to(torch.float32)
+    num_blocks = -(-flat.numel() // block_size)
+    padded = flat.new_zeros(num_blocks * block_size)
+    padded[: flat.numel()] = flat
+    return padded.view(num_blocks, block_size).abs().amax(dim=1)
+
+
+def expand_absmax(absmax: torch.Tensor, numel: int, block_size: int = 256) -> torch.Tensor:
+    """Per-element absmax of a flattened tensor of ``numel`` elements: ``absmax[i // B]``."""
+    _check_block_size(block_size)
+    return absmax.repeat_interleave(block_size)[:numel]
+
+
+def nearest_code(v: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
+    """uint8 index of the nearest entry of the sorted ``qmap`` to each ``v`` (lower on ties).
+
+    ``hi = clamp(searchsorted(qmap, v), 1, K-1)``, ``lo = hi - 1``; take ``hi`` iff
+    ``qmap[hi] - v < v - qmap[lo]`` in float32. Values beyond either end of the map
+    get the end code.
+    """
+    size = qmap.numel()
+    if not 2 <= size <= 256:
+        raise ValueError(f"qmap must have 2..256 entries for uint8 codes, got {size}")
+    v = v.to(torch.float32).contiguous()
+    hi = torch.searchsorted(qmap, v).clamp_(1, size - 1)
+    lo = hi - 1
+    take_hi = (qmap[hi] - v) < (v - qmap[lo])
+    return torch.where(take_hi, hi, lo).to(torch.uint8)
+
+
+def encode_with_absmax(x: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
+    """Codes of ``x`` given its (new) block absmax, broadcast against ``x`` per element.
+
+    ``c = nearest(clamp(x / absmax, -1, 1))``; where ``absmax == 0`` (or is not > 0)
+    ``v = 0``, so an all-zero block never divides 0 by 0.
+
+    Args:
+      x: values to encode (upcast to float32).
+      absmax: per-element absmax broadcastable to ``x`` (e.g. :func:`expand_absmax`).
+      qmap: sorted code values (e.g. :func:`dynamic_map`).
+
+    Returns:
+      uint8 codes with the broadcast shape of ``x`` and ``absmax``.
+    """
+    x = x.to(torch.float32)
+    absmax = absmax.to(torch.float32)
+    positive = absmax > 0
+    safe = torch.where(positive, absmax, torch.ones_like(absmax))
+    v = torch.where(positive, x / safe, torch.zeros_like(x)).clamp_(-1.0, 1.0)
+    return nearest_code(v, qmap)
+
+
+def quantize_blockwise(
+    x: torch.Tensor, qmap: torch.Tensor, block_size: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to uint8 codes with one fp32 absmax per block.
+
+    Args:
+      x: tensor of any shape (upcast to float32); flattened into blocks of
+        ``block_size`` consecutive elements.
+      qmap: sorted code values (e.g. ``dynamic_map(signed, x.device)``).
+      block_size: elements per block (default: 256).
+
+    Returns:
+      ``(codes, absmax)``: uint8 codes with ``x``'s shape and float32 absmax of shape
+      ``(ceil(x.numel() / block_size),)``.
+    """
+    absmax = block_absmax(x, block_size)
+    per_element = expand_absmax(absmax, x.numel(), block_size)
+    codes = encode_with_absmax(x.reshape(-1), per_element, qmap)
+    return codes.view(x.shape), absmax
+
+
+def dequantize_blockwise(
+    codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor, block_size: int = 256
+) -> torch.Tensor:
+    """``x_hat_i = qmap[codes_i] * absmax[i // block_size]``; float32 with ``codes``' shape."""
+    flat = codes.reshape(-1).long()
+    _check_block_size(block_size)
+    expected = -(-flat.numel() // block_size)
+    if absmax.numel() != expected:
+        raise ValueError(
+            f"absmax has {absmax.numel()} entries, expected {expected} for "
+            f"{flat.numel()} codes in blocks of {block_size}"
+        )
+    per_element = expand_absmax(absmax.to(torch.float32), flat.numel(), block_size)
+    return (qmap[flat] * per_element).view(codes.shape)

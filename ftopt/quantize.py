@@ -1,0 +1,43 @@
+"""``quantize_states``: 8-bit blockwise storage for every per-element state of a chain."""
+
+from __future__ import annotations
+
+from ftopt.base import GradientTransformation
+from ftopt.rules import QuantConfig, RuleTransform
+
+__all__ = ["quantize_states"]
+
+
+def _rebuild(tx: GradientTransformation, quant: QuantConfig | None) -> GradientTransformation:
+    obj = getattr(tx.update, "__self__", None)
+    if isinstance(obj, RuleTransform):
+        return obj.with_quant(quant).as_transform()
+    children = getattr(obj, "transforms", None)
+    if children is not None and hasattr(obj, "rebuild"):
+        return obj.rebuild([_rebuild(t, quant) for t in children])
+    return tx
+
+
+def quantize_states(
+    tx: GradientTransformation, bits: int = 8, block_size: int = 256, min_size: int = 4096
+) -> GradientTransformation:
+    """Stores the per-element float states of ``tx`` as 8-bit blockwise codes.
+
+    Every state slot of a leaf with at least ``min_size`` elements becomes uint8 codes
+    into bitsandbytes' dynamic map (signed for mu/trace/m1/m2, unsigned for nu/rms/rss)
+    plus one fp32 absmax per ``block_size`` consecutive elements; smaller leaves keep fp32
+    state. A step dequantizes (code·absmax), runs the fp32 math, sets each block's absmax
+    to max|new state| and re-encodes each element to the nearest code.
+
+    Args:
+        tx: the transform (a chain of ftopt transforms).
+        bits: 8, or 32 to return ``tx`` with 32-bit states.
+        block_size: elements per absmax (default: 256).
+        min_size: smallest leaf with 8-bit state (default: 4096).
+    """
+    if bits not in (8, 32):
+        raise ValueError(f"quantize_states: bits must be 8 or 32, got {bits}")
+    if block_size <= 0 or min_size < 0:
+        raise ValueError("quantize_states: block_size must be positive and min_size >= 0")
+    quant = None if bits == 32 else QuantConfig(bits, block_size, min_size)
+    return _rebuild(tx, quant)

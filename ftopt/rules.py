@@ -1,0 +1,343 @@
+"""Elementwise rules: the one definition of each transform's per-element math.
+
+A :class:`Rule` names its per-element state slots, its hyperparameters, the per-step
+scalars derived from them (bias corrections and the like, computed once per step from the
+step count ``t``) and a ``body(o, x) -> (u, new_slots)``: plain arithmetic over the values
+in ``x`` (``x.u``, ``x.p``, ``x.<slot>``, ``x.<scalar>``) and the ``o`` namespace
+(``sqrt``, ``abs``, ``sign``, ``where``, ``maximum``, ``minimum``, ``leaf_norm``,
+``global_norm``). The eager backend evaluates the body on tensors (:mod:`ftopt.eager`); the
+fused backend evaluates it on symbols and prints a Triton kernel (:mod:`ftopt.lowering`).
+
+:class:`RuleTransform` turns a rule into a ``GradientTransformation``: it owns the state
+layout (32-bit or 8-bit blockwise slots, the step count), validation and ``skip_zeros``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from ftopt import eager
+from ftopt import tree as tree_lib
+from ftopt._counts import host_count, remember_count
+from ftopt.base import EmptyState, GradientTransformation, register_state
+from ftopt.quant import dequantize_blockwise, dynamic_map, quantize_blockwise
+
+__all__ = ["Slot", "Rule", "RuleTransform", "QuantizedSlot", "QuantConfig", "rule_transform"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A per-element state of a rule.
+
+    ``signed`` picks the 8-bit map (signed for states that can be negative); ``init`` names
+    the hyperparameter holding the initial value (zero when ``None``).
+    """
+
+    name: str
+    signed: bool = True
+    init: str | None = None
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """8-bit blockwise storage for slots of leaves with at least ``min_size`` elements."""
+
+    bits: int = 8
+    block_size: int = 256
+    min_size: int = 4096
+
+
+@register_state
+class QuantizedSlot(NamedTuple):
+    """One leaf of an 8-bit state slot: uint8 codes and one fp32 absmax per block."""
+
+    codes: torch.Tensor
+    absmax: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The per-element math of one transform (see the module docstring)."""
+
+    name: str
+    body: Callable
+    state_class: type = EmptyState
+    slots: tuple[Slot, ...] = ()
+    hparams: Mapping[str, Any] = field(default_factory=dict)
+    scalars: Callable[[Any, dict], dict] | None = None
+    counted: bool = False
+    uses_params: bool = False
+    leaf_mask: Any = None
+    schedule_at_t: bool = False
+
+
+def _check_hparam(rule_name: str, name: str, value: Any) -> None:
+    if callable(value):
+        return
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 0 or not (value.is_floating_point() or not value.is_complex()):
+            raise ValueError(f"{rule_name}: hyperparameter {name} must be a 0-d real tensor")
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(
+            f"{rule_name}: hyperparameter {name} must be a float, a 0-d tensor or a schedule, "
+            f"got {type(value).__name__}"
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"{rule_name}: hyperparameter {name} must be finite, got {value}")
+
+
+def hparam_values(rule: Rule, count: Any, t: Any) -> dict:
+    """Hyperparameters at this step: schedules called with the count (or ``t``)."""
+    at = t if rule.schedule_at_t else count
+    return {k: (v(at) if callable(v) else v) for k, v in rule.hparams.items()}
+
+
+def step_scalars(rule: Rule, count: Any, t: Any) -> dict:
+    """The per-step scalars a body reads: the hyperparameters plus ``rule.scalars``."""
+    h = hparam_values(rule, count, t)
+    if rule.scalars is not None:
+        h = {**h, **rule.scalars(t, h)}
+    return h
+
+
+class _Env:
+    """The values a body reads, by attribute."""
+
+    def __init__(self, values: dict):
+        self.__dict__.update(values)
+
+
+def _state_dtype(p: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(p.dtype, torch.float32)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class RuleTransform:
+    """A ``GradientTransformation`` made from a :class:`Rule`."""
+
+    def __init__(self, rule: Rule, quant: QuantConfig | None = None):
+        for k, v in rule.hparams.items():
+            _check_hparam(rule.name, k, v)
+        self.rule = rule
+        self.quant = quant
+
+    def with_quant(self, quant: QuantConfig | None) -> RuleTransform:
+        return RuleTransform(self.rule, quant if self.rule.slots else None)
+
+    def with_rule(self, **changes) -> RuleTransform:
+        return RuleTransform(replace(self.rule, **changes), self.quant)
+
+    def as_transform(self) -> GradientTransformation:
+        return GradientTransformation(self.init, self.update)
+
+    # -- state layout --------------------------------------------------------------------
+    def quantized(self, p: torch.Tensor) -> bool:
+        return self.quant is not None and p.numel() >= self.quant.min_size
+
+    def _init_slot(self, slot: Slot, p: torch.Tensor):
+        value = 0.0 if slot.init is None else self.rule.hparams[slot.init]
+        x = torch.full_like(p, float(value), dtype=_state_dtype(p))
+        if self.quantized(p):
+            qmap = dynamic_map(slot.signed, p.device)
+            return QuantizedSlot(*quantize_blockwise(x.float(), qmap, self.quant.block_size))
+        return x
+
+    def init(self, params):
+        _, flat, spec = tree_lib.flatten_with_paths(params)
+        values = {}
+        if self.rule.counted:
+            device = flat[0].device if flat else torch.device("cpu")
+            values["count"] = torch.zeros((), dtype=torch.int32, device=device)
+        for slot in self.rule.slots:
+            leaves = [self._init_slot(slot, p) for p in flat]
+            values[slot.name] = tree_lib.unflatten(spec, leaves)
+        return self.rule.state_class(**values)
+
+    def _read_slot(self, slot: Slot, leaf, p_like: torch.Tensor) -> torch.Tensor:
+        if isinstance(leaf, QuantizedSlot):
+            qmap = dynamic_map(slot.signed, leaf.codes.device)
+            return dequantize_blockwise(leaf.codes, leaf.absmax, qmap, self.quant.block_size)
+        return leaf
+
+    def _write_slot(self, slot: Slot, old_leaf, new: torch.Tensor, mask):
+        if not isinstance(old_leaf, QuantizedSlot):
+            return new.to(old_leaf.dtype)
+        qmap = dynamic_map(slot.signed, new.device)
+        codes, absmax = quantize_blockwise(new.float(), qmap, self.quant.block_size)
+        if mask is not None:
+            # A block whose gradients are all zero keeps its bytes.
+            codes, absmax = _keep_skipped_blocks(old_leaf, codes, absmax, mask, self.quant)
+        return QuantizedSlot(codes, absmax)
+
+    # -- update --------------------------------------------------------------------------
+    def update(self, updates, state, params=None, *, zero_mask=None, **extra):
+        del extra
+        rule = self.rule
+        spec = optree.tree_structure(updates, none_is_leaf=True, namespace="ftopt")
+        paths = [tree_lib.path_str(p) for p in optree.tree_paths(
+            updates, none_is_leaf=True, namespace="ftopt")]
+        u_flat = spec.flatten_up_to(updates)
+        p_flat = self._flatten_params(spec, params, paths)
+        slots_flat = {
+            s.name: tree_lib.flatten_like(spec, getattr(state, s.name), f"state {s.name}", paths)
+            for s in rule.slots
+        }
+        mask_flat = (
+            tree_lib.flatten_like(spec, zero_mask, "zero_mask", paths)
+            if zero_mask is not None else [None] * len(u_flat)
+        )
+        active = self._active_leaves(u_flat, p_flat, slots_flat, paths, params)
+        count, new_count, t = self._advance_count(state)
+        new_u = list(u_flat)
+        new_slots = {name: list(leaves) for name, leaves in slots_flat.items()}
+        if active:
+            self._run(active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u, new_slots)
+        values = {name: tree_lib.unflatten(spec, leaves) for name, leaves in new_slots.items()}
+        if rule.counted:
+            values["count"] = new_count
+        return tree_lib.unflatten(spec, new_u), rule.state_class(**values)
+
+    def _flatten_params(self, spec, params, paths):
+        if params is None:
+            if self.rule.uses_params:
+                raise ValueError(f"{self.rule.name} needs params: call update(updates, "
+                                 "state, params)")
+            return [None] * spec.num_leaves
+        return tree_lib.flatten_like(spec, params, "params", paths)
+
+    def _active_leaves(self, u_flat, p_flat, slots_flat, paths, params) -> list[int]:
+        leaf_mask = self._leaf_mask(params, len(u_flat), paths)
+        active = []
+        for i, u in enumerate(u_flat):
+            if u is None:
+                continue
+            _check_leaf(paths[i], u, p_flat[i], {n: v[i] for n, v in slots_flat.items()})
+            if leaf_mask is None or leaf_mask[i]:
+                active.append(i)
+        return active
+
+    def _leaf_mask(self, params, n: int, paths) -> list[bool] | None:
+        mask = self.rule.leaf_mask
+        if mask is None:
+            return None
+        if callable(mask):
+            if params is None:
+                raise ValueError(f"{self.rule.name}: a callable mask needs params")
+            mask = mask(params)
+        spec = optree.tree_structure(
+            optree.tree_map(lambda _: 0, params, none_is_leaf=True, namespace="ftopt")
+            if params is not None else [0] * n, none_is_leaf=True, namespace="ftopt")
+        flat = tree_lib.flatten_like(spec, mask, "mask", paths)
+        return [bool(m) for m in flat]
+
+    def _advance_count(self, state):
+        if not self.rule.counted:
+            return None, None, None
+        count = state.count
+        if not isinstance(count, torch.Tensor) or count.ndim != 0 or count.is_floating_point():
+            raise ValueError(f"{self.rule.name}: state.count must be a 0-d integer tensor")
+        new_count = count + 1
+        known = host_count(count)
+        if known is None and count.device.type == "cpu" and not eager.functorch_active():
+            known = int(count)
+        if known is None:
+            return count, new_count, new_count
+        remember_count(new_count, known + 1)
+        return known, new_count, known + 1
+
+    def _run(self, active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u, new_slots):
+        rule = self.rule
+        us = [u_flat[i] for i in active]
+        ps = [p_flat[i] for i in active] if rule.uses_params else []
+        mode = eager.choose_mode(us + ps)
+        env = {"u": eager.elem([u.to(_compute_dtype(u)) for u in us], mode)}
+        if rule.uses_params:
+            env["p"] = eager.elem([p.to(_compute_dtype(p)) for p in ps], mode)
+        old = {}
+        for slot in rule.slots:
+            old[slot.name] = [
+                self._read_slot(slot, slots_flat[slot.name][i], u_flat[i]) for i in active
+            ]
+            env[slot.name] = eager.elem(old[slot.name], mode)
+        for k, v in step_scalars(rule, count, t).items():
+            env[k] = eager.scalar(v, mode)
+        u_out, slots_out = rule.body(eager.EagerOps(mode), _Env(env))
+        u_items = _as_elem_items(u_out, us)
+        masks = [mask_flat[i] for i in active]
+        for j, i in enumerate(active):
+            m = masks[j]
+            u_new = u_items[j]
+            if m is not None:
+                u_new = torch.where(m, torch.full((), -0.0, dtype=u_new.dtype), u_new)
+            new_u[i] = u_new
+        for slot in rule.slots:
+            items = _as_elem_items(slots_out[slot.name], us)
+            for j, i in enumerate(active):
+                new = items[j]
+                if masks[j] is not None:
+                    new = torch.where(masks[j], old[slot.name][j], new)
+                new_slots[slot.name][i] = self._write_slot(
+                    slot, slots_flat[slot.name][i], new, masks[j])
+
+
+def _as_elem_items(value, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The per-leaf tensors of a body result, broadcast to each leaf's shape."""
+    if not isinstance(value, eager.Vec):
+        value = eager.Vec("scalar", [value], "loop")
+    items = value.items * len(like) if value.kind == "scalar" else value.items
+    out = []
+    for x, ref in zip(items, like):
+        if not isinstance(x, torch.Tensor) or x.shape != ref.shape:
+            x = torch.as_tensor(x, dtype=_compute_dtype(ref), device=ref.device)
+            x = x.expand(ref.shape).clone()
+        out.append(x)
+    return out
+
+
+def _keep_skipped_blocks(old: QuantizedSlot, codes, absmax, mask, quant: QuantConfig):
+    n = mask.numel()
+    nblocks = absmax.numel()
+    pad = nblocks * quant.block_size - n
+    flat_mask = mask.reshape(-1)
+    if pad:
+        flat_mask = torch.cat([flat_mask, flat_mask.new_ones(pad)])
+    block_skipped = flat_mask.view(nblocks, quant.block_size).all(dim=1)
+    absmax = torch.where(block_skipped, old.absmax, absmax)
+    elem_skipped = block_skipped.repeat_interleave(quant.block_size)[:n].view(codes.shape)
+    codes = torch.where(elem_skipped, old.codes, codes)
+    return codes, absmax
+
+
+def _check_leaf(path: str, u, p, slots: dict) -> None:
+    if not isinstance(u, torch.Tensor):
+        raise TypeError(f"update at {path}: expected a tensor or None, got {type(u).__name__}")
+    if not u.is_floating_point():
+        raise TypeError(f"update at {path}: expected a floating-point tensor, got {u.dtype}")
+    if p is not None:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params at {path}: expected a tensor, got {type(p).__name__}")
+        if not p.is_floating_point():
+            raise TypeError(f"params at {path}: expected a floating-point tensor, got {p.dtype}")
+        if p.shape != u.shape:
+            raise ValueError(f"params at {path}: shape {tuple(p.shape)} does not match the "
+                             f"update's shape {tuple(u.shape)}")
+    for name, s in slots.items():
+        shape = s.codes.shape if isinstance(s, QuantizedSlot) else getattr(s, "shape", None)
+        if shape != u.shape:
+            raise ValueError(f"state {name} at {path}: shape {shape} does not match the "
+                             f"update's shape {tuple(u.shape)}")
+
+
+def rule_transform(rule: Rule) -> GradientTransformation:
+    """The ``GradientTransformation`` of ``rule`` with 32-bit state."""
+    return RuleTransform(rule).as_transform()

@@ -1,0 +1,220 @@
+"""Adaptive scaling: ``scale_by_adam``, ``scale_by_ademamix``, ``scale_by_rms``,
+``scale_by_rss``."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ftopt.base import GradientTransformation, register_state
+from ftopt.rules import Rule, Slot, rule_transform
+from ftopt.schedules import ScalarOrSchedule
+
+
+@register_state
+class ScaleByAdamState(NamedTuple):
+    """Adam's step count and first and second moments."""
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+@register_state
+class ScaleByAdemamixState(NamedTuple):
+    """AdEMAMix's step count, fast and slow EMAs and second moment."""
+
+    count: torch.Tensor
+    m1: Any
+    m2: Any
+    nu: Any
+
+
+@register_state
+class ScaleByRmsState(NamedTuple):
+    """The running mean of squared updates."""
+
+    nu: Any
+
+
+@register_state
+class ScaleByRssState(NamedTuple):
+    """The running sum of squared updates."""
+
+    sum_of_squares: Any
+
+
+def _adam_scalars(nesterov: bool):
+    def scalars(t, h):
+        b1, b2 = h["b1"], h["b2"]
+        s = {"one_minus_b1": 1 - b1, "one_minus_b2": 1 - b2,
+             "bc1": 1 - b1**t, "bc2": 1 - b2**t}
+        if nesterov:
+            s["bc1_next"] = 1 - b1 ** (t + 1)
+        return s
+
+    return scalars
+
+
+def scale_by_adam(
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-8,
+    eps_root: float | torch.Tensor = 0.0,
+    *,
+    nesterov: bool = False,
+) -> GradientTransformation:
+    """Adam's preconditioning.
+
+    mu ← b1·mu + (1−b1)·u; nu ← b2·nu + (1−b2)·u²;
+    u ← m̂/(√(v̂+eps_root)+eps) with m̂ = mu/(1−b1ᵗ), v̂ = nu/(1−b2ᵗ). With ``nesterov``,
+    m̂ = b1·mu/(1−b1ᵗ⁺¹) + (1−b1)·u/(1−b1ᵗ) (as optax).
+
+    Args:
+        b1: decay of the first moment (default: 0.9).
+        b2: decay of the second moment (default: 0.999).
+        eps: added to the denominator outside the square root (default: 1e-8).
+        eps_root: added inside the square root (default: 0.0).
+        nesterov: Nesterov momentum (default: False).
+    """
+
+    def body(o, x):
+        mu = x.b1 * x.mu + x.one_minus_b1 * x.u
+        nu = x.b2 * x.nu + x.one_minus_b2 * (x.u * x.u)
+        if nesterov:
+            mu_hat = x.b1 * mu / x.bc1_next + x.one_minus_b1 * x.u / x.bc1
+        else:
+            mu_hat = mu / x.bc1
+        nu_hat = nu / x.bc2
+        return mu_hat / (o.sqrt(nu_hat + x.eps_root) + x.eps), {"mu": mu, "nu": nu}
+
+    rule = Rule(
+        "scale_by_adam",
+        body,
+        state_class=ScaleByAdamState,
+        slots=(Slot("mu", signed=True), Slot("nu", signed=False)),
+        hparams={"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root},
+        scalars=_adam_scalars(nesterov),
+        counted=True,
+    )
+    return rule_transform(rule)
+
+
+def _ademamix_body(o, x):
+    m1 = x.b1 * x.m1 + x.one_minus_b1 * x.u
+    m2 = x.b3 * x.m2 + x.one_minus_b3 * x.u
+    nu = x.b2 * x.nu + x.one_minus_b2 * (x.u * x.u)
+    numerator = m1 / x.bc1 + x.alpha * m2
+    update = numerator / (o.sqrt(nu / x.bc2 + x.eps_root) + x.eps)
+    return update, {"m1": m1, "m2": m2, "nu": nu}
+
+
+def _ademamix_scalars(t, h):
+    b1, b2, b3 = h["b1"], h["b2"], h["b3"]
+    return {"one_minus_b1": 1 - b1, "one_minus_b2": 1 - b2, "one_minus_b3": 1 - b3,
+            "bc1": 1 - b1**t, "bc2": 1 - b2**t}
+
+
+def scale_by_ademamix(
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    b3: ScalarOrSchedule = 0.9999,
+    alpha: ScalarOrSchedule = 5.0,
+    eps: float | torch.Tensor = 1e-8,
+    eps_root: float | torch.Tensor = 0.0,
+) -> GradientTransformation:
+    """AdEMAMix's preconditioning (a fast and a slow EMA of the updates).
+
+    m1 ← b1·m1 + (1−b1)·u; m2 ← b3·m2 + (1−b3)·u; nu ← b2·nu + (1−b2)·u²;
+    u ← (m1/(1−b1ᵗ) + α·m2)/(√(nu/(1−b2ᵗ)+eps_root)+eps); m2 is not bias-corrected.
+
+    Args:
+        b1, b2: decays of the fast EMA and of the second moment.
+        b3: decay of the slow EMA; a schedule of the step t (1 on the first step), e.g.
+            :func:`ftopt.schedules.ademamix_b3_warmup` (default: 0.9999).
+        alpha: weight of the slow EMA; a float or a schedule of t, e.g.
+            :func:`ftopt.schedules.ademamix_alpha_warmup` (default: 5.0).
+        eps, eps_root: as in :func:`scale_by_adam`.
+    """
+    rule = Rule(
+        "scale_by_ademamix",
+        _ademamix_body,
+        state_class=ScaleByAdemamixState,
+        slots=(Slot("m1"), Slot("m2"), Slot("nu", signed=False)),
+        hparams={"b1": b1, "b2": b2, "b3": b3, "alpha": alpha, "eps": eps,
+                 "eps_root": eps_root},
+        scalars=_ademamix_scalars,
+        counted=True,
+        schedule_at_t=True,
+    )
+    return rule_transform(rule)
+
+
+def scale_by_rms(
+    decay: float | torch.Tensor = 0.9,
+    eps: float | torch.Tensor = 1e-8,
+    initial_scale: float = 0.0,
+    *,
+    eps_in_sqrt: bool = True,
+) -> GradientTransformation:
+    """Scales by the root mean square of past updates (RMSprop).
+
+    nu ← decay·nu + (1−decay)·u²; u ← u/√(nu+eps), or u/(√nu+eps) with
+    ``eps_in_sqrt=False`` (torch.optim.RMSprop and bitsandbytes).
+
+    Args:
+        decay: decay of the running mean (default: 0.9).
+        eps: stabiliser (default: 1e-8).
+        initial_scale: initial value of nu (default: 0.0).
+        eps_in_sqrt: where eps goes (default: True).
+    """
+
+    def body(o, x):
+        nu = x.decay * x.nu + x.one_minus_decay * (x.u * x.u)
+        if eps_in_sqrt:
+            return x.u / o.sqrt(nu + x.eps), {"nu": nu}
+        return x.u / (o.sqrt(nu) + x.eps), {"nu": nu}
+
+    rule = Rule(
+        "scale_by_rms",
+        body,
+        state_class=ScaleByRmsState,
+        slots=(Slot("nu", signed=False, init="initial_scale"),),
+        hparams={"decay": decay, "eps": eps, "initial_scale": float(initial_scale)},
+        scalars=lambda t, h: {"one_minus_decay": 1 - h["decay"]},
+    )
+    return rule_transform(rule)
+
+
+def scale_by_rss(
+    initial_accumulator_value: float = 0.1,
+    eps: float | torch.Tensor = 1e-7,
+    *,
+    eps_in_sqrt: bool = True,
+) -> GradientTransformation:
+    """Scales by the root of the sum of squared updates (Adagrad).
+
+    s ← s + u²; u ← u/√(s+eps) where s > 0 (else 0), or u/(√s+eps) with
+    ``eps_in_sqrt=False`` (torch.optim.Adagrad and bitsandbytes).
+
+    Args:
+        initial_accumulator_value: initial value of s (default: 0.1).
+        eps: stabiliser (default: 1e-7).
+        eps_in_sqrt: where eps goes (default: True).
+    """
+
+    def body(o, x):
+        s = x.sum_of_squares + x.u * x.u
+        if eps_in_sqrt:
+            return o.where(s > 0.0, x.u / o.sqrt(s + x.eps), 0.0), {"sum_of_squares": s}
+        return x.u / (o.sqrt(s) + x.eps), {"sum_of_squares": s}
+
+    rule = Rule(
+        "scale_by_rss",
+        body,
+        state_class=ScaleByRssState,
+        slots=(Slot("sum_of_squares", signed=False, init="initial_accumulator_value"),),
+        hparams={"initial_accumulator_value": float(initial_accumulator_value), "eps": eps},
+    )
+    return rule_transform(rule)

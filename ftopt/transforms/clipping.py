@@ -1,0 +1,74 @@
+"""Norm-based transforms: ``clip_by_global_norm``, ``clip_by_param_norm_ratio``,
+``scale_by_trust_ratio``.
+
+Their bodies read norms through ``o.leaf_norm`` / ``o.global_norm``: the eager backend
+computes them with torch, the fused backend in a reduction pass before the main kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ftopt.base import GradientTransformation
+from ftopt.rules import Rule, rule_transform
+
+
+def _global_clip_body(o, x):
+    norm = o.global_norm(x.u)
+    return o.where(norm < x.max_norm, x.u, x.u * (x.max_norm / norm)), {}
+
+
+def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformation:
+    """Clips the whole tree to a global norm: u ← u·min(1, max_norm/‖u‖).
+
+    ‖u‖ is over all leaves of the tree (as optax).
+    """
+    return rule_transform(
+        Rule("clip_by_global_norm", _global_clip_body, hparams={"max_norm": max_norm})
+    )
+
+
+def _param_ratio_body(o, x):
+    limit = x.max_ratio * o.leaf_norm(x.p)
+    norm = o.leaf_norm(x.u)
+    factor = o.where(norm > limit, limit / norm, 1.0)
+    return x.u * factor, {}
+
+
+def clip_by_param_norm_ratio(max_ratio: float | torch.Tensor) -> GradientTransformation:
+    """Per leaf: if ‖u‖ > max_ratio·‖p‖ then u ← u·max_ratio·‖p‖/‖u‖.
+
+    The update-norm clipping of bitsandbytes' LAMB and LARS (``max_unorm``).
+    """
+    return rule_transform(
+        Rule("clip_by_param_norm_ratio", _param_ratio_body, hparams={"max_ratio": max_ratio},
+             uses_params=True)
+    )
+
+
+def _trust_body(o, x):
+    param_norm = o.maximum(o.leaf_norm(x.p), x.min_norm)
+    update_norm = o.maximum(o.leaf_norm(x.u), x.min_norm)
+    ratio = x.trust_coefficient * param_norm / (update_norm + x.eps)
+    zero = (param_norm == 0.0) | (update_norm == 0.0)
+    return x.u * o.where(zero, 1.0, ratio), {}
+
+
+def scale_by_trust_ratio(
+    min_norm: float | torch.Tensor = 0.0,
+    trust_coefficient: float | torch.Tensor = 1.0,
+    eps: float | torch.Tensor = 0.0,
+) -> GradientTransformation:
+    """Per leaf, as optax: u ← u·c·‖p‖/(‖u‖+eps), ratio 1 where ‖p‖ = 0 or ‖u‖ = 0.
+
+    Norms are floored at ``min_norm``.
+    """
+    return rule_transform(
+        Rule(
+            "scale_by_trust_ratio",
+            _trust_body,
+            hparams={"min_norm": min_norm, "trust_coefficient": trust_coefficient,
+                     "eps": eps},
+            uses_params=True,
+        )
+    )

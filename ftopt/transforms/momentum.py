@@ -1,0 +1,39 @@
+"""Momentum: ``trace``."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ftopt.base import GradientTransformation, register_state
+from ftopt.rules import Rule, Slot, rule_transform
+
+
+@register_state
+class TraceState(NamedTuple):
+    """The momentum buffer."""
+
+    trace: Any
+
+
+def trace(decay: float | torch.Tensor, nesterov: bool = False) -> GradientTransformation:
+    """Momentum: tr ← u + decay·tr; u ← tr (u ← u + decay·tr with nesterov).
+
+    Args:
+        decay: the momentum coefficient.
+        nesterov: use Nesterov momentum (default: False).
+    """
+    def body(o, x):
+        tr = x.u + x.decay * x.trace
+        out = x.u + x.decay * tr if nesterov else tr
+        return out, {"trace": tr}
+
+    rule = Rule(
+        "trace",
+        body,
+        state_class=TraceState,
+        slots=(Slot("trace"),),
+        hparams={"decay": decay},
+    )
+    return rule_transform(rule)

@@ -1,0 +1,81 @@
+"""Scaling transforms: ``scale``, ``scale_by_learning_rate``, ``add_decayed_weights``."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ftopt.base import EmptyState, GradientTransformation, register_state
+from ftopt.rules import Rule, rule_transform
+from ftopt.schedules import ScalarOrSchedule
+
+
+@register_state
+class ScaleByScheduleState(NamedTuple):
+    """The step count of a scheduled learning rate."""
+
+    count: torch.Tensor
+
+
+def _scale_body(o, x):
+    return x.u * x.step_size, {}
+
+
+def scale(step_size: float | torch.Tensor) -> GradientTransformation:
+    """Scales updates: u ← step_size·u.
+
+    Args:
+        step_size: a float or 0-d tensor.
+    """
+    return rule_transform(Rule("scale", _scale_body, hparams={"step_size": step_size}))
+
+
+def scale_by_learning_rate(
+    learning_rate: ScalarOrSchedule, *, flip_sign: bool = True
+) -> GradientTransformation:
+    """Scales updates by the learning rate: u ← −lr·u (u ← lr·u with ``flip_sign=False``).
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule called with the step count
+            (0 on the first step, as in optax).
+        flip_sign: negate the update, so that ``apply_updates`` descends (default: True).
+    """
+    sign = -1.0 if flip_sign else 1.0
+    scheduled = callable(learning_rate)
+    rule = Rule(
+        "scale_by_learning_rate",
+        _scale_body,
+        state_class=ScaleByScheduleState if scheduled else EmptyState,
+        hparams={"learning_rate": learning_rate},
+        scalars=lambda t, h: {"step_size": sign * h["learning_rate"]},
+        counted=scheduled,
+    )
+    return rule_transform(rule)
+
+
+def _decay_body(o, x):
+    return x.u + x.weight_decay * x.p, {}
+
+
+def add_decayed_weights(
+    weight_decay: float | torch.Tensor = 0.0, mask: Any = None
+) -> GradientTransformation:
+    """Adds decayed weights: u ← u + wd·p.
+
+    Args:
+        weight_decay: a float or 0-d tensor (default: 0.0).
+        mask: a pytree of bools like the params (or a function of the params returning
+            one); leaves marked False are passed through unchanged (default: all leaves).
+    """
+    rule = Rule(
+        "add_decayed_weights",
+        _decay_body,
+        hparams={"weight_decay": weight_decay},
+        uses_params=True,
+        leaf_mask=mask,
+    )
+    return rule_transform(rule)
+
+
+weight_decay = add_decayed_weights

@@ -1,0 +1,45 @@
+"""Sign-based transforms: ``scale_by_lion``."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ftopt.base import GradientTransformation, register_state
+from ftopt.rules import Rule, Slot, rule_transform
+
+
+@register_state
+class ScaleByLionState(NamedTuple):
+    """Lion's step count and momentum."""
+
+    count: torch.Tensor
+    mu: Any
+
+
+def _lion_body(o, x):
+    direction = o.sign(x.b1 * x.mu + x.one_minus_b1 * x.u)
+    mu = x.b2 * x.mu + x.one_minus_b2 * x.u
+    return direction, {"mu": mu}
+
+
+def scale_by_lion(
+    b1: float | torch.Tensor = 0.9, b2: float | torch.Tensor = 0.99
+) -> GradientTransformation:
+    """Lion: u ← sign(b1·mu + (1−b1)·u) (sign(0) = 0); mu ← b2·mu + (1−b2)·u.
+
+    Args:
+        b1: interpolation of the update direction (default: 0.9).
+        b2: decay of the momentum (default: 0.99).
+    """
+    rule = Rule(
+        "scale_by_lion",
+        _lion_body,
+        state_class=ScaleByLionState,
+        slots=(Slot("mu"),),
+        hparams={"b1": b1, "b2": b2},
+        scalars=lambda t, h: {"one_minus_b1": 1 - h["b1"], "one_minus_b2": 1 - h["b2"]},
+        counted=True,
+    )
+    return rule_transform(rule)

@@ -1,0 +1,107 @@
+"""Pytree helpers over optree, with errors that name the offending leaf by its path.
+
+ftopt trees follow optree with ``none_is_leaf=False``: ``None`` is an empty subtree. A
+gradient tree may hold ``None`` where the params hold a tensor ("no gradient"); helpers
+here flatten such trees against the params' structure so that the ``None`` shows up as a
+leaf position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+PyTree = Any
+
+__all__ = [
+    "PyTree",
+    "leaves",
+    "map",
+    "map_with_path",
+    "structure",
+    "flatten_with_paths",
+    "flatten_like",
+    "unflatten",
+    "path_str",
+    "zeros_like",
+]
+
+
+def structure(tree: PyTree) -> optree.PyTreeSpec:
+    """The optree structure of ``tree`` (``None`` is an empty subtree)."""
+    return optree.tree_structure(tree, none_is_leaf=False, namespace="ftopt")
+
+
+def leaves(tree: PyTree) -> list:
+    """The leaves of ``tree`` in optree order."""
+    return optree.tree_leaves(tree, none_is_leaf=False, namespace="ftopt")
+
+
+def map(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:  # noqa: A001
+    """``optree.tree_map`` with ftopt's conventions."""
+    return optree.tree_map(fn, tree, *rest, none_is_leaf=False, namespace="ftopt")
+
+
+def map_with_path(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
+    """Like :func:`map`, ``fn`` also receives the leaf's path string first."""
+    return optree.tree_map_with_path(
+        lambda path, *xs: fn(path_str(path), *xs), tree, *rest, none_is_leaf=False,
+        namespace="ftopt",
+    )
+
+
+def path_str(path: Sequence) -> str:
+    """``('layer', 0, 'weight')`` -> ``"['layer'][0]['weight']"`` (``<root>`` if empty)."""
+    if not path:
+        return "<root>"
+    return "".join(f"[{k!r}]" for k in path)
+
+
+def flatten_with_paths(tree: PyTree) -> tuple[list[str], list, optree.PyTreeSpec]:
+    """Paths, leaves and structure of ``tree``."""
+    paths, flat, spec = optree.tree_flatten_with_path(
+        tree, none_is_leaf=False, namespace="ftopt"
+    )
+    return [path_str(p) for p in paths], flat, spec
+
+
+def flatten_like(spec: optree.PyTreeSpec, tree: PyTree, what: str, paths: Sequence[str]) -> list:
+    """Flatten ``tree`` up to the leaves of ``spec``; a subtree may stand for a leaf.
+
+    Used for gradient trees (a ``None`` stands where the params hold a tensor) and for
+    state slots (an 8-bit slot holds a ``(codes, absmax)`` pair where the params hold a
+    tensor). Raises ``ValueError`` naming the first path where the trees differ.
+    """
+    try:
+        return spec.flatten_up_to(tree)
+    except (ValueError, TypeError) as err:
+        raise ValueError(
+            f"{what} does not match the params tree: {_first_difference(spec, tree, paths)} "
+            f"({err})"
+        ) from None
+
+
+def _first_difference(spec: optree.PyTreeSpec, tree: PyTree, paths: Sequence[str]) -> str:
+    other_paths, _, _ = flatten_with_paths(tree)
+    present = set(other_paths)
+    missing = [p for p in paths if p not in present]
+    extra = [p for p in other_paths if not any(p.startswith(q) for q in paths)]
+    if extra:
+        return f"unexpected leaf at {extra[0]}"
+    if missing and len(other_paths) >= len(paths):
+        return f"expected a leaf at {missing[0]}"
+    return f"expected structure {spec}"
+
+
+
+def unflatten(spec: optree.PyTreeSpec, flat: Sequence) -> PyTree:
+    """Inverse of flattening against ``spec`` (entries may be subtrees or ``None``)."""
+    return optree.tree_unflatten(spec, list(flat))
+
+
+def zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
+    """A tree of zero tensors shaped like ``tree``."""
+    return map(lambda x: torch.zeros_like(x, dtype=dtype), tree)

@@ -1,0 +1,88 @@
+"""``apply_updates`` and ``step``: the entry points that change params."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ftopt import tree as tree_lib
+from ftopt.base import GradientTransformation
+
+__all__ = ["apply_updates", "step"]
+
+_BACKENDS = ("auto", "fused", "eager")
+
+
+def _apply_leaf(path: str, p, u):
+    if u is None:
+        return p
+    if not isinstance(u, torch.Tensor) or not isinstance(p, torch.Tensor):
+        raise TypeError(f"apply_updates at {path}: expected tensors, got "
+                        f"{type(p).__name__} and {type(u).__name__}")
+    if u.shape != p.shape:
+        raise ValueError(f"apply_updates at {path}: update shape {tuple(u.shape)} does not "
+                         f"match param shape {tuple(p.shape)}")
+    compute = torch.promote_types(torch.promote_types(p.dtype, u.dtype), torch.float32)
+    return (p.to(compute) + u.to(compute)).to(p.dtype)
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+    """p ← p + u for every leaf, in fp32 (or wider), rounded once to the param's dtype.
+
+    A ``None`` update leaves its param unchanged. Pure: returns new tensors.
+    """
+    paths, flat_p, spec = tree_lib.flatten_with_paths(params)
+    flat_u = tree_lib.flatten_like(spec, updates, "updates", paths)
+    return tree_lib.unflatten(spec, [_apply_leaf(*a) for a in zip(paths, flat_p, flat_u)])
+
+
+def step(
+    tx: GradientTransformation,
+    params: Any,
+    grads: Any,
+    state: Any,
+    *,
+    donate: bool = False,
+    backend: str = "auto",
+) -> tuple[Any, Any]:
+    """One optimizer step: ``update`` then ``apply_updates``, fused where it can be.
+
+    Args:
+        tx: the transform.
+        params, grads, state: pytrees (grads may hold ``None`` for "no gradient").
+        donate: the caller gives up ``params`` and ``state``: they are updated in place
+            and the same tensor objects are returned. With ``donate=False`` nothing passed
+            in is modified.
+        backend: ``"auto"`` (fused Triton kernels where :func:`ftopt.explain` says so,
+            eager otherwise), ``"fused"`` (raise if the step cannot fuse) or ``"eager"``.
+
+    Returns:
+        ``(new_params, new_state)``.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend != "eager":
+        from ftopt.lowering.plan import fused_step_or_reason
+
+        result, reason = fused_step_or_reason(tx, params, grads, state, donate, backend)
+        if result is not None:
+            return result
+        if backend == "fused":
+            raise RuntimeError(f"step(backend='fused') cannot fuse: {reason}")
+    updates, new_state = tx.update(grads, state, params)
+    new_params = apply_updates(params, updates)
+    if donate:
+        return _write_back(params, new_params), _write_back(state, new_state)
+    return new_params, new_state
+
+
+def _write_back(old: Any, new: Any) -> Any:
+    """Copy ``new`` into the donated tensors of ``old`` and return ``old``'s objects."""
+    old_flat, old_spec = tree_lib.leaves(old), tree_lib.structure(old)
+    new_flat = old_spec.flatten_up_to(new)
+    with torch.no_grad():
+        for o, n in zip(old_flat, new_flat):
+            if isinstance(o, torch.Tensor) and o is not n:
+                o.copy_(n)
+    return old
