@@ -1,7 +1,232 @@
-"""Planner: decides, per step, whether a chain runs fused and why not."""
+"""The planner: a chain becomes fused groups, or runs eagerly with a stated reason.
+
+``plan_chain`` walks the transform objects once (cached per transform) and finds the
+rule of every stage and where its state lives. ``fused_step_or_reason`` checks the
+per-call conditions (device, dtypes, autograd, ``torch.func``) and runs the kernels.
+"""
 
 from __future__ import annotations
 
+import os
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
-def fused_step_or_reason(tx, params, grads, state, donate, backend):
-    return None, "the fused backend is not available"
+import torch
+
+from ftopt import eager
+from ftopt import tree as tree_lib
+from ftopt._counts import host_count, remember_count
+from ftopt.combine import Chain, SkipZeros, owner
+from ftopt.rules import QuantizedSlot, RuleTransform, _check_leaf, step_scalars
+
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+
+
+@dataclass
+class ChainPlan:
+    """The fusible structure of a transform, or why it has none."""
+
+    stages: list[RuleTransform] = field(default_factory=list)
+    state_paths: list[tuple] = field(default_factory=list)
+    skips: list[bool] = field(default_factory=list)
+    reason: str | None = None
+    _traced: object = None
+
+    @property
+    def traced(self):
+        if self._traced is None:
+            from ftopt.lowering.codegen import trace_chain
+
+            self._traced = trace_chain(self.stages, self.skips)
+        return self._traced
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def plan_chain(tx) -> ChainPlan:
+    obj = owner(tx)
+    if obj is None:
+        return ChainPlan(reason=f"{_describe(tx)} is not an ftopt transform")
+    plan = _PLANS.get(obj)
+    if plan is None:
+        plan = ChainPlan()
+        plan.reason = _walk(tx, (), False, True, plan)
+        _PLANS[obj] = plan
+    return plan
+
+
+def _describe(tx) -> str:
+    fn = getattr(tx.update, "__qualname__", None) or repr(tx.update)
+    return f"transform {fn!r}"
+
+
+def _walk(tx, path: tuple, skip: bool, at_input: bool, plan: ChainPlan) -> str | None:
+    obj = owner(tx)
+    if isinstance(obj, RuleTransform):
+        if obj.quant is not None:
+            return f"{obj.rule.name} keeps 8-bit states (the fused 8-bit path is not built yet)"
+        plan.stages.append(obj)
+        plan.state_paths.append(path)
+        plan.skips.append(skip)
+        return None
+    if isinstance(obj, SkipZeros):
+        return None
+    if isinstance(obj, Chain):
+        if obj.skip_zeros and not skip and not (at_input and not plan.stages):
+            return "skip_zeros in a nested chain that does not receive the raw gradient"
+        inner_skip = skip or obj.skip_zeros
+        for i, child in enumerate(obj.transforms):
+            key = obj.names[i] if obj.names is not None else i
+            reason = _walk(child, (*path, key), inner_skip, at_input and i == 0, plan)
+            if reason:
+                return reason
+        return None
+    name = type(obj).__name__ if obj is not None else _describe(tx)
+    return f"{name} has no elementwise rule"
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def call_reason(plan: ChainPlan, p_flat, g_flat, active, backend: str) -> str | None:
+    """Why this call cannot fuse (``None`` if it can)."""
+    if plan.reason:
+        return plan.reason
+    if not triton_available():
+        return "Triton is not installed"
+    if eager.functorch_active():
+        return "a torch.func transform (grad, vmap, ...) is active"
+    tensors = [p_flat[i] for i in active]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "a param requires grad and grad mode is on (differentiable step)"
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        return f"params on several devices {sorted(map(str, devices))}"
+    for device in devices:
+        if device.type == "cpu" and not (backend == "fused" and _interpreting()):
+            return "tensors are on the CPU (set TRITON_INTERPRET=1 and backend='fused' to " \
+                   "run the kernels in the Triton interpreter)"
+        if device.type not in ("cpu", "cuda", "xpu"):
+            return f"Triton does not target device {device.type!r}"
+    for i in active:
+        for name, t in (("param", p_flat[i]), ("grad", g_flat[i])):
+            if t.dtype not in FUSED_DTYPES:
+                return f"{name} dtype {t.dtype} is not fp32/fp16/bf16"
+            if not t.is_contiguous():
+                return f"a {name} is not contiguous"
+    return None
+
+
+def _get(state, path: tuple):
+    for key in path:
+        state = state[key]
+    return state
+
+
+def _replace(state, path: tuple, value):
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(state, OrderedDict):
+        new = OrderedDict(state)
+        new[key] = _replace(state[key], rest, value)
+        return new
+    items = list(state)
+    items[key] = _replace(state[key], rest, value)
+    return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)
+
+
+def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
+    """Run the step fused and return ``(result, None)``, or ``(None, reason)``."""
+    plan = plan_chain(tx)
+    if plan.reason:
+        return None, plan.reason
+    paths, p_flat, spec = tree_lib.flatten_with_paths(params)
+    g_flat = tree_lib.flatten_like(spec, grads, "grads", paths)
+    stage_states = [_get_checked(state, path, stage) for path, stage in
+                    zip(plan.state_paths, plan.stages)]
+    slot_flat = [
+        {s.name: tree_lib.flatten_like(spec, getattr(st, s.name), f"state {s.name}", paths)
+         for s in stage.rule.slots}
+        for stage, st in zip(plan.stages, stage_states)
+    ]
+    active = [i for i, g in enumerate(g_flat) if g is not None]
+    for i in active:
+        _check_leaf(paths[i], g_flat[i], p_flat[i],
+                    {k: v[i] for slots in slot_flat for k, v in slots.items()})
+    reason = call_reason(plan, p_flat, g_flat, active, backend)
+    if reason is None:
+        reason = _slot_reason(slot_flat, active)
+    if reason is not None:
+        return None, reason
+    from ftopt.lowering.execute import execute
+
+    result = execute(plan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active, params,
+                     donate)
+    new_params, new_stage_states = result
+    new_state = state
+    for path, st in zip(plan.state_paths, new_stage_states):
+        new_state = _replace(new_state, path, st)
+    return (new_params, new_state), None
+
+
+def _get_checked(state, path, stage):
+    try:
+        st = _get(state, path)
+    except (KeyError, IndexError, TypeError):
+        raise ValueError(f"state does not match the transform: no state at {path} for "
+                         f"{stage.rule.name}") from None
+    if not isinstance(st, stage.rule.state_class):
+        raise ValueError(f"state at {path}: expected {stage.rule.state_class.__name__} for "
+                         f"{stage.rule.name}, got {type(st).__name__}")
+    return st
+
+
+def _slot_reason(slot_flat, active) -> str | None:
+    for slots in slot_flat:
+        for name, leaves in slots.items():
+            for i in active:
+                leaf = leaves[i]
+                if isinstance(leaf, QuantizedSlot):
+                    return "8-bit states run eagerly"
+                if leaf.dtype != torch.float32 or not leaf.is_contiguous():
+                    return f"state {name} is not contiguous fp32"
+    return None
+
+
+def host_step(count: torch.Tensor, tensor_mode: bool):
+    """(count, t) for scalars: host ints when known or cheap to learn, else tensors."""
+    if tensor_mode:
+        return count, count + 1
+    known = host_count(count)
+    if known is None:
+        known = int(count)  # one read; the mirror keeps it from then on
+    return known, known + 1
+
+
+def stage_scalars(stage: RuleTransform, count, t) -> dict:
+    return step_scalars(stage.rule, count, t)
+
+
+def bytes_per_element(plan: ChainPlan, p_dtype: torch.dtype, g_dtype: torch.dtype) -> tuple:
+    """(read, written) bytes per element of the main kernel."""
+    slots = sum(len(s.rule.slots) for s in plan.stages)
+    read = _DTYPE_BYTES[g_dtype] + _DTYPE_BYTES[p_dtype] + 4 * slots
+    written = _DTYPE_BYTES[p_dtype] + 4 * slots
+    return read, written
+
+
+def remember(count_tensor: torch.Tensor, value: int) -> None:
+    remember_count(count_tensor, value)

@@ -1,0 +1,200 @@
+"""Rule graph -> Triton source: one main kernel per chain and dtype group, plus one
+reduction kernel per level of norms.
+
+Every kernel walks a work table: program ``pid`` handles ``BLOCK`` elements of leaf
+``block_leaf[pid]`` starting at ``block_start[pid]``. Tensors are reached through int64
+address tables (one entry per leaf and role), so one launch covers every leaf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+from ftopt.lowering.symbolic import Graph, Reduction, SymOps
+from ftopt.rules import RuleTransform, _Env, step_scalars
+
+_TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16",
+              torch.bfloat16: "tl.bfloat16"}
+
+
+@dataclass
+class TracedChain:
+    """A chain traced into one graph, with the roles (tensors) its kernels touch."""
+
+    graph: Graph
+    stages: list[RuleTransform]
+    skips: list[bool]
+    slot_roles: list[tuple[int, str]]  # (stage, slot name) in table order
+    stores: list[tuple[str, str]] = field(default_factory=list)  # (role, node)
+    levels: int = 0
+
+
+def trace_chain(stages: list[RuleTransform], skips: list[bool]) -> TracedChain:
+    """Runs every stage's body on symbols, feeding each stage's ``u`` to the next.
+
+    ``skips[i]``: stage ``i`` is inside a skip_zeros chain; its outputs and states keep
+    their old values where the raw gradient is zero, as the eager path does.
+    """
+    g = Graph()
+    g.add("tl.load(g_ptr + offs, mask=in_range, other=0.0).to(tl.float32)", (), "elem",
+          name="g")
+    p = g.add("tl.load(p_ptr + offs, mask=in_range, other=0.0).to(tl.float32)", (), "elem",
+              name="p")
+    any_skip = any(skips)
+    zero_node = g.add("g == 0.0", ("g",), "elem", name="zero") if any_skip else None
+    u = g.sym("g")
+    traced = TracedChain(g, stages, list(skips), [])
+    for i, stage in enumerate(stages):
+        rule = stage.rule
+        zero = zero_node if skips[i] else None
+        env = {"u": u, "p": p}
+        for slot in rule.slots:
+            role = f"st{i}_{slot.name}"
+            traced.slot_roles.append((i, slot.name))
+            env[slot.name] = g.add(
+                f"tl.load({role}_in + offs, mask=in_range, other=0.0)", (), "elem",
+                name=f"{role}_old")
+        for key in step_scalars(rule, 0, 1):
+            env[key] = g.scalar(i, key)
+        u_out, new_slots = rule.body(SymOps(g), _Env(env))
+        ops = SymOps(g)
+        if rule.leaf_mask is not None:
+            u_out = ops.where(g.leaf_value(i, "mask") != 0.0, u_out, u)
+        if zero is not None:
+            u_out = ops.where(zero, -0.0, u_out)
+        for slot in rule.slots:
+            new = new_slots[slot.name]
+            if zero is not None:
+                new = ops.where(zero, env[slot.name], new)
+            traced.stores.append((f"st{i}_{slot.name}_out", _as_name(new, g)))
+        u = u_out
+    p_new = p + u
+    traced.stores.append(("p_out", p_new.name))
+    traced.levels = max((r.level for r in g.reductions), default=0)
+    return traced
+
+
+def _as_name(value, g: Graph) -> str:
+    if hasattr(value, "name"):
+        return value.name
+    return g.add(f"tl.full((), {float(value)!r}, tl.float32)", (), "scalar").name
+
+
+def _prelude(roles: list[str], dtypes: dict[str, str]) -> list[str]:
+    lines = [
+        "pid = tl.program_id(0)",
+        "leaf = tl.load(block_leaf_ptr + pid)",
+        "start = tl.load(block_start_ptr + pid)",
+        "n = tl.load(numel_ptr + leaf)",
+        "offs = start + tl.arange(0, BLOCK).to(tl.int64)",
+        "in_range = offs < n",
+    ]
+    for role in roles:
+        var = _pointer_var(role)
+        lines.append(f"{var} = tl.load({role}_addr_ptr + leaf).to("
+                     f"tl.pointer_type({dtypes[role]}))")
+    return lines
+
+
+def _pointer_var(role: str) -> str:
+    return {"g": "g_ptr", "p": "p_ptr"}.get(role, role)
+
+
+def _signature(roles: list[str], extra: list[str]) -> str:
+    args = ["block_leaf_ptr", "block_start_ptr", "numel_ptr"]
+    args += [f"{r}_addr_ptr" for r in roles]
+    args += ["scalars_ptr", "leaf_values_ptr", "reductions_ptr", "global_reductions_ptr"]
+    args += extra
+    args += ["N_LEAF_VALUES: tl.constexpr", "N_REDUCTIONS: tl.constexpr",
+             "BLOCK: tl.constexpr"]
+    return ", ".join(args)
+
+
+def _role_dtypes(traced: TracedChain, p_dtype: torch.dtype, g_dtype: torch.dtype) -> dict:
+    dtypes = {"g": _TL_DTYPES[g_dtype], "p": _TL_DTYPES[p_dtype],
+              "p_out": _TL_DTYPES[p_dtype]}
+    for i, name in traced.slot_roles:
+        dtypes[f"st{i}_{name}_in"] = "tl.float32"
+        dtypes[f"st{i}_{name}_out"] = "tl.float32"
+    return dtypes
+
+
+def input_roles(traced: TracedChain) -> list[str]:
+    return ["g", "p"] + [f"st{i}_{n}_in" for i, n in traced.slot_roles]
+
+
+def output_roles(traced: TracedChain) -> list[str]:
+    return ["p_out"] + [f"st{i}_{n}_out" for i, n in traced.slot_roles]
+
+
+def _body_lines(nodes) -> list[str]:
+    return [f"{node.name} = {node.expr}" for node in nodes]
+
+
+def main_source(traced: TracedChain, p_dtype, g_dtype) -> str:
+    roles = input_roles(traced) + output_roles(traced)
+    dtypes = _role_dtypes(traced, p_dtype, g_dtype)
+    roots = [node for _, node in traced.stores]
+    lines = _prelude(roles, dtypes) + _body_lines(traced.graph.closure(roots))
+    for role, node in traced.stores:
+        value = node
+        if traced.graph.nodes[node].kind != "elem":  # broadcast a per-leaf or global value
+            value = f"tl.full([BLOCK], 0.0, tl.float32) + {node}"
+        lines.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]}), "
+                     "mask=in_range)")
+    return _kernel("ftopt_main", _signature(roles, []), lines)
+
+
+def reduction_source(traced: TracedChain, level: int, p_dtype, g_dtype) -> str:
+    reductions = level_reductions(traced, level)
+    roles = input_roles(traced)
+    dtypes = _role_dtypes(traced, p_dtype, g_dtype)
+    lines = _prelude(roles, dtypes)
+    lines += _body_lines(traced.graph.closure([r.source for r in reductions]))
+    for j, red in enumerate(reductions):
+        x = red.source
+        lines.append(f"tl.store(partials_ptr + pid * {len(reductions)} + {j}, "
+                     f"tl.sum(tl.where(in_range, {x} * {x}, 0.0)))")
+    return _kernel(f"ftopt_reduce_{level}", _signature(roles, ["partials_ptr"]), lines)
+
+
+def level_reductions(traced: TracedChain, level: int) -> list[Reduction]:
+    return [r for r in traced.graph.reductions if r.level == level]
+
+
+def _kernel(name: str, signature: str, lines: list[str]) -> str:
+    body = "\n".join("    " + line for line in lines)
+    return (
+        "import triton\nimport triton.language as tl\n\n\n"
+        f"@triton.jit\ndef {name}({signature}):\n{body}\n"
+    )
+
+
+_MODULES: dict[str, object] = {}
+_CACHE_DIR: str | None = None
+
+
+def compile_source(source: str, name: str):
+    """Import generated source (from a file, so Triton can read it back) once."""
+    global _CACHE_DIR
+    key = hashlib.sha256(source.encode()).hexdigest()[:24]
+    module = _MODULES.get(key)
+    if module is None:
+        if _CACHE_DIR is None:
+            _CACHE_DIR = tempfile.mkdtemp(prefix="ftopt_kernels_")
+        path = os.path.join(_CACHE_DIR, f"ftopt_{key}.py")
+        with open(path, "w") as f:
+            f.write(source)
+        spec = importlib.util.spec_from_file_location(f"ftopt_kernels_{key}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        _MODULES[key] = module
+    return getattr(module, name)

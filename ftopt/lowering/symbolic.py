@@ -1,0 +1,227 @@
+"""Symbolic evaluation of rule bodies: a chain of rules becomes one expression graph.
+
+Running a rule body on :class:`Sym` values records each operation as a :class:`Node`
+whose ``expr`` is Triton source. Nodes are created in dependency order, so any subset of
+them, emitted in creation order, is a valid kernel body. Norms become
+:class:`Reduction` records: the kernel that needs a norm reads it from a buffer filled by
+an earlier reduction pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_KIND_ORDER = {"scalar": 0, "leaf": 1, "elem": 2}
+
+
+@dataclass
+class Node:
+    name: str
+    expr: str
+    deps: tuple[str, ...]
+    kind: str
+    level: int  # 1 + the highest reduction level this node reads (0: none)
+
+
+@dataclass
+class Reduction:
+    """sum(x²) over a leaf (``scope='leaf'``) or over every leaf (``scope='global'``)."""
+
+    index: int
+    source: str
+    scope: str
+    level: int
+
+
+@dataclass
+class Graph:
+    nodes: dict[str, Node] = field(default_factory=dict)
+    reductions: list[Reduction] = field(default_factory=list)
+    scalars: list[tuple[int, str]] = field(default_factory=list)  # (stage, name)
+    leaf_values: list[tuple[int, str]] = field(default_factory=list)
+    _cse: dict[str, str] = field(default_factory=dict)
+
+    def add(self, expr: str, deps: tuple[str, ...], kind: str, level: int | None = None,
+            name: str | None = None) -> Sym:
+        if name is None and expr in self._cse:
+            return self.sym(self._cse[expr])
+        name = name or f"v{len(self.nodes)}"
+        if level is None:
+            level = max((self.nodes[d].level for d in deps if d in self.nodes), default=0)
+        self.nodes[name] = Node(name, expr, deps, kind, level)
+        self._cse[expr] = name
+        return Sym(name, kind, self)
+
+    def sym(self, name: str) -> Sym:
+        return Sym(name, self.nodes[name].kind, self)
+
+    def closure(self, roots: list[str]) -> list[Node]:
+        """The nodes ``roots`` depend on, in creation order."""
+        needed: set[str] = set()
+        stack = list(roots)
+        while stack:
+            name = stack.pop()
+            if name in needed or name not in self.nodes:
+                continue
+            needed.add(name)
+            stack.extend(self.nodes[name].deps)
+        return [n for n in self.nodes.values() if n.name in needed]
+
+    def scalar(self, stage: int, name: str) -> Sym:
+        index = len(self.scalars)
+        self.scalars.append((stage, name))
+        return self.add(f"tl.load(scalars_ptr + {index})", (), "scalar", name=f"s{index}")
+
+    def leaf_value(self, stage: int, name: str) -> Sym:
+        index = len(self.leaf_values)
+        self.leaf_values.append((stage, name))
+        return self.add(f"tl.load(leaf_values_ptr + leaf * N_LEAF_VALUES + {index})", (),
+                        "leaf", name=f"lv{index}")
+
+
+def _literal(x) -> str:
+    if isinstance(x, bool):
+        return "True" if x else "False"
+    return repr(float(x))
+
+
+class Sym:
+    """A value of a rule body during tracing (see the module docstring)."""
+
+    __slots__ = ("name", "kind", "graph")
+
+    def __init__(self, name: str, kind: str, graph: Graph):
+        self.name = name
+        self.kind = kind
+        self.graph = graph
+
+    def _operand(self, other) -> tuple[str, tuple[str, ...], str]:
+        if isinstance(other, Sym):
+            return other.name, (other.name,), other.kind
+        if isinstance(other, (int, float)):
+            return _literal(other), (), "scalar"
+        raise TypeError(f"cannot use {type(other).__name__} in a fused rule body")
+
+    def _binary(self, other, template: str, reverse: bool = False) -> Sym:
+        o_expr, o_deps, o_kind = self._operand(other)
+        a, b = (o_expr, self.name) if reverse else (self.name, o_expr)
+        kind = max(self.kind, o_kind, key=_KIND_ORDER.__getitem__)
+        return self.graph.add(template.format(a=a, b=b), (self.name, *o_deps), kind)
+
+    def __add__(self, o):
+        return self._binary(o, "{a} + {b}")
+
+    def __radd__(self, o):
+        return self._binary(o, "{a} + {b}", True)
+
+    def __sub__(self, o):
+        return self._binary(o, "{a} - {b}")
+
+    def __rsub__(self, o):
+        return self._binary(o, "{a} - {b}", True)
+
+    def __mul__(self, o):
+        return self._binary(o, "{a} * {b}")
+
+    def __rmul__(self, o):
+        return self._binary(o, "{a} * {b}", True)
+
+    def __truediv__(self, o):
+        return self._binary(_constant(o, self.graph), "tl.div_rn({a}, {b})")
+
+    def __rtruediv__(self, o):
+        return self._binary(_constant(o, self.graph), "tl.div_rn({a}, {b})", True)
+
+    def __neg__(self):
+        return self.graph.add(f"-{self.name}", (self.name,), self.kind)
+
+    def __gt__(self, o):
+        return self._binary(o, "{a} > {b}")
+
+    def __ge__(self, o):
+        return self._binary(o, "{a} >= {b}")
+
+    def __lt__(self, o):
+        return self._binary(o, "{a} < {b}")
+
+    def __le__(self, o):
+        return self._binary(o, "{a} <= {b}")
+
+    def __eq__(self, o):  # type: ignore[override]
+        return self._binary(o, "{a} == {b}")
+
+    def __ne__(self, o):  # type: ignore[override]
+        return self._binary(o, "{a} != {b}")
+
+    def __and__(self, o):
+        return self._binary(o, "{a} & {b}")
+
+    def __or__(self, o):
+        return self._binary(o, "{a} | {b}")
+
+    __hash__ = None
+
+
+class SymOps:
+    """The ``ops`` namespace of rule bodies, recording Triton expressions."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+
+    def _unary(self, x, template: str) -> Sym:
+        if not isinstance(x, Sym):
+            raise TypeError("fused ops take traced values")
+        return self.graph.add(template.format(x=x.name), (x.name,), x.kind)
+
+    def sqrt(self, x) -> Sym:
+        return self._unary(x, "tl.sqrt_rn({x})")
+
+    def abs(self, x) -> Sym:
+        return self._unary(x, "tl.abs({x})")
+
+    def sign(self, x) -> Sym:
+        return self._unary(x, "tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0))")
+
+    def where(self, cond, a, b) -> Sym:
+        parts = [Sym._operand(_as_sym(cond, self.graph), v) for v in (cond, a, b)]
+        kind = max((p[2] for p in parts), key=_KIND_ORDER.__getitem__)
+        deps = tuple(d for p in parts for d in p[1])
+        expr = "tl.where({}, {}, {})".format(*(p[0] for p in parts))
+        return self.graph.add(expr, deps, kind)
+
+    def maximum(self, a, b) -> Sym:
+        return self.where(_as_sym(a, self.graph) >= b, a, b)
+
+    def minimum(self, a, b) -> Sym:
+        return self.where(_as_sym(a, self.graph) <= b, a, b)
+
+    def _norm(self, x: Sym, scope: str) -> Sym:
+        graph = self.graph
+        level = graph.nodes[x.name].level + 1
+        index = len(graph.reductions)
+        graph.reductions.append(Reduction(index, x.name, scope, level))
+        if scope == "leaf":
+            expr = f"tl.sqrt_rn(tl.load(reductions_ptr + leaf * N_REDUCTIONS + {index}))"
+            kind = "leaf"
+        else:
+            expr = f"tl.sqrt_rn(tl.load(global_reductions_ptr + {index}))"
+            kind = "scalar"
+        return graph.add(expr, (), kind, level=level, name=f"r{index}")
+
+    def leaf_norm(self, x) -> Sym:
+        return self._norm(x, "leaf")
+
+    def global_norm(self, x) -> Sym:
+        return self._norm(x, "global")
+
+
+def _constant(x, graph: Graph) -> Sym:
+    if isinstance(x, Sym):
+        return x
+    return graph.add(f"tl.full((), {_literal(x)}, tl.float32)", (), "scalar")
+
+
+def _as_sym(x, graph: Graph) -> Sym:
+    if isinstance(x, Sym):
+        return x
+    return graph.add(_literal(x), (), "scalar")
