@@ -48,6 +48,7 @@ from ftopt.transforms import (
     trace,
     weight_decay,
 )
+from ftopt.lowering.explain import explain
 from ftopt.update import apply_updates, step
 
 __version__ = "0.1.0"
@@ -77,6 +78,7 @@ __all__ = [
     "clip_by_param_norm_ratio",
     "constant_schedule",
     "cosine_decay_schedule",
+    "explain",
     "exponential_decay",
     "identity",
     "join_schedules",

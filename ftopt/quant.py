@@ -15,6 +15,8 @@ to ``[1, K-1]``) and ``lo = hi - 1``. The element takes ``hi`` iff
 near-tie whose two distances round to the same float32, goes to the LOWER index. This
 equals ``argmin_k fl32(|v - q[k]|)`` with first-index tie breaking (``torch.argmin``)
 for the dynamic maps, whose code gaps are far above float32 rounding of ``v - q[k]``.
+(A ``bucketize`` against float32 midpoints, as in bitsandbytes' default backend, picks
+the farther code for ~50 float32 values per map lying within a few ulps of a midpoint.)
 The fused backend must compute ``x / absmax`` with round-to-nearest division
 (``tl.math.div_rn``) and the two distances in float32 to reproduce the codes bit-exactly.
 
@@ -24,7 +26,7 @@ dequantizes to exactly 0 (no 0/0). NaN inputs are not guarded (as in bitsandbyte
 Note: the signed map holds +1.0 but not -1.0, so re-quantizing a dequantized block whose
 largest magnitude is negative shrinks its absmax to ``0.99297 * absmax``; re-quantization
 is idempotent only when the block's extreme element is positive (always, for the
-unsigned map on non-negative data).
+unsigned map on non-negative data), barring float32 underflow of ``q[c] * absmax``.
 """
 
 from __future__ import annotations
@@ -76,11 +78,11 @@ def create_dynamic_map(
     extra_bits = non_sign_bits - max_exponent_bits
 
     def midpoints(bins: int, scale: float) -> list[float]:
-        # Bin edges and midpoints in float32, scaled in float64, as bitsandbytes does,
-        # so that the final float32 values match its map bit for bit.
+        # Edges, midpoints and scaling all in float32 arithmetic, as bitsandbytes does, so
+        # that the map matches its map bit for bit (float64 math rounds differently).
         edges = torch.linspace(0.1, 1.0, bins + 1, dtype=torch.float32)
-        mids = ((edges[:-1] + edges[1:]) / 2.0).tolist()
-        return [scale * m for m in mids]
+        mids = (edges[:-1] + edges[1:]) / 2.0
+        return (torch.tensor(scale, dtype=torch.float32) * mids).tolist()
 
     values: list[float] = []
     for i in range(max_exponent_bits):
@@ -148,6 +150,7 @@ def nearest_code(v: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
     size = qmap.numel()
     if not 2 <= size <= 256:
         raise ValueError(f"qmap must have 2..256 entries for uint8 codes, got {size}")
+    qmap = qmap.to(torch.float32).contiguous()
     v = v.to(torch.float32).contiguous()
     hi = torch.searchsorted(qmap, v).clamp_(1, size - 1)
     lo = hi - 1

@@ -103,7 +103,11 @@ def step_scalars(rule: Rule, count: Any, t: Any) -> dict:
     """The per-step scalars a body reads: the hyperparameters plus ``rule.scalars``."""
     h = hparam_values(rule, count, t)
     if rule.scalars is not None:
-        h = {**h, **rule.scalars(t, h)}
+        # A device count (under torch.func, or unknown on an accelerator) is an integer
+        # tensor: ``b ** t`` on it would be float32, so 1 - b2**t would lose ~1e-5 relative
+        # to the host path. Compute the per-step scalars in float64, as the host does.
+        t_scalar = t.to(torch.float64) if isinstance(t, torch.Tensor) else t
+        h = {**h, **rule.scalars(t_scalar, h)}
     return h
 
 
@@ -187,7 +191,7 @@ class RuleTransform:
         paths = [tree_lib.path_str(p) for p in optree.tree_paths(
             updates, none_is_leaf=True, namespace="ftopt")]
         u_flat = spec.flatten_up_to(updates)
-        p_flat = self._flatten_params(spec, params, paths)
+        p_flat = self._flatten_params(spec, params, paths, updates)
         slots_flat = {
             s.name: tree_lib.flatten_like(spec, getattr(state, s.name), f"state {s.name}", paths)
             for s in rule.slots
@@ -207,13 +211,21 @@ class RuleTransform:
             values["count"] = new_count
         return tree_lib.unflatten(spec, new_u), rule.state_class(**values)
 
-    def _flatten_params(self, spec, params, paths):
+    def _flatten_params(self, spec, params, paths, updates):
         if params is None:
             if self.rule.uses_params:
                 raise ValueError(f"{self.rule.name} needs params: call update(updates, "
                                  "state, params)")
             return [None] * spec.num_leaves
-        return tree_lib.flatten_like(spec, params, "params", paths)
+        try:
+            return spec.flatten_up_to(params)
+        except (ValueError, TypeError):
+            pass
+        # The trees differ. The params are the reference: name what is wrong with the
+        # updates (gradients) first, then what is wrong with the params.
+        p_paths, _, p_spec = tree_lib.flatten_with_paths(params)
+        tree_lib.flatten_like(p_spec, updates, "updates", p_paths)
+        return tree_lib.flatten_like(spec, params, "params", paths, against="updates")
 
     def _active_leaves(self, u_flat, p_flat, slots_flat, paths, params) -> list[int]:
         leaf_mask = self._leaf_mask(params, len(u_flat), paths)

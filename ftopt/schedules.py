@@ -6,8 +6,6 @@ no host sync: CUDA-graph capturable and traceable). The two agree up to float32 
 Integer work on the count comes before any float conversion, so large counts stay exact.
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -54,6 +52,12 @@ def _fpow(base: float, exp: float) -> float:
         return math.inf
 
 
+def _blend(init: float, end: float, f: torch.Tensor, g: torch.Tensor, p: float) -> torch.Tensor:
+    """``init·f^p + end·(1 - f^p)`` for ``f = 1 - g``, given both: no cancellation in float32."""
+    a = f.pow(p)  # 1 - a is exact enough when a < 1/2; otherwise g is small and log1p is exact
+    return init * a + end * torch.where(a < 0.5, 1.0 - a, -torch.expm1(p * torch.log1p(-g)))
+
+
 def constant_schedule(value: float) -> Schedule:
     """Constant: ``v(t) = value``.
 
@@ -64,25 +68,25 @@ def constant_schedule(value: float) -> Schedule:
     return lambda count: _full(value, count) if _is_tensor(count) else value
 
 
-def polynomial_schedule(
-    init_value: float, end_value: float, power: float, transition_steps: int,
-    transition_begin: int = 0,
-) -> Schedule:  # fmt: skip
+def polynomial_schedule(init_value: float, end_value: float, power: float, transition_steps: int,
+                        transition_begin: int = 0) -> Schedule:  # fmt: skip
     """Polynomial: ``v(t) = (I - E)·(1 - clip(t - B, 0, T)/T)^P + E``.
 
     Args: init_value ``I``; end_value ``E``; power ``P``; transition_steps ``T`` (``<= 0``:
         constant ``I``); transition_begin ``B`` (negative: 0).
     Returns: the schedule; ``polynomial_schedule(1.0, 0.0, 2, 10)(5) == 0.25``.
     """
-    if transition_steps <= 0:  # as optax: the annealing is disabled
+    if transition_steps <= 0 or power == 0:  # as optax: constant init_value
         return constant_schedule(init_value)
     transition_begin = max(transition_begin, 0)  # optax: a negative begin falls back to 0
     init, end, power = float(init_value), float(end_value), float(power)
 
     def schedule(count: Count) -> Value:
-        left = transition_steps - _clip(count - transition_begin, 0, transition_steps)
-        if _is_tensor(count):  # integer ``left`` keeps 1 - t/T exact near the end in float32
-            return (init - end) * (left.float() / transition_steps).pow(power) + end
+        done = _clip(count - transition_begin, 0, transition_steps)
+        left = transition_steps - done
+        if _is_tensor(count):
+            frac, done = left.float() / transition_steps, done.float() / transition_steps
+            return _blend(init, end, frac, done, power)
         return (init - end) * _fpow(left / transition_steps, power) + end
 
     return schedule
@@ -100,10 +104,9 @@ def linear_schedule(
     return polynomial_schedule(init_value, end_value, 1, transition_steps, transition_begin)
 
 
-def exponential_decay(
-    init_value: float, transition_steps: int, decay_rate: float, transition_begin: int = 0,
-    staircase: bool = False, end_value: float | None = None,
-) -> Schedule:  # fmt: skip
+def exponential_decay(init_value: float, transition_steps: int, decay_rate: float,
+                      transition_begin: int = 0, staircase: bool = False,
+                      end_value: float | None = None) -> Schedule:  # fmt: skip
     """Exponential: ``v(t) = I·r^((t - B)/T)`` for ``t > B``, else ``I``.
 
     Args: init_value ``I``; transition_steps ``T`` (``<= 0``: constant ``I``); decay_rate
@@ -146,23 +149,24 @@ def cosine_decay_schedule(
     if not decay_steps > 0:
         raise ValueError(f"cosine_decay_schedule requires decay_steps > 0, got {decay_steps=}.")
     init, alpha, exponent = float(init_value), float(alpha), float(exponent)
+    if exponent == 0:
+        return constant_schedule(init)
     half_angle = math.pi / (2 * decay_steps)  # ½(1 + cos x) = sin²((π - x)/2): exact near T
 
     def schedule(count: Count) -> Value:
-        rest = decay_steps - _clip(count, None, decay_steps)
-        if _is_tensor(count):
-            decay = torch.sin(rest.float() * half_angle).square().pow(exponent)
-        else:
-            decay = _fpow(math.sin(rest * half_angle) ** 2, exponent)
-        return init * ((1.0 - alpha) * decay + alpha)
+        done = _clip(count, None, decay_steps)
+        if _is_tensor(count):  # I·c^e + I·a·(1 - c^e); c = sin²(π(T - t)/2T), 1 - c = sin²(πt/2T)
+            c, g = (torch.stack([decay_steps - done, done]).float() * half_angle).sin().square()
+            return _blend(init, init * alpha, c, g, exponent)
+        c = math.sin((decay_steps - done) * half_angle) ** 2
+        return init * ((1.0 - alpha) * _fpow(c, exponent) + alpha)
 
     return schedule
 
 
-def warmup_cosine_decay_schedule(
-    init_value: float, peak_value: float, warmup_steps: int, decay_steps: int,
-    end_value: float = 0.0, exponent: float = 1.0,
-) -> Schedule:  # fmt: skip
+def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_steps: int,
+                                 decay_steps: int, end_value: float = 0.0,
+                                 exponent: float = 1.0) -> Schedule:  # fmt: skip
     """Warmup then cosine: ``v(t) = linear(init, peak, W)(t)`` for ``t < W``, else
     ``cosine_decay(peak, D - W, end/peak, exponent)(t - W)``.
 
@@ -172,10 +176,8 @@ def warmup_cosine_decay_schedule(
     Returns: the schedule; ``warmup_cosine_decay_schedule(0.0, 1.0, 10, 20)(5) == 0.5``.
     """
     if not decay_steps > warmup_steps:
-        raise ValueError(
-            "warmup_cosine_decay_schedule requires decay_steps (the total length, warmup "
-            f"included) > warmup_steps, got {decay_steps=}, {warmup_steps=}."
-        )
+        raise ValueError(f"warmup_cosine_decay_schedule needs decay_steps (total length, warmup "
+                         f"included) > warmup_steps, got {decay_steps=}, {warmup_steps=}.")
     peak = float(peak_value)
     alpha = 0.0 if peak == 0.0 else float(end_value) / peak
     warmup = linear_schedule(init_value, peak, warmup_steps)
@@ -227,13 +229,12 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
 
     Args: schedules ``[s_0, ..., s_n]``; boundaries ``[b_1, ..., b_n]``, one fewer than the
         schedules (else ``ValueError``).
-    Returns: the schedule; with ``s = [constant_schedule(1.0), linear_schedule(1.0, 0.0,
-        10)]``, ``join_schedules(s, [5])(10) == 0.5``.
+    Returns: the schedule; ``join_schedules([constant_schedule(1.0), linear_schedule(1.0,
+        0.0, 10)], [5])(10) == 0.5`` (the linear part is called with ``t - 5``).
     """
     schedules, boundaries = list(schedules), list(boundaries)
     if not schedules or len(boundaries) != len(schedules) - 1:
-        n, m = len(schedules), len(boundaries)
-        raise ValueError(f"join_schedules needs 1+ schedules and 1 boundary fewer, got {n}, {m}.")
+        raise ValueError("join_schedules needs len(boundaries) == len(schedules) - 1 >= 0.")
 
     def schedule(count: Count) -> Value:
         out = _as_value(schedules[0](count), count)

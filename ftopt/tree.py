@@ -68,23 +68,69 @@ def flatten_with_paths(tree: PyTree) -> tuple[list[str], list, optree.PyTreeSpec
     return [path_str(p) for p in paths], flat, spec
 
 
-def flatten_like(spec: optree.PyTreeSpec, tree: PyTree, what: str, paths: Sequence[str]) -> list:
+def flatten_like(
+    spec: optree.PyTreeSpec, tree: PyTree, what: str, paths: Sequence[str],
+    against: str = "params",
+) -> list:
     """Flatten ``tree`` up to the leaves of ``spec``; a subtree may stand for a leaf.
 
     Used for gradient trees (a ``None`` stands where the params hold a tensor) and for
     state slots (an 8-bit slot holds a ``(codes, absmax)`` pair where the params hold a
-    tensor). Raises ``ValueError`` naming the first path where the trees differ.
+    tensor). Raises ``ValueError`` naming the first path where the trees differ and what
+    was expected there (``against`` names the tree ``spec`` comes from).
     """
     try:
         return spec.flatten_up_to(tree)
     except (ValueError, TypeError) as err:
-        raise ValueError(
-            f"{what} does not match the params tree: {_first_difference(spec, tree, paths)} "
-            f"({err})"
-        ) from None
+        found = _diff(spec, tree, ())
+        detail = found if found is not None else _first_difference(spec, tree, paths, err)
+        raise ValueError(f"{what} does not match the {against} tree: {detail}") from None
 
 
-def _first_difference(spec: optree.PyTreeSpec, tree: PyTree, paths: Sequence[str]) -> str:
+def _diff(spec: optree.PyTreeSpec, tree: PyTree, path: tuple) -> str | None:
+    """The first place where ``tree`` does not fit ``spec`` (``None`` if it fits)."""
+    try:
+        spec.flatten_up_to(tree)
+        return None
+    except (ValueError, TypeError):
+        pass
+    if spec.is_leaf():  # pragma: no cover - anything fits a leaf
+        return None
+    where = path_str(path)
+    try:
+        children, _, entries, _ = optree.tree_flatten_one_level(
+            tree, none_is_leaf=spec.none_is_leaf, namespace=spec.namespace)
+    except (ValueError, TypeError):
+        return (f"expected a {spec.type.__name__} at {where}, got a leaf of type "
+                f"{type(tree).__name__}")
+    want, got = list(spec.entries()), list(entries)
+    sequence = all(isinstance(e, int) for e in want + got)
+    if sequence and len(want) != len(got):
+        return (f"expected a {spec.type.__name__} of length {len(want)} at {where}, got "
+                f"a {type(tree).__name__} of length {len(got)}")
+    if not sequence or want != got:
+        missing = [e for e in want if e not in got]
+        extra = [e for e in got if e not in want]
+        if missing:
+            return (f"missing {path_str((*path, missing[0]))} (expected keys {want} at "
+                    f"{where}, got {got})")
+        if extra:
+            return (f"unexpected {path_str((*path, extra[0]))} (expected keys {want} at "
+                    f"{where}, got {got})")
+    if type(tree) is not spec.type and not (
+        isinstance(tree, dict) and issubclass(spec.type, dict)
+    ):
+        return f"expected a {spec.type.__name__} at {where}, got a {type(tree).__name__}"
+    for entry, child_spec in zip(want, spec.children()):
+        found = _diff(child_spec, children[got.index(entry)], (*path, entry))
+        if found is not None:
+            return found
+    return None
+
+
+def _first_difference(
+    spec: optree.PyTreeSpec, tree: PyTree, paths: Sequence[str], err: Exception
+) -> str:
     other_paths, _, _ = flatten_with_paths(tree)
     present = set(other_paths)
     missing = [p for p in paths if p not in present]
@@ -93,8 +139,7 @@ def _first_difference(spec: optree.PyTreeSpec, tree: PyTree, paths: Sequence[str
         return f"unexpected leaf at {extra[0]}"
     if missing and len(other_paths) >= len(paths):
         return f"expected a leaf at {missing[0]}"
-    return f"expected structure {spec}"
-
+    return f"expected structure {spec} ({err})"
 
 
 def unflatten(spec: optree.PyTreeSpec, flat: Sequence) -> PyTree:

@@ -24,7 +24,7 @@ _TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16",
               torch.bfloat16: "tl.bfloat16"}
 
 
-@dataclass
+@dataclass(eq=False)
 class TracedChain:
     """A chain traced into one graph, with the roles (tensors) its kernels touch."""
 

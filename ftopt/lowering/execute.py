@@ -1,11 +1,21 @@
-"""Runs one fused step of a planned chain: scalars, tables, reductions, main kernels."""
+"""Runs one fused step of a planned chain: counts, scalars, tables, reductions, kernels.
+
+The first step over a set of tensors builds a :class:`PreparedStep` (groups, work tables,
+address tables). With ``donate=True`` the params and states are the same objects from one
+step to the next, so the next step only checks their identity, refreshes the gradient
+addresses and launches: that keeps the host cost per step small.
+"""
 
 from __future__ import annotations
 
+import operator
+
+import optree
 import torch
 
 from ftopt import tree as tree_lib
 from ftopt.lowering import launch
+from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.plan import ChainPlan, host_step, remember
 from ftopt.rules import step_scalars
 
@@ -14,16 +24,16 @@ def _uses_tensors(plan: ChainPlan) -> bool:
     return any(isinstance(v, torch.Tensor) for s in plan.stages for v in s.rule.hparams.values())
 
 
-def _advance_counts(plan: ChainPlan, stage_states, donate: bool, tensor_mode: bool):
+def _advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool):
     """Per stage: (count, t) for its scalars and its new count tensor."""
     steps, new_counts = [], []
-    for stage, st in zip(plan.stages, stage_states):
-        if not stage.rule.counted:
+    for stage, count_tensor in zip(plan.stages, counts):
+        if count_tensor is None:
             steps.append((None, None))
             new_counts.append(None)
             continue
-        count, t = host_step(st.count, tensor_mode)
-        new = st.count.add_(1) if donate else st.count + 1
+        count, t = host_step(count_tensor, tensor_mode)
+        new = count_tensor.add_(1) if donate else count_tensor + 1
         if not tensor_mode:
             remember(new, t)
         steps.append((count, t))
@@ -37,29 +47,108 @@ def _scalar_buffer(plan: ChainPlan, steps, device) -> torch.Tensor:
     if not values:
         return torch.zeros(1, dtype=torch.float32, device=device)
     if any(isinstance(v, torch.Tensor) for v in values):
-        return torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
+        return torch.stack([torch.as_tensor(v, device=device).to(torch.float32).reshape(())
                             for v in values])
     host = torch.tensor(values, dtype=torch.float64).to(torch.float32)
-    if device.type != "cpu":
+    if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
 
 
-def _leaf_values(plan: ChainPlan, params, n_leaves: int, paths, group, device):
-    specs = plan.traced.graph.leaf_values
-    if not specs:
-        return torch.zeros(1, dtype=torch.float32, device=device)
-    masks = {i: plan.stages[i]._leaf_mask(params, n_leaves, paths) for i, _ in specs}
-    rows = [[1.0 if masks[i] is None or masks[i][leaf] else 0.0 for i, _ in specs]
-            for leaf in group.leaves]
-    return torch.tensor(rows, dtype=torch.float32).reshape(-1).to(device)
+class PreparedStep:
+    """Groups and tables for one set of (params, grads, states) tensors."""
+
+    def __init__(self, plan: ChainPlan, paths, p_flat, g_flat, slot_flat, p_out, slot_out,
+                 active, params, donate: bool):
+        traced = plan.traced
+        self.plan = plan
+        self.donate = donate
+        self.active = active
+        self.device = p_flat[active[0]].device
+        self.groups: list[launch.GroupLaunch] = []
+        by_key: dict[tuple, list[int]] = {}
+        for i in active:
+            by_key.setdefault((p_flat[i].dtype, g_flat[i].dtype), []).append(i)
+        masks = {i: plan.stages[i]._leaf_mask(params, len(p_flat), paths)
+                 for i, _ in traced.graph.leaf_values}
+        for (p_dtype, g_dtype), leaves in by_key.items():
+            work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device)
+            group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work)
+            roles = {"g": [g_flat[i] for i in leaves], "p": [p_flat[i] for i in leaves],
+                     "p_out": [p_out[i] for i in leaves]}
+            for stage_i, name in traced.slot_roles:
+                roles[f"st{stage_i}_{name}_in"] = [slot_flat[stage_i][name][i] for i in leaves]
+                roles[f"st{stage_i}_{name}_out"] = [slot_out[stage_i][name][i] for i in leaves]
+            group.addresses = {r: _addresses(ts, self.device) for r, ts in roles.items()}
+            rows = [[1.0 if masks[i] is None or masks[i][leaf] else 0.0
+                     for i, _ in traced.graph.leaf_values] for leaf in leaves] or [[0.0]]
+            group.leaf_values = torch.tensor(rows, dtype=torch.float32).reshape(-1).to(
+                self.device)
+            self.groups.append(group)
+        # What the fast path checks: the same tensor objects as this step's.
+        self.param_leaves = list(p_flat)
+        self.state_leaves: list = []
+        self.grad_leaves = list(g_flat)
+        self.grad_meta = [(g.shape, g.dtype) if g is not None else None for g in g_flat]
+
+    def refresh_grads(self, g_flat) -> bool:
+        """Point the tables at new gradient tensors; False if they do not fit the plan."""
+        if len(g_flat) != len(self.grad_leaves):
+            return False
+        if all(map(operator.is_, g_flat, self.grad_leaves)):
+            return True
+        for i, meta in enumerate(self.grad_meta):
+            g = g_flat[i]
+            if (meta is None) != (g is None):
+                return False
+            if g is not None and ((g.shape, g.dtype) != meta or not g.is_contiguous()):
+                return False
+        for group in self.groups:
+            group.addresses["g"] = _addresses([g_flat[i] for i in group.leaves], self.device)
+        self.grad_leaves = list(g_flat)
+        return True
+
+    def launch(self, scalars: torch.Tensor) -> None:
+        traced = self.plan.traced
+        leaf_bufs, global_buf = launch.run_reductions(traced, self.groups, scalars,
+                                                      self.device)
+        launch.run_main(traced, self.groups, scalars, leaf_bufs, global_buf)
 
 
-def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active, params,
-            donate: bool):
-    traced = plan.traced
+def _addresses(tensors, device) -> torch.Tensor:
+    return launch.to_device([t.data_ptr() for t in tensors], device)
+
+
+def fast_step(plan: ChainPlan, params, grads, state):
+    """The donated step over the same tensors as the prepared one, or ``None``."""
+    prepared = plan.prepared
+    if prepared is None or not prepared.donate:
+        return None
+    p_flat = optree.tree_leaves(params, none_is_leaf=False, namespace="ftopt")
+    s_flat = optree.tree_leaves(state, none_is_leaf=False, namespace="ftopt")
+    if (len(p_flat) != len(prepared.param_leaves)
+            or len(s_flat) != len(prepared.state_leaves)
+            or not all(map(operator.is_, p_flat, prepared.param_leaves))
+            or not all(map(operator.is_, s_flat, prepared.state_leaves))):
+        return None
+    try:
+        g_flat = prepared.spec.flatten_up_to(grads)
+    except (ValueError, TypeError):
+        return None
+    if not prepared.refresh_grads(g_flat):
+        return None
+    steps, _ = _advance_counts(plan, prepared.counts, True, _uses_tensors(plan))
+    prepared.launch(_scalar_buffer(plan, steps, prepared.device))
+    return params, state
+
+
+def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active,
+            params, state, donate: bool):
+    """The full step: builds (and, donated, caches) the prepared tables, then launches."""
+    counts = [st.count if stage.rule.counted else None
+              for stage, st in zip(plan.stages, stage_states)]
     device = p_flat[active[0]].device if active else torch.device("cpu")
-    steps, new_counts = _advance_counts(plan, stage_states, donate, _uses_tensors(plan))
+    steps, new_counts = _advance_counts(plan, counts, donate, _uses_tensors(plan))
     p_out = list(p_flat)
     slot_out = [{name: list(leaves) for name, leaves in slots.items()} for slots in slot_flat]
     if not donate:
@@ -69,8 +158,15 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
                 for leaves in slots.values():
                     leaves[i] = torch.empty_like(leaves[i])
     if active:
-        _launch(plan, traced, p_flat, g_flat, slot_flat, p_out, slot_out, active, params,
-                paths, device, steps)
+        prepared = PreparedStep(plan, paths, p_flat, g_flat, slot_flat, p_out, slot_out,
+                                active, params, donate)
+        prepared.launch(_scalar_buffer(plan, steps, device))
+        if donate:
+            prepared.spec = spec
+            prepared.counts = counts
+            prepared.state_leaves = optree.tree_leaves(state, none_is_leaf=False,
+                                                       namespace="ftopt")
+            plan.prepared = prepared
     new_params = tree_lib.unflatten(spec, p_out)
     new_states = []
     for stage, st, slots, count in zip(plan.stages, stage_states, slot_out, new_counts):
@@ -81,36 +177,4 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
     return new_params, new_states
 
 
-def _addresses(traced, group, p_flat, g_flat, slot_flat, p_out, slot_out) -> dict:
-    idx = group.leaves
-    table = {"g": [g_flat[i].data_ptr() for i in idx],
-             "p": [p_flat[i].data_ptr() for i in idx],
-             "p_out": [p_out[i].data_ptr() for i in idx]}
-    for stage_i, name in traced.slot_roles:
-        table[f"st{stage_i}_{name}_in"] = [slot_flat[stage_i][name][i].data_ptr() for i in idx]
-        table[f"st{stage_i}_{name}_out"] = [slot_out[stage_i][name][i].data_ptr() for i in idx]
-    return table
-
-
-def _launch(plan, traced, p_flat, g_flat, slot_flat, p_out, slot_out, active, params, paths,
-            device, steps):
-    groups = launch.make_groups(p_flat, g_flat, active)
-    tables = [
-        launch.GroupTables(group, [p_flat[i].numel() for i in group.leaves],
-                           _addresses(traced, group, p_flat, g_flat, slot_flat, p_out,
-                                      slot_out))
-        for group in groups
-    ]
-    scalars = _scalar_buffer(plan, steps, device)
-    leaf_values = [_leaf_values(plan, params, len(p_flat), paths, group, device)
-                   for group in groups]
-    index = {id(t): k for k, t in enumerate(tables)}
-
-    def args_of(group, tab, buf, global_buf, roles):
-        views = tab.views
-        return [views["block_leaf"], views["block_start"], views["numel"],
-                *[views[r] for r in roles], scalars, leaf_values[index[id(tab)]], buf,
-                global_buf]
-
-    leaf_bufs, global_buf = launch.run_reductions(traced, groups, tables, args_of, device)
-    launch.run_main(traced, groups, tables, args_of, leaf_bufs, global_buf)
+__all__ = ["execute", "fast_step", "output_roles"]

@@ -1,13 +1,15 @@
 """Launching a traced chain: work and address tables per group, reductions, main kernel.
 
-A group is the set of active leaves sharing (device, param dtype, grad dtype). For each
-group one int64 host tensor holds the work table (leaf and start of every block), the
-numel of every leaf and one address per (leaf, role); it reaches the device in one copy.
+A group is the set of active leaves sharing (device, param dtype, grad dtype). Its work
+table (leaf and start offset of every block, built once per set of leaf sizes) and its
+address tables (one int64 per leaf and role) live on the device, so one launch covers
+every leaf of the group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import triton
@@ -21,7 +23,7 @@ NUM_WARPS = 4
 
 @triton.jit
 def _leaf_sums(partials_ptr, first_block_ptr, num_blocks_ptr, out_ptr, N_PART: tl.constexpr,
-               N_REDUCTIONS: tl.constexpr, R_BLOCK: tl.constexpr):
+               R_BLOCK: tl.constexpr):
     # Sum the per-block partials of one leaf in a fixed order (deterministic norms).
     leaf = tl.program_id(0)
     j = tl.program_id(1)
@@ -31,90 +33,56 @@ def _leaf_sums(partials_ptr, first_block_ptr, num_blocks_ptr, out_ptr, N_PART: t
     for s in range(0, count, R_BLOCK):
         idx = s + tl.arange(0, R_BLOCK)
         acc += tl.load(partials_ptr + (first + idx) * N_PART + j, mask=idx < count, other=0.0)
-    tl.store(out_ptr + leaf * N_REDUCTIONS + j, tl.sum(acc))
+    tl.store(out_ptr + leaf * N_PART + j, tl.sum(acc))
+
+
+def to_device(values: list[int], device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 @dataclass
-class Group:
-    """Active leaves of one (device, param dtype, grad dtype)."""
+class WorkTable:
+    """Blocks of a group's leaves: program ``pid`` runs ``BLOCK`` elements of one leaf."""
 
-    device: torch.device
+    block_leaf: torch.Tensor
+    block_start: torch.Tensor
+    numel: torch.Tensor
+    first_block: torch.Tensor
+    blocks_per_leaf: torch.Tensor
+    num_blocks: int
+    num_leaves: int
+
+
+@lru_cache(maxsize=64)
+def work_table(numels: tuple[int, ...], device: torch.device) -> WorkTable:
+    counts = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
+    first = torch.cumsum(counts, 0) - counts
+    total = int(counts.sum())
+    leaf = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    start = (torch.arange(total) - first[leaf]) * BLOCK
+    move = lambda t, dt=torch.int64: t.to(dt).to(device)  # noqa: E731
+    return WorkTable(move(leaf, torch.int32), move(start), move(torch.tensor(numels)),
+                     move(first), move(counts), total, len(numels))
+
+
+@dataclass
+class GroupLaunch:
+    """Everything one group's kernels need, except per-step scalars."""
+
     p_dtype: torch.dtype
     g_dtype: torch.dtype
     leaves: list[int]
+    work: WorkTable
+    addresses: dict[str, torch.Tensor] = field(default_factory=dict)
+    leaf_values: torch.Tensor | None = None
 
-
-def make_groups(p_flat, g_flat, active: list[int]) -> list[Group]:
-    groups: dict[tuple, Group] = {}
-    for i in active:
-        p, g = p_flat[i], g_flat[i]
-        key = (p.device, p.dtype, g.dtype)
-        if key not in groups:
-            groups[key] = Group(p.device, p.dtype, g.dtype, [])
-        groups[key].leaves.append(i)
-    return list(groups.values())
-
-
-class GroupTables:
-    """Device tables of one group for one step."""
-
-    def __init__(self, group: Group, numels: list[int], addresses: dict[str, list[int]]):
-        blocks_per_leaf = [triton.cdiv(n, BLOCK) for n in numels]
-        block_leaf, block_start, first_block = [], [], []
-        for leaf, nb in enumerate(blocks_per_leaf):
-            first_block.append(len(block_leaf))
-            block_leaf.extend([leaf] * nb)
-            block_start.extend(range(0, nb * BLOCK, BLOCK))
-        self.num_blocks = len(block_leaf)
-        self.num_leaves = len(numels)
-        parts = {"block_leaf": block_leaf, "block_start": block_start, "numel": numels,
-                 "first_block": first_block, "blocks_per_leaf": blocks_per_leaf, **addresses}
-        flat: list[int] = []
-        offsets = {}
-        for name, values in parts.items():
-            offsets[name] = (len(flat), len(values))
-            flat.extend(values)
-            if len(flat) % 2:  # keep every table 16-byte aligned
-                flat.append(0)
-        host = torch.tensor(flat, dtype=torch.int64)
-        if group.device.type != "cpu":
-            host = host.pin_memory()
-        table = host.to(group.device, non_blocking=True)
-        self._table = table
-        self.views = {name: table[o:o + n] for name, (o, n) in offsets.items()}
-
-
-def run_reductions(traced, groups, tables, args_of, device):
-    """Fill each group's per-leaf reduction buffer and the global buffer, level by level."""
-    n_red = len(traced.graph.reductions)
-    global_buf = torch.zeros(max(n_red, 1), dtype=torch.float32, device=device)
-    leaf_bufs = [torch.zeros(max(t.num_leaves * n_red, 1), dtype=torch.float32, device=device)
-                 for t in tables]
-    for level in range(1, traced.levels + 1):
-        reds = codegen.level_reductions(traced, level)
-        for group, tab, buf in zip(groups, tables, leaf_bufs):
-            if tab.num_blocks == 0:
-                continue
-            source = codegen.reduction_source(traced, level, group.p_dtype, group.g_dtype)
-            kernel = codegen.compile_source(source, f"ftopt_reduce_{level}")
-            partials = torch.empty(tab.num_blocks * len(reds), dtype=torch.float32,
-                                   device=device)
-            kernel[(tab.num_blocks,)](*args_of(group, tab, buf, global_buf,
-                                               codegen.input_roles(traced)), partials,
-                                      **_constants(traced))
-            sums = torch.empty(tab.num_leaves * len(reds), dtype=torch.float32, device=device)
-            _leaf_sums[(tab.num_leaves, len(reds))](
-                partials, tab.views["first_block"], tab.views["blocks_per_leaf"], sums,
-                N_PART=len(reds), N_REDUCTIONS=len(reds), R_BLOCK=256)
-            view = buf[: tab.num_leaves * n_red].view(tab.num_leaves, n_red)
-            for j, red in enumerate(reds):
-                view[:, red.index] = sums.view(tab.num_leaves, len(reds))[:, j]
-        for red in reds:
-            if red.scope == "global":
-                total = [b[: t.num_leaves * n_red].view(t.num_leaves, n_red)[:, red.index].sum()
-                         for b, t in zip(leaf_bufs, tables)]
-                global_buf[red.index] = torch.stack(total).sum() if total else 0.0
-    return leaf_bufs, global_buf
+    def args(self, roles, scalars, reductions, global_reductions) -> list:
+        w = self.work
+        return [w.block_leaf, w.block_start, w.numel, *[self.addresses[r] for r in roles],
+                scalars, self.leaf_values, reductions, global_reductions]
 
 
 def _constants(traced) -> dict:
@@ -126,12 +94,53 @@ def _constants(traced) -> dict:
     }
 
 
-def run_main(traced, groups, tables, args_of, leaf_bufs, global_buf):
-    for group, tab, buf in zip(groups, tables, leaf_bufs):
-        if tab.num_blocks == 0:
+@lru_cache(maxsize=256)
+def _kernel(traced, kind: str, level: int, p_dtype, g_dtype):
+    if kind == "main":
+        return codegen.compile_source(codegen.main_source(traced, p_dtype, g_dtype),
+                                      "ftopt_main")
+    source = codegen.reduction_source(traced, level, p_dtype, g_dtype)
+    return codegen.compile_source(source, f"ftopt_reduce_{level}")
+
+
+def run_reductions(traced, groups: list[GroupLaunch], scalars, device):
+    """Per-leaf reduction buffers of every group and the global buffer, level by level."""
+    n_red = max(len(traced.graph.reductions), 1)
+    global_buf = torch.zeros(n_red, dtype=torch.float32, device=device)
+    leaf_bufs = [torch.zeros(g.work.num_leaves * n_red, dtype=torch.float32, device=device)
+                 for g in groups]
+    roles = codegen.input_roles(traced)
+    for level in range(1, traced.levels + 1):
+        reds = codegen.level_reductions(traced, level)
+        for group, buf in zip(groups, leaf_bufs):
+            w = group.work
+            if w.num_blocks == 0:
+                continue
+            kernel = _kernel(traced, "reduce", level, group.p_dtype, group.g_dtype)
+            partials = torch.empty(w.num_blocks * len(reds), dtype=torch.float32,
+                                   device=device)
+            kernel[(w.num_blocks,)](*group.args(roles, scalars, buf, global_buf), partials,
+                                    **_constants(traced))
+            sums = torch.empty(w.num_leaves * len(reds), dtype=torch.float32, device=device)
+            _leaf_sums[(w.num_leaves, len(reds))](
+                partials, w.first_block, w.blocks_per_leaf, sums, N_PART=len(reds),
+                R_BLOCK=256)
+            view = buf.view(w.num_leaves, n_red)
+            for j, red in enumerate(reds):
+                view[:, red.index] = sums.view(w.num_leaves, len(reds))[:, j]
+        for red in reds:
+            if red.scope == "global":
+                total = [b.view(-1, n_red)[:, red.index].sum() for b in leaf_bufs]
+                global_buf[red.index] = torch.stack(total).sum()
+    return leaf_bufs, global_buf
+
+
+def run_main(traced, groups: list[GroupLaunch], scalars, leaf_bufs, global_buf):
+    roles = codegen.input_roles(traced) + codegen.output_roles(traced)
+    for group, buf in zip(groups, leaf_bufs):
+        w = group.work
+        if w.num_blocks == 0:
             continue
-        source = codegen.main_source(traced, group.p_dtype, group.g_dtype)
-        kernel = codegen.compile_source(source, "ftopt_main")
-        roles = codegen.input_roles(traced) + codegen.output_roles(traced)
-        kernel[(tab.num_blocks,)](*args_of(group, tab, buf, global_buf, roles),
-                                  **_constants(traced))
+        kernel = _kernel(traced, "main", 0, group.p_dtype, group.g_dtype)
+        kernel[(w.num_blocks,)](*group.args(roles, scalars, buf, global_buf),
+                                **_constants(traced))

@@ -32,6 +32,7 @@ class ChainPlan:
     state_paths: list[tuple] = field(default_factory=list)
     skips: list[bool] = field(default_factory=list)
     reason: str | None = None
+    prepared: object = None  # the last donated step's tables (see execute.PreparedStep)
     _traced: object = None
 
     @property
@@ -153,6 +154,12 @@ def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
     plan = plan_chain(tx)
     if plan.reason:
         return None, plan.reason
+    if donate and plan.prepared is not None and _fast_path_allowed(plan.prepared, backend):
+        from ftopt.lowering.execute import fast_step
+
+        result = fast_step(plan, params, grads, state)
+        if result is not None:
+            return result, None
     paths, p_flat, spec = tree_lib.flatten_with_paths(params)
     g_flat = tree_lib.flatten_like(spec, grads, "grads", paths)
     stage_states = [_get_checked(state, path, stage) for path, stage in
@@ -174,12 +181,23 @@ def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
     from ftopt.lowering.execute import execute
 
     result = execute(plan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active, params,
-                     donate)
+                     state, donate)
     new_params, new_stage_states = result
     new_state = state
     for path, st in zip(plan.state_paths, new_stage_states):
         new_state = _replace(new_state, path, st)
     return (new_params, new_state), None
+
+
+def _fast_path_allowed(prepared, backend: str) -> bool:
+    """The cached path skips the checks that cannot change between donated steps over
+    the same tensors; those that can (backend, autograd, torch.func) are checked here."""
+    if backend == "auto" and prepared.device.type == "cpu":
+        return False
+    if eager.functorch_active():
+        return False
+    return not (torch.is_grad_enabled()
+                and any(p.requires_grad for p in prepared.param_leaves if p is not None))
 
 
 def _get_checked(state, path, stage):
