@@ -160,7 +160,9 @@ class MaskedState(NamedTuple):
 
 
 def _select(tree, mask_tree):
-    return tree_lib.map(lambda x, m: x if m else None, tree, mask_tree)
+    # Walk the mask (shaped like the params): ``tree`` may hold ``None`` where the params
+    # hold a tensor (a leaf with no gradient), which then stays ``None``.
+    return tree_lib.map(lambda m, x: x if m else None, mask_tree, tree)
 
 
 class Masked:

@@ -26,31 +26,37 @@ _TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16",
 
 @dataclass(eq=False)
 class TracedChain:
-    """A chain traced into one graph, with the roles (tensors) its kernels touch."""
+    """A chain traced into one graph, with the roles (tensors) its kernels touch.
+
+    ``in_place``: the step is donated and every stage is skip-aware, so zero-gradient
+    lanes are neither loaded nor stored (their old values stay in memory).
+    """
 
     graph: Graph
     stages: list[RuleTransform]
     skips: list[bool]
-    slot_roles: list[tuple[int, str]]  # (stage, slot name) in table order
+    in_place: bool
+    slot_roles: list[tuple[int, str]] = field(default_factory=list)  # (stage, slot name)
     stores: list[tuple[str, str]] = field(default_factory=list)  # (role, node)
     levels: int = 0
 
 
-def trace_chain(stages: list[RuleTransform], skips: list[bool]) -> TracedChain:
+def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool) -> TracedChain:
     """Runs every stage's body on symbols, feeding each stage's ``u`` to the next.
 
-    ``skips[i]``: stage ``i`` is inside a skip_zeros chain; its outputs and states keep
-    their old values where the raw gradient is zero, as the eager path does.
+    ``skips[i]``: stage ``i`` is inside a skip_zeros chain; its update is zero and its
+    states keep their old values where the raw gradient is zero, as the eager path does.
     """
     g = Graph()
-    g.add("tl.load(g_ptr + offs, mask=in_range, other=0.0).to(tl.float32)", (), "elem",
-          name="g")
-    p = g.add("tl.load(p_ptr + offs, mask=in_range, other=0.0).to(tl.float32)", (), "elem",
-              name="p")
-    any_skip = any(skips)
-    zero_node = g.add("g == 0.0", ("g",), "elem", name="zero") if any_skip else None
+    g.add("tl.load(g_ptr + offs{GMASK}).to(tl.float32)", (), "elem", name="g")
+    zero_node = g.add("g == 0.0", ("g",), "elem", name="zero") if any(skips) else None
+    in_place = donate and bool(skips) and all(skips)
+    if in_place:
+        g.add("g != 0.0", ("g",), "elem", name="keep")
+    p = g.add("tl.load(p_ptr + offs{LMASK}).to(tl.float32)", ("keep",) if in_place else (),
+              "elem", name="p")
     u = g.sym("g")
-    traced = TracedChain(g, stages, list(skips), [])
+    traced = TracedChain(g, stages, list(skips), in_place)
     for i, stage in enumerate(stages):
         rule = stage.rule
         zero = zero_node if skips[i] else None
@@ -58,9 +64,8 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool]) -> TracedChain:
         for slot in rule.slots:
             role = f"st{i}_{slot.name}"
             traced.slot_roles.append((i, slot.name))
-            env[slot.name] = g.add(
-                f"tl.load({role}_in + offs, mask=in_range, other=0.0)", (), "elem",
-                name=f"{role}_old")
+            env[slot.name] = g.add(f"tl.load({role}_in + offs{{LMASK}})",
+                                   ("keep",) if in_place else (), "elem", name=f"{role}_old")
         for key in step_scalars(rule, 0, 1):
             env[key] = g.scalar(i, key)
         u_out, new_slots = rule.body(SymOps(g), _Env(env))
@@ -71,7 +76,7 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool]) -> TracedChain:
             u_out = ops.where(zero, -0.0, u_out)
         for slot in rule.slots:
             new = new_slots[slot.name]
-            if zero is not None:
+            if zero is not None and not in_place:
                 new = ops.where(zero, env[slot.name], new)
             traced.stores.append((f"st{i}_{slot.name}_out", _as_name(new, g)))
         u = u_out
@@ -87,19 +92,29 @@ def _as_name(value, g: Graph) -> str:
     return g.add(f"tl.full((), {float(value)!r}, tl.float32)", (), "scalar").name
 
 
-def _prelude(roles: list[str], dtypes: dict[str, str]) -> list[str]:
+@dataclass(frozen=True)
+class Variant:
+    """What changes the generated code besides the chain."""
+
+    p_dtype: torch.dtype
+    g_dtype: torch.dtype
+    aligned: bool  # every address of the group is 16-byte aligned
+    scalar_args: bool  # per-step scalars are kernel arguments (else loaded from a buffer)
+
+
+def _prelude(roles: list[str], dtypes: dict[str, str], aligned: bool) -> list[str]:
     lines = [
         "pid = tl.program_id(0)",
         "leaf = tl.load(block_leaf_ptr + pid)",
-        "start = tl.load(block_start_ptr + pid)",
+        "start = tl.multiple_of(tl.load(block_start_ptr + pid), BLOCK)",
         "n = tl.load(numel_ptr + leaf)",
-        "offs = start + tl.arange(0, BLOCK).to(tl.int64)",
-        "in_range = offs < n",
+        "offs = start + tl.arange(0, BLOCK)",
     ]
     for role in roles:
-        var = _pointer_var(role)
-        lines.append(f"{var} = tl.load({role}_addr_ptr + leaf).to("
-                     f"tl.pointer_type({dtypes[role]}))")
+        address = f"tl.load({role}_addr_ptr + leaf)"
+        if aligned:
+            address = f"tl.multiple_of({address}, 16)"
+        lines.append(f"{_pointer_var(role)} = {address}.to(tl.pointer_type({dtypes[role]}))")
     return lines
 
 
@@ -107,19 +122,20 @@ def _pointer_var(role: str) -> str:
     return {"g": "g_ptr", "p": "p_ptr"}.get(role, role)
 
 
-def _signature(roles: list[str], extra: list[str]) -> str:
+def _signature(roles: list[str], extra: list[str], n_scalars: int, scalar_args: bool) -> str:
     args = ["block_leaf_ptr", "block_start_ptr", "numel_ptr"]
     args += [f"{r}_addr_ptr" for r in roles]
-    args += ["scalars_ptr", "leaf_values_ptr", "reductions_ptr", "global_reductions_ptr"]
+    args += [f"sa{i}" for i in range(n_scalars)] if scalar_args else ["scalars_ptr"]
+    args += ["leaf_values_ptr", "reductions_ptr", "global_reductions_ptr"]
     args += extra
     args += ["N_LEAF_VALUES: tl.constexpr", "N_REDUCTIONS: tl.constexpr",
              "BLOCK: tl.constexpr"]
     return ", ".join(args)
 
 
-def _role_dtypes(traced: TracedChain, p_dtype: torch.dtype, g_dtype: torch.dtype) -> dict:
-    dtypes = {"g": _TL_DTYPES[g_dtype], "p": _TL_DTYPES[p_dtype],
-              "p_out": _TL_DTYPES[p_dtype]}
+def _role_dtypes(traced: TracedChain, variant: Variant) -> dict:
+    p_name, g_name = _TL_DTYPES[variant.p_dtype], _TL_DTYPES[variant.g_dtype]
+    dtypes = {"g": g_name, "p": p_name, "p_out": p_name}
     for i, name in traced.slot_roles:
         dtypes[f"st{i}_{name}_in"] = "tl.float32"
         dtypes[f"st{i}_{name}_out"] = "tl.float32"
@@ -134,35 +150,73 @@ def output_roles(traced: TracedChain) -> list[str]:
     return ["p_out"] + [f"st{i}_{n}_out" for i, n in traced.slot_roles]
 
 
-def _body_lines(nodes) -> list[str]:
-    return [f"{node.name} = {node.expr}" for node in nodes]
+def _masks(traced: TracedChain, tail: bool) -> dict[str, str]:
+    """Load and store masks of the full-block and the tail-block code."""
+    keep = " & keep" if traced.in_place else ""
+    if tail:
+        return {"GMASK": ", mask=in_range, other=0.0",
+                "LMASK": f", mask=in_range{keep}, other=0.0",
+                "SMASK": f", mask=in_range{keep}"}
+    if traced.in_place:
+        return {"GMASK": "", "LMASK": ", mask=keep, other=0.0", "SMASK": ", mask=keep"}
+    return {"GMASK": "", "LMASK": "", "SMASK": ""}
 
 
-def main_source(traced: TracedChain, p_dtype, g_dtype) -> str:
+def _body_lines(nodes, masks: dict[str, str], scalar_args: bool) -> list[str]:
+    lines = []
+    for node in nodes:
+        expr = node.expr.replace("{GMASK}", masks["GMASK"]).replace("{LMASK}", masks["LMASK"])
+        if scalar_args and node.name.startswith("s") and expr.startswith("tl.load(scalars_ptr"):
+            expr = "sa" + node.name[1:]
+        lines.append(f"{node.name} = {expr}")
+    return lines
+
+
+def _split_blocks(full: list[str], tail: list[str]) -> list[str]:
+    lines = ["if start + BLOCK <= n:"] + ["    " + x for x in full]
+    lines += ["else:", "    in_range = offs < n"] + ["    " + x for x in tail]
+    return lines
+
+
+def main_source(traced: TracedChain, variant: Variant) -> str:
     roles = input_roles(traced) + output_roles(traced)
-    dtypes = _role_dtypes(traced, p_dtype, g_dtype)
-    roots = [node for _, node in traced.stores]
-    lines = _prelude(roles, dtypes) + _body_lines(traced.graph.closure(roots))
-    for role, node in traced.stores:
-        value = node
-        if traced.graph.nodes[node].kind != "elem":  # broadcast a per-leaf or global value
-            value = f"tl.full([BLOCK], 0.0, tl.float32) + {node}"
-        lines.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]}), "
-                     "mask=in_range)")
-    return _kernel("ftopt_main", _signature(roles, []), lines)
+    dtypes = _role_dtypes(traced, variant)
+    nodes = traced.graph.closure([node for _, node in traced.stores])
+    bodies = []
+    for tail in (False, True):
+        masks = _masks(traced, tail)
+        lines = _body_lines(nodes, masks, variant.scalar_args)
+        for role, node in traced.stores:
+            value = node
+            if traced.graph.nodes[node].kind != "elem":  # broadcast a per-leaf value
+                value = f"tl.full([BLOCK], 0.0, tl.float32) + {node}"
+            lines.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]})"
+                         f"{masks['SMASK']})")
+        bodies.append(lines)
+    lines = _prelude(roles, dtypes, variant.aligned) + _split_blocks(*bodies)
+    sig = _signature(roles, [], len(traced.graph.scalars), variant.scalar_args)
+    return _kernel("ftopt_main", sig, lines)
 
 
-def reduction_source(traced: TracedChain, level: int, p_dtype, g_dtype) -> str:
+def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
     reductions = level_reductions(traced, level)
     roles = input_roles(traced)
-    dtypes = _role_dtypes(traced, p_dtype, g_dtype)
-    lines = _prelude(roles, dtypes)
-    lines += _body_lines(traced.graph.closure([r.source for r in reductions]))
-    for j, red in enumerate(reductions):
-        x = red.source
-        lines.append(f"tl.store(partials_ptr + pid * {len(reductions)} + {j}, "
-                     f"tl.sum(tl.where(in_range, {x} * {x}, 0.0)))")
-    return _kernel(f"ftopt_reduce_{level}", _signature(roles, ["partials_ptr"]), lines)
+    dtypes = _role_dtypes(traced, variant)
+    nodes = traced.graph.closure([r.source for r in reductions])
+    bodies = []
+    for tail in (False, True):
+        lines = _body_lines(nodes, _masks(traced, tail), variant.scalar_args)
+        for j, red in enumerate(reductions):
+            x = red.source
+            square = f"({x} * {x} + tl.zeros([BLOCK], tl.float32))"
+            if tail:
+                square = f"tl.where(in_range, {square}, 0.0)"
+            lines.append(f"tl.store(partials_ptr + pid * {len(reductions)} + {j}, "
+                         f"tl.sum({square}))")
+        bodies.append(lines)
+    lines = _prelude(roles, dtypes, variant.aligned) + _split_blocks(*bodies)
+    sig = _signature(roles, ["partials_ptr"], len(traced.graph.scalars), variant.scalar_args)
+    return _kernel(f"ftopt_reduce_{level}", sig, lines)
 
 
 def level_reductions(traced: TracedChain, level: int) -> list[Reduction]:

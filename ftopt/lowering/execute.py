@@ -41,18 +41,15 @@ def _advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool):
     return steps, new_counts
 
 
-def _scalar_buffer(plan: ChainPlan, steps, device) -> torch.Tensor:
+def _scalars(plan: ChainPlan, traced, steps, device) -> list[float] | torch.Tensor:
+    """Per-step scalars: kernel arguments when all are host numbers, else a device buffer
+    computed with torch ops (no host synchronisation; capturable in a CUDA graph)."""
     per_stage = [step_scalars(stage.rule, *step) for stage, step in zip(plan.stages, steps)]
-    values = [per_stage[i][name] for i, name in plan.traced.graph.scalars]
-    if not values:
-        return torch.zeros(1, dtype=torch.float32, device=device)
+    values = [per_stage[i][name] for i, name in traced.graph.scalars]
     if any(isinstance(v, torch.Tensor) for v in values):
         return torch.stack([torch.as_tensor(v, device=device).to(torch.float32).reshape(())
                             for v in values])
-    host = torch.tensor(values, dtype=torch.float64).to(torch.float32)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return [float(v) for v in values]
 
 
 class PreparedStep:
@@ -60,7 +57,8 @@ class PreparedStep:
 
     def __init__(self, plan: ChainPlan, paths, p_flat, g_flat, slot_flat, p_out, slot_out,
                  active, params, donate: bool):
-        traced = plan.traced
+        traced = plan.traced(donate)
+        self.traced = traced
         self.plan = plan
         self.donate = donate
         self.active = active
@@ -80,6 +78,7 @@ class PreparedStep:
                 roles[f"st{stage_i}_{name}_in"] = [slot_flat[stage_i][name][i] for i in leaves]
                 roles[f"st{stage_i}_{name}_out"] = [slot_out[stage_i][name][i] for i in leaves]
             group.addresses = {r: _addresses(ts, self.device) for r, ts in roles.items()}
+            group.aligned = all(t.data_ptr() % 16 == 0 for ts in roles.values() for t in ts)
             rows = [[1.0 if masks[i] is None or masks[i][leaf] else 0.0
                      for i, _ in traced.graph.leaf_values] for leaf in leaves] or [[0.0]]
             group.leaf_values = torch.tensor(rows, dtype=torch.float32).reshape(-1).to(
@@ -104,12 +103,15 @@ class PreparedStep:
             if g is not None and ((g.shape, g.dtype) != meta or not g.is_contiguous()):
                 return False
         for group in self.groups:
-            group.addresses["g"] = _addresses([g_flat[i] for i in group.leaves], self.device)
+            grads = [g_flat[i] for i in group.leaves]
+            if group.aligned and any(g.data_ptr() % 16 for g in grads):
+                return False
+            group.addresses["g"] = _addresses(grads, self.device)
         self.grad_leaves = list(g_flat)
         return True
 
-    def launch(self, scalars: torch.Tensor) -> None:
-        traced = self.plan.traced
+    def launch(self, scalars) -> None:
+        traced = self.traced
         leaf_bufs, global_buf = launch.run_reductions(traced, self.groups, scalars,
                                                       self.device)
         launch.run_main(traced, self.groups, scalars, leaf_bufs, global_buf)
@@ -138,7 +140,7 @@ def fast_step(plan: ChainPlan, params, grads, state):
     if not prepared.refresh_grads(g_flat):
         return None
     steps, _ = _advance_counts(plan, prepared.counts, True, _uses_tensors(plan))
-    prepared.launch(_scalar_buffer(plan, steps, prepared.device))
+    prepared.launch(_scalars(plan, prepared.traced, steps, prepared.device))
     return params, state
 
 
@@ -160,7 +162,7 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
     if active:
         prepared = PreparedStep(plan, paths, p_flat, g_flat, slot_flat, p_out, slot_out,
                                 active, params, donate)
-        prepared.launch(_scalar_buffer(plan, steps, device))
+        prepared.launch(_scalars(plan, prepared.traced, steps, device))
         if donate:
             prepared.spec = spec
             prepared.counts = counts

@@ -49,7 +49,7 @@ def explain(tx, params, grads=None, *, backend: str = "auto", file=None) -> str:
         if reason is not None:
             lines.append(f"  path: eager ({reason})")
             continue
-        traced = plan.traced
+        traced = plan.traced(donate=False)
         p_bytes = _DTYPE_BYTES[p_dtype]
         g_bytes = _DTYPE_BYTES[g_dtype]
         slots = len(traced.slot_roles)

@@ -79,13 +79,30 @@ class GroupLaunch:
     addresses: dict[str, torch.Tensor] = field(default_factory=dict)
     leaf_values: torch.Tensor | None = None
 
+    aligned: bool = False
+
     def args(self, roles, scalars, reductions, global_reductions) -> list:
+        """``scalars``: a list of floats (kernel arguments) or a device buffer."""
         w = self.work
+        scalar_args = scalars if isinstance(scalars, list) else [scalars]
         return [w.block_leaf, w.block_start, w.numel, *[self.addresses[r] for r in roles],
-                scalars, self.leaf_values, reductions, global_reductions]
+                *scalar_args, self.leaf_values, reductions, global_reductions]
+
+    def variant(self, scalars) -> codegen.Variant:
+        return codegen.Variant(self.p_dtype, self.g_dtype, self.aligned,
+                               isinstance(scalars, list))
+
+
+@lru_cache(maxsize=256)
+def _constants_cached(traced) -> tuple:
+    return tuple(_constants_dict(traced).items())
 
 
 def _constants(traced) -> dict:
+    return dict(_constants_cached(traced))
+
+
+def _constants_dict(traced) -> dict:
     return {
         "N_LEAF_VALUES": max(len(traced.graph.leaf_values), 1),
         "N_REDUCTIONS": max(len(traced.graph.reductions), 1),
@@ -95,17 +112,19 @@ def _constants(traced) -> dict:
 
 
 @lru_cache(maxsize=256)
-def _kernel(traced, kind: str, level: int, p_dtype, g_dtype):
+def _kernel(traced, kind: str, level: int, variant: codegen.Variant):
     if kind == "main":
-        return codegen.compile_source(codegen.main_source(traced, p_dtype, g_dtype),
-                                      "ftopt_main")
-    source = codegen.reduction_source(traced, level, p_dtype, g_dtype)
+        return codegen.compile_source(codegen.main_source(traced, variant), "ftopt_main")
+    source = codegen.reduction_source(traced, level, variant)
     return codegen.compile_source(source, f"ftopt_reduce_{level}")
 
 
 def run_reductions(traced, groups: list[GroupLaunch], scalars, device):
     """Per-leaf reduction buffers of every group and the global buffer, level by level."""
     n_red = max(len(traced.graph.reductions), 1)
+    if traced.levels == 0:
+        dummy = _dummy(device)
+        return [dummy] * len(groups), dummy
     global_buf = torch.zeros(n_red, dtype=torch.float32, device=device)
     leaf_bufs = [torch.zeros(g.work.num_leaves * n_red, dtype=torch.float32, device=device)
                  for g in groups]
@@ -116,7 +135,7 @@ def run_reductions(traced, groups: list[GroupLaunch], scalars, device):
             w = group.work
             if w.num_blocks == 0:
                 continue
-            kernel = _kernel(traced, "reduce", level, group.p_dtype, group.g_dtype)
+            kernel = _kernel(traced, "reduce", level, group.variant(scalars))
             partials = torch.empty(w.num_blocks * len(reds), dtype=torch.float32,
                                    device=device)
             kernel[(w.num_blocks,)](*group.args(roles, scalars, buf, global_buf), partials,
@@ -135,12 +154,17 @@ def run_reductions(traced, groups: list[GroupLaunch], scalars, device):
     return leaf_bufs, global_buf
 
 
+@lru_cache(maxsize=16)
+def _dummy(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
 def run_main(traced, groups: list[GroupLaunch], scalars, leaf_bufs, global_buf):
     roles = codegen.input_roles(traced) + codegen.output_roles(traced)
     for group, buf in zip(groups, leaf_bufs):
         w = group.work
         if w.num_blocks == 0:
             continue
-        kernel = _kernel(traced, "main", 0, group.p_dtype, group.g_dtype)
+        kernel = _kernel(traced, "main", 0, group.variant(scalars))
         kernel[(w.num_blocks,)](*group.args(roles, scalars, buf, global_buf),
                                 **_constants(traced))

@@ -33,15 +33,15 @@ class ChainPlan:
     skips: list[bool] = field(default_factory=list)
     reason: str | None = None
     prepared: object = None  # the last donated step's tables (see execute.PreparedStep)
-    _traced: object = None
+    _traced: dict = field(default_factory=dict)
 
-    @property
-    def traced(self):
-        if self._traced is None:
+    def traced(self, donate: bool = False):
+        """The chain's graph (donated steps may skip loads of zero-gradient lanes)."""
+        if donate not in self._traced:
             from ftopt.lowering.codegen import trace_chain
 
-            self._traced = trace_chain(self.stages, self.skips)
-        return self._traced
+            self._traced[donate] = trace_chain(self.stages, self.skips, donate)
+        return self._traced[donate]
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
