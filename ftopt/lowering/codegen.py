@@ -83,6 +83,9 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool) ->
     p_new = p + u
     traced.stores.append(("p_out", p_new.name))
     traced.levels = max((r.level for r in g.reductions), default=0)
+    if in_place and g.reductions:
+        # Norms (of p, say) need every lane loaded: select old values instead.
+        return trace_chain(stages, skips, donate=False)
     return traced
 
 
