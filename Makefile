@@ -16,7 +16,7 @@ demo: $(VENV)/.ready
 	$(PY) -m ftopt.demo
 
 test: $(VENV)/.ready
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	$(PY) -m pytest -q
 
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check ftopt tests benchmarks

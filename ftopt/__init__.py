@@ -12,6 +12,7 @@ from ftopt.combine import (
     partition,
     skip_zeros,
 )
+from ftopt.lowering.explain import explain
 from ftopt.quantize import quantize_states
 from ftopt.schedules import (
     ademamix_alpha_warmup,
@@ -48,7 +49,6 @@ from ftopt.transforms import (
     trace,
     weight_decay,
 )
-from ftopt.lowering.explain import explain
 from ftopt.update import apply_updates, step
 
 __version__ = "0.1.0"

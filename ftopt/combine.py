@@ -159,10 +159,12 @@ class MaskedState(NamedTuple):
     inner_state: Any
 
 
-def _select(tree, mask_tree):
+def _select(tree, mask_tree, what: str = "updates"):
     # Walk the mask (shaped like the params): ``tree`` may hold ``None`` where the params
     # hold a tensor (a leaf with no gradient), which then stays ``None``.
-    return tree_lib.map(lambda m, x: x if m else None, mask_tree, tree)
+    paths, flat_mask, spec = tree_lib.flatten_with_paths(mask_tree)
+    flat = tree_lib.flatten_like(spec, tree, what, paths)
+    return tree_lib.unflatten(spec, [x if m else None for x, m in zip(flat, flat_mask)])
 
 
 class Masked:
@@ -195,9 +197,9 @@ class Masked:
             raise ValueError(f"masked expects a MaskedState, got {type(state).__name__}")
         mask = self._mask_for(params if params is not None else updates)
         sub = _select(updates, mask)
-        sub_params = _select(params, mask) if params is not None else None
+        sub_params = _select(params, mask, "params") if params is not None else None
         if extra.get("zero_mask") is not None:
-            extra = {**extra, "zero_mask": _select(extra["zero_mask"], mask)}
+            extra = {**extra, "zero_mask": _select(extra["zero_mask"], mask, "zero_mask")}
         new_sub, inner_state = self.inner.update(sub, state.inner_state, sub_params, **extra)
         return _fill(new_sub, updates), MaskedState(inner_state)
 
@@ -225,6 +227,60 @@ class PartitionState(NamedTuple):
     inner_states: Any
 
 
+class Partition:
+    """Applies ``transforms[label]`` to the leaves carrying ``label`` (see :func:`partition`).
+
+    An object (like :class:`Masked`) so that :func:`ftopt.quantize_states` can rebuild the
+    inner transforms.
+    """
+
+    def __init__(self, transforms: Mapping[Any, GradientTransformation],
+                 param_labels: Any | Callable[[Any], Any]):
+        self.labels = list(transforms)
+        self.user_transforms = dict(transforms)
+        self.param_labels = param_labels
+        self.inner = {label: masked(tx, self._mask_for(label))
+                      for label, tx in transforms.items()}
+
+    @property
+    def transforms(self) -> tuple[GradientTransformation, ...]:
+        return tuple(self.user_transforms[label] for label in self.labels)
+
+    def rebuild(self, transforms: Sequence[GradientTransformation]) -> GradientTransformation:
+        obj = Partition(dict(zip(self.labels, transforms)), self.param_labels)
+        return GradientTransformation(obj.init, obj.update)
+
+    def _labels_of(self, tree):
+        return self.param_labels(tree) if callable(self.param_labels) else self.param_labels
+
+    def _mask_for(self, label):
+        return lambda tree: tree_lib.map(lambda lab: lab == label, self._labels_of(tree))
+
+    def _check(self, tree):
+        missing = set(tree_lib.leaves(self._labels_of(tree))) - set(self.user_transforms)
+        if missing:
+            raise ValueError(f"partition: labels {sorted(map(str, missing))} have no "
+                             "transform")
+
+    def init(self, params):
+        self._check(params)
+        return PartitionState({k: t.init(params) for k, t in self.inner.items()})
+
+    def update(self, updates, state, params=None, **extra):
+        if not isinstance(state, PartitionState) or not isinstance(state.inner_states, Mapping) \
+                or set(state.inner_states) != set(self.labels):
+            got = (f"PartitionState with {_describe(state.inner_states)}"
+                   if isinstance(state, PartitionState) else _describe(state))
+            raise ValueError(f"partition expects a PartitionState with labels {self.labels}, "
+                             f"got {got}")
+        self._check(params if params is not None else updates)
+        new_states = {}
+        for label, tx in self.inner.items():
+            updates, new_states[label] = tx.update(updates, state.inner_states[label], params,
+                                                   **extra)
+        return updates, PartitionState(new_states)
+
+
 def partition(
     transforms: Mapping[Any, GradientTransformation],
     param_labels: Any | Callable[[Any], Any],
@@ -234,29 +290,5 @@ def partition(
     ``param_labels`` is a pytree of labels like the params, or a function of the params
     returning one. Every leaf must carry a label present in ``transforms``.
     """
-    labels_of = param_labels if callable(param_labels) else (lambda _: param_labels)
-
-    def mask_for(label):
-        return lambda tree: tree_lib.map(lambda lab: lab == label, labels_of(tree))
-
-    def check(tree):
-        missing = {lab for lab in tree_lib.leaves(labels_of(tree))} - set(transforms)
-        if missing:
-            raise ValueError(f"partition: labels {sorted(map(str, missing))} have no "
-                             "transform")
-
-    inner = {label: masked(tx, mask_for(label)) for label, tx in transforms.items()}
-
-    def init(params):
-        check(params)
-        return PartitionState({k: t.init(params) for k, t in inner.items()})
-
-    def update(updates, state, params=None, **extra):
-        check(params if params is not None else updates)
-        new_states = {}
-        for label, tx in inner.items():
-            updates, new_states[label] = tx.update(updates, state.inner_states[label], params,
-                                                   **extra)
-        return updates, PartitionState(new_states)
-
-    return GradientTransformation(init, update)
+    obj = Partition(transforms, param_labels)
+    return GradientTransformation(obj.init, obj.update)

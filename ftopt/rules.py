@@ -157,7 +157,10 @@ class RuleTransform:
         return x
 
     def init(self, params):
-        _, flat, spec = tree_lib.flatten_with_paths(params)
+        paths, flat, spec = tree_lib.flatten_with_paths(params)
+        if self.rule.slots or self.rule.counted:
+            for path, p in zip(paths, flat):
+                _check_param(path, p)
         values = {}
         if self.rule.counted:
             device = flat[0].device if flat else torch.device("cpu")
@@ -187,6 +190,9 @@ class RuleTransform:
     def update(self, updates, state, params=None, *, zero_mask=None, **extra):
         del extra
         rule = self.rule
+        if (rule.slots or rule.counted) and not isinstance(state, rule.state_class):
+            raise ValueError(f"{rule.name} expects a {rule.state_class.__name__} state, got "
+                             f"{type(state).__name__} (a state made by another transform?)")
         spec = optree.tree_structure(updates, none_is_leaf=True, namespace="ftopt")
         paths = [tree_lib.path_str(p) for p in optree.tree_paths(
             updates, none_is_leaf=True, namespace="ftopt")]
@@ -224,7 +230,10 @@ class RuleTransform:
         # The trees differ. The params are the reference: name what is wrong with the
         # updates (gradients) first, then what is wrong with the params.
         p_paths, _, p_spec = tree_lib.flatten_with_paths(params)
-        tree_lib.flatten_like(p_spec, updates, "updates", p_paths)
+        for path, u in zip(p_paths, tree_lib.flatten_like(p_spec, updates, "updates", p_paths)):
+            if u is not None and not isinstance(u, torch.Tensor):
+                raise TypeError(f"update at {path}: expected a tensor or None, got "
+                                f"{type(u).__name__}")
         return tree_lib.flatten_like(spec, params, "params", paths, against="updates")
 
     def _active_leaves(self, u_flat, p_flat, slots_flat, paths, params) -> list[int]:
@@ -336,18 +345,26 @@ def _check_leaf(path: str, u, p, slots: dict) -> None:
     if not u.is_floating_point():
         raise TypeError(f"update at {path}: expected a floating-point tensor, got {u.dtype}")
     if p is not None:
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"params at {path}: expected a tensor, got {type(p).__name__}")
-        if not p.is_floating_point():
-            raise TypeError(f"params at {path}: expected a floating-point tensor, got {p.dtype}")
+        _check_param(path, p)
         if p.shape != u.shape:
-            raise ValueError(f"params at {path}: shape {tuple(p.shape)} does not match the "
-                             f"update's shape {tuple(u.shape)}")
+            raise ValueError(f"update at {path}: shape {tuple(u.shape)} does not match the "
+                             f"param's shape: expected {tuple(p.shape)}")
     for name, s in slots.items():
         shape = s.codes.shape if isinstance(s, QuantizedSlot) else getattr(s, "shape", None)
         if shape != u.shape:
-            raise ValueError(f"state {name} at {path}: shape {shape} does not match the "
-                             f"update's shape {tuple(u.shape)}")
+            got = tuple(shape) if shape is not None else type(s).__name__
+            raise ValueError(f"state {name} at {path}: shape {got} does not match the "
+                             f"update's shape: expected {tuple(u.shape)}")
+        if isinstance(s, torch.Tensor) and not s.is_floating_point():
+            raise TypeError(f"state {name} at {path}: expected a floating-point tensor, got "
+                            f"{s.dtype}")
+
+
+def _check_param(path: str, p) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"params at {path}: expected a tensor, got {type(p).__name__}")
+    if not p.is_floating_point():
+        raise TypeError(f"params at {path}: expected a floating-point tensor, got {p.dtype}")
 
 
 def rule_transform(rule: Rule) -> GradientTransformation:

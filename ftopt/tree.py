@@ -104,6 +104,10 @@ def _diff(spec: optree.PyTreeSpec, tree: PyTree, path: tuple) -> str | None:
         return (f"expected a {spec.type.__name__} at {where}, got a leaf of type "
                 f"{type(tree).__name__}")
     want, got = list(spec.entries()), list(entries)
+    if type(tree) is not spec.type and not (
+        isinstance(tree, dict) and issubclass(spec.type, dict)
+    ):
+        return f"expected a {spec.type.__name__} at {where}, got a {type(tree).__name__}"
     sequence = all(isinstance(e, int) for e in want + got)
     if sequence and len(want) != len(got):
         return (f"expected a {spec.type.__name__} of length {len(want)} at {where}, got "
@@ -117,10 +121,6 @@ def _diff(spec: optree.PyTreeSpec, tree: PyTree, path: tuple) -> str | None:
         if extra:
             return (f"unexpected {path_str((*path, extra[0]))} (expected keys {want} at "
                     f"{where}, got {got})")
-    if type(tree) is not spec.type and not (
-        isinstance(tree, dict) and issubclass(spec.type, dict)
-    ):
-        return f"expected a {spec.type.__name__} at {where}, got a {type(tree).__name__}"
     for entry, child_spec in zip(want, spec.children()):
         found = _diff(child_spec, children[got.index(entry)], (*path, entry))
         if found is not None:

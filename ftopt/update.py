@@ -20,6 +20,10 @@ def _apply_leaf(path: str, p, u):
     if not isinstance(u, torch.Tensor) or not isinstance(p, torch.Tensor):
         raise TypeError(f"apply_updates at {path}: expected tensors, got "
                         f"{type(p).__name__} and {type(u).__name__}")
+    if not p.is_floating_point() or not u.is_floating_point():
+        which, t = ("param", p) if not p.is_floating_point() else ("update", u)
+        raise TypeError(f"apply_updates at {path}: expected a floating-point {which}, got "
+                        f"{t.dtype}")
     if u.shape != p.shape:
         raise ValueError(f"apply_updates at {path}: update shape {tuple(u.shape)} does not "
                          f"match param shape {tuple(p.shape)}")

@@ -27,7 +27,7 @@ def _uses_tensors(plan: ChainPlan) -> bool:
 def _advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool):
     """Per stage: (count, t) for its scalars and its new count tensor."""
     steps, new_counts = [], []
-    for stage, count_tensor in zip(plan.stages, counts):
+    for count_tensor in counts:
         if count_tensor is None:
             steps.append((None, None))
             new_counts.append(None)

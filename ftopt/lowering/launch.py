@@ -8,6 +8,7 @@ every leaf of the group.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -17,8 +18,12 @@ import triton.language as tl
 
 from ftopt.lowering import codegen
 
-BLOCK = 1024
-NUM_WARPS = 4
+# Elements per program and warps per program of every kernel (FTOPT_BLOCK and
+# FTOPT_NUM_WARPS override them, for tuning on new hardware).
+# Under the Triton interpreter every program costs Python time, so blocks are larger.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+BLOCK = int(os.environ.get("FTOPT_BLOCK", "4096" if _INTERPRETING else "1024"))
+NUM_WARPS = int(os.environ.get("FTOPT_NUM_WARPS", "4"))
 
 
 @triton.jit
@@ -37,10 +42,9 @@ def _leaf_sums(partials_ptr, first_block_ptr, num_blocks_ptr, out_ptr, N_PART: t
 
 
 def to_device(values: list[int], device: torch.device, dtype=torch.int64) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    # Small tables: a pageable copy is staged by the driver and does not wait for the
+    # device, while pinning a fresh buffer every step would cost far more.
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 @dataclass

@@ -1,0 +1,393 @@
+"""ftopt's aliases and bitsandbytes-table chains against the float64 references of reference.py.
+
+* fp32 params: >= 20 steps, fresh seeded random grads each step (10% exact zeros), through
+  ``tx.update`` + ``apply_updates`` and through ``ftopt.step(..., backend="eager")``; params
+  must match the float64 reference after every step to a relative 1e-6 (see FLOOR), and the
+  updates returned by ``tx.update`` must match the reference's update to a relative 1e-5.
+* fp16 / bf16 params (fp32 state): one step from the same start equals the float64 reference
+  rounded once to the 16-bit type within 1 ulp; over 10 steps, with the reference re-fed
+  ftopt's 16-bit params before each step, within 1 ulp at every step.
+* fp32 ftopt against torch.optim in fp32 over 20 steps, relative 1e-5.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import reference as R
+import torch
+
+import ftopt
+
+SHAPES = {"w": (7, 5), "b": (33,), "s": (), "t": (4, 3, 2), "z": (6,)}
+ZERO_INIT = "z"  # starts at exactly 0: trust ratio 1 where |p| = 0, clip limit 0 where |p| = 0
+STEPS = 20
+STEPS_16 = 10
+SEED = 20240611
+ZERO_FRAC = 0.1  # exact-zero grads: exercise sign(0) = 0 (Lion) and "where s > 0" (adagrad)
+
+# Tolerance |a - b| <= RTOL * max(|b|, FLOOR).  FLOOR = 1.0 is the scale of the params (drawn from
+# N(0, 1)): fp32 rounding of p + u happens at the magnitude of the parameter, so an element that
+# drifts near 0 still carries absolute error ~1e-7 from earlier steps; dividing that by its tiny
+# |b| would flag correct code.  The updates are 1e-3..1e-2 per step, so any error in the update
+# math above ~1e-4 relative still shows up at this tolerance, and the direct update comparison
+# below is relative to each leaf's largest update.
+RTOL = 1e-6
+FLOOR = 1.0
+UPDATE_RTOL = 1e-5
+TORCH_RTOL = 1e-5
+
+sc = ftopt  # short alias for the chains below
+
+CASES = {
+    # ---- optax aliases (non-default hyperparameters; weight decay > 0 where the alias has it)
+    "sgd": (lambda: ftopt.sgd(0.05), lambda: R.RefSGD(0.05)),
+    "sgd_momentum": (
+        lambda: ftopt.sgd(0.05, momentum=0.8),
+        lambda: R.RefSGD(0.05, momentum=0.8),
+    ),
+    "sgd_nesterov": (
+        lambda: ftopt.sgd(0.05, momentum=0.8, nesterov=True),
+        lambda: R.RefSGD(0.05, momentum=0.8, nesterov=True),
+    ),
+    "adam": (
+        lambda: ftopt.adam(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-4),
+        lambda: R.RefAdam(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-4),
+    ),
+    "adam_nesterov": (
+        lambda: ftopt.adam(0.01, b1=0.85, b2=0.97, eps=1e-4, nesterov=True),
+        lambda: R.RefAdam(0.01, b1=0.85, b2=0.97, eps=1e-4, nesterov=True),
+    ),
+    "adamw": (
+        lambda: ftopt.adamw(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-5, weight_decay=0.1),
+        lambda: R.RefAdamW(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-5, weight_decay=0.1),
+    ),
+    "adamw_nesterov": (
+        lambda: ftopt.adamw(0.01, b1=0.85, b2=0.99, eps=1e-4, weight_decay=0.2, nesterov=True),
+        lambda: R.RefAdamW(0.01, b1=0.85, b2=0.99, eps=1e-4, weight_decay=0.2, nesterov=True),
+    ),
+    "lion": (
+        lambda: ftopt.lion(0.01, b1=0.8, b2=0.95, weight_decay=0.3),
+        lambda: R.RefLion(0.01, b1=0.8, b2=0.95, weight_decay=0.3),
+    ),
+    "rmsprop": (
+        lambda: ftopt.rmsprop(0.01, decay=0.8, eps=1e-3, initial_scale=0.5),
+        lambda: R.RefRMSprop(0.01, decay=0.8, eps=1e-3, initial_scale=0.5),
+    ),
+    "rmsprop_eps_outside": (
+        lambda: ftopt.rmsprop(0.01, decay=0.95, eps=1e-3, eps_in_sqrt=False),
+        lambda: R.RefRMSprop(0.01, decay=0.95, eps=1e-3, eps_in_sqrt=False),
+    ),
+    "rmsprop_momentum": (
+        lambda: ftopt.rmsprop(0.01, decay=0.9, eps=1e-2, initial_scale=0.1, momentum=0.7),
+        lambda: R.RefRMSprop(0.01, decay=0.9, eps=1e-2, initial_scale=0.1, momentum=0.7),
+    ),
+    "rmsprop_nesterov": (
+        lambda: ftopt.rmsprop(0.01, decay=0.9, eps=1e-3, eps_in_sqrt=False, momentum=0.6,
+                              nesterov=True),
+        lambda: R.RefRMSprop(0.01, decay=0.9, eps=1e-3, eps_in_sqrt=False, momentum=0.6,
+                             nesterov=True),
+    ),
+    "adagrad": (
+        lambda: ftopt.adagrad(0.1, initial_accumulator_value=0.3, eps=1e-3),
+        lambda: R.RefAdagrad(0.1, initial_accumulator_value=0.3, eps=1e-3),
+    ),
+    "adagrad_iav0": (
+        lambda: ftopt.adagrad(0.1, initial_accumulator_value=0.0, eps=1e-4),
+        lambda: R.RefAdagrad(0.1, initial_accumulator_value=0.0, eps=1e-4),
+    ),
+    "adagrad_iav0_eps0": (  # s == 0 for never-nonzero grads: u must be 0 there, not 0/0
+        lambda: ftopt.adagrad(0.1, initial_accumulator_value=0.0, eps=0.0),
+        lambda: R.RefAdagrad(0.1, initial_accumulator_value=0.0, eps=0.0),
+    ),
+    "lamb": (
+        lambda: ftopt.lamb(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-5, weight_decay=0.1),
+        lambda: R.RefLamb(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-5, weight_decay=0.1),
+    ),
+    "lars": (
+        lambda: ftopt.lars(0.5, weight_decay=0.1, trust_coefficient=0.02, eps=0.01, momentum=0.8),
+        lambda: R.RefLars(0.5, weight_decay=0.1, trust_coefficient=0.02, eps=0.01, momentum=0.8),
+    ),
+    "lars_nesterov": (
+        lambda: ftopt.lars(0.5, weight_decay=0.05, trust_coefficient=0.03, momentum=0.7,
+                           nesterov=True),
+        lambda: R.RefLars(0.5, weight_decay=0.05, trust_coefficient=0.03, momentum=0.7,
+                          nesterov=True),
+    ),
+    "ademamix": (
+        lambda: ftopt.ademamix(0.01, b1=0.8, b2=0.95, b3=0.99, alpha=3.0, eps=1e-3,
+                               eps_root=1e-5, weight_decay=0.1),
+        lambda: R.RefAdEMAMix(0.01, b1=0.8, b2=0.95, b3=0.99, alpha=3.0, eps=1e-3,
+                              eps_root=1e-5, weight_decay=0.1),
+    ),
+    # ---- bitsandbytes rows of SPEC §4 (Adam/AdamW, AdEMAMix, Lion rows are the aliases above)
+    "bnb_sgd": (
+        lambda: sc.chain(sc.add_decayed_weights(0.05), sc.trace(decay=0.7),
+                         sc.scale_by_learning_rate(0.05)),
+        lambda: R.RefBnbSGD(0.05, momentum=0.7, weight_decay=0.05),
+    ),
+    "bnb_rmsprop": (
+        lambda: sc.chain(sc.add_decayed_weights(0.1),
+                         sc.scale_by_rms(decay=0.9, eps=1e-3, eps_in_sqrt=False),
+                         sc.scale_by_learning_rate(0.01)),
+        lambda: R.RefBnbRMSprop(0.01, alpha=0.9, eps=1e-3, weight_decay=0.1),
+    ),
+    "bnb_adagrad": (
+        lambda: sc.chain(sc.add_decayed_weights(0.1),
+                         sc.scale_by_rss(initial_accumulator_value=0.0, eps=1e-3,
+                                         eps_in_sqrt=False),
+                         sc.scale_by_learning_rate(0.1)),
+        lambda: R.RefBnbAdagrad(0.1, eps=1e-3, weight_decay=0.1),
+    ),
+    "bnb_lamb": (
+        lambda: sc.chain(sc.scale_by_adam(b1=0.8, b2=0.95, eps=1e-3),
+                         sc.clip_by_param_norm_ratio(0.8), sc.add_decayed_weights(0.1),
+                         sc.scale_by_learning_rate(0.01)),
+        lambda: R.RefBnbLamb(0.01, b1=0.8, b2=0.95, eps=1e-3, weight_decay=0.1, max_unorm=0.8),
+    ),
+    "bnb_lars": (
+        lambda: sc.chain(sc.add_decayed_weights(0.1), sc.trace(decay=0.8),
+                         sc.clip_by_param_norm_ratio(0.2), sc.scale_by_learning_rate(0.5)),
+        lambda: R.RefBnbLars(0.5, momentum=0.8, weight_decay=0.1, max_unorm=0.2),
+    ),
+}
+
+NAMES = sorted(CASES)
+PATHS = ["update", "step_eager"]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _params(gen, dtype):
+    out = {k: torch.randn(s, generator=gen).to(dtype) for k, s in SHAPES.items()}
+    out[ZERO_INIT] = torch.zeros(SHAPES[ZERO_INIT], dtype=dtype)
+    return out
+
+
+def _grads(gen, dtype):
+    out = {}
+    for k, s in SHAPES.items():
+        g = 0.1 * torch.randn(s, generator=gen)
+        g = torch.where(torch.rand(s, generator=gen) < ZERO_FRAC, 0.0, g)
+        out[k] = g.to(dtype)
+    return out
+
+
+def _ftopt_step(tx, params, grads, state, path):
+    """Returns (new_params, new_state, updates or None)."""
+    if path == "update":
+        updates, state = tx.update(grads, state, params)
+        return ftopt.apply_updates(params, updates), state, updates
+    new_params, state = ftopt.step(tx, params, grads, state, backend="eager")
+    return new_params, state, None
+
+
+def _check_dtypes(params, dtype):
+    assert set(params) == set(SHAPES)
+    for k, v in params.items():
+        assert v.dtype == dtype, (k, v.dtype)
+        assert tuple(v.shape) == SHAPES[k], (k, v.shape)
+
+
+def _update_err(updates, ref_updates):
+    """max|u - u_ref| / max|u_ref|, both maxima over the whole tree.
+
+    The scale is tree-wide, not per leaf: a 0-d leaf whose adam direction nearly cancels its
+    decay term (u ~ 1e-5 * lr) carries fp32 cancellation error that is tiny in absolute terms
+    but not relative to its own size.
+    """
+    scale = max(float(ur.abs().max()) for ur in ref_updates.values() if ur.numel())
+    worst = 0.0
+    for k, ur in ref_updates.items():
+        u = updates[k].detach().to(torch.float64)
+        if not bool(torch.isfinite(u).all()):
+            return float("inf")
+        if ur.numel():
+            worst = max(worst, float((u - ur).abs().max()) / scale)
+    return worst
+
+
+def _ordered(x):
+    """16-bit floats -> integers that are consecutive for consecutive representable values."""
+    i = x.contiguous().view(torch.int16).to(torch.int32)
+    return torch.where(i < 0, -(i & 0x7FFF), i)
+
+
+def _max_ulp(actual, expected):
+    worst = 0
+    for k, b in expected.items():
+        a = actual[k]
+        assert a.dtype == b.dtype, (k, a.dtype, b.dtype)
+        assert bool(torch.isfinite(a).all()), k
+        worst = max(worst, int((_ordered(a) - _ordered(b)).abs().max()))
+    return worst
+
+
+def _run_fp32(name, path, make_ref=None):
+    make_tx, default_ref = CASES[name]
+    gen = torch.Generator().manual_seed(SEED)
+    params = _params(gen, torch.float32)
+    start = {k: v.clone() for k, v in params.items()}
+    tx, ref = make_tx(), (make_ref or default_ref)()
+    state = tx.init(params)
+    rparams = {k: v.to(torch.float64) for k, v in params.items()}
+    for step in range(1, STEPS + 1):
+        grads = _grads(gen, torch.float32)
+        params, state, updates = _ftopt_step(tx, params, grads, state, path)
+        rparams = ref.step(rparams, grads)
+        _check_dtypes(params, torch.float32)
+        err = R.max_rel_err(params, rparams, FLOOR)
+        assert err <= RTOL, f"{name}/{path} step {step}: param rel err {err:.3e}"
+        if updates is not None:
+            uerr = _update_err(updates, ref.last_update)
+            assert uerr <= UPDATE_RTOL, f"{name} step {step}: update rel err {uerr:.3e}"
+    # the run moved the params well beyond the tolerance (the comparison is not vacuous)
+    assert R.max_rel_err(params, start, FLOOR) > 1e-3
+    return ref
+
+
+# --------------------------------------------------------------------------- fp32 vs reference
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", NAMES)
+def test_fp32_matches_reference(name, path):
+    ref = _run_fp32(name, path)
+    if name in ("bnb_lamb", "bnb_lars"):  # both branches of clip_by_param_norm_ratio were taken
+        assert any(ref.clip_log) and not all(ref.clip_log), ref.clip_log
+
+
+@pytest.mark.parametrize(
+    "name, wrong_ref",
+    [
+        # weight decay off by 1%
+        ("adamw", lambda: R.RefAdamW(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-5,
+                                     weight_decay=0.101)),
+        # eps inside the sqrt instead of outside
+        ("rmsprop_eps_outside", lambda: R.RefRMSprop(0.01, decay=0.95, eps=1e-3)),
+        # the LARS row without its clip (plain SGD momentum with coupled decay)
+        ("bnb_lars", lambda: R.RefBnbSGD(0.5, momentum=0.8, weight_decay=0.1)),
+    ],
+)
+def test_tolerance_catches_small_mistakes(name, wrong_ref):
+    """The fp32 comparison is sharp enough to reject slightly wrong math."""
+    with pytest.raises(AssertionError):
+        _run_fp32(name, "update", make_ref=wrong_ref)
+
+
+# --------------------------------------------------------------------------- 16-bit params
+
+
+DTYPES_16 = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES_16, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", NAMES)
+def test_16bit_one_step_rounds_once(name, dtype, path):
+    make_tx, make_ref = CASES[name]
+    gen = torch.Generator().manual_seed(SEED + 1)
+    params, grads = _params(gen, dtype), _grads(gen, dtype)
+    tx, ref = make_tx(), make_ref()
+    state = tx.init(params)
+    new, state, _ = _ftopt_step(tx, params, grads, state, path)
+    _check_dtypes(new, dtype)
+    leaves = optree.tree_leaves(state)
+    float_states = [x for x in leaves if torch.is_tensor(x) and x.is_floating_point()]
+    assert all(x.dtype == torch.float32 for x in float_states)  # fp32 state (sgd: none)
+    expected = {k: v.to(dtype) for k, v in ref.step(params, grads).items()}
+    assert _max_ulp(new, expected) <= 1
+    assert any(not torch.equal(new[k], params[k]) for k in params)  # the step did something
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES_16, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", NAMES)
+def test_16bit_resynced_steps(name, dtype, path):
+    make_tx, make_ref = CASES[name]
+    gen = torch.Generator().manual_seed(SEED + 2)
+    params = _params(gen, dtype)
+    tx, ref = make_tx(), make_ref()
+    state = tx.init(params)
+    for step in range(1, STEPS_16 + 1):
+        grads = _grads(gen, dtype)
+        # the reference starts each step from ftopt's current 16-bit params (resync)
+        expected = {k: v.to(dtype) for k, v in ref.step(params, grads).items()}
+        params, state, _ = _ftopt_step(tx, params, grads, state, path)
+        _check_dtypes(params, dtype)
+        ulps = _max_ulp(params, expected)
+        assert ulps <= 1, f"{name}/{dtype}/{path} step {step}: {ulps} ulp"
+
+
+# --------------------------------------------------------------------------- vs torch.optim fp32
+
+TORCH_CASES = {
+    "adam": (
+        lambda: ftopt.adam(0.01, b1=0.8, b2=0.95, eps=1e-3),
+        lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.8, 0.95), eps=1e-3),
+    ),
+    "adamw": (
+        lambda: ftopt.adamw(0.01, b1=0.85, b2=0.99, eps=1e-4, weight_decay=0.2),
+        lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(0.85, 0.99), eps=1e-4, weight_decay=0.2),
+    ),
+    "sgd_momentum": (
+        lambda: ftopt.sgd(0.05, momentum=0.8),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.8),
+    ),
+    "sgd_nesterov": (
+        lambda: ftopt.sgd(0.05, momentum=0.8, nesterov=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.8, nesterov=True),
+    ),
+    "rmsprop": (
+        lambda: ftopt.rmsprop(0.01, decay=0.9, eps=1e-3, eps_in_sqrt=False),
+        lambda ps: torch.optim.RMSprop(ps, lr=0.01, alpha=0.9, eps=1e-3),
+    ),
+    "rmsprop_momentum": (
+        lambda: ftopt.rmsprop(0.01, decay=0.95, eps=1e-3, eps_in_sqrt=False, momentum=0.6),
+        lambda ps: torch.optim.RMSprop(ps, lr=0.01, alpha=0.95, eps=1e-3, momentum=0.6),
+    ),
+    "adagrad_eps0": (  # eps = 0: optax's "inside the sqrt" equals torch's "outside"
+        lambda: ftopt.adagrad(0.1, initial_accumulator_value=0.2, eps=0.0),
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1, initial_accumulator_value=0.2, eps=0.0),
+    ),
+    "bnb_sgd": (
+        lambda: sc.chain(sc.add_decayed_weights(0.05), sc.trace(decay=0.7),
+                         sc.scale_by_learning_rate(0.05)),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.7, weight_decay=0.05),
+    ),
+    "bnb_rmsprop": (
+        lambda: sc.chain(sc.add_decayed_weights(0.1),
+                         sc.scale_by_rms(decay=0.9, eps=1e-3, eps_in_sqrt=False),
+                         sc.scale_by_learning_rate(0.01)),
+        lambda ps: torch.optim.RMSprop(ps, lr=0.01, alpha=0.9, eps=1e-3, weight_decay=0.1),
+    ),
+    "bnb_adagrad": (
+        lambda: sc.chain(sc.add_decayed_weights(0.1),
+                         sc.scale_by_rss(initial_accumulator_value=0.0, eps=1e-3,
+                                         eps_in_sqrt=False),
+                         sc.scale_by_learning_rate(0.1)),
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1, weight_decay=0.1, eps=1e-3),
+    ),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", sorted(TORCH_CASES))
+def test_fp32_matches_torch_optim(name, path):
+    make_tx, make_torch = TORCH_CASES[name]
+    gen = torch.Generator().manual_seed(SEED + 3)
+    params = _params(gen, torch.float32)
+    tparams = [torch.nn.Parameter(params[k].clone()) for k in SHAPES]
+    opt = make_torch(tparams)
+    tx = make_tx()
+    state = tx.init(params)
+    for step in range(1, STEPS + 1):
+        grads = _grads(gen, torch.float32)
+        for k, p in zip(SHAPES, tparams):
+            p.grad = grads[k].clone()
+        opt.step()
+        params, state, _ = _ftopt_step(tx, params, grads, state, path)
+        expected = {k: p.detach() for k, p in zip(SHAPES, tparams)}
+        err = R.max_rel_err(params, expected, FLOOR)
+        assert err <= TORCH_RTOL, f"{name}/{path} step {step}: rel err {err:.3e}"

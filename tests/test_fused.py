@@ -1,0 +1,261 @@
+"""The fused backend against the eager one (under TRITON_INTERPRET=1 on the CPU).
+
+Small sizes: every kernel runs in the Triton interpreter here. On a GPU machine the same
+tests run the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftopt
+from ftopt.lowering import codegen
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+CHAINS = {
+    "sgd": lambda: ftopt.sgd(0.05),
+    "sgd_momentum": lambda: ftopt.sgd(0.05, momentum=0.9),
+    "sgd_nesterov": lambda: ftopt.sgd(0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: ftopt.adam(0.01, b1=0.8, b2=0.95),
+    "adam_nesterov": lambda: ftopt.adam(0.01, nesterov=True, eps_root=1e-9),
+    "adamw": lambda: ftopt.adamw(0.01, weight_decay=0.1),
+    "lion": lambda: ftopt.lion(0.003, weight_decay=0.1),
+    "rmsprop": lambda: ftopt.rmsprop(0.01, decay=0.95, initial_scale=0.1),
+    "rmsprop_momentum": lambda: ftopt.rmsprop(0.01, momentum=0.9, eps_in_sqrt=False),
+    "adagrad": lambda: ftopt.adagrad(0.05),
+    "lamb": lambda: ftopt.lamb(0.01, weight_decay=0.1),
+    "lars": lambda: ftopt.lars(0.1, weight_decay=0.01),
+    "ademamix": lambda: ftopt.ademamix(0.01, weight_decay=0.1, b3=0.99, alpha=3.0),
+    "bnb_sgd": lambda: ftopt.chain(ftopt.add_decayed_weights(0.01), ftopt.trace(0.9),
+                                   ftopt.scale_by_learning_rate(0.05)),
+    "bnb_rmsprop": lambda: ftopt.chain(ftopt.add_decayed_weights(0.01),
+                                       ftopt.scale_by_rms(0.99, 1e-8, eps_in_sqrt=False),
+                                       ftopt.scale_by_learning_rate(0.01)),
+    "bnb_adagrad": lambda: ftopt.chain(ftopt.add_decayed_weights(0.01),
+                                       ftopt.scale_by_rss(0.0, 1e-10, eps_in_sqrt=False),
+                                       ftopt.scale_by_learning_rate(0.05)),
+    "bnb_lamb": lambda: ftopt.chain(ftopt.scale_by_adam(0.9, 0.999, 1e-8),
+                                    ftopt.clip_by_param_norm_ratio(0.5),
+                                    ftopt.add_decayed_weights(0.01),
+                                    ftopt.scale_by_learning_rate(0.01)),
+    "bnb_lars": lambda: ftopt.chain(ftopt.add_decayed_weights(0.01), ftopt.trace(0.9),
+                                    ftopt.clip_by_param_norm_ratio(0.02),
+                                    ftopt.scale_by_learning_rate(0.1)),
+    "global_clip_adam": lambda: ftopt.chain(ftopt.clip_by_global_norm(1.0),
+                                            ftopt.adam(0.01)),
+    "decay_masked": lambda: ftopt.adamw(
+        0.01, weight_decay=0.1, mask=lambda p: {k: v.ndim > 1 for k, v in p.items()}),
+    "scheduled": lambda: ftopt.adam(ftopt.warmup_cosine_decay_schedule(0.0, 0.01, 3, 20)),
+}
+
+# Leaf sizes: 0, 1, odd, not a multiple of the block, more than one block.
+SHAPES = {"empty": (0,), "one": (1,), "scalar": (), "odd": (7, 5), "ragged": (1031,),
+          "two_blocks": (3, 1500)}
+
+
+def _tree(gen, dtype, shapes=SHAPES):
+    return {k: torch.randn(s, generator=gen).to(dtype).to(DEVICE) for k, s in shapes.items()}
+
+
+def _rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    if a.numel() == 0:
+        return 0.0
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _run(tx, steps, dtype, backend, donate, seed=0, zero_rows=False, shapes=SHAPES):
+    gen = torch.Generator().manual_seed(seed)
+    params = _tree(gen, dtype, shapes)
+    state = tx.init(params)
+    history = []
+    for i in range(steps):
+        grads = _tree(gen, dtype, shapes)
+        if zero_rows:
+            grads["odd"][i % 7] = 0.0
+            grads["ragged"][::3] = -0.0
+        params, state = ftopt.step(tx, params, grads, state, backend=backend, donate=donate)
+        history.append(({k: v.clone() for k, v in params.items()}, state))
+    return history
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS))
+def test_fused_matches_eager_fp32(name):
+    tx = CHAINS[name]()
+    eager = _run(tx, 20, torch.float32, "eager", False)
+    fused = _run(tx, 20, torch.float32, "fused", False)
+    for (pe, _), (pf, _) in zip(eager, fused):
+        for k in pe:
+            assert _rel_err(pf[k], pe[k]) <= 1e-6, (name, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["adamw", "lion", "bnb_lamb", "sgd_momentum", "ademamix"])
+def test_fused_matches_eager_half(name, dtype):
+    """Each step from the same 16-bit params and fp32 state: within one rounding."""
+    tx = CHAINS[name]()
+    gen = torch.Generator().manual_seed(1)
+    params = _tree(gen, dtype)
+    state = tx.init(params)
+    for _ in range(3):
+        grads = _tree(gen, dtype)
+        pe, se = ftopt.step(tx, params, grads, state, backend="eager")
+        pf, sf = ftopt.step(tx, params, grads, state, backend="fused")
+        for k in pe:
+            assert pf[k].dtype == dtype
+            # one ulp of the result (both round the same fp32 value up to float error)
+            ulp = torch.finfo(dtype).eps * pe[k].float().abs().clamp_min(
+                torch.finfo(dtype).tiny)
+            assert ((pf[k].float() - pe[k].float()).abs() <= ulp).all(), (name, k)
+        for a, b in zip(ftopt.tree.leaves(sf), ftopt.tree.leaves(se)):
+            if a.is_floating_point():
+                assert _rel_err(a, b) <= 1e-5
+        params, state = pe, se
+
+
+def test_many_leaves():
+    shapes = {f"leaf{i}": ((i * 37) % 300,) if i % 3 else (i % 5 + 1, 11) for i in range(56)}
+    tx = ftopt.adamw(0.01, weight_decay=0.1)
+    eager = _run(tx, 4, torch.float32, "eager", False, shapes=shapes)
+    fused = _run(tx, 4, torch.float32, "fused", True, shapes=shapes)
+    for k in shapes:
+        assert _rel_err(fused[-1][0][k], eager[-1][0][k]) <= 1e-6
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32) if x.dtype == torch.float32 else x.view(torch.int16)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("name", ["adamw", "lion", "ademamix", "bnb_sgd", "lamb"])
+def test_fused_skip_zeros(name, donate):
+    gen = torch.Generator().manual_seed(3)
+    skip_tx = ftopt.skip_zeros(CHAINS[name]())
+    plain_tx = CHAINS[name]()
+    params = _tree(gen, torch.float32)
+    state_s, state_p = skip_tx.init(params), plain_tx.init(params)
+    for _ in range(2):  # make the states non-zero
+        grads = _tree(gen, torch.float32)
+        params_s, state_s = ftopt.step(skip_tx, params, grads, state_s, backend="fused")
+        _, state_p = ftopt.step(plain_tx, params, grads, state_p, backend="fused")
+    grads = _tree(gen, torch.float32)
+    grads["odd"][2] = 0.0
+    grads["odd"][4] = -0.0
+    grads["ragged"][100:700] = 0.0
+    zero = {k: g == 0 for k, g in grads.items()}
+    before = {k: v.clone() for k, v in params.items()}
+    state_before = [x.clone() for x in ftopt.tree.leaves(state_s)]
+    new_s, st_s = ftopt.step(skip_tx, {k: v.clone() for k, v in params.items()}, grads,
+                             state_s, backend="fused", donate=donate)
+    new_p, st_p = ftopt.step(plain_tx, params, grads, state_p, backend="fused")
+    for k in params:
+        z = zero[k]
+        assert torch.equal(_bits(new_s[k][z]), _bits(before[k][z])), k
+        assert torch.equal(_bits(new_s[k][~z]), _bits(new_p[k][~z])) or name == "lamb", k
+        if name in ("adamw", "lion", "bnb_sgd") and z.any():
+            assert not torch.equal(new_p[k][z], before[k][z]), k  # the control
+    inner_s = ftopt.tree.leaves(st_s)
+    for old, new in zip(state_before, inner_s):
+        if new.shape == grads["odd"].shape and new.is_floating_point():
+            assert torch.equal(_bits(new[zero["odd"]]), _bits(old[zero["odd"]]))
+
+
+def test_donate_false_leaves_inputs_untouched():
+    gen = torch.Generator().manual_seed(5)
+    tx = ftopt.adamw(0.01, weight_decay=0.1)
+    params = _tree(gen, torch.float32)
+    state = tx.init(params)
+    grads = _tree(gen, torch.float32)
+    snapshot = [x.clone() for x in ftopt.tree.leaves((params, grads, state))]
+    new_params, new_state = ftopt.step(tx, params, grads, state, backend="fused")
+    for old, now in zip(snapshot, ftopt.tree.leaves((params, grads, state))):
+        assert torch.equal(_bits(old) if old.is_floating_point() else old,
+                           _bits(now) if now.is_floating_point() else now)
+    assert not torch.equal(new_params["odd"], params["odd"])
+
+
+def test_donate_true_updates_in_place():
+    gen = torch.Generator().manual_seed(6)
+    tx = ftopt.adam(0.01)
+    params = _tree(gen, torch.float32)
+    state = tx.init(params)
+    ids = [id(x) for x in ftopt.tree.leaves((params, state))]
+    for _ in range(3):
+        grads = _tree(gen, torch.float32)
+        before = params["odd"].clone()
+        params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+        assert [id(x) for x in ftopt.tree.leaves((params, state))] == ids
+        assert not torch.equal(before, params["odd"])
+    assert int(state[0].count) == 3
+
+
+def test_hyperparameter_change_compiles_nothing():
+    gen = torch.Generator().manual_seed(7)
+    lr = torch.tensor(0.01)
+    txs = [ftopt.adamw(lr, weight_decay=torch.tensor(0.1)), ftopt.adamw(0.02, b1=0.5)]
+    params = _tree(gen, torch.float32)
+    for tx in txs:
+        state = tx.init(params)
+        params, state = ftopt.step(tx, params, _tree(gen, torch.float32), state,
+                                   backend="fused", donate=True)
+        modules = len(codegen._MODULES)
+        for value in (0.5, 0.001, 0.3):
+            lr.fill_(value)
+            params, state = ftopt.step(tx, params, _tree(gen, torch.float32), state,
+                                       backend="fused", donate=True)
+        assert len(codegen._MODULES) == modules
+
+
+def test_tensor_hyperparameters_take_effect():
+    gen = torch.Generator().manual_seed(8)
+    lr = torch.tensor(0.01)
+    tx = ftopt.sgd(lr)
+    params = _tree(gen, torch.float32)
+    grads = _tree(gen, torch.float32)
+    state = tx.init(params)
+    a, _ = ftopt.step(tx, params, grads, state, backend="fused")
+    lr.fill_(0.02)
+    b, _ = ftopt.step(tx, params, grads, state, backend="fused")
+    delta_a = a["odd"] - params["odd"]
+    delta_b = b["odd"] - params["odd"]
+    assert torch.allclose(delta_b, 2 * delta_a, rtol=1e-4, atol=1e-6)
+
+
+def test_planner_reasons():
+    params = {"w": torch.randn(4, 3, device=DEVICE)}
+    grads = {"w": torch.randn(4, 3, device=DEVICE)}
+    tx = ftopt.adam(0.1)
+    state = tx.init(params)
+    assert "no elementwise rule" in ftopt.explain(
+        ftopt.chain(ftopt.stateless(lambda u, p: u), ftopt.sgd(0.1)), params, file=_Null())
+    with pytest.raises(RuntimeError, match="requires grad"):
+        leaf = {"w": params["w"].clone().requires_grad_()}
+        ftopt.step(tx, leaf, grads, state, backend="fused")
+    with pytest.raises(RuntimeError, match="no elementwise rule"):
+        ftopt.step(ftopt.chain(ftopt.stateless(lambda u, p: u)), params, grads,
+                   (ftopt.EmptyState(),), backend="fused")
+    with pytest.raises(RuntimeError, match="8-bit"):
+        big = {"w": torch.randn(64, 80, device=DEVICE)}
+        tx8 = ftopt.adam(0.1, state_bits=8)
+        ftopt.step(tx8, big, big, tx8.init(big), backend="fused")
+
+    def vmapped(p, g):
+        out, _ = ftopt.step(ftopt.sgd(0.1), {"w": p}, {"w": g}, ftopt.sgd(0.1).init({"w": p}))
+        return out["w"]
+
+    torch.func.vmap(vmapped)(torch.randn(2, 3), torch.randn(2, 3))  # falls back to eager
+    text = ftopt.explain(tx, params, file=_Null())
+    if DEVICE == "cpu":
+        assert "eager (tensors are on the CPU" in text
+        text = ftopt.explain(tx, params, backend="fused", file=_Null())
+    assert "path: fused" in text and "bytes per element: main kernel reads 16, writes 12" in text
+
+
+class _Null:
+    def write(self, _):
+        pass
+
+    def flush(self):
+        pass
