@@ -88,7 +88,11 @@ class PreparedStep:
         self.param_leaves = list(p_flat)
         self.state_leaves: list = []
         self.grad_leaves = list(g_flat)
-        self.grad_meta = [(g.shape, g.dtype) if g is not None else None for g in g_flat]
+        self.state_obj = None  # the state tree this step returned
+        self.group_grad_meta = [
+            ([g_flat[i].shape for i in group.leaves], [g_flat[i].dtype for i in group.leaves])
+            for group in self.groups
+        ]
 
     def refresh_grads(self, g_flat) -> bool:
         """Point the tables at new gradient tensors; False if they do not fit the plan."""
@@ -96,17 +100,21 @@ class PreparedStep:
             return False
         if all(map(operator.is_, g_flat, self.grad_leaves)):
             return True
-        for i, meta in enumerate(self.grad_meta):
-            g = g_flat[i]
-            if (meta is None) != (g is None):
-                return False
-            if g is not None and ((g.shape, g.dtype) != meta or not g.is_contiguous()):
-                return False
-        for group in self.groups:
+        if sum(g is not None for g in g_flat) != len(self.active):
+            return False
+        new_tables = []
+        for group, (shapes, dtypes) in zip(self.groups, self.group_grad_meta):
             grads = [g_flat[i] for i in group.leaves]
-            if group.aligned and any(g.data_ptr() % 16 for g in grads):
+            if (None in grads or [g.shape for g in grads] != shapes
+                    or [g.dtype for g in grads] != dtypes
+                    or not all([g.is_contiguous() for g in grads])):
                 return False
-            group.addresses["g"] = _addresses(grads, self.device)
+            addresses = [g.data_ptr() for g in grads]
+            if group.aligned and any([a & 15 for a in addresses]):
+                return False
+            new_tables.append(addresses)
+        for group, addresses in zip(self.groups, new_tables):
+            group.addresses["g"] = launch.to_device(addresses, self.device)
         self.grad_leaves = list(g_flat)
         return True
 
@@ -127,12 +135,15 @@ def fast_step(plan: ChainPlan, params, grads, state):
     if prepared is None or not prepared.donate:
         return None
     p_flat = optree.tree_leaves(params, none_is_leaf=False, namespace="ftopt")
-    s_flat = optree.tree_leaves(state, none_is_leaf=False, namespace="ftopt")
     if (len(p_flat) != len(prepared.param_leaves)
-            or len(s_flat) != len(prepared.state_leaves)
-            or not all(map(operator.is_, p_flat, prepared.param_leaves))
-            or not all(map(operator.is_, s_flat, prepared.state_leaves))):
+            or not all(map(operator.is_, p_flat, prepared.param_leaves))):
         return None
+    if state is not prepared.state_obj:
+        s_flat = optree.tree_leaves(state, none_is_leaf=False, namespace="ftopt")
+        if (len(s_flat) != len(prepared.state_leaves)
+                or not all(map(operator.is_, s_flat, prepared.state_leaves))):
+            return None
+        prepared.state_obj = state
     try:
         g_flat = prepared.spec.flatten_up_to(grads)
     except (ValueError, TypeError):

@@ -93,8 +93,7 @@ class GroupLaunch:
                 *scalar_args, self.leaf_values, reductions, global_reductions]
 
     def variant(self, scalars) -> codegen.Variant:
-        return codegen.Variant(self.p_dtype, self.g_dtype, self.aligned,
-                               isinstance(scalars, list))
+        return _variant(self.p_dtype, self.g_dtype, self.aligned, isinstance(scalars, list))
 
 
 @lru_cache(maxsize=256)
@@ -113,6 +112,11 @@ def _constants_dict(traced) -> dict:
         "BLOCK": BLOCK,
         "num_warps": NUM_WARPS,
     }
+
+
+@lru_cache(maxsize=256)
+def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool) -> codegen.Variant:
+    return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args)
 
 
 @lru_cache(maxsize=256)

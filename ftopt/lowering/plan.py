@@ -186,6 +186,8 @@ def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
     new_state = state
     for path, st in zip(plan.state_paths, new_stage_states):
         new_state = _replace(new_state, path, st)
+    if donate and plan.prepared is not None:
+        plan.prepared.state_obj = new_state
     return (new_params, new_state), None
 
 

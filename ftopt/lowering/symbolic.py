@@ -127,7 +127,12 @@ class Sym:
         return self._binary(o, "{a} * {b}", True)
 
     def __truediv__(self, o):
-        return self._binary(_constant(o, self.graph), "tl.div_rn({a}, {b})")
+        o = _constant(o, self.graph)
+        if self.kind == "elem" and o.kind != "elem":
+            # One correctly rounded reciprocal per program, then a multiply per element.
+            inverse = self.graph.add(f"tl.div_rn(1.0, {o.name})", (o.name,), o.kind)
+            return self * inverse
+        return self._binary(o, "tl.div_rn({a}, {b})")
 
     def __rtruediv__(self, o):
         return self._binary(_constant(o, self.graph), "tl.div_rn({a}, {b})", True)
