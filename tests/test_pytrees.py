@@ -1,0 +1,344 @@
+"""Pytree handling: params as dicts, nested dict/list/tuple, NamedTuples,
+``dict(model.named_parameters())``; ``None`` gradient leaves; empty trees; 0-d and empty
+(numel 0) tensors; for plain aliases and for ``masked``/``partition``/``named_chain``.
+
+The reference for "the same math" is always ftopt itself on a simpler tree holding the
+same leaves (a flat list in optree order, or the tree without the leaf under test), so
+these tests check the tree plumbing, not the optimizer math (test_aliases_vs_reference
+does that).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import ftopt
+
+SEED = 777
+
+
+def _rank_label(p):
+    return ftopt.tree.map(lambda x: "mat" if x.ndim >= 2 else "vec", p)
+
+
+def _is_matrix(p):
+    return ftopt.tree.map(lambda x: x.ndim >= 2, p)
+
+
+TXS = {
+    "sgd": lambda: ftopt.sgd(0.1),
+    "sgd_momentum": lambda: ftopt.sgd(0.1, momentum=0.9),
+    "adam": lambda: ftopt.adam(1e-2),
+    "adamw": lambda: ftopt.adamw(1e-2, weight_decay=0.1),
+    "adamw_masked_decay": lambda: ftopt.adamw(1e-2, weight_decay=0.1, mask=_is_matrix),
+    "lion": lambda: ftopt.lion(1e-2),
+    "rmsprop": lambda: ftopt.rmsprop(1e-2, momentum=0.5),
+    "adagrad": lambda: ftopt.adagrad(1e-2),
+    "lamb": lambda: ftopt.lamb(1e-2, weight_decay=0.1),
+    "lars": lambda: ftopt.lars(0.1, weight_decay=0.01),
+    "ademamix": lambda: ftopt.ademamix(1e-2, weight_decay=0.01),
+    "adam_skip_zeros": lambda: ftopt.adam(1e-2, skip_zeros=True),
+    "lamb_8bit": lambda: ftopt.quantize_states(ftopt.lamb(1e-2), bits=8, min_size=8),
+    "clip_global": lambda: ftopt.chain(ftopt.clip_by_global_norm(0.5), ftopt.adam(1e-2)),
+    "masked": lambda: ftopt.chain(ftopt.masked(ftopt.scale_by_adam(), _is_matrix),
+                                  ftopt.scale_by_learning_rate(0.1)),
+    "partition": lambda: ftopt.partition(
+        {"mat": ftopt.lamb(1e-2, weight_decay=0.1), "vec": ftopt.sgd(0.1, momentum=0.9)},
+        _rank_label),
+    "named_chain": lambda: ftopt.named_chain(
+        ("clip", ftopt.clip_by_global_norm(1.0)), ("adam", ftopt.scale_by_adam()),
+        ("decay", ftopt.add_decayed_weights(0.1)), ("lr", ftopt.scale_by_learning_rate(0.1))),
+}
+
+
+class Layer(NamedTuple):
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
+class Model(NamedTuple):
+    encoder: Layer
+    extra: dict
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(gen, *shape):
+    return torch.randn(shape, generator=gen)
+
+
+def _grads_like(params, gen, zero_frac=0.2):
+    def one(p):
+        g = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        g[torch.rand(p.shape, generator=gen) < zero_frac] = 0.0
+        return g
+
+    return ftopt.tree.map(one, params)
+
+
+def _structures(gen):
+    return {
+        "dict": {"w": _randn(gen, 5, 4), "b": _randn(gen, 4)},
+        "nested": {"layer": {"w": _randn(gen, 5, 4), "b": _randn(gen, 4)},
+                   "blocks": [_randn(gen, 3, 3), (_randn(gen, 2), _randn(gen, 2, 2))],
+                   "scale": _randn(gen)},
+        "list": [_randn(gen, 4, 3), _randn(gen, 3)],
+        "tuple": (_randn(gen, 4, 3), (_randn(gen, 3),)),
+        "namedtuple": Model(Layer(_randn(gen, 4, 3), _randn(gen, 3)),
+                            {"gain": _randn(gen, 3, 2)}),
+        "ordered_dict": collections.OrderedDict(z=_randn(gen, 3, 2), a=_randn(gen, 2)),
+    }
+
+
+def _same_structure(a, b):
+    assert ftopt.tree.structure(a) == ftopt.tree.structure(b)
+    assert type(a) is type(b)
+
+
+def _run(tx, params, grads_seq, use_step):
+    state = tx.init(params)
+    p = params
+    for g in grads_seq:
+        if use_step:
+            p, state = ftopt.step(tx, p, g, state)
+        else:
+            u, state = tx.update(g, state, p)
+            _same_structure(u, g)
+            p = ftopt.apply_updates(p, u)
+    return p, state
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+@pytest.mark.parametrize("kind", ["dict", "nested", "list", "tuple", "namedtuple",
+                                  "ordered_dict"])
+def test_tree_kinds_equal_flat_list(name, kind):
+    """Any tree gives the same numbers as the flat list of its leaves, structure kept."""
+    gen = _gen(SEED)
+    params = _structures(gen)[kind]
+    grads_seq = [_grads_like(params, gen) for _ in range(3)]
+    # The flat twin: masks/labels are functions of the tree, so they apply to both.
+    flat_params = ftopt.tree.leaves(params)
+    flat_grads = [ftopt.tree.leaves(g) for g in grads_seq]
+    for use_step in (False, True):
+        tx = TXS[name]()
+        p, state = _run(tx, params, grads_seq, use_step)
+        _same_structure(p, params)
+        fp, fstate = _run(tx, flat_params, flat_grads, use_step)
+        for a, b, orig in zip(ftopt.tree.leaves(p), fp, flat_params):
+            assert a.dtype == orig.dtype and a.shape == orig.shape
+            assert torch.equal(a, b)
+        assert len(ftopt.tree.leaves(state)) == len(ftopt.tree.leaves(fstate))
+        for a, b in zip(ftopt.tree.leaves(state), ftopt.tree.leaves(fstate)):
+            assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(ftopt.tree.leaves(p), flat_params))
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb", "partition", "named_chain", "adamw_masked_decay"])
+def test_named_parameters_dict(name):
+    """``dict(model.named_parameters())`` with ``.grad`` leaves, as a functional step and as
+    a donated in-place step on the module's own parameters."""
+    torch.manual_seed(SEED + 1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(16, 4)
+    model(x).pow(2).mean().backward()
+    params = dict(model.named_parameters())
+    grads = {k: v.grad for k, v in params.items()}
+    plain = {k: v.detach().clone() for k, v in params.items()}
+
+    tx = TXS[name]()
+    ref_p, ref_state = _run(tx, plain, [grads], use_step=False)
+
+    with torch.no_grad():
+        state = tx.init(params)
+        new_p, new_state = ftopt.step(tx, params, grads, state)
+    assert list(new_p) == list(params)
+    for k in params:
+        assert torch.equal(new_p[k], ref_p[k])
+        assert torch.equal(params[k].detach(), plain[k])  # not donated: untouched
+
+    # Donated: the module's parameters are updated in place and returned.
+    state = tx.init(params)
+    objects = {k: v for k, v in params.items()}
+    out_p, _ = ftopt.step(tx, params, grads, state, donate=True, backend="eager")
+    for k, v in model.named_parameters():
+        assert out_p[k] is objects[k] and isinstance(out_p[k], torch.nn.Parameter)
+        assert torch.equal(v.detach(), ref_p[k])
+        assert v.requires_grad
+
+
+def _none_case(gen):
+    params = {"a": _randn(gen, 6, 5), "b": _randn(gen, 5), "c": [_randn(gen, 4, 4), _randn(gen, 3)]}
+    return params
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+@pytest.mark.parametrize("missing", ["['a']", "['c'][1]"])
+def test_none_gradient_leaf(name, missing):
+    """A ``None`` grad: update ``None``/zero, param and that leaf's state untouched, the other
+    leaves exactly as if the leaf were not in the tree at all."""
+    gen = _gen(SEED + 2)
+    params = _none_case(gen)
+    grads = _grads_like(params, gen, zero_frac=0.0)
+    grads2 = _grads_like(params, gen, zero_frac=0.0)
+    if missing == "['a']":
+        grads["a"] = grads2["a"] = None
+        drop = lambda t: {"b": t["b"], "c": t["c"]}  # noqa: E731
+        get = lambda t: t["a"]  # noqa: E731
+    else:
+        grads["c"][1] = grads2["c"][1] = None
+        drop = lambda t: {"a": t["a"], "b": t["b"], "c": [t["c"][0]]}  # noqa: E731
+        get = lambda t: t["c"][1]  # noqa: E731
+
+    tx = TXS[name]()
+    state0 = tx.init(params)
+    # Give the leaf's state non-initial values first (one full step), then step with None.
+    full = _grads_like(params, gen, zero_frac=0.0)
+    u, state1 = tx.update(full, state0, params)
+    p1 = ftopt.apply_updates(params, u)
+
+    u, state2 = tx.update(grads, state1, p1)
+    assert get(u) is None or torch.count_nonzero(get(u)) == 0
+    p2 = ftopt.apply_updates(p1, u)
+    assert torch.equal(get(p2), get(p1))
+    assert get(p2).dtype == get(p1).dtype
+    u, state3 = tx.update(grads2, state2, p2)
+    p3 = ftopt.apply_updates(p2, u)
+    assert torch.equal(get(p3), get(p1))
+
+    # The leaf's state is bit-identical (state leaves under its path); counts advance.
+    before = _states_at(state1, missing)
+    after = _states_at(state3, missing)
+    assert len(before) == len(after)
+    if name != "sgd" and not (name == "masked" and missing == "['c'][1]"):
+        assert before, "expected per-element state for this leaf"
+    for b, a in zip(before, after):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+    for b, a in zip(ftopt.tree.leaves(state1), ftopt.tree.leaves(state3)):
+        if b.ndim == 0 and not b.is_floating_point():
+            assert int(a) == int(b) + 2
+
+    # The other leaves, from a fresh state: the same as the tree without that leaf.
+    fresh_tx = TXS[name]()
+    fp, fstate = _run(fresh_tx, params, [grads, grads2], use_step=False)
+    assert torch.equal(get(fp), get(params))
+    sp, _ = _run(TXS[name](), drop(params), [drop(grads), drop(grads2)], use_step=False)
+    for a, b in zip(ftopt.tree.leaves(drop(fp)), ftopt.tree.leaves(sp)):
+        assert torch.equal(a, b)
+    assert not torch.equal(fp["b"], params["b"])
+
+    # ftopt.step agrees with update + apply_updates.
+    q, st = ftopt.step(tx, p1, grads, state1)
+    q, st = ftopt.step(tx, q, grads2, st)
+    for a, b in zip(ftopt.tree.leaves(q), ftopt.tree.leaves(p3)):
+        assert torch.equal(a, b)
+    for a, b in zip(ftopt.tree.leaves(st), ftopt.tree.leaves(state3)):
+        assert torch.equal(a, b)
+
+
+def _states_at(state, path: str) -> list:
+    """The state tensors stored under the params path ``path`` (e.g. ``['c'][1]``)."""
+    paths, leaves, _ = ftopt.tree.flatten_with_paths(state)
+    return [leaf for p, leaf in zip(paths, leaves) if path in p]
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+def test_all_none_gradients(name):
+    gen = _gen(SEED + 3)
+    params = _none_case(gen)
+    tx = TXS[name]()
+    state = tx.init(params)
+    grads = {"a": None, "b": None, "c": [None, None]}
+    u, new_state = tx.update(grads, state, params)
+    for leaf_u in [u["a"], u["b"], *u["c"]]:
+        assert leaf_u is None or torch.count_nonzero(leaf_u) == 0
+    p = ftopt.apply_updates(params, u)
+    q, st = ftopt.step(tx, params, grads, state)
+    for a, b, c in zip(ftopt.tree.leaves(p), ftopt.tree.leaves(params), ftopt.tree.leaves(q)):
+        assert torch.equal(a, b) and torch.equal(c, b)
+    for a, b in zip(ftopt.tree.leaves(state), ftopt.tree.leaves(new_state)):
+        if a.ndim == 0 and not a.is_floating_point():
+            assert int(b) == int(a) + 1
+        else:
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+@pytest.mark.parametrize("empty", [{}, [], ()], ids=["dict", "list", "tuple"])
+def test_empty_tree(name, empty):
+    tx = TXS[name]()
+    state = tx.init(empty)
+    u, new_state = tx.update(empty, state, empty)
+    assert u == empty and type(u) is type(empty)
+    p = ftopt.apply_updates(empty, u)
+    assert p == empty and type(p) is type(empty)
+    p, st = ftopt.step(tx, empty, empty, state)
+    assert p == empty and type(p) is type(empty)
+    # Counts (if any) advance; nothing else exists.
+    for a, b, c in zip(ftopt.tree.leaves(state), ftopt.tree.leaves(new_state),
+                       ftopt.tree.leaves(st)):
+        assert a.ndim == 0 and int(b) == int(a) + 1 and int(c) == int(b)
+    p, st = ftopt.step(tx, empty, empty, state, donate=True)
+    assert p == empty
+    for a, b in zip(ftopt.tree.leaves(state), ftopt.tree.leaves(st)):
+        assert a is b and int(a) == 1  # donated counts advance in place
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+def test_zero_dim_and_empty_leaves(name):
+    """0-d leaves behave like 1-element leaves; numel-0 leaves get empty updates and do not
+    disturb the others (norms, global norms)."""
+    gen = _gen(SEED + 4)
+    params = {"s": _randn(gen), "e": torch.zeros(0, 3), "v": _randn(gen, 6), "m": _randn(gen, 3, 4)}
+    grads_seq = [_grads_like(params, gen, zero_frac=0.0) for _ in range(3)]
+    tx = TXS[name]()
+    p, state = _run(tx, params, grads_seq, use_step=False)
+    ps, states = _run(TXS[name](), params, grads_seq, use_step=True)
+    assert p["s"].shape == () and p["e"].shape == (0, 3)
+    for k in params:
+        assert p[k].dtype == params[k].dtype and torch.equal(p[k], ps[k])
+    assert not torch.equal(p["s"], params["s"])
+
+    # 0-d as a 1-element vector: the same numbers.
+    as_vec = {**params, "s": params["s"].reshape(1)}
+    vseq = [{**g, "s": g["s"].reshape(1)} for g in grads_seq]
+    pv, _ = _run(TXS[name](), as_vec, vseq, use_step=False)
+    assert torch.equal(pv["s"].reshape(()), p["s"])
+
+    # Without the empty leaf: identical results for the others.
+    no_e = {k: v for k, v in params.items() if k != "e"}
+    pn, _ = _run(TXS[name](), no_e, [{k: v for k, v in g.items() if k != "e"} for g in grads_seq],
+                 use_step=False)
+    for k in no_e:
+        assert torch.equal(pn[k], p[k]), k
+
+
+def test_empty_leaf_with_8bit_state():
+    """8-bit state on a numel-0 leaf and on a 0-d leaf (min_size=0): no crash, no NaN."""
+    gen = _gen(SEED + 5)
+    params = {"e": torch.zeros(0, 3), "s": _randn(gen), "v": _randn(gen, 300)}
+    tx = ftopt.quantize_states(ftopt.adam(1e-2), bits=8, min_size=0)
+    grads_seq = [_grads_like(params, gen, zero_frac=0.1) for _ in range(3)]
+    p, state = _run(tx, params, grads_seq, use_step=False)
+    assert p["e"].shape == (0, 3)
+    assert torch.isfinite(p["v"]).all() and torch.isfinite(p["s"])
+    assert state[0].mu["v"].codes.dtype == torch.uint8  # 8-bit state really used
+
+
+def test_mixed_none_and_masked_label_functions_see_params():
+    """masked/partition get their mask/labels from the params, so a ``None`` grad does not
+    shift which transform a leaf gets."""
+    gen = _gen(SEED + 6)
+    params = {"a": _randn(gen, 4, 4), "b": _randn(gen, 4), "c": _randn(gen, 2, 2)}
+    tx = ftopt.partition({"mat": ftopt.sgd(1.0), "vec": ftopt.sgd(100.0)}, _rank_label)
+    state = tx.init(params)
+    g = {"a": None, "b": torch.ones(4), "c": torch.ones(2, 2)}
+    u, _ = tx.update(g, state, params)
+    assert u["a"] is None or torch.count_nonzero(u["a"]) == 0
+    assert torch.equal(u["b"], torch.full((4,), -100.0))
+    assert torch.equal(u["c"], torch.full((2, 2), -1.0))
