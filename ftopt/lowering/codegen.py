@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ftopt.lowering import quantized
 from ftopt.lowering.symbolic import Graph, Reduction, SymOps
 from ftopt.rules import RuleTransform, _Env, step_scalars
 
@@ -103,6 +104,7 @@ class Variant:
     g_dtype: torch.dtype
     aligned: bool  # every address of the group is 16-byte aligned
     scalar_args: bool  # per-step scalars are kernel arguments (else loaded from a buffer)
+    quant_block: int = 0  # elements per absmax of 8-bit slots (0: fp32 slots)
 
 
 def _prelude(roles: list[str], dtypes: dict[str, str], aligned: bool) -> list[str]:
@@ -125,32 +127,50 @@ def _pointer_var(role: str) -> str:
     return {"g": "g_ptr", "p": "p_ptr"}.get(role, role)
 
 
-def _signature(roles: list[str], extra: list[str], n_scalars: int, scalar_args: bool) -> str:
+def _signature(roles: list[str], extra: list[str], n_scalars: int, variant: Variant) -> str:
     args = ["block_leaf_ptr", "block_start_ptr", "numel_ptr"]
     args += [f"{r}_addr_ptr" for r in roles]
-    args += [f"sa{i}" for i in range(n_scalars)] if scalar_args else ["scalars_ptr"]
+    args += [f"sa{i}" for i in range(n_scalars)] if variant.scalar_args else ["scalars_ptr"]
     args += ["leaf_values_ptr", "reductions_ptr", "global_reductions_ptr"]
+    if variant.quant_block:
+        args += ["qmap_signed_ptr", "qmap_unsigned_ptr"]
     args += extra
     args += ["N_LEAF_VALUES: tl.constexpr", "N_REDUCTIONS: tl.constexpr",
              "BLOCK: tl.constexpr"]
+    if variant.quant_block:
+        args += ["QBLOCK: tl.constexpr"]
     return ", ".join(args)
 
 
 def _role_dtypes(traced: TracedChain, variant: Variant) -> dict:
     p_name, g_name = _TL_DTYPES[variant.p_dtype], _TL_DTYPES[variant.g_dtype]
     dtypes = {"g": g_name, "p": p_name, "p_out": p_name}
+    state = "tl.uint8" if variant.quant_block else "tl.float32"
     for i, name in traced.slot_roles:
-        dtypes[f"st{i}_{name}_in"] = "tl.float32"
-        dtypes[f"st{i}_{name}_out"] = "tl.float32"
+        for io in ("in", "out"):
+            dtypes[f"st{i}_{name}_{io}"] = state
+            dtypes[f"st{i}_{name}_amax_{io}"] = "tl.float32"
     return dtypes
 
 
-def input_roles(traced: TracedChain) -> list[str]:
-    return ["g", "p"] + [f"st{i}_{n}_in" for i, n in traced.slot_roles]
+def input_roles(traced: TracedChain, quantized: bool = False) -> list[str]:
+    roles = ["g", "p"] + [f"st{i}_{n}_in" for i, n in traced.slot_roles]
+    if quantized:
+        roles += [f"st{i}_{n}_amax_in" for i, n in traced.slot_roles]
+    return roles
 
 
-def output_roles(traced: TracedChain) -> list[str]:
-    return ["p_out"] + [f"st{i}_{n}_out" for i, n in traced.slot_roles]
+def output_roles(traced: TracedChain, quantized: bool = False) -> list[str]:
+    roles = ["p_out"] + [f"st{i}_{n}_out" for i, n in traced.slot_roles]
+    if quantized:
+        roles += [f"st{i}_{n}_amax_out" for i, n in traced.slot_roles]
+    return roles
+
+
+def _slot_signs(traced: TracedChain) -> dict[str, bool]:
+    """``st{i}_{name}`` -> whether the slot uses the signed 8-bit map."""
+    return {f"st{i}_{slot.name}": slot.signed
+            for i, stage in enumerate(traced.stages) for slot in stage.rule.slots}
 
 
 def _masks(traced: TracedChain, tail: bool) -> dict[str, str]:
@@ -165,11 +185,18 @@ def _masks(traced: TracedChain, tail: bool) -> dict[str, str]:
     return {"GMASK": "", "LMASK": "", "SMASK": ""}
 
 
-def _body_lines(nodes, masks: dict[str, str], scalar_args: bool) -> list[str]:
+def _body_lines(traced: TracedChain, nodes, masks: dict[str, str],
+                variant: Variant) -> list[str]:
+    signs = _slot_signs(traced) if variant.quant_block else {}
     lines = []
     for node in nodes:
         expr = node.expr.replace("{GMASK}", masks["GMASK"]).replace("{LMASK}", masks["LMASK"])
-        if scalar_args and node.name.startswith("s") and expr.startswith("tl.load(scalars_ptr"):
+        role = node.name[: -len("_old")] if node.name.endswith("_old") else None
+        if role in signs:
+            lines += quantized.load_lines(node.name, role, signs[role], masks["LMASK"])
+            continue
+        if variant.scalar_args and node.name.startswith("s") and expr.startswith(
+                "tl.load(scalars_ptr"):
             expr = "sa" + node.name[1:]
         lines.append(f"{node.name} = {expr}")
     return lines
@@ -182,33 +209,42 @@ def _split_blocks(full: list[str], tail: list[str]) -> list[str]:
 
 
 def main_source(traced: TracedChain, variant: Variant) -> str:
-    roles = input_roles(traced) + output_roles(traced)
+    quant = bool(variant.quant_block)
+    roles = input_roles(traced, quant) + output_roles(traced, quant)
     dtypes = _role_dtypes(traced, variant)
     nodes = traced.graph.closure([node for _, node in traced.stores])
+    signs = _slot_signs(traced) if quant else {}
     bodies = []
     for tail in (False, True):
         masks = _masks(traced, tail)
-        lines = _body_lines(nodes, masks, variant.scalar_args)
+        lines = _body_lines(traced, nodes, masks, variant)
         for role, node in traced.stores:
             value = node
             if traced.graph.nodes[node].kind != "elem":  # broadcast a per-leaf value
                 value = f"tl.full([BLOCK], 0.0, tl.float32) + {node}"
+            slot = role[: -len("_out")]
+            if slot in signs:
+                stage = int(slot[2:].split("_", 1)[0])
+                zero = "zero" if traced.skips[stage] else None
+                lines += quantized.store_lines(slot, f"{slot}_old", value, signs[slot], zero,
+                                               tail)
+                continue
             lines.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]})"
                          f"{masks['SMASK']})")
         bodies.append(lines)
     lines = _prelude(roles, dtypes, variant.aligned) + _split_blocks(*bodies)
-    sig = _signature(roles, [], len(traced.graph.scalars), variant.scalar_args)
+    sig = _signature(roles, [], len(traced.graph.scalars), variant)
     return _kernel("ftopt_main", sig, lines)
 
 
 def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
     reductions = level_reductions(traced, level)
-    roles = input_roles(traced)
+    roles = input_roles(traced, bool(variant.quant_block))
     dtypes = _role_dtypes(traced, variant)
     nodes = traced.graph.closure([r.source for r in reductions])
     bodies = []
     for tail in (False, True):
-        lines = _body_lines(nodes, _masks(traced, tail), variant.scalar_args)
+        lines = _body_lines(traced, nodes, _masks(traced, tail), variant)
         for j, red in enumerate(reductions):
             x = red.source
             square = f"({x} * {x} + tl.zeros([BLOCK], tl.float32))"
@@ -218,7 +254,7 @@ def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
                          f"tl.sum({square}))")
         bodies.append(lines)
     lines = _prelude(roles, dtypes, variant.aligned) + _split_blocks(*bodies)
-    sig = _signature(roles, ["partials_ptr"], len(traced.graph.scalars), variant.scalar_args)
+    sig = _signature(roles, ["partials_ptr"], len(traced.graph.scalars), variant)
     return _kernel(f"ftopt_reduce_{level}", sig, lines)
 
 

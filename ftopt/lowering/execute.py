@@ -17,7 +17,8 @@ from ftopt import tree as tree_lib
 from ftopt.lowering import launch
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.plan import ChainPlan, host_step, remember
-from ftopt.rules import step_scalars
+from ftopt.quant import dynamic_map
+from ftopt.rules import QuantizedSlot, step_scalars
 
 
 def _uses_tensors(plan: ChainPlan) -> bool:
@@ -66,17 +67,19 @@ class PreparedStep:
         self.groups: list[launch.GroupLaunch] = []
         by_key: dict[tuple, list[int]] = {}
         for i in active:
-            by_key.setdefault((p_flat[i].dtype, g_flat[i].dtype), []).append(i)
+            quant_block = _quant_block(plan, slot_flat, i)
+            by_key.setdefault((p_flat[i].dtype, g_flat[i].dtype, quant_block), []).append(i)
         masks = {i: plan.stages[i]._leaf_mask(params, len(p_flat), paths)
                  for i, _ in traced.graph.leaf_values}
-        for (p_dtype, g_dtype), leaves in by_key.items():
+        for (p_dtype, g_dtype, quant_block), leaves in by_key.items():
             work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device)
             group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work)
-            roles = {"g": [g_flat[i] for i in leaves], "p": [p_flat[i] for i in leaves],
-                     "p_out": [p_out[i] for i in leaves]}
-            for stage_i, name in traced.slot_roles:
-                roles[f"st{stage_i}_{name}_in"] = [slot_flat[stage_i][name][i] for i in leaves]
-                roles[f"st{stage_i}_{name}_out"] = [slot_out[stage_i][name][i] for i in leaves]
+            # 8-bit slots need every lane of a block: no skipped loads.
+            group.traced = plan.traced(donate and not quant_block)
+            group.quant_block = quant_block
+            if quant_block:
+                group.qmaps = (dynamic_map(True, self.device), dynamic_map(False, self.device))
+            roles = _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out)
             group.addresses = {r: _addresses(ts, self.device) for r, ts in roles.items()}
             group.aligned = all(t.data_ptr() % 16 == 0 for ts in roles.values() for t in ts)
             rows = [[1.0 if masks[i] is None or masks[i][leaf] else 0.0
@@ -125,8 +128,36 @@ class PreparedStep:
         launch.run_main(traced, self.groups, scalars, leaf_bufs, global_buf)
 
 
+def _quant_block(plan: ChainPlan, slot_flat, i: int) -> int:
+    for stage, slots in zip(plan.stages, slot_flat):
+        for leaves in slots.values():
+            if isinstance(leaves[i], QuantizedSlot):
+                return stage.quant.block_size
+    return 0
+
+
+def _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out) -> dict:
+    """Role -> the tensors of the group's leaves (8-bit slots: codes and absmax)."""
+    roles = {"g": [g_flat[i] for i in leaves], "p": [p_flat[i] for i in leaves],
+             "p_out": [p_out[i] for i in leaves]}
+    for stage_i, name in traced.slot_roles:
+        for io, source in (("in", slot_flat), ("out", slot_out)):
+            items = [source[stage_i][name][i] for i in leaves]
+            if items and isinstance(items[0], QuantizedSlot):
+                roles[f"st{stage_i}_{name}_amax_{io}"] = [q.absmax for q in items]
+                items = [q.codes for q in items]
+            roles[f"st{stage_i}_{name}_{io}"] = items
+    return roles
+
+
 def _addresses(tensors, device) -> torch.Tensor:
     return launch.to_device([t.data_ptr() for t in tensors], device)
+
+
+def _empty_like(leaf):
+    if isinstance(leaf, QuantizedSlot):
+        return QuantizedSlot(torch.empty_like(leaf.codes), torch.empty_like(leaf.absmax))
+    return torch.empty_like(leaf)
 
 
 def fast_step(plan: ChainPlan, params, grads, state):
@@ -169,7 +200,7 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
             p_out[i] = torch.empty_like(p_flat[i])
             for slots in slot_out:
                 for leaves in slots.values():
-                    leaves[i] = torch.empty_like(leaves[i])
+                    leaves[i] = _empty_like(leaves[i])
     if active:
         prepared = PreparedStep(plan, paths, p_flat, g_flat, slot_flat, p_out, slot_out,
                                 active, params, donate)

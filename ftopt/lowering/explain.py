@@ -37,14 +37,17 @@ def explain(tx, params, grads=None, *, backend: str = "auto", file=None) -> str:
     lines = [f"ftopt plan: {len(plan.stages)} elementwise stages"
              + (f" ({', '.join(s.rule.name for s in plan.stages)})" if plan.stages else "")
              + (", skip_zeros" if any(plan.skips) else "")]
+    quant = next((s.quant for s in plan.stages if s.quant is not None and s.rule.slots), None)
     groups: dict[tuple, list[int]] = {}
     for i in active:
-        key = (p_flat[i].device, p_flat[i].dtype, g_flat[i].dtype)
+        eight_bit = quant is not None and p_flat[i].numel() >= quant.min_size
+        key = (p_flat[i].device, p_flat[i].dtype, g_flat[i].dtype, eight_bit)
         groups.setdefault(key, []).append(i)
-    for (device, p_dtype, g_dtype), leaves in groups.items():
+    for (device, p_dtype, g_dtype, eight_bit), leaves in groups.items():
         numel = sum(p_flat[i].numel() for i in leaves)
-        head = (f"group device={device} param={_name(p_dtype)} grad={_name(g_dtype)}: "
-                f"{len(leaves)} leaves, {numel} elements")
+        layout = f"8-bit states (block {quant.block_size})" if eight_bit else "32-bit states"
+        head = (f"group device={device} param={_name(p_dtype)} grad={_name(g_dtype)} "
+                f"{layout}: {len(leaves)} leaves, {numel} elements")
         lines.append(head)
         if reason is not None:
             lines.append(f"  path: eager ({reason})")
@@ -52,9 +55,10 @@ def explain(tx, params, grads=None, *, backend: str = "auto", file=None) -> str:
         traced = plan.traced(donate=False)
         p_bytes = _DTYPE_BYTES[p_dtype]
         g_bytes = _DTYPE_BYTES[g_dtype]
+        slot_bytes = 1 + 4 / quant.block_size if eight_bit else 4
         slots = len(traced.slot_roles)
-        read = g_bytes + p_bytes + 4 * slots
-        written = p_bytes + 4 * slots
+        read = round(g_bytes + p_bytes + slot_bytes * slots, 3)
+        written = round(p_bytes + slot_bytes * slots, 3)
         extra = sum(_reduction_reads(traced, lv, p_bytes, g_bytes)
                     for lv in range(1, traced.levels + 1))
         launches = 1 + 2 * traced.levels

@@ -80,43 +80,46 @@ class GroupLaunch:
     g_dtype: torch.dtype
     leaves: list[int]
     work: WorkTable
+    traced: object = None  # the chain's graph for this group's layout
     addresses: dict[str, torch.Tensor] = field(default_factory=dict)
     leaf_values: torch.Tensor | None = None
-
     aligned: bool = False
+    quant_block: int = 0  # 8-bit slots with this many elements per absmax (0: fp32 slots)
+    qmaps: tuple = ()
 
     def args(self, roles, scalars, reductions, global_reductions) -> list:
         """``scalars``: a list of floats (kernel arguments) or a device buffer."""
         w = self.work
         scalar_args = scalars if isinstance(scalars, list) else [scalars]
         return [w.block_leaf, w.block_start, w.numel, *[self.addresses[r] for r in roles],
-                *scalar_args, self.leaf_values, reductions, global_reductions]
+                *scalar_args, self.leaf_values, reductions, global_reductions, *self.qmaps]
 
     def variant(self, scalars) -> codegen.Variant:
-        return _variant(self.p_dtype, self.g_dtype, self.aligned, isinstance(scalars, list))
+        return _variant(self.p_dtype, self.g_dtype, self.aligned, isinstance(scalars, list),
+                        self.quant_block)
 
 
 @lru_cache(maxsize=256)
-def _constants_cached(traced) -> tuple:
-    return tuple(_constants_dict(traced).items())
-
-
-def _constants(traced) -> dict:
-    return dict(_constants_cached(traced))
-
-
-def _constants_dict(traced) -> dict:
-    return {
+def _constants_cached(traced, quant_block: int) -> tuple:
+    constants = {
         "N_LEAF_VALUES": max(len(traced.graph.leaf_values), 1),
         "N_REDUCTIONS": max(len(traced.graph.reductions), 1),
         "BLOCK": BLOCK,
         "num_warps": NUM_WARPS,
     }
+    if quant_block:
+        constants["QBLOCK"] = quant_block
+    return tuple(constants.items())
+
+
+def _constants(group: GroupLaunch) -> dict:
+    return dict(_constants_cached(group.traced, group.quant_block))
 
 
 @lru_cache(maxsize=256)
-def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool) -> codegen.Variant:
-    return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args)
+def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool,
+             quant_block: int) -> codegen.Variant:
+    return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block)
 
 
 @lru_cache(maxsize=256)
@@ -136,18 +139,18 @@ def run_reductions(traced, groups: list[GroupLaunch], scalars, device):
     global_buf = torch.zeros(n_red, dtype=torch.float32, device=device)
     leaf_bufs = [torch.zeros(g.work.num_leaves * n_red, dtype=torch.float32, device=device)
                  for g in groups]
-    roles = codegen.input_roles(traced)
     for level in range(1, traced.levels + 1):
         reds = codegen.level_reductions(traced, level)
         for group, buf in zip(groups, leaf_bufs):
             w = group.work
             if w.num_blocks == 0:
                 continue
-            kernel = _kernel(traced, "reduce", level, group.variant(scalars))
+            roles = codegen.input_roles(group.traced, bool(group.quant_block))
+            kernel = _kernel(group.traced, "reduce", level, group.variant(scalars))
             partials = torch.empty(w.num_blocks * len(reds), dtype=torch.float32,
                                    device=device)
             kernel[(w.num_blocks,)](*group.args(roles, scalars, buf, global_buf), partials,
-                                    **_constants(traced))
+                                    **_constants(group))
             sums = torch.empty(w.num_leaves * len(reds), dtype=torch.float32, device=device)
             _leaf_sums[(w.num_leaves, len(reds))](
                 partials, w.first_block, w.blocks_per_leaf, sums, N_PART=len(reds),
@@ -168,11 +171,13 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 
 def run_main(traced, groups: list[GroupLaunch], scalars, leaf_bufs, global_buf):
-    roles = codegen.input_roles(traced) + codegen.output_roles(traced)
     for group, buf in zip(groups, leaf_bufs):
         w = group.work
         if w.num_blocks == 0:
             continue
-        kernel = _kernel(traced, "main", 0, group.variant(scalars))
+        quant = bool(group.quant_block)
+        roles = (codegen.input_roles(group.traced, quant)
+                 + codegen.output_roles(group.traced, quant))
+        kernel = _kernel(group.traced, "main", 0, group.variant(scalars))
         kernel[(w.num_blocks,)](*group.args(roles, scalars, buf, global_buf),
-                                **_constants(traced))
+                                **_constants(group))

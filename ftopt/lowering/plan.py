@@ -67,8 +67,6 @@ def _describe(tx) -> str:
 def _walk(tx, path: tuple, skip: bool, at_input: bool, plan: ChainPlan) -> str | None:
     obj = owner(tx)
     if isinstance(obj, RuleTransform):
-        if obj.quant is not None:
-            return f"{obj.rule.name} keeps 8-bit states (the fused 8-bit path is not built yet)"
         plan.stages.append(obj)
         plan.state_paths.append(path)
         plan.skips.append(skip)
@@ -175,7 +173,7 @@ def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
                     {k: v[i] for slots in slot_flat for k, v in slots.items()})
     reason = call_reason(plan, p_flat, g_flat, active, backend)
     if reason is None:
-        reason = _slot_reason(slot_flat, active)
+        reason = _slot_reason(plan, slot_flat, active)
     if reason is not None:
         return None, reason
     from ftopt.lowering.execute import execute
@@ -214,15 +212,31 @@ def _get_checked(state, path, stage):
     return st
 
 
-def _slot_reason(slot_flat, active) -> str | None:
-    for slots in slot_flat:
-        for name, leaves in slots.items():
-            for i in active:
+def _slot_reason(plan: ChainPlan, slot_flat, active) -> str | None:
+    from ftopt.lowering.launch import BLOCK
+
+    blocks = {s.quant.block_size for s in plan.stages if s.quant is not None and s.rule.slots}
+    if len(blocks) > 1 or any(BLOCK % b for b in blocks):
+        return f"8-bit block sizes {sorted(blocks)} do not divide the kernel block {BLOCK}"
+    for i in active:
+        layouts = set()
+        for slots in slot_flat:
+            for name, leaves in slots.items():
                 leaf = leaves[i]
                 if isinstance(leaf, QuantizedSlot):
-                    return "8-bit states run eagerly"
-                if leaf.dtype != torch.float32 or not leaf.is_contiguous():
-                    return f"state {name} is not contiguous fp32"
+                    layouts.add("8-bit")
+                    tensors = (leaf.codes, leaf.absmax)
+                    if leaf.codes.dtype != torch.uint8 or leaf.absmax.dtype != torch.float32:
+                        return f"8-bit state {name} is not uint8 codes with fp32 absmax"
+                else:
+                    layouts.add("32-bit")
+                    tensors = (leaf,)
+                    if leaf.dtype != torch.float32:
+                        return f"state {name} is not fp32"
+                if not all(t.is_contiguous() for t in tensors):
+                    return f"state {name} is not contiguous"
+        if len(layouts) > 1:
+            return "a leaf mixes 8-bit and 32-bit states"
     return None
 
 
