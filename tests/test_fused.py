@@ -105,10 +105,12 @@ def test_fused_matches_eager_half(name, dtype):
         pf, sf = ftopt.step(tx, params, grads, state, backend="fused")
         for k in pe:
             assert pf[k].dtype == dtype
-            # one ulp of the result (both round the same fp32 value up to float error)
-            ulp = torch.finfo(dtype).eps * pe[k].float().abs().clamp_min(
-                torch.finfo(dtype).tiny)
-            assert ((pf[k].float() - pe[k].float()).abs() <= ulp).all(), (name, k)
+            # Both round an fp32 value once; those fp32 values may differ by float error
+            # relative to the inputs (the GPU contracts a*b+c into one fma), so allow one
+            # ulp of the result plus that error.
+            fp32_err = 4 * torch.finfo(torch.float32).eps * params[k].float().abs()
+            tol = torch.finfo(dtype).eps * pe[k].float().abs() + fp32_err
+            assert ((pf[k].float() - pe[k].float()).abs() <= tol).all(), (name, k)
         for a, b in zip(ftopt.tree.leaves(sf), ftopt.tree.leaves(se)):
             if a.is_floating_point():
                 assert _rel_err(a, b) <= 1e-5

@@ -108,7 +108,7 @@ class PreparedStep:
         new_tables = []
         for group, (shapes, dtypes) in zip(self.groups, self.group_grad_meta):
             grads = [g_flat[i] for i in group.leaves]
-            if (None in grads or [g.shape for g in grads] != shapes
+            if (any([g is None for g in grads]) or [g.shape for g in grads] != shapes
                     or [g.dtype for g in grads] != dtypes
                     or not all([g.is_contiguous() for g in grads])):
                 return False

@@ -106,6 +106,9 @@ def _constants_cached(traced, quant_block: int) -> tuple:
         "N_REDUCTIONS": max(len(traced.graph.reductions), 1),
         "BLOCK": BLOCK,
         "num_warps": NUM_WARPS,
+        # No a*b+c -> fma contraction: every kernel variant (skip_zeros on or off) then
+        # rounds each element the same way, and the eager path's way.
+        "enable_fp_fusion": False,
     }
     if quant_block:
         constants["QBLOCK"] = quant_block
