@@ -66,6 +66,10 @@ def step(
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if torch.compiler.is_compiling():
+        from ftopt.lowering.op import compiled_step
+
+        return compiled_step(tx, params, grads, state, donate, backend)
     if backend != "eager":
         from ftopt.lowering.plan import fused_step_or_reason
 

@@ -48,8 +48,11 @@ def _scalars(plan: ChainPlan, traced, steps, device) -> list[float] | torch.Tens
     per_stage = [step_scalars(stage.rule, *step) for stage, step in zip(plan.stages, steps)]
     values = [per_stage[i][name] for i, name in traced.graph.scalars]
     if any(isinstance(v, torch.Tensor) for v in values):
-        return torch.stack([torch.as_tensor(v, device=device).to(torch.float32).reshape(())
-                            for v in values])
+        # No host-to-device copies here: this path may be captured in a CUDA graph.
+        return torch.stack([
+            v.to(device=device, dtype=torch.float32).reshape(()) if isinstance(v, torch.Tensor)
+            else torch.full((), float(v), dtype=torch.float32, device=device)
+            for v in values])
     return [float(v) for v in values]
 
 

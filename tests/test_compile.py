@@ -1,0 +1,88 @@
+"""``torch.compile(fullgraph=True)`` of a training step that calls ``ftopt.step``, and a
+step captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftopt
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _problem(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 1)).to(DEVICE)
+    params = {k: torch.randn(v.shape, generator=gen).to(DEVICE) * 0.3
+              for k, v in model.named_parameters()}
+    x = torch.randn(32, 8, generator=gen).to(DEVICE)
+    y = torch.randn(32, 1, generator=gen).to(DEVICE)
+
+    def loss_fn(p):
+        return ((torch.func.functional_call(model, p, (x,)) - y) ** 2).mean()
+
+    return params, loss_fn
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("make_tx", [
+    lambda: ftopt.adamw(torch.tensor(1e-2), weight_decay=0.1, skip_zeros=True),
+    lambda: ftopt.lamb(1e-2, weight_decay=0.01),
+], ids=["adamw_skip", "lamb"])
+def test_compiled_training_step_has_no_graph_break(make_tx, donate):
+    tx = make_tx()
+    params, loss_fn = _problem()
+
+    def train_step(p, s):
+        grads = torch.func.grad(loss_fn)(p)
+        return ftopt.step(tx, p, grads, s, donate=donate, backend="fused")
+
+    reference = ({k: v.clone() for k, v in params.items()}, None)
+    ref_p, ref_s = reference[0], tx.init(reference[0])
+    for _ in range(3):
+        ref_p, ref_s = train_step(ref_p, ref_s)
+    compiled = torch.compile(train_step, fullgraph=True, backend="aot_eager")
+    p = {k: v.clone() for k, v in params.items()}
+    s = tx.init(p)
+    for _ in range(3):
+        p, s = compiled(p, s)
+    for k in p:
+        assert torch.equal(p[k], ref_p[k]), k
+    assert int(s[0].count) == 3
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
+def test_step_with_tensor_hyperparameters_replays_in_a_cuda_graph():
+    lr = torch.tensor(1e-2, device=DEVICE)
+    b1 = torch.tensor(0.9, device=DEVICE)
+    tx = ftopt.adamw(lr, b1=b1, weight_decay=0.1)
+    tx_ref = ftopt.adamw(lr, b1=b1, weight_decay=0.1)  # its own cached tables
+    params, loss_fn = _problem(1)
+    grads = torch.func.grad(loss_fn)(params)
+    static_g = {k: v.clone() for k, v in grads.items()}
+
+    ref_p = {k: v.clone() for k, v in params.items()}
+    ref_s = tx_ref.init(ref_p)
+    p = {k: v.clone() for k, v in params.items()}
+    s = tx.init(p)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm up: kernels compiled, tables built
+            p, s = ftopt.step(tx, p, static_g, s, donate=True)
+            ref_p, ref_s = ftopt.step(tx_ref, ref_p, static_g, ref_s, donate=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ftopt.step(tx, p, static_g, s, donate=True)
+    for value in (1e-2, 5e-3, 2e-2):
+        lr.fill_(value)
+        graph.replay()
+        ref_p, ref_s = ftopt.step(tx_ref, ref_p, static_g, ref_s, donate=True)
+    torch.cuda.synchronize()
+    assert int(s[0].count) == int(ref_s[0].count) == 5
+    for k in p:
+        assert torch.allclose(p[k], ref_p[k], rtol=1e-6, atol=1e-7), k
