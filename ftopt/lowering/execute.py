@@ -163,12 +163,23 @@ def _empty_like(leaf):
     return torch.empty_like(leaf)
 
 
+def _flat_dict_leaves(tree, prepared) -> list | None:
+    """The leaves of a flat ``{name: tensor}`` dict in optree order (sorted keys), found
+    without a full flatten; ``None`` if ``tree`` is not such a dict of the known keys."""
+    keys = prepared.flat_keys
+    if keys is None or type(tree) is not dict or tree.keys() != prepared.flat_key_set:
+        return None
+    return [tree[k] for k in keys]
+
+
 def fast_step(plan: ChainPlan, params, grads, state):
     """The donated step over the same tensors as the prepared one, or ``None``."""
     prepared = plan.prepared
     if prepared is None or not prepared.donate:
         return None
-    p_flat = optree.tree_leaves(params, none_is_leaf=False, namespace="ftopt")
+    p_flat = _flat_dict_leaves(params, prepared)
+    if p_flat is None:
+        p_flat = optree.tree_leaves(params, none_is_leaf=False, namespace="ftopt")
     if (len(p_flat) != len(prepared.param_leaves)
             or not all(map(operator.is_, p_flat, prepared.param_leaves))):
         return None
@@ -178,10 +189,12 @@ def fast_step(plan: ChainPlan, params, grads, state):
                 or not all(map(operator.is_, s_flat, prepared.state_leaves))):
             return None
         prepared.state_obj = state
-    try:
-        g_flat = prepared.spec.flatten_up_to(grads)
-    except (ValueError, TypeError):
-        return None
+    g_flat = _flat_dict_leaves(grads, prepared)
+    if g_flat is None:
+        try:
+            g_flat = prepared.spec.flatten_up_to(grads)
+        except (ValueError, TypeError):
+            return None
     if not prepared.refresh_grads(g_flat):
         return None
     steps, _ = _advance_counts(plan, prepared.counts, True, _uses_tensors(plan))
@@ -210,6 +223,11 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
         prepared.launch(_scalars(plan, prepared.traced, steps, device))
         if donate:
             prepared.spec = spec
+            flat = type(params) is dict and all(
+                isinstance(v, torch.Tensor) for v in params.values())
+            prepared.flat_keys = ([path[0] for path in optree.tree_paths(
+                params, none_is_leaf=False, namespace="ftopt")] if flat else None)
+            prepared.flat_key_set = set(params) if flat else None
             prepared.counts = counts
             prepared.state_leaves = optree.tree_leaves(state, none_is_leaf=False,
                                                        namespace="ftopt")
