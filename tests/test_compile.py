@@ -50,7 +50,8 @@ def test_compiled_training_step_has_no_graph_break(make_tx, donate):
     for _ in range(3):
         p, s = compiled(p, s)
     for k in p:
-        assert torch.equal(p[k], ref_p[k]), k
+        # Compiled autograd may round the gradients differently from eager on a GPU.
+        assert torch.allclose(p[k], ref_p[k], rtol=1e-5, atol=1e-6), k
     assert int(s[0].count) == 3
 
 
