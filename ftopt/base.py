@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -61,10 +63,28 @@ def register_state(cls: type) -> type:
 
 register_state(EmptyState)
 
+_KEYS = itertools.count()
+_OWNERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def register_owner(obj: Any) -> None:
+    """Give a transform object a process-unique key (``obj.ftopt_key``).
+
+    ``torch.compile`` reads the key as a constant to find the transform at run time (a
+    string, since Dynamo may turn an int attribute into a symbolic size).
+    """
+    obj.ftopt_key = f"ftopt-transform-{next(_KEYS)}"
+    _OWNERS[obj.ftopt_key] = obj
+
+
+def owner_by_key(key: str) -> Any:
+    return _OWNERS[key]
+
 
 class _Stateless:
     def __init__(self, fn: Callable[[Updates, Params | None], Updates]):
         self.fn = fn
+        register_owner(self)
 
     def init(self, params: Params) -> EmptyState:
         del params

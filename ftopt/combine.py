@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ftopt import tree as tree_lib
-from ftopt.base import EmptyState, GradientTransformation, register_state
+from ftopt.base import EmptyState, GradientTransformation, register_owner, register_state
 from ftopt.rules import RuleTransform
 
 __all__ = [
@@ -54,6 +54,9 @@ def _apply_zero_mask(updates, zero_mask):
 class SkipZeros:
     """Marker: the chain holding it leaves zero-gradient elements untouched (SPEC §3)."""
 
+    def __init__(self):
+        register_owner(self)
+
     def init(self, params) -> EmptyState:
         del params
         return EmptyState()
@@ -74,6 +77,7 @@ class Chain:
         self.transforms = tuple(transforms)
         self.names = tuple(names) if names is not None else None
         self.skip_zeros = any(isinstance(owner(t), SkipZeros) for t in self.transforms)
+        register_owner(self)
 
     def rebuild(self, transforms: Sequence[GradientTransformation]) -> GradientTransformation:
         obj = Chain(transforms, self.names)
@@ -173,6 +177,7 @@ class Masked:
     def __init__(self, inner: GradientTransformation, mask: Any):
         self.inner = inner
         self.mask = mask
+        register_owner(self)
 
     def rebuild(self, transforms: Sequence[GradientTransformation]) -> GradientTransformation:
         obj = Masked(transforms[0], self.mask)
@@ -241,6 +246,7 @@ class Partition:
         self.param_labels = param_labels
         self.inner = {label: masked(tx, self._mask_for(label))
                       for label, tx in transforms.items()}
+        register_owner(self)
 
     @property
     def transforms(self) -> tuple[GradientTransformation, ...]:

@@ -25,7 +25,7 @@ import torch
 from ftopt import eager
 from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
-from ftopt.base import EmptyState, GradientTransformation, register_state
+from ftopt.base import EmptyState, GradientTransformation, register_owner, register_state
 from ftopt.quant import dequantize_blockwise, dynamic_map, quantize_blockwise
 
 __all__ = ["Slot", "Rule", "RuleTransform", "QuantizedSlot", "QuantConfig", "rule_transform"]
@@ -134,6 +134,7 @@ class RuleTransform:
             _check_hparam(rule.name, k, v)
         self.rule = rule
         self.quant = quant
+        register_owner(self)
 
     def with_quant(self, quant: QuantConfig | None) -> RuleTransform:
         return RuleTransform(self.rule, quant if self.rule.slots else None)
@@ -281,34 +282,108 @@ class RuleTransform:
         us = [u_flat[i] for i in active]
         ps = [p_flat[i] for i in active] if rule.uses_params else []
         mode = eager.choose_mode(us + ps)
-        env = {"u": eager.elem([u.to(_compute_dtype(u)) for u in us], mode)}
-        if rule.uses_params:
-            env["p"] = eager.elem([p.to(_compute_dtype(p)) for p in ps], mode)
         old = {}
         for slot in rule.slots:
             old[slot.name] = [
                 self._read_slot(slot, slots_flat[slot.name][i], u_flat[i]) for i in active
             ]
-            env[slot.name] = eager.elem(old[slot.name], mode)
-        for k, v in step_scalars(rule, count, t).items():
-            env[k] = eager.scalar(v, mode)
-        u_out, slots_out = rule.body(eager.EagerOps(mode), _Env(env))
-        u_items = _as_elem_items(u_out, us)
         masks = [mask_flat[i] for i in active]
+        scalars = step_scalars(rule, count, t)
+        result = None
+        if mode == "foreach":
+            result = _run_chunked(rule, us, ps, old, masks, scalars)
+        if result is None:
+            result = _run_vec(rule, mode, us, ps, old, masks, scalars)
+        u_items, slot_items = result
         for j, i in enumerate(active):
-            m = masks[j]
-            u_new = u_items[j]
-            if m is not None:
-                u_new = torch.where(m, torch.full((), -0.0, dtype=u_new.dtype), u_new)
-            new_u[i] = u_new
+            new_u[i] = u_items[j]
         for slot in rule.slots:
-            items = _as_elem_items(slots_out[slot.name], us)
             for j, i in enumerate(active):
-                new = items[j]
-                if masks[j] is not None:
-                    new = torch.where(masks[j], old[slot.name][j], new)
                 new_slots[slot.name][i] = self._write_slot(
-                    slot, slots_flat[slot.name][i], new, masks[j])
+                    slot, slots_flat[slot.name][i], slot_items[slot.name][j], masks[j])
+
+
+def _run_vec(rule: Rule, mode: str, us, ps, old: dict, masks: list, scalars: dict):
+    """The body on :class:`eager.Vec` values over whole leaves: the updates and the new
+    slots (in the compute dtype), zero-gradient elements masked."""
+    env = {"u": eager.elem([u.to(_compute_dtype(u)) for u in us], mode)}
+    if rule.uses_params:
+        env["p"] = eager.elem([p.to(_compute_dtype(p)) for p in ps], mode)
+    for name, leaves in old.items():
+        env[name] = eager.elem(leaves, mode)
+    for k, v in scalars.items():
+        env[k] = eager.scalar(v, mode)
+    u_out, slots_out = rule.body(eager.EagerOps(mode), _Env(env))
+    u_items = _as_elem_items(u_out, us)
+    for j, m in enumerate(masks):
+        if m is not None:
+            u_items[j] = torch.where(m, torch.full((), -0.0, dtype=u_items[j].dtype),
+                                     u_items[j])
+    slot_items = {}
+    for name in old:
+        items = _as_elem_items(slots_out[name], us)
+        for j, m in enumerate(masks):
+            if m is not None:
+                items[j] = torch.where(m, old[name][j], items[j])
+        slot_items[name] = items
+    return u_items, slot_items
+
+
+def _run_chunked(rule: Rule, us, ps, old: dict, masks: list, scalars: dict):
+    """Like :func:`_run_vec` (the same torch ops, so the same bits), as a traced program
+    run over cache-sized chunks of all leaves (see :mod:`ftopt.eager`); ``None`` where
+    that cannot run (a norm in the body, a leaf off the CPU)."""
+    masked = masks[0] is not None
+    if any((m is not None) != masked for m in masks):
+        return None
+    if not eager.chunkable(us + ps + [t for v in old.values() for t in v]):
+        return None
+    groups: dict[tuple, list[int]] = {}
+    for j, u in enumerate(us):
+        key = (u.dtype, ps[j].dtype if ps else None,
+               tuple(v[j].dtype for v in old.values()), masks[j].dtype if masked else None)
+        groups.setdefault(key, []).append(j)
+    u_items: list = [None] * len(us)
+    slot_items = {name: [None] * len(us) for name in old}
+    for js in groups.values():
+        prog = eager.Program()
+        prog.zero_dim_leaves = any(us[j].ndim == 0 for j in js)
+        compute = _compute_dtype(us[js[0]])
+        env = {"u": prog.convert(prog.input("u", us[js[0]].dtype), compute)}
+        inputs = {"u": [us[j] for j in js]}
+        if rule.uses_params:
+            p = prog.input("p", ps[js[0]].dtype)
+            env["p"] = prog.convert(p, _compute_dtype(ps[js[0]]))
+            inputs["p"] = [ps[j] for j in js]
+        for name, leaves in old.items():
+            env[name] = prog.input("s:" + name, leaves[js[0]].dtype)
+            inputs["s:" + name] = [leaves[j] for j in js]
+        env.update(scalars)
+        try:
+            u_out, slots_out = rule.body(eager.TraceOps(prog), _Env(env))
+            results = {"u": prog.as_elem(u_out, compute)}
+            results.update({"s:" + name: prog.as_elem(slots_out[name], compute)
+                            for name in old})
+        except eager.NotTraceable:
+            return None
+        if masked:
+            m = prog.input("mask", masks[js[0]].dtype)
+            inputs["mask"] = [masks[j] for j in js]
+            neg_zero = torch.full((), -0.0, dtype=results["u"].dtype)
+            results["u"] = prog.where(m, neg_zero, results["u"])
+            for name in old:
+                results["s:" + name] = prog.where(m, env[name], results["s:" + name])
+        outputs = {}
+        for name, value in results.items():
+            prog.output(name, value)
+            outputs[name] = [torch.empty(us[j].shape, dtype=value.dtype) for j in js]
+        eager.run_program(prog, inputs, outputs)
+        for j, t in zip(js, outputs.pop("u")):
+            u_items[j] = t
+        for name in old:
+            for j, t in zip(js, outputs["s:" + name]):
+                slot_items[name][j] = t
+    return u_items, slot_items
 
 
 def _as_elem_items(value, like: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation
+from ftopt.eager_step import eager_step
 
 __all__ = ["apply_updates", "step"]
 
@@ -78,6 +79,10 @@ def step(
             return result
         if backend == "fused":
             raise RuntimeError(f"step(backend='fused') cannot fuse: {reason}")
+    # A chain of elementwise rules on the CPU: update + apply in one chunked pass.
+    result = eager_step(tx, params, grads, state, donate)
+    if result is not None:
+        return result
     updates, new_state = tx.update(grads, state, params)
     new_params = apply_updates(params, updates)
     if donate:

@@ -13,6 +13,8 @@ from typing import Any
 import optree
 import torch
 
+from ftopt.base import GradientTransformation, owner_by_key
+
 _REGISTRY: dict[int, tuple] = {}
 
 
@@ -21,8 +23,11 @@ def _spec(shape_tree: Any) -> optree.PyTreeSpec:
 
 
 @torch.compiler.assume_constant_result
-def _register(tx, params_shape, grads_shape, state_shape, backend: str) -> int:
-    """Called while tracing: remembers the transform and the tree structures."""
+def _register(tx_key: str, params_shape, grads_shape, state_shape, backend: str) -> int:
+    """Called while tracing (with constants only): remembers the transform, found by its
+    owner's key, and the tree structures."""
+    obj = owner_by_key(tx_key)
+    tx = GradientTransformation(obj.init, obj.update)
     key = len(_REGISTRY)
     _REGISTRY[key] = (tx, _spec(params_shape), _spec(grads_shape), _spec(state_shape),
                       backend)
@@ -69,7 +74,11 @@ def compiled_step(tx, params, grads, state, donate: bool, backend: str):
     leaves = lambda tree: optree.tree_leaves(tree, none_is_leaf=False, namespace="ftopt")  # noqa: E731
     shape = lambda tree: optree.tree_map(lambda _: 0, tree, none_is_leaf=False,  # noqa: E731
                                          namespace="ftopt")
-    key = _register(tx, shape(params), shape(grads), shape(state), backend)
+    tx_key = getattr(getattr(tx.update, "__self__", None), "ftopt_key", None)
+    if tx_key is None:
+        raise TypeError("ftopt.step under torch.compile needs a transform built by ftopt "
+                        "(wrap other functions with ftopt.stateless)")
+    key = _register(tx_key, shape(params), shape(grads), shape(state), backend)
     g_flat = leaves(grads)
     p_flat, p_spec = optree.tree_flatten(params, none_is_leaf=False, namespace="ftopt")
     s_flat, s_spec = optree.tree_flatten(state, none_is_leaf=False, namespace="ftopt")
