@@ -174,6 +174,13 @@ def _prepare(tx, stages, params, grads, state, donate: bool) -> _Prepared:
         tx=tx, stages=stages, spec=spec, p_spec=p_spec, params=params, state=state,
         g_flat=g_flat, p_flat=p_flat, slots=slots, stage_states=stage_states,
         active=active, flags=flags, counts=counts, scalars=scalars)
+    # One program per group of leaves that run the same ops (tracing may raise
+    # NotTraceable: nothing has been written yet).
+    groups: dict[tuple, list[int]] = {}
+    for i in active:
+        groups.setdefault(_signature(prep, i), []).append(i)
+    prep.programs = [(_build(prep, leaves[0], any(g_flat[i].ndim == 0 for i in leaves)),
+                      leaves) for leaves in groups.values()]
     return prep
 
 
@@ -253,18 +260,10 @@ def _signature(prep: _Prepared, i: int) -> tuple:
 
 
 def _execute(prep: _Prepared, donate: bool):
-    groups: dict[tuple, list[int]] = {}
-    for i in prep.active:
-        groups.setdefault(_signature(prep, i), []).append(i)
     new_p = list(prep.p_flat)
     new_slots = [{name: list(leaves) for name, leaves in by_name.items()}
                  for by_name in prep.slots]
-    programs = []
-    for leaves in groups.values():
-        prog = _build(prep, leaves[0], any(prep.g_flat[i].ndim == 0 for i in leaves))
-        programs.append((prog, leaves))
-    # Tracing can fail (NotTraceable) only above: nothing is written before this point.
-    for prog, leaves in programs:
+    for prog, leaves in prep.programs:
         inputs: dict[str, list] = {"g": [prep.g_flat[i] for i in leaves],
                                    "p": [prep.p_flat[i] for i in leaves]}
         for k, by_name in enumerate(prep.slots):

@@ -87,12 +87,18 @@ def _walk(tx, path: tuple, skip: bool, at_input: bool, plan: ChainPlan) -> str |
     return f"{name} has no elementwise rule"
 
 
-def triton_available() -> bool:
+def triton_missing() -> str | None:
+    """Why Triton cannot be used here (``None`` if it can)."""
     try:
         import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except ImportError as err:
+        return f"Triton cannot be imported ({err})"
+    if _interpreting():
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            return "the Triton interpreter (TRITON_INTERPRET=1) needs numpy"
+    return None
 
 
 def _interpreting() -> bool:
@@ -103,8 +109,9 @@ def call_reason(plan: ChainPlan, p_flat, g_flat, active, backend: str) -> str | 
     """Why this call cannot fuse (``None`` if it can)."""
     if plan.reason:
         return plan.reason
-    if not triton_available():
-        return "Triton is not installed"
+    missing = triton_missing()
+    if missing:
+        return missing
     if eager.functorch_active():
         return "a torch.func transform (grad, vmap, ...) is active"
     tensors = [p_flat[i] for i in active]
