@@ -3,8 +3,8 @@
 ``step(tx, ...)`` is ``tx.update`` then ``apply_updates``. When ``tx`` is a chain of
 elementwise rules (the chains the fused backend lowers, see SPEC §6) and the leaves are on
 the CPU, the eager backend traces every rule body of the chain, the ``skip_zeros`` masks
-and the final ``p + u`` into one :class:`ftopt.eager.Program` and runs it over cache-sized
-chunks of all leaves (:func:`ftopt.eager.run_program`): each chunk of g, p and the states
+and the final ``p + u`` into one :class:`ftopt.eager_chunked.Program` and runs it over cache-sized
+chunks of all leaves (:func:`ftopt.eager_chunked.run_program`): each chunk of g, p and the states
 is read once, and p and the states are written once, straight into new tensors or, with
 ``donate=True``, into the donated ones. The ops are those of ``update`` + ``apply_updates``
 on the foreach path, so the results are the same bits.
@@ -24,10 +24,15 @@ from typing import Any
 import optree
 import torch
 
-from ftopt import eager
+from ftopt import eager, eager_chunked
 from ftopt._counts import remember_count
 from ftopt.combine import Chain, SkipZeros, owner
-from ftopt.rules import QuantizedSlot, RuleTransform, _compute_dtype, _Env, step_scalars
+from ftopt.rules import (
+    RuleTransform,
+    _compute_dtype,
+    _Env,
+    step_scalars,
+)
 
 __all__ = ["eager_step"]
 
@@ -102,7 +107,7 @@ def eager_step(tx, params, grads, state, donate: bool):
         return None
     try:
         prepared = _prepare(tx, stages, params, grads, state, donate)
-    except (_Unsupported, eager.NotTraceable, ValueError, TypeError, KeyError, IndexError,
+    except (_Unsupported, eager_chunked.NotTraceable, ValueError, TypeError, KeyError, IndexError,
             AttributeError):
         return None
     return _execute(prepared, donate)
@@ -126,49 +131,62 @@ def _prepare(tx, stages, params, grads, state, donate: bool) -> _Prepared:
     _stage_states(owner(tx), state, stage_states)
     if len(stage_states) != len(stages):
         raise _Unsupported
-    active = [i for i, g in enumerate(g_flat) if g is not None]
-    grad_mode = torch.is_grad_enabled()
     slots: list[dict[str, list]] = []
     for (stage, _), st in zip(stages, stage_states):
         rule = stage.rule
         if (rule.slots or rule.counted) and not isinstance(st, rule.state_class):
             raise _Unsupported
         slots.append({s.name: spec.flatten_up_to(getattr(st, s.name)) for s in rule.slots})
-    for i in active:
-        g, p = g_flat[i], p_flat[i]
-        if not (isinstance(g, torch.Tensor) and isinstance(p, torch.Tensor)):
+    n = len(g_flat)
+    masks = [stage._leaf_mask(params, n, [""] * n) for stage, _ in stages]
+    columns = [(f"{k}:{name}", leaves) for k, by_name in enumerate(slots)
+               for name, leaves in by_name.items()]
+    grad_mode = torch.is_grad_enabled()
+    tensor = torch.Tensor
+    active = []
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(g_flat):
+        if g is None:
+            continue
+        active.append(i)
+        p = p_flat[i]
+        leaf_slots = [leaves[i] for _, leaves in columns]
+        # What update checks (rules._check_leaf), plus what this path needs; anything
+        # else takes the generic path, which raises the errors.
+        if not (type(g) is tensor or isinstance(g, tensor)) or not (
+                type(p) is tensor or isinstance(p, tensor)):
             raise _Unsupported
-        if not (g.is_floating_point() and p.is_floating_point()) or g.shape != p.shape:
+        shape = g.shape
+        if not (g.is_floating_point() and p.is_floating_point() and p.shape == shape
+                and g.is_cpu and p.is_cpu):
             raise _Unsupported
-        if g.device.type != "cpu" or p.device.type != "cpu":
-            raise _Unsupported
-        tensors = [g, p]
-        for by_name in slots:
-            for leaves in by_name.values():
-                s = leaves[i]
-                if isinstance(s, QuantizedSlot) or not isinstance(s, torch.Tensor):
-                    raise _Unsupported
-                if s.shape != g.shape or s.device.type != "cpu":
-                    raise _Unsupported
-                tensors.append(s)
-        if grad_mode and any(t.requires_grad for t in tensors):
+        for t in leaf_slots:  # (8-bit states are not tensors: the generic path)
+            if not isinstance(t, tensor) or t.shape != shape or not t.is_floating_point() \
+                    or not t.is_cpu:
+                raise _Unsupported
+        if grad_mode and (g.requires_grad or p.requires_grad or any(
+                t.requires_grad for t in leaf_slots)):
             raise _Unsupported  # a differentiable step: autograd needs the loop mode
-        if donate and not all(t.is_contiguous() for t in tensors[1:]):
+        key = (g.dtype, p.dtype, tuple(m is None or bool(m[i]) for m in masks),
+               tuple(t.dtype for t in leaf_slots))
+        groups.setdefault(key, []).append(i)
+    if donate:
+        targets = [t for i in active for t in (p_flat[i], *(c[i] for _, c in columns))]
+        if not all(t.is_contiguous() for t in targets):
             raise _Unsupported
-    if donate and _overlapping([g_flat[i] for i in active],
-                               [t for i in active for t in _targets(i, p_flat, slots)]):
-        raise _Unsupported
-    # Which leaves each rule updates, the step counts and the per-step scalars.
-    flags = []
+        spans = [(t.data_ptr(), t.data_ptr() + t.nbytes, True) for t in targets]
+        spans += [_span(g_flat[i]) for i in active]
+        if _overlapping(spans):
+            raise _Unsupported  # chunked in-place writes would be read back
+    # The step counts and the per-step scalars.
     counts = []
     scalars = []
-    n = len(g_flat)
     for (stage, _), st in zip(stages, stage_states):
-        mask = stage._leaf_mask(params, n, [""] * n)
-        flags.append([mask is None or mask[i] for i in range(n)])
         count, new_count, t = stage._advance_count(st)
         counts.append((st, new_count, t if isinstance(t, int) else None))
         scalars.append(step_scalars(stage.rule, count, t))
+    flags = [[m is None or bool(m[i]) if g_flat[i] is not None else False for i in range(n)]
+             for m in masks]
     prep = _Prepared()
     prep.__dict__.update(
         tx=tx, stages=stages, spec=spec, p_spec=p_spec, params=params, state=state,
@@ -176,32 +194,30 @@ def _prepare(tx, stages, params, grads, state, donate: bool) -> _Prepared:
         active=active, flags=flags, counts=counts, scalars=scalars)
     # One program per group of leaves that run the same ops (tracing may raise
     # NotTraceable: nothing has been written yet).
-    groups: dict[tuple, list[int]] = {}
-    for i in active:
-        groups.setdefault(_signature(prep, i), []).append(i)
     prep.programs = [(_build(prep, leaves[0], any(g_flat[i].ndim == 0 for i in leaves)),
                       leaves) for leaves in groups.values()]
+    for prog, _ in prep.programs:
+        prog.drop_identities()  # (run_program would; done here so the check sees it)
+        if donate:
+            eager_chunked.check_aliases(prog, [name for name, _ in prog.outputs])
     return prep
 
 
-def _targets(i: int, p_flat, slots) -> list:
-    return [p_flat[i]] + [leaves[i] for by_name in slots for leaves in by_name.values()]
+def _span(t: torch.Tensor) -> tuple[int, int, bool]:
+    """The bytes a (read-only) tensor may touch."""
+    start, numel = t.data_ptr(), t.numel()
+    if not t.is_contiguous():
+        numel = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 if numel else 0
+    return start, start + numel * t.element_size(), False
 
 
-def _overlapping(reads, targets) -> bool:
-    """Whether a donated tensor shares memory with another donated tensor or a gradient
-    (the chunked writes would then be seen by later reads)."""
-    spans = []
-    for is_target, tensors in ((False, reads), (True, targets)):
-        for t in tensors:
-            if t.numel():
-                start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-                # The extent of the memory a strided tensor may touch.
-                extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
-                spans.append((start, start + extent * t.element_size(), is_target))
+def _overlapping(spans: list[tuple[int, int, bool]]) -> bool:
+    """Whether a donated tensor's memory overlaps another donated tensor's or a grad's."""
     spans.sort()
     end_any = end_target = -1
     for start, end, is_target in spans:
+        if start == end:
+            continue
         if start < end_target or (is_target and start < end_any):
             return True
         end_any = max(end_any, end)
@@ -210,10 +226,10 @@ def _overlapping(reads, targets) -> bool:
     return False
 
 
-def _build(prep: _Prepared, leaf: int, zero_dim: bool) -> eager.Program:
+def _build(prep: _Prepared, leaf: int, zero_dim: bool) -> eager_chunked.Program:
     """The program of one group of leaves (those of ``leaf``'s signature)."""
     g, p = prep.g_flat[leaf], prep.p_flat[leaf]
-    prog = eager.Program()
+    prog = eager_chunked.Program()
     prog.zero_dim_leaves = zero_dim
     gs = prog.input("g", g.dtype)
     ps = prog.input("p", p.dtype)
@@ -231,10 +247,11 @@ def _build(prep: _Prepared, leaf: int, zero_dim: bool) -> eager.Program:
         for name, leaves in by_name.items():
             env[name] = prog.input(f"{k}:{name}", leaves[leaf].dtype)
         env.update(prep.scalars[k])
-        u_out, slots_out = rule.body(eager.TraceOps(prog), _Env(env))
+        u_out, slots_out = rule.body(eager_chunked.TraceOps(prog), _Env(env))
         u_new = prog.as_elem(u_out, compute)
         if skip:
-            u_new = prog.where(mask, torch.full((), -0.0, dtype=u_new.dtype), u_new)
+            neg_zero = torch.full((), -0.0, dtype=u_new.dtype, device="cpu")
+            u_new = prog.where(mask, neg_zero, u_new)
         for name, leaves in by_name.items():
             new = prog.as_elem(slots_out[name], compute)
             if skip:
@@ -253,12 +270,6 @@ def _compute_dtype_of(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _signature(prep: _Prepared, i: int) -> tuple:
-    return (prep.g_flat[i].dtype, prep.p_flat[i].dtype,
-            tuple(f[i] for f in prep.flags),
-            tuple(leaves[i].dtype for by_name in prep.slots for leaves in by_name.values()))
-
-
 def _execute(prep: _Prepared, donate: bool):
     new_p = list(prep.p_flat)
     new_slots = [{name: list(leaves) for name, leaves in by_name.items()}
@@ -274,9 +285,10 @@ def _execute(prep: _Prepared, donate: bool):
             if donate:
                 outputs[name] = inputs[name]
             else:
-                outputs[name] = [torch.empty_like(t, memory_format=torch.contiguous_format)
+                outputs[name] = [torch.empty_like(t) if t.is_contiguous() else
+                                 torch.empty_like(t, memory_format=torch.contiguous_format)
                                  for t in inputs[name]]
-        eager.run_program(prog, inputs, outputs, aliases=list(outputs) if donate else ())
+        eager_chunked.run_program(prog, inputs, outputs, aliases=list(outputs) if donate else ())
         for i, t in zip(leaves, outputs["p"]):
             new_p[i] = t
         for name, _ in prog.outputs:

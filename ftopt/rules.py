@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ftopt import eager
+from ftopt import eager, eager_chunked
 from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
 from ftopt.base import EmptyState, GradientTransformation, register_owner, register_state
@@ -336,7 +336,7 @@ def _run_chunked(rule: Rule, us, ps, old: dict, masks: list, scalars: dict):
     masked = masks[0] is not None
     if any((m is not None) != masked for m in masks):
         return None
-    if not eager.chunkable(us + ps + [t for v in old.values() for t in v]):
+    if not eager_chunked.chunkable(us + ps + [t for v in old.values() for t in v]):
         return None
     groups: dict[tuple, list[int]] = {}
     for j, u in enumerate(us):
@@ -346,7 +346,7 @@ def _run_chunked(rule: Rule, us, ps, old: dict, masks: list, scalars: dict):
     u_items: list = [None] * len(us)
     slot_items = {name: [None] * len(us) for name in old}
     for js in groups.values():
-        prog = eager.Program()
+        prog = eager_chunked.Program()
         prog.zero_dim_leaves = any(us[j].ndim == 0 for j in js)
         compute = _compute_dtype(us[js[0]])
         env = {"u": prog.convert(prog.input("u", us[js[0]].dtype), compute)}
@@ -360,24 +360,25 @@ def _run_chunked(rule: Rule, us, ps, old: dict, masks: list, scalars: dict):
             inputs["s:" + name] = [leaves[j] for j in js]
         env.update(scalars)
         try:
-            u_out, slots_out = rule.body(eager.TraceOps(prog), _Env(env))
+            u_out, slots_out = rule.body(eager_chunked.TraceOps(prog), _Env(env))
             results = {"u": prog.as_elem(u_out, compute)}
             results.update({"s:" + name: prog.as_elem(slots_out[name], compute)
                             for name in old})
-        except eager.NotTraceable:
+        except eager_chunked.NotTraceable:
             return None
         if masked:
             m = prog.input("mask", masks[js[0]].dtype)
             inputs["mask"] = [masks[j] for j in js]
-            neg_zero = torch.full((), -0.0, dtype=results["u"].dtype)
+            neg_zero = torch.full((), -0.0, dtype=results["u"].dtype, device="cpu")
             results["u"] = prog.where(m, neg_zero, results["u"])
             for name in old:
                 results["s:" + name] = prog.where(m, env[name], results["s:" + name])
         outputs = {}
         for name, value in results.items():
             prog.output(name, value)
-            outputs[name] = [torch.empty(us[j].shape, dtype=value.dtype) for j in js]
-        eager.run_program(prog, inputs, outputs)
+            outputs[name] = [torch.empty(us[j].shape, dtype=value.dtype, device="cpu")
+                             for j in js]
+        eager_chunked.run_program(prog, inputs, outputs)
         for j, t in zip(js, outputs.pop("u")):
             u_items[j] = t
         for name in old:
