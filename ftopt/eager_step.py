@@ -17,7 +17,6 @@ an accelerator, trees that do not match) returns ``None`` and ``step`` runs ``up
 from __future__ import annotations
 
 import operator
-import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -33,6 +32,7 @@ from ftopt.rules import (
     _Env,
     step_scalars,
 )
+from ftopt.stages import chain_stages
 
 __all__ = ["eager_step"]
 
@@ -41,42 +41,13 @@ class _Unsupported(Exception):
     """This call takes the generic path."""
 
 
-_STAGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _stages(tx) -> list[tuple[RuleTransform, bool]] | None:
     """The rules of ``tx`` in order, each with whether ``skip_zeros`` masks it (``None``
     when ``tx`` is not a chain of rules whose masks come from the raw gradient)."""
-    obj = owner(tx)
-    if obj is None:
+    found = chain_stages(tx)
+    if found.reason is not None:
         return None
-    try:
-        return _STAGES[obj]
-    except (KeyError, TypeError):
-        pass
-    stages: list = []
-    ok = _walk(obj, False, True, stages)
-    result = stages if ok else None
-    try:
-        _STAGES[obj] = result
-    except TypeError:
-        pass
-    return result
-
-
-def _walk(obj, skip: bool, at_input: bool, stages: list) -> bool:
-    if isinstance(obj, RuleTransform):
-        stages.append((obj, skip))
-        return True
-    if isinstance(obj, SkipZeros):
-        return True
-    if type(obj) is not Chain:
-        return False
-    if obj.skip_zeros and not skip and not (at_input and not stages):
-        return False  # its mask would come from updates, not from the gradient
-    inner_skip = skip or obj.skip_zeros
-    return all(_walk(owner(t), inner_skip, at_input and i == 0, stages)
-               for i, t in enumerate(obj.transforms))
+    return list(zip(found.stages, found.skips))
 
 
 def _stage_states(obj, state, out: list) -> None:

@@ -17,8 +17,9 @@ import torch
 from ftopt import eager
 from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
-from ftopt.combine import Chain, SkipZeros, owner
+from ftopt.combine import owner
 from ftopt.rules import QuantizedSlot, RuleTransform, _check_leaf, step_scalars
+from ftopt.stages import chain_stages
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -48,43 +49,16 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def plan_chain(tx) -> ChainPlan:
+    """The plan of ``tx`` (cached per transform object)."""
+    found = chain_stages(tx)
     obj = owner(tx)
-    if obj is None:
-        return ChainPlan(reason=f"{_describe(tx)} is not an ftopt transform")
-    plan = _PLANS.get(obj)
+    plan = _PLANS.get(obj) if obj is not None else None
     if plan is None:
-        plan = ChainPlan()
-        plan.reason = _walk(tx, (), False, True, plan)
-        _PLANS[obj] = plan
+        plan = ChainPlan(list(found.stages), list(found.state_paths), list(found.skips),
+                         found.reason)
+        if obj is not None:
+            _PLANS[obj] = plan
     return plan
-
-
-def _describe(tx) -> str:
-    fn = getattr(tx.update, "__qualname__", None) or repr(tx.update)
-    return f"transform {fn!r}"
-
-
-def _walk(tx, path: tuple, skip: bool, at_input: bool, plan: ChainPlan) -> str | None:
-    obj = owner(tx)
-    if isinstance(obj, RuleTransform):
-        plan.stages.append(obj)
-        plan.state_paths.append(path)
-        plan.skips.append(skip)
-        return None
-    if isinstance(obj, SkipZeros):
-        return None
-    if isinstance(obj, Chain):
-        if obj.skip_zeros and not skip and not (at_input and not plan.stages):
-            return "skip_zeros in a nested chain that does not receive the raw gradient"
-        inner_skip = skip or obj.skip_zeros
-        for i, child in enumerate(obj.transforms):
-            key = obj.names[i] if obj.names is not None else i
-            reason = _walk(child, (*path, key), inner_skip, at_input and i == 0, plan)
-            if reason:
-                return reason
-        return None
-    name = type(obj).__name__ if obj is not None else _describe(tx)
-    return f"{name} has no elementwise rule"
 
 
 def triton_missing() -> str | None:

@@ -1,0 +1,77 @@
+"""The elementwise stages of a transform: the rules a chain runs, in order.
+
+Both the one-pass eager step (:mod:`ftopt.eager_step`) and the fused backend
+(:mod:`ftopt.lowering`) run a chain as one program over its stages; this module finds
+them once per transform.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from ftopt.combine import Chain, SkipZeros, owner
+from ftopt.rules import RuleTransform
+
+__all__ = ["Stages", "chain_stages"]
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The rules of a transform with where their states live, or why it has none.
+
+    ``state_paths[i]`` indexes stage ``i``'s state in the transform's state (tuple indices
+    and named_chain names); ``skips[i]`` says whether a ``skip_zeros`` mask applies to it.
+    """
+
+    stages: tuple[RuleTransform, ...] = ()
+    state_paths: tuple[tuple, ...] = ()
+    skips: tuple[bool, ...] = ()
+    reason: str | None = None
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def chain_stages(tx) -> Stages:
+    """The stages of ``tx`` (cached per transform object)."""
+    obj = owner(tx)
+    if obj is None:
+        return Stages(reason=f"{_describe(tx)} is not an ftopt transform")
+    found = _CACHE.get(obj)
+    if found is None:
+        stages, paths, skips = [], [], []
+        reason = _walk(tx, (), False, True, stages, paths, skips)
+        found = Stages(tuple(stages), tuple(paths), tuple(skips), reason)
+        _CACHE[obj] = found
+    return found
+
+
+def _describe(tx) -> str:
+    fn = getattr(tx.update, "__qualname__", None) or repr(tx.update)
+    return f"transform {fn!r}"
+
+
+def _walk(tx, path: tuple, skip: bool, at_input: bool, stages: list, paths: list,
+          skips: list) -> str | None:
+    obj = owner(tx)
+    if isinstance(obj, RuleTransform):
+        stages.append(obj)
+        paths.append(path)
+        skips.append(skip)
+        return None
+    if isinstance(obj, SkipZeros):
+        return None
+    if isinstance(obj, Chain):
+        if obj.skip_zeros and not skip and not (at_input and not stages):
+            return "skip_zeros in a nested chain that does not receive the raw gradient"
+        inner_skip = skip or obj.skip_zeros
+        for i, child in enumerate(obj.transforms):
+            key = obj.names[i] if obj.names is not None else i
+            reason = _walk(child, (*path, key), inner_skip, at_input and i == 0, stages,
+                           paths, skips)
+            if reason:
+                return reason
+        return None
+    name = type(obj).__name__ if obj is not None else _describe(tx)
+    return f"{name} has no elementwise rule"
