@@ -185,6 +185,20 @@ class EagerOps:
         ]
         return Vec(kind, items, self.mode)
 
+    def lerp(self, start, end, weight) -> Vec:
+        """start + weight·(end − start), as ``torch.lerp`` (one op): an EMA with
+        ``weight = 1 − decay`` computed on the host."""
+        start, end, weight = (_as_vec(v, self.mode) for v in (start, end, weight))
+        if weight.kind != "scalar" or start.kind != "elem" or end.kind != "elem":
+            return start + weight * (end - start)
+        w = weight.items[0]
+        same = all(a.dtype == b.dtype for a, b in zip(start.items, end.items))
+        if self.mode == "foreach" and _is_number(w) and same:
+            return Vec("elem", list(torch._foreach_lerp(start.items, end.items, w)),
+                       self.mode)
+        return Vec("elem", [_lerp(a, b, w) for a, b in zip(start.items, end.items)],
+                   self.mode)
+
     def maximum(self, a, b) -> Vec:
         return self.where(_as_vec(a, self.mode) >= b, a, b)
 
@@ -204,6 +218,14 @@ class EagerOps:
         if not norms:
             return Vec("scalar", [0.0], self.mode)
         return Vec("scalar", [torch.linalg.vector_norm(torch.stack(norms))], self.mode)
+
+
+def _lerp(start: torch.Tensor, end: torch.Tensor, weight) -> torch.Tensor:
+    """torch.lerp on the promoted dtype, with a tensor weight of that dtype."""
+    dtype = torch.promote_types(start.dtype, end.dtype)
+    if isinstance(weight, torch.Tensor):
+        weight = weight.to(dtype)
+    return torch.lerp(start.to(dtype), end.to(dtype), weight)
 
 
 def _where(c, x, y):

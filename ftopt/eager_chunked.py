@@ -70,7 +70,8 @@ _FLIPPED = {operator.gt: operator.lt, operator.lt: operator.gt, operator.ge: ope
             operator.le: operator.ge}
 _ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.truediv)
 # Ops whose results are never a signaling NaN (IEEE arithmetic quiets NaNs).
-_ARITHMETIC_FNS = (torch.add, torch.sub, torch.mul, torch.div, torch.sqrt, torch.reciprocal)
+_ARITHMETIC_FNS = (torch.add, torch.sub, torch.mul, torch.div, torch.sqrt, torch.reciprocal,
+                   torch.lerp)
 
 
 class Sym:
@@ -393,6 +394,18 @@ class TraceOps:
 
     def where(self, cond, a, b):
         return self.prog.where(cond, a, b)
+
+    def lerp(self, start, end, weight):
+        """``torch.lerp`` as :meth:`ftopt.eager.EagerOps.lerp` computes it."""
+        if not (isinstance(start, Sym) and isinstance(end, Sym)) or (
+                isinstance(weight, torch.Tensor) and weight.ndim != 0) or isinstance(
+                weight, Sym):
+            return start + weight * (end - start)
+        if start.dtype != end.dtype:
+            raise NotTraceable("lerp of values of different dtypes")
+        if isinstance(weight, torch.Tensor):
+            weight = weight.to(start.dtype)
+        return self.prog._call(torch.lerp, start, end, weight)
 
     def maximum(self, a, b):
         return self.where(a >= b, a, b)

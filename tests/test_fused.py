@@ -189,8 +189,11 @@ def test_fused_8bit_matches_eager(name, skip):
         if skip:
             z = grads["big"] == 0
             assert torch.equal(params_f["big"][z], before["big"][z])
+    # The backends round the state update differently in the last bit (torch.lerp fuses a
+    # multiply-add on the CPU); a state that lands next to a code boundary may then take
+    # the neighbouring code, moving its element by one quantization step.
     for k in params:
-        assert _rel_err(params_f[k], params_e[k]) <= 1e-6, k
+        assert _rel_err(params_f[k], params_e[k]) <= 2e-4, k
     leaves_e, leaves_f = ftopt.tree.leaves(state_e), ftopt.tree.leaves(state_f)
     codes = [(a, b) for a, b in zip(leaves_e, leaves_f) if a.dtype == torch.uint8]
     assert codes and all((a != b).float().mean() < 1e-3 for a, b in codes)

@@ -194,6 +194,13 @@ class SymOps:
         expr = "tl.where({}, {}, {})".format(*(p[0] for p in parts))
         return self.graph.add(expr, deps, kind)
 
+    def lerp(self, start, end, weight) -> Sym:
+        """start + weight·(end − start) with torch.lerp's two formulas."""
+        start, end, weight = (_as_sym(v, self.graph) for v in (start, end, weight))
+        low = start + weight * (end - start)
+        high = end - (end - start) * (1.0 - weight)
+        return self.where(weight < 0.5, low, high)
+
     def maximum(self, a, b) -> Sym:
         return self.where(_as_sym(a, self.graph) >= b, a, b)
 

@@ -80,8 +80,8 @@ def scale_by_adam(
     """
 
     def body(o, x):
-        mu = x.b1 * x.mu + x.one_minus_b1 * x.u
-        nu = x.b2 * x.nu + x.one_minus_b2 * (x.u * x.u)
+        mu = o.lerp(x.mu, x.u, x.one_minus_b1)  # b1·mu + (1−b1)·u
+        nu = o.lerp(x.nu, x.u * x.u, x.one_minus_b2)
         if nesterov:
             mu_hat = x.b1 * mu / x.bc1_next + x.one_minus_b1 * x.u / x.bc1
         else:
@@ -102,9 +102,9 @@ def scale_by_adam(
 
 
 def _ademamix_body(o, x):
-    m1 = x.b1 * x.m1 + x.one_minus_b1 * x.u
-    m2 = x.b3 * x.m2 + x.one_minus_b3 * x.u
-    nu = x.b2 * x.nu + x.one_minus_b2 * (x.u * x.u)
+    m1 = o.lerp(x.m1, x.u, x.one_minus_b1)  # b1·m1 + (1−b1)·u
+    m2 = o.lerp(x.m2, x.u, x.one_minus_b3)
+    nu = o.lerp(x.nu, x.u * x.u, x.one_minus_b2)
     numerator = m1 / x.bc1 + x.alpha * m2
     update = numerator / (o.sqrt(nu / x.bc2 + x.eps_root) + x.eps)
     return update, {"m1": m1, "m2": m2, "nu": nu}
@@ -171,7 +171,7 @@ def scale_by_rms(
     """
 
     def body(o, x):
-        nu = x.decay * x.nu + x.one_minus_decay * (x.u * x.u)
+        nu = o.lerp(x.nu, x.u * x.u, x.one_minus_decay)  # decay·nu + (1−decay)·u²
         if eps_in_sqrt:
             return x.u / o.sqrt(nu + x.eps), {"nu": nu}
         return x.u / (o.sqrt(nu) + x.eps), {"nu": nu}

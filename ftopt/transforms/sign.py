@@ -19,8 +19,8 @@ class ScaleByLionState(NamedTuple):
 
 
 def _lion_body(o, x):
-    direction = o.sign(x.b1 * x.mu + x.one_minus_b1 * x.u)
-    mu = x.b2 * x.mu + x.one_minus_b2 * x.u
+    direction = o.sign(o.lerp(x.mu, x.u, x.one_minus_b1))  # sign(b1·mu + (1−b1)·u)
+    mu = o.lerp(x.mu, x.u, x.one_minus_b2)
     return direction, {"mu": mu}
 
 
