@@ -102,6 +102,12 @@ class Chain:
         return [state[n] for n in self.names]
 
     def update(self, updates, state, params=None, **extra):
+        from ftopt.lowering.plan import update_entry
+
+        return update_entry(self, updates, state, params, extra,
+                            lambda: self._update(updates, state, params, extra))
+
+    def _update(self, updates, state, params, extra: dict):
         inner = self._inner_states(state)
         if self.skip_zeros and extra.get("zero_mask") is None:
             extra = {**extra, "zero_mask": zero_mask_of(updates)}

@@ -189,7 +189,14 @@ class RuleTransform:
 
     # -- update --------------------------------------------------------------------------
     def update(self, updates, state, params=None, *, zero_mask=None, **extra):
-        del extra
+        if zero_mask is not None:  # inside a skip_zeros chain
+            return self._update(updates, state, params, zero_mask)
+        from ftopt.lowering.plan import update_entry
+
+        return update_entry(self, updates, state, params, extra,
+                            lambda: self._update(updates, state, params, None))
+
+    def _update(self, updates, state, params, zero_mask):
         rule = self.rule
         if (rule.slots or rule.counted) and not isinstance(state, rule.state_class):
             raise ValueError(f"{rule.name} expects a {rule.state_class.__name__} state, got "

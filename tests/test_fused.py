@@ -313,3 +313,79 @@ class _Null:
 
     def flush(self):
         pass
+
+
+def test_cached_donated_step_follows_new_grad_tensors():
+    """Donated steps reuse their tables; new gradient tensors (alternating buffers, fresh
+    tensors, a changed dtype, in-place writes) must each be read, as the eager path does."""
+    gen = torch.Generator().manual_seed(11)
+    tx = ftopt.adam(0.01)
+    params = _tree(gen, torch.float32)
+    reference = {k: v.clone() for k, v in params.items()}
+    state, ref_state = tx.init(params), tx.init(reference)
+    a, b = _tree(gen, torch.float32), _tree(gen, torch.float32)
+    sequence = [a, b, a, b, _tree(gen, torch.float32), a,
+                {k: v.to(torch.bfloat16) for k, v in b.items()}, b]
+    for i, grads in enumerate(sequence):
+        if i == 5:
+            a["odd"].mul_(-3.0)  # same tensor object, new values
+        params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+        reference, ref_state = ftopt.step(tx, reference, grads, ref_state, backend="eager")
+        for k in params:
+            assert _rel_err(params[k], reference[k]) < 1e-6, (i, k)
+
+
+def test_cached_donated_step_checks_new_grads():
+    """A gradient that does not fit the cached tables goes through the full checks: a
+    clear error naming the leaf, and the caller's params and state untouched."""
+    gen = torch.Generator().manual_seed(12)
+    tx = ftopt.adam(0.01)
+    params = _tree(gen, torch.float32)
+    state = tx.init(params)
+    grads = _tree(gen, torch.float32)
+    params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+    snapshot = [x.clone() for x in ftopt.tree.leaves((params, state))]
+    bad = [
+        ({**grads, "odd": torch.randn(5, 7, device=DEVICE)}, ValueError, r"\['odd'\].*shape"),
+        ({**grads, "odd": torch.randn(7, 5, device="meta")}, ValueError,
+         r"grad at \['odd'\]: on meta"),
+        ({**grads, "odd": torch.randn(5, 7, device=DEVICE).t()}, RuntimeError,
+         "not contiguous"),
+        ({**grads, "odd": "not a tensor"}, TypeError, r"\['odd'\]"),
+    ]
+    for wrong, error, match in bad:
+        with pytest.raises(error, match=match):
+            ftopt.step(tx, params, wrong, state, backend="fused", donate=True)
+        for old, now in zip(snapshot, ftopt.tree.leaves((params, state))):
+            assert torch.equal(old, now)
+    moved = {k: (v.to("meta") if k == "odd" else v) for k, v in state[0].mu.items()}
+    with pytest.raises(ValueError, match=r"state mu at \['odd'\]: on meta"):
+        ftopt.step(tx, params, grads, (state[0]._replace(mu=moved), *state[1:]),
+                   backend="fused")
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_step_counts_advance_in_every_case(donate):
+    """The main kernel increments the step counts; a step with no elements to launch
+    over (empty leaves, no gradients) still advances them, and a donate=False step
+    leaves the given count alone."""
+    gen = torch.Generator().manual_seed(13)
+    tx = ftopt.chain(ftopt.clip_by_global_norm(1.0), ftopt.adam(0.01), ftopt.lion(0.001))
+    for shapes, with_grads in (({"e": (0,), "f": (2, 0)}, True), ({"a": (3, 4)}, False),
+                               ({"a": (3, 4), "b": (5,)}, True)):
+        params = _tree(gen, torch.float32, shapes)
+        state = tx.init(params)
+        for i in range(3):
+            grads = _tree(gen, torch.float32, shapes) if with_grads else {
+                k: None for k in shapes}
+            before = [int(c) for c in _counts(state)]
+            params, new_state = ftopt.step(tx, params, grads, state, backend="fused",
+                                           donate=donate)
+            assert [int(c) for c in _counts(new_state)] == [i + 1, i + 1]
+            if not donate:
+                assert [int(c) for c in _counts(state)] == before
+            state = new_state
+
+
+def _counts(state):
+    return [leaf for leaf in ftopt.tree.leaves(state) if not leaf.is_floating_point()]

@@ -837,6 +837,12 @@ def test_none_grad_leaf(bits):
         assert not bit_equal(new_p[k], params[k], ~mask[k]), k
 
 
+def _on_device(tree: dict) -> dict:
+    """The fused tests run on the GPU where there is one (the interpreter otherwise)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {k: v.to(device) for k, v in tree.items()}
+
+
 @pytest.mark.parametrize("bits", [32, 8])
 @pytest.mark.parametrize("name", ["adamw", "lion", "clip_then_adamw", "bnb_lars"])
 def test_skip_zeros_fused_backend(name, bits):
@@ -846,15 +852,15 @@ def test_skip_zeros_fused_backend(name, bits):
     gen = torch.Generator().manual_seed(zlib.crc32(f"fused-{name}-{bits}".encode()))
     tx_skip, to_skip, from_skip = build(case, bits, "chain")
     tx_plain, _, _ = build(case, bits, None)
-    params = make_params(torch.float32, gen)
+    params = _on_device(make_params(torch.float32, gen))
     state = tx_plain.init(params)
     for _ in range(2):
-        g = dense_grads(params, gen)
+        g = _on_device(dense_grads(params, gen))
         p_skip, s_skip = ftopt.step(tx_skip, params, g, to_skip(state), backend="fused")
         params, state = ftopt.step(tx_plain, params, g, state, backend="fused")
         assert tree_bit_equal(p_skip, params)
         assert tree_bit_equal(from_skip(s_skip), state)
-    grads = zero_grads(params, gen, ("w",) if case.norm is None else ())
+    grads = _on_device(zero_grads(params, gen, ("w",) if case.norm is None else ()))
     mask = {k: g == 0 for k, g in grads.items()}
     params["w"][10, :4] = -0.0
     new_p, new_s = ftopt.step(tx_skip, params, grads, to_skip(state), backend="fused")

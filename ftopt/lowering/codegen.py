@@ -31,18 +31,22 @@ class TracedChain:
 
     ``in_place``: the step is donated and every stage is skip-aware, so zero-gradient
     lanes are neither loaded nor stored (their old values stay in memory).
+    ``output``: ``"p"`` (a step: writes the new params) or ``"u"`` (an update: writes
+    the chain's update in fp32 and reads params only where a rule uses them).
     """
 
     graph: Graph
     stages: list[RuleTransform]
     skips: list[bool]
     in_place: bool
+    output: str = "p"
     slot_roles: list[tuple[int, str]] = field(default_factory=list)  # (stage, slot name)
     stores: list[tuple[str, str]] = field(default_factory=list)  # (role, node)
     levels: int = 0
 
 
-def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool) -> TracedChain:
+def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
+                output: str = "p") -> TracedChain:
     """Runs every stage's body on symbols, feeding each stage's ``u`` to the next.
 
     ``skips[i]``: stage ``i`` is inside a skip_zeros chain; its update is zero and its
@@ -51,13 +55,13 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool) ->
     g = Graph()
     g.add("tl.load(g_ptr + offs{GMASK}).to(tl.float32)", (), "elem", name="g")
     zero_node = g.add("g == 0.0", ("g",), "elem", name="zero") if any(skips) else None
-    in_place = donate and bool(skips) and all(skips)
+    in_place = donate and output == "p" and bool(skips) and all(skips)
     if in_place:
         g.add("g != 0.0", ("g",), "elem", name="keep")
     p = g.add("tl.load(p_ptr + offs{LMASK}).to(tl.float32)", ("keep",) if in_place else (),
               "elem", name="p")
     u = g.sym("g")
-    traced = TracedChain(g, stages, list(skips), in_place)
+    traced = TracedChain(g, stages, list(skips), in_place, output)
     for i, stage in enumerate(stages):
         rule = stage.rule
         zero = zero_node if skips[i] else None
@@ -81,12 +85,14 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool) ->
                 new = ops.where(zero, env[slot.name], new)
             traced.stores.append((f"st{i}_{slot.name}_out", _as_name(new, g)))
         u = u_out
-    p_new = p + u
-    traced.stores.append(("p_out", p_new.name))
+    if output == "p":
+        traced.stores.append(("p_out", (p + u).name))
+    else:
+        traced.stores.append(("u_out", _as_name(u, g)))
     traced.levels = max((r.level for r in g.reductions), default=0)
     if in_place and g.reductions:
         # Norms (of p, say) need every lane loaded: select old values instead.
-        return trace_chain(stages, skips, donate=False)
+        return trace_chain(stages, skips, donate=False, output=output)
     return traced
 
 
@@ -127,7 +133,8 @@ def _pointer_var(role: str) -> str:
     return {"g": "g_ptr", "p": "p_ptr"}.get(role, role)
 
 
-def _signature(roles: list[str], extra: list[str], n_scalars: int, variant: Variant) -> str:
+def _signature(roles: list[str], extra: list[str], n_scalars: int, variant: Variant,
+               extra_constexprs: tuple = ()) -> str:
     args = ["block_leaf_ptr", "block_start_ptr", "numel_ptr"]
     args += [f"{r}_addr_ptr" for r in roles]
     args += [f"sa{i}" for i in range(n_scalars)] if variant.scalar_args else ["scalars_ptr"]
@@ -139,12 +146,28 @@ def _signature(roles: list[str], extra: list[str], n_scalars: int, variant: Vari
              "BLOCK: tl.constexpr"]
     if variant.quant_block:
         args += ["QBLOCK: tl.constexpr"]
+    args += [f"{name}: tl.constexpr" for name in extra_constexprs]
     return ", ".join(args)
+
+
+def counted_stages(traced: TracedChain) -> list[int]:
+    """Stages with a step count: the main kernel increments them (program 0 of one
+    launch per step, the launch with ``COUNT``)."""
+    return [i for i, stage in enumerate(traced.stages) if stage.rule.counted]
+
+
+def _count_lines(traced: TracedChain) -> tuple[list[str], list[str]]:
+    """(arguments, lines) of the step-count increments."""
+    args, lines = [], ["if COUNT:", "    if pid == 0:"]
+    for i in counted_stages(traced):
+        args += [f"count{i}_in_ptr", f"count{i}_out_ptr"]
+        lines.append(f"        tl.store(count{i}_out_ptr, tl.load(count{i}_in_ptr) + 1)")
+    return args, (lines if args else [])
 
 
 def _role_dtypes(traced: TracedChain, variant: Variant) -> dict:
     p_name, g_name = _TL_DTYPES[variant.p_dtype], _TL_DTYPES[variant.g_dtype]
-    dtypes = {"g": g_name, "p": p_name, "p_out": p_name}
+    dtypes = {"g": g_name, "p": p_name, "p_out": p_name, "u_out": "tl.float32"}
     state = "tl.uint8" if variant.quant_block else "tl.float32"
     for i, name in traced.slot_roles:
         for io in ("in", "out"):
@@ -161,7 +184,7 @@ def input_roles(traced: TracedChain, quantized: bool = False) -> list[str]:
 
 
 def output_roles(traced: TracedChain, quantized: bool = False) -> list[str]:
-    roles = ["p_out"] + [f"st{i}_{n}_out" for i, n in traced.slot_roles]
+    roles = [f"{traced.output}_out"] + [f"st{i}_{n}_out" for i, n in traced.slot_roles]
     if quantized:
         roles += [f"st{i}_{n}_amax_out" for i, n in traced.slot_roles]
     return roles
@@ -232,8 +255,9 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
             lines.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]})"
                          f"{masks['SMASK']})")
         bodies.append(lines)
-    lines = _prelude(roles, dtypes, variant.aligned) + _split_blocks(*bodies)
-    sig = _signature(roles, [], len(traced.graph.scalars), variant)
+    count_args, count_lines = _count_lines(traced)
+    lines = _prelude(roles, dtypes, variant.aligned) + count_lines + _split_blocks(*bodies)
+    sig = _signature(roles, count_args, len(traced.graph.scalars), variant, ("COUNT",))
     return _kernel("ftopt_main", sig, lines)
 
 

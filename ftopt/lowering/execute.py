@@ -9,6 +9,7 @@ addresses and launches: that keeps the host cost per step small.
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 
 import optree
 import torch
@@ -20,26 +21,48 @@ from ftopt.lowering.plan import ChainPlan, host_step, remember
 from ftopt.quant import dynamic_map
 from ftopt.rules import QuantizedSlot, step_scalars
 
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
+_data_ptr = torch.Tensor.data_ptr
+_is_contiguous = torch.Tensor.is_contiguous
+
 
 def _uses_tensors(plan: ChainPlan) -> bool:
     return any(isinstance(v, torch.Tensor) for s in plan.stages for v in s.rule.hparams.values())
 
 
-def _advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool):
-    """Per stage: (count, t) for its scalars and its new count tensor."""
-    steps, new_counts = [], []
+def _advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool, device):
+    """Per stage: (count, t) for its scalars and its new count tensor; and the (old, new)
+    count tensors the main kernel increments (empty when they were incremented here,
+    because a count is not on the kernels' device)."""
+    in_kernel = all(c is None or c.device == device for c in counts)
+    steps, new_counts, pairs = [], [], []
     for count_tensor in counts:
         if count_tensor is None:
             steps.append((None, None))
             new_counts.append(None)
             continue
         count, t = host_step(count_tensor, tensor_mode)
-        new = count_tensor.add_(1) if donate else count_tensor + 1
+        if in_kernel:
+            new = count_tensor if donate else torch.empty_like(count_tensor)
+            pairs += [count_tensor, new]
+        else:
+            new = count_tensor.add_(1) if donate else count_tensor + 1
         if not tensor_mode:
             remember(new, t)
         steps.append((count, t))
         new_counts.append(new)
-    return steps, new_counts
+    return steps, new_counts, pairs
+
+
+def _increment(pairs) -> None:
+    """The count increments of a step that launched no kernel."""
+    for old, new in zip(pairs[::2], pairs[1::2]):
+        if new is old:
+            old.add_(1)
+        else:
+            torch.add(old, 1, out=new)
 
 
 def _scalars(plan: ChainPlan, traced, steps, device) -> list[float] | torch.Tensor:
@@ -60,8 +83,8 @@ class PreparedStep:
     """Groups and tables for one set of (params, grads, states) tensors."""
 
     def __init__(self, plan: ChainPlan, paths, p_flat, g_flat, slot_flat, p_out, slot_out,
-                 active, params, donate: bool):
-        traced = plan.traced(donate)
+                 active, params, donate: bool, output: str = "p"):
+        traced = plan.traced(donate, output)
         self.traced = traced
         self.plan = plan
         self.donate = donate
@@ -78,7 +101,7 @@ class PreparedStep:
             work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device)
             group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work)
             # 8-bit slots need every lane of a block: no skipped loads.
-            group.traced = plan.traced(donate and not quant_block)
+            group.traced = plan.traced(donate and not quant_block, output)
             group.quant_block = quant_block
             if quant_block:
                 group.qmaps = (dynamic_map(True, self.device), dynamic_map(False, self.device))
@@ -94,41 +117,53 @@ class PreparedStep:
         self.param_leaves = list(p_flat)
         self.state_leaves: list = []
         self.grad_leaves = list(g_flat)
+        self.inactive = [i for i in range(len(g_flat)) if g_flat[i] is None]
         self.state_obj = None  # the state tree this step returned
-        self.group_grad_meta = [
-            ([g_flat[i].shape for i in group.leaves], [g_flat[i].dtype for i in group.leaves])
-            for group in self.groups
-        ]
+        for group in self.groups:
+            grads = [g_flat[i] for i in group.leaves]
+            group.grad_meta = (list(map(_shape, grads)), list(map(_dtype, grads)))
+            group.grad_addresses = list(map(_data_ptr, grads))
 
     def refresh_grads(self, g_flat) -> bool:
-        """Point the tables at new gradient tensors; False if they do not fit the plan."""
+        """Point the tables at new gradient tensors; False if they do not fit the plan
+        (the full path then checks them and names what is wrong)."""
         if len(g_flat) != len(self.grad_leaves):
             return False
         if all(map(operator.is_, g_flat, self.grad_leaves)):
             return True
-        if sum(g is not None for g in g_flat) != len(self.active):
+        if self.inactive and any([g_flat[i] is not None for i in self.inactive]):
             return False
-        new_tables = []
-        for group, (shapes, dtypes) in zip(self.groups, self.group_grad_meta):
+        device = self.device
+        uploads = []
+        for group in self.groups:
             grads = [g_flat[i] for i in group.leaves]
-            if (any([g is None for g in grads]) or [g.shape for g in grads] != shapes
-                    or [g.dtype for g in grads] != dtypes
-                    or not all([g.is_contiguous() for g in grads])):
+            try:
+                if ((list(map(_shape, grads)), list(map(_dtype, grads))) != group.grad_meta
+                        or not all(map(_is_contiguous, grads))
+                        or any(map(operator.ne, map(_device, grads), repeat(device)))):
+                    return False
+                addresses = list(map(_data_ptr, grads))
+            except (AttributeError, TypeError):  # None or not a tensor
                 return False
-            addresses = [g.data_ptr() for g in grads]
-            if group.aligned and any([a & 15 for a in addresses]):
-                return False
-            new_tables.append(addresses)
-        for group, addresses in zip(self.groups, new_tables):
-            group.addresses["g"] = launch.to_device(addresses, self.device)
+            if addresses != group.grad_addresses:
+                if group.aligned and any([a & 15 for a in addresses]):
+                    return False
+                uploads.append((group, addresses))
+        # The caching allocator often hands back the same blocks: upload only on change.
+        for group, addresses in uploads:
+            group.addresses["g"] = launch.to_device(addresses, device)
+            group.grad_addresses = addresses
         self.grad_leaves = list(g_flat)
         return True
 
-    def launch(self, scalars) -> None:
+    def launch(self, scalars, count_pairs) -> None:
         traced = self.traced
-        leaf_bufs, global_buf = launch.run_reductions(traced, self.groups, scalars,
-                                                      self.device)
-        launch.run_main(traced, self.groups, scalars, leaf_bufs, global_buf)
+        with launch.device_guard(self.device):
+            leaf_bufs, global_buf = launch.run_reductions(traced, self.groups, scalars,
+                                                          self.device)
+            if not launch.run_main(traced, self.groups, scalars, leaf_bufs, global_buf,
+                                   count_pairs, self.device):
+                _increment(count_pairs)
 
 
 def _quant_block(plan: ChainPlan, slot_flat, i: int) -> int:
@@ -142,7 +177,7 @@ def _quant_block(plan: ChainPlan, slot_flat, i: int) -> int:
 def _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out) -> dict:
     """Role -> the tensors of the group's leaves (8-bit slots: codes and absmax)."""
     roles = {"g": [g_flat[i] for i in leaves], "p": [p_flat[i] for i in leaves],
-             "p_out": [p_out[i] for i in leaves]}
+             f"{traced.output}_out": [p_out[i] for i in leaves]}
     for stage_i, name in traced.slot_roles:
         for io, source in (("in", slot_flat), ("out", slot_out)):
             items = [source[stage_i][name][i] for i in leaves]
@@ -163,13 +198,17 @@ def _empty_like(leaf):
     return torch.empty_like(leaf)
 
 
-def _flat_dict_leaves(tree, prepared) -> list | None:
+def _flat_dict_leaves(tree, prepared) -> list | tuple | None:
     """The leaves of a flat ``{name: tensor}`` dict in optree order (sorted keys), found
     without a full flatten; ``None`` if ``tree`` is not such a dict of the known keys."""
-    keys = prepared.flat_keys
-    if keys is None or type(tree) is not dict or tree.keys() != prepared.flat_key_set:
+    getter = prepared.flat_getter
+    if getter is None or type(tree) is not dict or len(tree) != prepared.flat_len:
         return None
-    return [tree[k] for k in keys]
+    try:
+        leaves = getter(tree)
+    except KeyError:
+        return None
+    return leaves if prepared.flat_len != 1 else (leaves,)
 
 
 def fast_step(plan: ChainPlan, params, grads, state):
@@ -197,41 +236,52 @@ def fast_step(plan: ChainPlan, params, grads, state):
             return None
     if not prepared.refresh_grads(g_flat):
         return None
-    steps, _ = _advance_counts(plan, prepared.counts, True, _uses_tensors(plan))
-    prepared.launch(_scalars(plan, prepared.traced, steps, prepared.device))
+    steps, _, pairs = _advance_counts(plan, prepared.counts, True, _uses_tensors(plan),
+                                      prepared.device)
+    prepared.launch(_scalars(plan, prepared.traced, steps, prepared.device), pairs)
     return params, state
 
 
 def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active,
-            params, state, donate: bool):
-    """The full step: builds (and, donated, caches) the prepared tables, then launches."""
+            params, state, donate: bool, output: str = "p"):
+    """The full step: builds (and, donated, caches) the prepared tables, then launches.
+
+    ``output="u"``: an update (never donated): returns the updates (fp32; ``None`` where
+    the gradient is ``None``) in place of the new params. ``p_flat`` then holds the
+    params, or the gradients as stand-ins when the chain reads no params.
+    """
     counts = [st.count if stage.rule.counted else None
               for stage, st in zip(plan.stages, stage_states)]
     device = p_flat[active[0]].device if active else torch.device("cpu")
-    steps, new_counts = _advance_counts(plan, counts, donate, _uses_tensors(plan))
-    p_out = list(p_flat)
+    steps, new_counts, pairs = _advance_counts(plan, counts, donate, _uses_tensors(plan),
+                                               device)
+    p_out = list(p_flat) if output == "p" else [None] * len(p_flat)
     slot_out = [{name: list(leaves) for name, leaves in slots.items()} for slots in slot_flat]
     if not donate:
         for i in active:
-            p_out[i] = torch.empty_like(p_flat[i])
+            p_out[i] = (torch.empty_like(p_flat[i]) if output == "p" else
+                        torch.empty(g_flat[i].shape, dtype=torch.float32, device=device))
             for slots in slot_out:
                 for leaves in slots.values():
                     leaves[i] = _empty_like(leaves[i])
     if active:
         prepared = PreparedStep(plan, paths, p_flat, g_flat, slot_flat, p_out, slot_out,
-                                active, params, donate)
-        prepared.launch(_scalars(plan, prepared.traced, steps, device))
+                                active, params, donate, output)
+        prepared.launch(_scalars(plan, prepared.traced, steps, device), pairs)
         if donate:
             prepared.spec = spec
             flat = type(params) is dict and all(
                 isinstance(v, torch.Tensor) for v in params.values())
-            prepared.flat_keys = ([path[0] for path in optree.tree_paths(
-                params, none_is_leaf=False, namespace="ftopt")] if flat else None)
-            prepared.flat_key_set = set(params) if flat else None
+            keys = ([path[0] for path in optree.tree_paths(
+                params, none_is_leaf=False, namespace="ftopt")] if flat else [])
+            prepared.flat_getter = operator.itemgetter(*keys) if keys else None
+            prepared.flat_len = len(keys)
             prepared.counts = counts
             prepared.state_leaves = optree.tree_leaves(state, none_is_leaf=False,
                                                        namespace="ftopt")
             plan.prepared = prepared
+    else:
+        _increment(pairs)
     new_params = tree_lib.unflatten(spec, p_out)
     new_states = []
     for stage, st, slots, count in zip(plan.stages, stage_states, slot_out, new_counts):

@@ -7,16 +7,20 @@ per-call conditions (device, dtypes, autograd, ``torch.func``) and runs the kern
 
 from __future__ import annotations
 
+import contextvars
+import operator
 import os
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import optree
 import torch
 
 from ftopt import eager
 from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
+from ftopt.base import GradientTransformation
 from ftopt.combine import owner
 from ftopt.rules import QuantizedSlot, RuleTransform, _check_leaf, step_scalars
 from ftopt.stages import chain_stages
@@ -36,13 +40,15 @@ class ChainPlan:
     prepared: object = None  # the last donated step's tables (see execute.PreparedStep)
     _traced: dict = field(default_factory=dict)
 
-    def traced(self, donate: bool = False):
-        """The chain's graph (donated steps may skip loads of zero-gradient lanes)."""
-        if donate not in self._traced:
+    def traced(self, donate: bool = False, output: str = "p"):
+        """The chain's graph (donated steps may skip loads of zero-gradient lanes) for a
+        step (``output="p"``) or an update (``"u"``)."""
+        key = (donate, output)
+        if key not in self._traced:
             from ftopt.lowering.codegen import trace_chain
 
-            self._traced[donate] = trace_chain(self.stages, self.skips, donate)
-        return self._traced[donate]
+            self._traced[key] = trace_chain(self.stages, self.skips, donate, output)
+        return self._traced[key]
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -79,8 +85,10 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def call_reason(plan: ChainPlan, p_flat, g_flat, active, backend: str) -> str | None:
-    """Why this call cannot fuse (``None`` if it can)."""
+def call_reason(plan: ChainPlan, p_flat, g_flat, active, backend: str,
+                grads_too: bool = False) -> str | None:
+    """Why this call cannot fuse (``None`` if it can). ``grads_too``: gradients that
+    require grad also need the differentiable (eager) path."""
     if plan.reason:
         return plan.reason
     missing = triton_missing()
@@ -91,6 +99,8 @@ def call_reason(plan: ChainPlan, p_flat, g_flat, active, backend: str) -> str | 
     tensors = [p_flat[i] for i in active]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return "a param requires grad and grad mode is on (differentiable step)"
+    if grads_too and torch.is_grad_enabled() and any(g_flat[i].requires_grad for i in active):
+        return "a gradient requires grad and grad mode is on (differentiable update)"
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         return f"params on several devices {sorted(map(str, devices))}"
@@ -150,8 +160,9 @@ def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
     ]
     active = [i for i, g in enumerate(g_flat) if g is not None]
     for i in active:
-        _check_leaf(paths[i], g_flat[i], p_flat[i],
-                    {k: v[i] for slots in slot_flat for k, v in slots.items()})
+        leaf_slots = {k: v[i] for slots in slot_flat for k, v in slots.items()}
+        _check_leaf(paths[i], g_flat[i], p_flat[i], leaf_slots)
+        _check_devices(paths[i], g_flat[i], p_flat[i], leaf_slots)
     reason = call_reason(plan, p_flat, g_flat, active, backend)
     if reason is None:
         reason = _slot_reason(plan, slot_flat, active)
@@ -170,6 +181,105 @@ def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
     return (new_params, new_state), None
 
 
+_IN_UPDATE = contextvars.ContextVar("ftopt_in_update", default=False)
+_UPDATE_BACKENDS = ("auto", "fused", "eager")
+
+
+def update_entry(obj, updates, state, params, extra: dict, run_eager):
+    """``update`` of a chain or rule transform called by the user: fused where it can be
+    (a ``backend`` keyword, as for :func:`ftopt.step`, forces a path), else
+    ``run_eager()``. Updates nested in an eager one run eagerly."""
+    if _IN_UPDATE.get():
+        return run_eager()
+    backend = extra.get("backend", "auto")
+    if backend not in _UPDATE_BACKENDS:
+        raise ValueError(f"backend must be one of {_UPDATE_BACKENDS}, got {backend!r}")
+    if (backend != "eager" and set(extra) <= {"backend"}
+            and not torch.compiler.is_compiling()):
+        tx = GradientTransformation(obj.init, obj.update)
+        result, reason = fused_update_or_reason(tx, updates, state, params, backend)
+        if result is not None:
+            return result
+        if backend == "fused":
+            raise RuntimeError(f"update(backend='fused') cannot fuse: {reason}")
+    token = _IN_UPDATE.set(True)
+    try:
+        return run_eager()
+    finally:
+        _IN_UPDATE.reset(token)
+
+
+def fused_update_or_reason(tx, updates, state, params, backend: str):
+    """``tx.update`` as one fused kernel per group: ``((updates, new_state), None)``, or
+    ``(None, reason)``. Pure: new update and state tensors (updates in fp32)."""
+    plan = plan_chain(tx)
+    if plan.reason:
+        return None, plan.reason
+    first = next(iter(optree.tree_leaves(updates, none_is_leaf=False, namespace="ftopt")),
+                 None)
+    if (backend == "auto" and isinstance(first, torch.Tensor) and first.device.type == "cpu"):
+        return None, "tensors are on the CPU"
+    for stage in plan.stages if params is None else ():
+        # The eager path's errors, before anything runs.
+        if stage.rule.uses_params:
+            raise ValueError(f"{stage.rule.name} needs params: call update(updates, state, "
+                             "params)")
+        if callable(stage.rule.leaf_mask):
+            raise ValueError(f"{stage.rule.name}: a callable mask needs params")
+    if params is not None:
+        paths, p_flat, spec = tree_lib.flatten_with_paths(params)
+        g_flat = tree_lib.flatten_like(spec, updates, "updates", paths)
+    else:
+        spec = optree.tree_structure(updates, none_is_leaf=True, namespace="ftopt")
+        paths = [tree_lib.path_str(p) for p in optree.tree_paths(
+            updates, none_is_leaf=True, namespace="ftopt")]
+        g_flat = spec.flatten_up_to(updates)
+        p_flat = list(g_flat)  # stand-ins: no rule reads them
+    stage_states = [_get_checked(state, path, stage) for path, stage in
+                    zip(plan.state_paths, plan.stages)]
+    slot_flat = [
+        {s.name: tree_lib.flatten_like(spec, getattr(st, s.name), f"state {s.name}", paths)
+         for s in stage.rule.slots}
+        for stage, st in zip(plan.stages, stage_states)
+    ]
+    active = [i for i, g in enumerate(g_flat) if g is not None]
+    for i in active:
+        leaf_slots = {k: v[i] for slots in slot_flat for k, v in slots.items()}
+        _check_leaf(paths[i], g_flat[i], p_flat[i] if params is not None else None,
+                    leaf_slots)
+        _check_devices(paths[i], g_flat[i], p_flat[i], leaf_slots)
+    reason = call_reason(plan, p_flat, g_flat, active, backend, grads_too=True)
+    if reason is None:
+        reason = _slot_reason(plan, slot_flat, active)
+    if reason is not None:
+        return None, reason
+    from ftopt.lowering.execute import execute
+
+    new_updates, new_stage_states = execute(plan, spec, paths, p_flat, g_flat, stage_states,
+                                            slot_flat, active, params, state, False, "u")
+    new_state = state
+    for path, st in zip(plan.state_paths, new_stage_states):
+        new_state = _replace(new_state, path, st)
+    return (new_updates, new_state), None
+
+
+def _check_devices(path: str, g, p, slots: dict) -> None:
+    """A kernel reads every tensor of a leaf through raw addresses: all on one device."""
+    device = p.device
+    if g.device != device:
+        raise ValueError(f"grad at {path}: on {g.device}, expected the param's device "
+                         f"{device}")
+    for name, s in slots.items():
+        tensors = (s.codes, s.absmax) if isinstance(s, QuantizedSlot) else (s,)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device != device:
+                raise ValueError(f"state {name} at {path}: on {t.device}, expected the "
+                                 f"param's device {device}")
+
+
+_requires_grad = operator.attrgetter("requires_grad")
+
+
 def _fast_path_allowed(prepared, backend: str) -> bool:
     """The cached path skips the checks that cannot change between donated steps over
     the same tensors; those that can (backend, autograd, torch.func) are checked here."""
@@ -177,8 +287,7 @@ def _fast_path_allowed(prepared, backend: str) -> bool:
         return False
     if eager.functorch_active():
         return False
-    return not (torch.is_grad_enabled()
-                and any(p.requires_grad for p in prepared.param_leaves if p is not None))
+    return not (torch.is_grad_enabled() and any(map(_requires_grad, prepared.param_leaves)))
 
 
 def _get_checked(state, path, stage):

@@ -1,0 +1,220 @@
+"""``tx.update`` on the fused path (one kernel per group writing the updates and the new
+states) against the eager update: every chain, half-precision grads, no params, None
+gradients, skip_zeros bit-identity, 8-bit states, purity and the planner's choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftopt
+from ftopt.lowering import codegen, plan
+from tests.test_fused import CHAINS, DEVICE, QUANT_SHAPES, _bits, _rel_err, _tree
+
+PARAM_FREE = ["sgd", "sgd_momentum", "adam", "rmsprop", "adagrad", "global_clip_adam",
+              "scheduled"]
+
+
+def _snapshot(*trees):
+    return [x.clone() for x in ftopt.tree.leaves(trees)]
+
+
+def _unchanged(snapshot, *trees) -> bool:
+    now = ftopt.tree.leaves(trees)
+    return len(now) == len(snapshot) and all(
+        torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(snapshot, now))
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS))
+def test_fused_update_matches_eager(name):
+    tx = CHAINS[name]()
+    gen = torch.Generator().manual_seed(21)
+    params = _tree(gen, torch.float32)
+    state_e = state_f = tx.init(params)
+    for _ in range(5):
+        grads = _tree(gen, torch.float32)
+        before, old_state = _snapshot(params, grads, state_f), state_f
+        u_f, state_f = tx.update(grads, state_f, params, backend="fused")
+        assert _unchanged(before, params, grads, old_state)
+        u_e, state_e = tx.update(grads, state_e, params, backend="eager")
+        for k in params:
+            assert u_f[k].dtype == torch.float32 and u_f[k].shape == params[k].shape
+            assert _rel_err(u_f[k], u_e[k]) <= 1e-6, (name, k)
+        for a, b in zip(ftopt.tree.leaves(state_f), ftopt.tree.leaves(state_e)):
+            assert a.dtype == b.dtype
+            if a.is_floating_point():
+                assert _rel_err(a, b) <= 1e-6, name
+            else:
+                assert torch.equal(a, b), name
+        params = ftopt.apply_updates(params, u_e)
+
+
+def test_fused_update_is_pure():
+    tx = ftopt.adamw(0.01, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(22)
+    params, grads = _tree(gen, torch.float32), _tree(gen, torch.float32)
+    state = tx.init(params)
+    state = tx.update(grads, state, params, backend="fused")[1]  # non-zero moments
+    before = _snapshot(params, grads, state)
+    u1, s1 = tx.update(grads, state, params, backend="fused")
+    assert _unchanged(before, params, grads, state)
+    u2, s2 = tx.update(grads, state, params, backend="fused")
+    for a, b in zip(ftopt.tree.leaves((u1, s1)), ftopt.tree.leaves((u2, s2))):
+        assert torch.equal(a, b)  # same inputs, same outputs
+    assert not torch.equal(s1[0].mu["odd"], state[0].mu["odd"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["adamw", "lion", "bnb_lamb", "ademamix"])
+def test_fused_update_half_grads(name, dtype):
+    tx = CHAINS[name]()
+    gen = torch.Generator().manual_seed(23)
+    params = _tree(gen, dtype)
+    state = tx.init(params)
+    grads = _tree(gen, dtype)
+    u_f, s_f = tx.update(grads, state, params, backend="fused")
+    u_e, s_e = tx.update(grads, state, params, backend="eager")
+    for k in params:
+        assert u_f[k].dtype == torch.float32
+        assert _rel_err(u_f[k], u_e[k].float()) <= 1e-5, (name, k)
+    for a, b in zip(ftopt.tree.leaves(s_f), ftopt.tree.leaves(s_e)):
+        if a.is_floating_point():
+            assert _rel_err(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("name", PARAM_FREE)
+def test_fused_update_without_params(name):
+    """Chains that read no params fuse with ``params=None``; ``None`` gradients give
+    ``None`` updates and leave those leaves' states as they were."""
+    tx = CHAINS[name]()
+    gen = torch.Generator().manual_seed(24)
+    params = _tree(gen, torch.float32)
+    state = tx.init(params)
+    grads = {**_tree(gen, torch.float32), "odd": None}
+    u_f, s_f = tx.update(grads, state, backend="fused")
+    u_e, s_e = tx.update(grads, state, backend="eager")
+    assert u_f["odd"] is None and u_e["odd"] is None
+    for k in params:
+        if k != "odd":
+            assert _rel_err(u_f[k], u_e[k]) <= 1e-6, (name, k)
+    for old, a, b in zip(ftopt.tree.leaves(state), ftopt.tree.leaves(s_f),
+                         ftopt.tree.leaves(s_e)):
+        if a.shape == params["odd"].shape and a.is_floating_point():
+            assert torch.equal(a, old)  # the None leaf's state is untouched
+        if a.is_floating_point():
+            assert _rel_err(a, b) <= 1e-6
+
+
+def test_fused_update_params_needed():
+    tx = ftopt.adamw(0.01, weight_decay=0.1)
+    params = _tree(torch.Generator().manual_seed(25), torch.float32)
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(params, tx.init(params), backend="fused")
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "clip_adam", "bnb_sgd"])
+def test_fused_update_skip_zeros(name):
+    """Zero-gradient elements: update exactly zero, states bit-identical; the other
+    elements bit-identical to the fused update without the flag; the control case."""
+    base = {"adamw": CHAINS["adamw"], "lion": CHAINS["lion"], "bnb_sgd": CHAINS["bnb_sgd"],
+            "clip_adam": lambda: ftopt.chain(ftopt.clip_by_global_norm(0.5),
+                                             ftopt.adam(0.01))}[name]
+    tx_plain, tx_skip = base(), ftopt.chain(base(), ftopt.skip_zeros())
+    gen = torch.Generator().manual_seed(26)
+    params = _tree(gen, torch.float32)
+    state = tx_plain.init(params)
+    state = tx_plain.update(_tree(gen, torch.float32), state, params, backend="fused")[1]
+    grads = _tree(gen, torch.float32)
+    grads["odd"][2] = 0.0
+    grads["ragged"][::3] = -0.0
+    zero = {k: g == 0 for k, g in grads.items()}
+    u_s, (s_s, _) = tx_skip.update(grads, (state, ftopt.EmptyState()), params,
+                                   backend="fused")
+    u_p, s_p = tx_plain.update(grads, state, params, backend="fused")
+    for k in params:
+        assert (u_s[k][zero[k]] == 0).all(), k
+        assert torch.equal(_bits(u_s[k][~zero[k]]), _bits(u_p[k][~zero[k]])), k
+    for stage_old, stage_s, stage_p in zip(state, s_s, s_p):
+        for field in getattr(stage_old, "_fields", ()):
+            if field == "count":
+                continue
+            for k, z in zero.items():
+                old, new, ctl = (getattr(st, field)[k] for st in (stage_old, stage_s,
+                                                                   stage_p))
+                assert torch.equal(_bits(new[z]), _bits(old[z])), (field, k)
+                assert torch.equal(_bits(new[~z]), _bits(ctl[~z])), (field, k)
+                if z.any():
+                    assert not torch.equal(ctl[z], old[z]), (field, k)  # the control
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_fused_update_8bit(skip):
+    tx = ftopt.adam(0.01, state_bits=8, skip_zeros=skip)
+    gen = torch.Generator().manual_seed(27)
+    params = _tree(gen, torch.float32, QUANT_SHAPES)
+    state = tx.init(params)
+    for _ in range(2):
+        grads = _tree(gen, torch.float32, QUANT_SHAPES)
+        grads["big"][:3] = 0.0
+        u_f, s_f = tx.update(grads, state, params, backend="fused")
+        u_e, s_e = tx.update(grads, state, params, backend="eager")
+        for k in params:
+            assert _rel_err(u_f[k], u_e[k]) <= 2e-4, k
+        codes = [(a, b) for a, b in zip(ftopt.tree.leaves(s_f), ftopt.tree.leaves(s_e))
+                 if a.dtype == torch.uint8]
+        assert codes and all((a != b).float().mean() < 1e-3 for a, b in codes)
+        state = s_e
+
+
+def test_update_backend_choice():
+    """auto fuses on a GPU and runs eagerly on the CPU; nested updates never fuse on
+    their own; under autograd the update is differentiable (eager)."""
+    tx = ftopt.adam(0.01)
+    gen = torch.Generator().manual_seed(28)
+    params = _tree(gen, torch.float32, {"w": (4, 3)})
+    grads = _tree(gen, torch.float32, {"w": (4, 3)})
+    state = tx.init(params)
+    calls = []
+    real = plan.fused_update_or_reason
+
+    def spy(*args):
+        result, reason = real(*args)
+        calls.append(reason)
+        return result, reason
+
+    plan.fused_update_or_reason = spy
+    try:
+        tx.update(grads, state, params)
+        assert calls == ([None] if DEVICE == "cuda" else ["tensors are on the CPU"])
+        calls.clear()
+        tx.update(grads, state, params, backend="fused")
+        assert calls == [None]  # one fused call for the whole chain, none nested
+        calls.clear()
+        tx.update(grads, state, params, backend="eager")
+        assert calls == []
+    finally:
+        plan.fused_update_or_reason = real
+    with pytest.raises(ValueError, match="backend must be one of"):
+        tx.update(grads, state, params, backend="triton")
+    g = {"w": grads["w"].clone().requires_grad_()}
+    with pytest.raises(RuntimeError, match="gradient requires grad"):
+        tx.update(g, state, params, backend="fused")
+    u, _ = tx.update(g, state, params)  # differentiable, eagerly
+    u["w"].sum().backward()
+    assert g["w"].grad is not None
+    with pytest.raises(RuntimeError, match="no elementwise rule"):
+        ftopt.chain(ftopt.stateless(lambda u, p: u), ftopt.sgd(0.1)).update(
+            grads, (ftopt.EmptyState(), ftopt.sgd(0.1).init(params)), params,
+            backend="fused")
+
+
+def test_fused_update_compiles_once_per_layout():
+    tx = ftopt.adamw(torch.tensor(0.01), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(29)
+    params = _tree(gen, torch.float32)
+    state = tx.init(params)
+    state = tx.update(_tree(gen, torch.float32), state, params, backend="fused")[1]
+    modules = len(codegen._MODULES)
+    for _ in range(3):
+        state = tx.update(_tree(gen, torch.float32), state, params, backend="fused")[1]
+    assert len(codegen._MODULES) == modules
