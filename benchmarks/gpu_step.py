@@ -25,7 +25,10 @@ Timing: every variant gets its own params and state and is stepped like in train
 After warm-up, ``--iters`` steps per variant are timed with a pair of CUDA events around
 each step, in ``--rounds`` interleaved rounds (every variant runs a chunk of steps in
 turn, so drift of the machine hits all alike); the tables show the median. "wall" is
-``perf_counter`` over ``--iters`` back-to-back steps with one synchronize at the end.
+``perf_counter`` over ``--iters`` back-to-back steps with one synchronize at the end;
+"call" is the median of single calls timed whole (synchronize, ``perf_counter`` around
+the call and a synchronize: host work and GPU time, as a caller waiting on the step sees
+it); "call vs ftopt" compares those.
 Effective bandwidth counts the nominal bytes of each variant (28 B/element for fp32 Adam:
 read g, p, m, v; write p, m, v; 22 with bf16 p/g and fp32 states; 14 all-bf16; about
 16.06 with 8-bit blockwise states); "vs ftopt" is the variant's time over ftopt's
@@ -154,6 +157,18 @@ class Clock:
             fn()
         self.sync()
         return (time.perf_counter() - t0) * 1e3 / n
+
+    def call(self, fn: Callable, n: int) -> list[float]:
+        """ms of each whole call as a caller that waits for it sees it: sync, then
+        ``perf_counter`` around the call and a sync (host work + GPU time)."""
+        out = []
+        for _ in range(n):
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
 
     def host(self, fn: Callable, n: int) -> list[float]:
         """ms of host time of each call: sync, then perf_counter around the call."""
@@ -405,6 +420,20 @@ def make_ftopt(tx, params: dict, grads: dict, *, backend: str = "fused", tile=No
                   info, keep=[box], enter=enter, exit=exit_)
 
 
+def make_ftopt_update(tx, params: dict, grads: dict) -> Runner:
+    """``tx.update`` (fused where it can be): reads g, m, v; writes new u, m, v tensors."""
+    p = clone_tree(params)
+    box = [tx.init(p)]
+
+    def step():
+        _, box[0] = tx.update(grads, box[0], p)
+
+    step()
+    n = numel_of(params)
+    nbytes = sum(g.element_size() * g.numel() for g in grads.values()) + n * (4 + 16)
+    return Runner("", step, nbytes, n, "tx.update, backend auto", keep=[p, box])
+
+
 def _compiled_adam(params, grads, lr_device, cfg: Config):
     ps = _params_for_optim(params, grads)
     # lr as a tensor: a changing lr does not recompile (PyTorch's compiled-optimizer
@@ -642,12 +671,14 @@ def measure_table(title: str, specs: list, cfg: Config, clk: Clock, ref: str | N
                 times[r.name] += _chunk(r, lambda r=r: clk.time_steps(r.step, per_round))
             except Exception as e:  # noqa: BLE001
                 dead[r.name] = f"timing failed: {type(e).__name__}: {e}"
-    walls = {}
+    walls, calls = {}, {}
     for r in runners:
         if r.name in dead:
             continue
         try:
             walls[r.name] = _chunk(r, lambda r=r: clk.wall(r.step, cfg.iters))
+            calls[r.name] = statistics.median(_chunk(r, lambda r=r: clk.call(r.step,
+                                                                             cfg.iters)))
         except Exception as e:  # noqa: BLE001
             dead[r.name] = f"wall timing failed: {type(e).__name__}: {e}"
     for r in runners:
@@ -660,15 +691,18 @@ def measure_table(title: str, specs: list, cfg: Config, clk: Clock, ref: str | N
         rows[r.name] = {
             "name": r.name, "available": True, "ms": ms, "ms_min": min(ts),
             "ms_p10": _pct(ts, 0.1), "ms_p90": _pct(ts, 0.9), "ms_wall": walls[r.name],
+            "ms_call": calls[r.name],
             "n_timed": len(ts), "numel": r.numel,
             "bytes_per_elem": r.bytes_per_step / r.numel, "tbps": tbps,
             "of_copy": tbps / cfg.copy_tbps if cfg.copy_tbps else None,
             "note": r.note, "info": r.info,
         }
     ref_ms = rows.get(ref, {}).get("ms") if ref else None
+    ref_call = rows.get(ref, {}).get("ms_call") if ref else None
     for row in rows.values():
         if row.get("available") and ref_ms:
             row["vs_ftopt"] = row["ms"] / ref_ms
+            row["call_vs_ftopt"] = row["ms_call"] / ref_call
     del runners
     _free()
     table = {"title": title, "reference": ref, "rows": [rows[n] for n in order]}
@@ -677,16 +711,18 @@ def measure_table(title: str, specs: list, cfg: Config, clk: Clock, ref: str | N
 
 
 def format_table(table: dict) -> str:
-    head = ["variant", "ms (events)", "ms (wall)", "B/elem", "TB/s", "of copy", "vs ftopt"]
+    head = ["variant", "ms (events)", "ms (wall)", "ms (call)", "B/elem", "TB/s", "of copy",
+            "vs ftopt", "call vs ftopt"]
     lines = []
     for row in table["rows"]:
         if not row.get("available"):
             continue
         lines.append([
-            row["name"], f"{row['ms']:.3f}", f"{row['ms_wall']:.3f}",
+            row["name"], f"{row['ms']:.3f}", f"{row['ms_wall']:.3f}", f"{row['ms_call']:.3f}",
             f"{row['bytes_per_elem']:.2f}", f"{row['tbps']:.2f}",
             f"{row['of_copy']:.2f}" if row.get("of_copy") else "-",
             f"{row['vs_ftopt']:.2f}x" if row.get("vs_ftopt") else "-",
+            f"{row['call_vs_ftopt']:.2f}x" if row.get("call_vs_ftopt") else "-",
         ])
     widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h)
               for i, h in enumerate(head)]
@@ -781,6 +817,9 @@ def section_tree(cfg: Config, clk: Clock, dtype) -> dict:
     params, grads = _tree(cfg, dtype)
     bf16 = dtype == torch.bfloat16
     specs = ftopt_specs(lambda: ftopt.adam(LR), params, grads, cfg)
+    if not bf16:
+        specs.append(("ftopt fused tx.update (pure: new u, m, v)",
+                      lambda: make_ftopt_update(ftopt.adam(LR), params, grads)))
     specs += peer_specs(params, grads, cfg, cfg.compile_trees, bf16=bf16)
     n = numel_of(params)
     if bf16:
@@ -939,17 +978,18 @@ def _device_info(device: torch.device) -> dict:
 
 def _md_table(table: dict) -> list[str]:
     lines = [f"### {table['title']}", "",
-             "| variant | ms (median, events) | ms (wall) | min ms | B/elem | TB/s | of copy "
-             "| vs ftopt | notes |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| variant | ms (median, events) | ms (wall) | ms (call) | min ms | B/elem | TB/s "
+             "| of copy | vs ftopt | call vs ftopt | notes |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in table["rows"]:
         if not row.get("available"):
             continue
         lines.append(
-            f"| {row['name']} | {row['ms']:.3f} | {row['ms_wall']:.3f} | {row['ms_min']:.3f} | "
-            f"{row['bytes_per_elem']:.2f} | {row['tbps']:.2f} | "
+            f"| {row['name']} | {row['ms']:.3f} | {row['ms_wall']:.3f} | {row['ms_call']:.3f} "
+            f"| {row['ms_min']:.3f} | {row['bytes_per_elem']:.2f} | {row['tbps']:.2f} | "
             + (f"{row['of_copy']:.2f}" if row.get("of_copy") else "-") + " | "
-            + (f"{row['vs_ftopt']:.2f}x" if row.get("vs_ftopt") else "-")
+            + (f"{row['vs_ftopt']:.2f}x" if row.get("vs_ftopt") else "-") + " | "
+            + (f"{row['call_vs_ftopt']:.2f}x" if row.get("call_vs_ftopt") else "-")
             + f" | {row.get('note', '')} |")
     missing = [r for r in table["rows"] if not r.get("available")]
     if missing:

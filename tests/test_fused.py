@@ -389,3 +389,26 @@ def test_step_counts_advance_in_every_case(donate):
 
 def _counts(state):
     return [leaf for leaf in ftopt.tree.leaves(state) if not leaf.is_floating_point()]
+
+
+def test_donated_step_of_module_parameters_fuses():
+    """nn.Parameters (requires_grad) with grad mode on: a donated step is never
+    differentiable, so it fuses, writes in place and leaves them Parameters."""
+    torch.manual_seed(14)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    model.to(DEVICE)
+    reference = {k: v.detach().clone() for k, v in model.named_parameters()}
+    tx = ftopt.adamw(0.01, weight_decay=0.1)
+    params = dict(model.named_parameters())
+    state, ref_state = tx.init(params), tx.init(reference)
+    ids = {k: id(v) for k, v in params.items()}
+    for _ in range(3):
+        model.zero_grad()
+        model(torch.randn(4, 5, device=DEVICE)).square().sum().backward()
+        grads = {k: p.grad for k, p in model.named_parameters()}
+        params, state = ftopt.step(tx, dict(model.named_parameters()), grads, state,
+                                   donate=True, backend="fused")
+        reference, ref_state = ftopt.step(tx, reference, grads, ref_state, backend="eager")
+    for k, p in model.named_parameters():
+        assert id(p) == ids[k] and isinstance(p, torch.nn.Parameter) and p.requires_grad
+        assert _rel_err(p.detach(), reference[k]) <= 1e-6, k

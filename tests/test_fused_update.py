@@ -132,7 +132,8 @@ def test_fused_update_skip_zeros(name):
                                    backend="fused")
     u_p, s_p = tx_plain.update(grads, state, params, backend="fused")
     for k in params:
-        assert (u_s[k][zero[k]] == 0).all(), k
+        # -0.0 exactly: p + (-0.0) is p for every p, -0.0 included.
+        assert (u_s[k][zero[k]] == 0).all() and torch.signbit(u_s[k][zero[k]]).all(), k
         assert torch.equal(_bits(u_s[k][~zero[k]]), _bits(u_p[k][~zero[k]])), k
     for stage_old, stage_s, stage_p in zip(state, s_s, s_p):
         for field in getattr(stage_old, "_fields", ()):

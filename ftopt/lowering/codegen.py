@@ -55,6 +55,11 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     g = Graph()
     g.add("tl.load(g_ptr + offs{GMASK}).to(tl.float32)", (), "elem", name="g")
     zero_node = g.add("g == 0.0", ("g",), "elem", name="zero") if any(skips) else None
+    # -0.0 where g is zero (the skipped update: p + (-0.0) is p for every p, -0.0 too),
+    # computed from g: a -0.0 literal in the source loses its sign in some Triton
+    # versions (unary minus of a constant lowered as 0 - x).
+    neg_zero = g.add("tl.abs(g) * -1.0", ("g",), "elem", name="neg_zero") if any(
+        skips) else None
     in_place = donate and output == "p" and bool(skips) and all(skips)
     if in_place:
         g.add("g != 0.0", ("g",), "elem", name="keep")
@@ -78,7 +83,7 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
         if rule.leaf_mask is not None:
             u_out = ops.where(g.leaf_value(i, "mask") != 0.0, u_out, u)
         if zero is not None:
-            u_out = ops.where(zero, -0.0, u_out)
+            u_out = ops.where(zero, neg_zero, u_out)
         for slot in rule.slots:
             new = new_slots[slot.name]
             if zero is not None and not in_place:

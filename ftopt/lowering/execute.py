@@ -24,12 +24,23 @@ from ftopt.rules import QuantizedSlot, step_scalars
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
+_get_device = torch.Tensor.get_device
 _data_ptr = torch.Tensor.data_ptr
 _is_contiguous = torch.Tensor.is_contiguous
 
 
+def _on_device(tensors: list, device: torch.device) -> bool:
+    if device.type == "cpu":
+        return not any(map(operator.ne, map(_device, tensors), repeat(device)))
+    # An accelerator's index (-1 for the CPU and meta): no device objects to build.
+    return all(map(operator.eq, map(_get_device, tensors), repeat(device.index)))
+
+
 def _uses_tensors(plan: ChainPlan) -> bool:
-    return any(isinstance(v, torch.Tensor) for s in plan.stages for v in s.rule.hparams.values())
+    if plan.tensor_hparams is None:
+        plan.tensor_hparams = any(isinstance(v, torch.Tensor) for s in plan.stages
+                                  for v in s.rule.hparams.values())
+    return plan.tensor_hparams
 
 
 def _advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool, device):
@@ -140,7 +151,7 @@ class PreparedStep:
             try:
                 if ((list(map(_shape, grads)), list(map(_dtype, grads))) != group.grad_meta
                         or not all(map(_is_contiguous, grads))
-                        or any(map(operator.ne, map(_device, grads), repeat(device)))):
+                        or not _on_device(grads, device)):
                     return False
                 addresses = list(map(_data_ptr, grads))
             except (AttributeError, TypeError):  # None or not a tensor

@@ -8,7 +8,6 @@ per-call conditions (device, dtypes, autograd, ``torch.func``) and runs the kern
 from __future__ import annotations
 
 import contextvars
-import operator
 import os
 import weakref
 from collections import OrderedDict
@@ -38,6 +37,7 @@ class ChainPlan:
     skips: list[bool] = field(default_factory=list)
     reason: str | None = None
     prepared: object = None  # the last donated step's tables (see execute.PreparedStep)
+    tensor_hparams: bool | None = None  # a hyperparameter is a tensor (known once asked)
     _traced: dict = field(default_factory=dict)
 
     def traced(self, donate: bool = False, output: str = "p"):
@@ -86,9 +86,11 @@ def _interpreting() -> bool:
 
 
 def call_reason(plan: ChainPlan, p_flat, g_flat, active, backend: str,
-                grads_too: bool = False) -> str | None:
+                grads_too: bool = False, donate: bool = False) -> str | None:
     """Why this call cannot fuse (``None`` if it can). ``grads_too``: gradients that
-    require grad also need the differentiable (eager) path."""
+    require grad also need the differentiable (eager) path. A donated step is never
+    differentiable (it writes the given tensors in place on every path), so params that
+    require grad (``nn.Parameter``) do not keep it from fusing."""
     if plan.reason:
         return plan.reason
     missing = triton_missing()
@@ -97,7 +99,7 @@ def call_reason(plan: ChainPlan, p_flat, g_flat, active, backend: str,
     if eager.functorch_active():
         return "a torch.func transform (grad, vmap, ...) is active"
     tensors = [p_flat[i] for i in active]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if not donate and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return "a param requires grad and grad mode is on (differentiable step)"
     if grads_too and torch.is_grad_enabled() and any(g_flat[i].requires_grad for i in active):
         return "a gradient requires grad and grad mode is on (differentiable update)"
@@ -163,7 +165,7 @@ def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
         leaf_slots = {k: v[i] for slots in slot_flat for k, v in slots.items()}
         _check_leaf(paths[i], g_flat[i], p_flat[i], leaf_slots)
         _check_devices(paths[i], g_flat[i], p_flat[i], leaf_slots)
-    reason = call_reason(plan, p_flat, g_flat, active, backend)
+    reason = call_reason(plan, p_flat, g_flat, active, backend, donate=donate)
     if reason is None:
         reason = _slot_reason(plan, slot_flat, active)
     if reason is not None:
@@ -277,17 +279,12 @@ def _check_devices(path: str, g, p, slots: dict) -> None:
                                  f"param's device {device}")
 
 
-_requires_grad = operator.attrgetter("requires_grad")
-
-
 def _fast_path_allowed(prepared, backend: str) -> bool:
     """The cached path skips the checks that cannot change between donated steps over
-    the same tensors; those that can (backend, autograd, torch.func) are checked here."""
+    the same tensors; those that can (backend, torch.func) are checked here."""
     if backend == "auto" and prepared.device.type == "cpu":
         return False
-    if eager.functorch_active():
-        return False
-    return not (torch.is_grad_enabled() and any(map(_requires_grad, prepared.param_leaves)))
+    return not eager.functorch_active()
 
 
 def _get_checked(state, path, stage):

@@ -9,6 +9,7 @@ an earlier reduction pass.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _KIND_ORDER = {"scalar": 0, "leaf": 1, "elem": 2}
@@ -82,7 +83,11 @@ class Graph:
 def _literal(x) -> str:
     if isinstance(x, bool):
         return "True" if x else "False"
-    return repr(float(x))
+    x = float(x)
+    if x == 0.0 and math.copysign(1.0, x) < 0:
+        # Written "-0.0", the sign can be lost (unary minus lowered as 0 - x).
+        return "(0.0 * -1.0)"
+    return repr(x)
 
 
 class Sym:
@@ -138,7 +143,9 @@ class Sym:
         return self._binary(_constant(o, self.graph), "tl.div_rn({a}, {b})", True)
 
     def __neg__(self):
-        return self.graph.add(f"-{self.name}", (self.name,), self.kind)
+        # x * -1.0 flips the sign of zeros too (0 - x, which some Triton versions emit
+        # for a unary minus, does not).
+        return self.graph.add(f"{self.name} * -1.0", (self.name,), self.kind)
 
     def __gt__(self, o):
         return self._binary(o, "{a} > {b}")
