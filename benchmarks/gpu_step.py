@@ -819,7 +819,7 @@ def section_tree(cfg: Config, clk: Clock, dtype) -> dict:
     specs = ftopt_specs(lambda: ftopt.adam(LR), params, grads, cfg)
     if not bf16:
         specs.append(("ftopt fused tx.update (pure: new u, m, v)",
-                      lambda: make_ftopt_update(ftopt.adam(LR), params, grads)))
+                      lambda p=params, g=grads: make_ftopt_update(ftopt.adam(LR), p, g)))
     specs += peer_specs(params, grads, cfg, cfg.compile_trees, bf16=bf16)
     n = numel_of(params)
     if bf16:

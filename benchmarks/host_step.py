@@ -24,7 +24,9 @@ On the GPU machine (see benchmarks/gpu_step.py for the set-up line):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -47,6 +49,7 @@ def _sync():
 
 
 def measure(step, iters: int) -> dict:
+    """Lists of host, latency and busy-GPU host times (us) of ``iters`` calls."""
     host, latency, busy = [], [], []
     for _ in range(iters):
         _sync()
@@ -57,7 +60,7 @@ def measure(step, iters: int) -> dict:
         t2 = time.perf_counter()
         host.append((t1 - t0) * 1e6)
         latency.append((t2 - t0) * 1e6)
-    for _ in range(iters // 4):
+    for _ in range(max(1, iters // 4)):
         # The call while the GPU still has ~2 ms of queued work (as after a backward):
         # a step that waited on the queue would show it here.
         _sync()
@@ -65,9 +68,39 @@ def measure(step, iters: int) -> dict:
         t0 = time.perf_counter()
         step()
         busy.append((time.perf_counter() - t0) * 1e6)
-    return {"host_us": statistics.median(host), "host_us_min": min(host),
-            "latency_us": statistics.median(latency), "latency_us_min": min(latency),
-            "host_busy_us": statistics.median(busy), "host_busy_us_max": max(busy)}
+    return {"host": host, "latency": latency, "busy": busy}
+
+
+def summarize(name: str, samples: dict) -> dict:
+    host, busy, latency = samples["host"], samples["busy"], samples["latency"]
+    q = lambda xs, f: sorted(xs)[min(len(xs) - 1, int(f * len(xs)))]  # noqa: E731
+    return {"name": name, "host_us": statistics.median(host), "host_us_p10": q(host, 0.1),
+            "host_us_p90": q(host, 0.9), "host_busy_us": statistics.median(busy),
+            "host_busy_us_p90": q(busy, 0.9), "latency_us": statistics.median(latency),
+            "n": len(host)}
+
+
+@contextlib.contextmanager
+def generic_launch():
+    """Triton's ``JITFunction`` launch on every call (no cached compiled kernel)."""
+    saved = launch._DIRECT, launch._COMPILED
+    launch._DIRECT, launch._COMPILED = False, {}
+    try:
+        yield
+    finally:
+        launch._DIRECT, launch._COMPILED = saved
+
+
+@contextlib.contextmanager
+def pageable_upload():
+    """New gradient addresses copied from pageable memory, not a pinned buffer."""
+    saved = launch.to_device
+    launch.to_device = lambda values, device: torch.tensor(values, dtype=torch.int64).to(
+        device, non_blocking=True)
+    try:
+        yield
+    finally:
+        launch.to_device = saved
 
 
 def ftopt_runner(params, grad_sets, tx):
@@ -115,7 +148,8 @@ def profile(step, n: int) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--iters", type=int, default=400, help="timed calls per variant")
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--grad-sets", type=int, default=4)
     args = ap.parse_args(argv)
     device = torch.device("cuda")
@@ -123,58 +157,40 @@ def main(argv=None) -> int:
     params = random_tree(shapes, torch.float32, device, 0, 0.02)
     grad_sets = [random_tree(shapes, torch.float32, device, 1 + j, 1e-3)
                  for j in range(args.grad_sets)]
-    rows = []
-    variants = [
-        ("ftopt fused, same grads", lambda: ftopt_runner(params, grad_sets[:1],
-                                                         ftopt.adam(1e-3))),
-        ("ftopt fused, new grad tensors each step",
-         lambda: ftopt_runner(params, grad_sets, ftopt.adam(1e-3))),
-        ("torch Adam fused, same grads", lambda: torch_runner(params, grad_sets[:1])),
-        ("torch Adam fused, new grad tensors each step",
-         lambda: torch_runner(params, grad_sets)),
+    same, new = grad_sets[:1], grad_sets
+    none = contextlib.nullcontext
+    variants = [  # name, step, context of its calls
+        ("ftopt fused, same grads", ftopt_runner(params, same, ftopt.adam(1e-3)), none),
+        ("ftopt fused, new grad tensors each step", ftopt_runner(params, new,
+                                                                 ftopt.adam(1e-3)), none),
+        ("torch Adam fused, same grads", torch_runner(params, same), none),
+        ("torch Adam fused, new grad tensors each step", torch_runner(params, new), none),
+        ("ftopt fused, same grads, generic Triton launch",
+         ftopt_runner(params, same, ftopt.adam(1e-3)), generic_launch),
+        ("ftopt fused, new grads, pageable address upload",
+         ftopt_runner(params, new, ftopt.adam(1e-3)), pageable_upload),
     ]
-    profiles = {}
-    for name, make in variants:
-        step = make()
-        for _ in range(10):
-            step()
-        _sync()
-        row = {"name": name, **measure(step, args.iters)}
-        if name.startswith("ftopt"):
-            profiles[name] = profile(step, 100)
-        rows.append(row)
-        print(f"{name}: host {row['host_us']:.1f} us, latency {row['latency_us']:.1f} us",
-              flush=True)
-        del step
-    # The same step through Triton's generic launch (JITFunction.__call__ every time).
-    direct, compiled = launch._DIRECT, dict(launch._COMPILED)
-    launch._DIRECT = False
-    launch._COMPILED.clear()
+    for _, step, ctx in variants:
+        with ctx():
+            for _ in range(10):
+                step()
+    _sync()
+    samples = {name: {"host": [], "latency": [], "busy": []} for name, _, _ in variants}
+    per_round = max(1, args.iters // args.rounds)
+    gc.disable()  # a collection inside one call would land on whichever variant ran
     try:
-        step = ftopt_runner(params, grad_sets[:1], ftopt.adam(1e-3))
-        for _ in range(10):
-            step()
-        row = {"name": "ftopt fused, same grads, generic Triton launch",
-               **measure(step, args.iters)}
+        for _ in range(args.rounds):  # interleaved: drift of the host hits all alike
+            for name, step, ctx in variants:
+                with ctx():
+                    for key, values in measure(step, per_round).items():
+                        samples[name][key] += values
     finally:
-        launch._DIRECT = direct
-        launch._COMPILED.update(compiled)
-    rows.append(row)
-    print(f"{row['name']}: host {row['host_us']:.1f} us, latency {row['latency_us']:.1f} us")
-    # New gradient addresses uploaded from pageable memory instead of a pinned buffer.
-    pinned = launch.to_device
-    launch.to_device = lambda values, device: torch.tensor(values, dtype=torch.int64).to(
-        device, non_blocking=True)
-    try:
-        step = ftopt_runner(params, grad_sets, ftopt.adam(1e-3))
-        for _ in range(10):
-            step()
-        row = {"name": "ftopt fused, new grad tensors each step, pageable address upload",
-               **measure(step, args.iters)}
-    finally:
-        launch.to_device = pinned
-    rows.append(row)
-    print(f"{row['name']}: host {row['host_us']:.1f} us, busy {row['host_busy_us']:.1f} us")
+        gc.enable()
+    rows = [summarize(name, samples[name]) for name, _, _ in variants]
+    for r in rows:
+        print(f"{r['name']}: host {r['host_us']:.1f} us (p10 {r['host_us_p10']:.1f}), busy "
+              f"{r['host_busy_us']:.1f} us, latency {r['latency_us']:.1f} us", flush=True)
+    profiles = {name: profile(step, 100) for name, step, _ in variants[:2]}
     for name, text in profiles.items():
         print(f"\n== cProfile, 100 steps: {name}\n{text}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -186,12 +202,14 @@ def main(argv=None) -> int:
                                                          "profiles": profiles}, indent=1))
     md = [f"# host cost of one step, GPT-2-small tree ({len(shapes)} leaves), fp32 Adam", "",
           f"- date: {meta['date']}; device: {meta['device']}; torch {meta['torch']}", "",
-          "| variant | host us (median) | host us (min) | host us, GPU busy (median / max)"
+          f"- {args.rounds} interleaved rounds, {rows[0]['n']} calls per variant, gc off "
+          "while timing", "",
+          "| variant | host us (median) | p10 | p90 | host us, GPU busy (median / p90)"
           " | latency us (median) |",
-          "| --- | --- | --- | --- | --- |"]
-    md += [f"| {r['name']} | {r['host_us']:.1f} | {r['host_us_min']:.1f} | "
-           f"{r['host_busy_us']:.1f} / {r['host_busy_us_max']:.1f} | {r['latency_us']:.1f} |"
-           for r in rows]
+          "| --- | --- | --- | --- | --- | --- |"]
+    md += [f"| {r['name']} | {r['host_us']:.1f} | {r['host_us_p10']:.1f} | "
+           f"{r['host_us_p90']:.1f} | {r['host_busy_us']:.1f} / {r['host_busy_us_p90']:.1f} | "
+           f"{r['latency_us']:.1f} |" for r in rows]
     (args.out / "host_step.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0

@@ -82,7 +82,8 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
         ops = SymOps(g)
         if rule.leaf_mask is not None:
             u_out = ops.where(g.leaf_value(i, "mask") != 0.0, u_out, u)
-        if zero is not None:
+        if zero is not None and not in_place:
+            # (In place, zero-gradient lanes store nothing: no select needed.)
             u_out = ops.where(zero, neg_zero, u_out)
         for slot in rule.slots:
             new = new_slots[slot.name]

@@ -275,6 +275,7 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
             for slots in slot_out:
                 for leaves in slots.values():
                     leaves[i] = _empty_like(leaves[i])
+    prepared = None
     if active:
         prepared = PreparedStep(plan, paths, p_flat, g_flat, slot_flat, p_out, slot_out,
                                 active, params, donate, output)
@@ -300,7 +301,7 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
         if stage.rule.counted:
             values["count"] = count
         new_states.append(type(st)(**values))
-    return new_params, new_states
+    return new_params, new_states, prepared
 
 
 __all__ = ["execute", "fast_step", "output_roles"]

@@ -44,18 +44,14 @@ def _leaf_sums(partials_ptr, first_block_ptr, num_blocks_ptr, out_ptr, N_PART: t
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 table on ``device``, copied without waiting for the device's queue.
-
-    The staging buffer comes from PyTorch's pinned-memory cache, which keeps it until
-    the copy has run; a copy from pageable memory may wait for the stream instead.
-    """
-    host = torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else \
-        torch.empty(0, dtype=torch.int64)
+    """An int64 table on ``device``. A small copy from pageable memory is staged by the
+    driver without waiting for the device's queue (measured on an H200: no slower than a
+    pinned staging buffer, which costs an allocation per step)."""
+    host = (torch.frombuffer(array.array("q", values), dtype=torch.int64) if values
+            else torch.empty(0, dtype=torch.int64))
     if device.type == "cpu":
         return host.clone()
-    staged = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
-    staged.copy_(host)
-    return staged.to(device, non_blocking=True)
+    return host.to(device, non_blocking=True)
 
 
 def device_guard(device: torch.device):

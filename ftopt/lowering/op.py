@@ -53,10 +53,15 @@ def _step_in_place(params: list[torch.Tensor], grads: list[torch.Tensor],
 @torch.library.custom_op("ftopt::step", mutates_args=())
 def _step_functional(params: list[torch.Tensor], grads: list[torch.Tensor],
                      states: list[torch.Tensor], key: int) -> list[torch.Tensor]:
+    from ftopt.lowering.plan import SEPARATE_OUTPUTS
     from ftopt.update import step
 
     tx, (p, g, s), backend = _unflatten(key, params, grads, states)
-    new_p, new_s = step(tx, p, g, s, donate=False, backend=backend)
+    token = SEPARATE_OUTPUTS.set(True)
+    try:
+        new_p, new_s = step(tx, p, g, s, donate=False, backend=backend)
+    finally:
+        SEPARATE_OUTPUTS.reset(token)
     inputs = {id(t) for t in (*params, *grads, *states)}
     outputs = optree.tree_leaves((new_p, new_s), none_is_leaf=False, namespace="ftopt")
     # An op's outputs may not alias its inputs (leaves without a gradient come back as

@@ -38,6 +38,7 @@ class ChainPlan:
     reason: str | None = None
     prepared: object = None  # the last donated step's tables (see execute.PreparedStep)
     tensor_hparams: bool | None = None  # a hyperparameter is a tensor (known once asked)
+    functional: dict = field(default_factory=dict)  # see lowering.functional
     _traced: dict = field(default_factory=dict)
 
     def traced(self, donate: bool = False, output: str = "p"):
@@ -151,6 +152,10 @@ def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
         result = fast_step(plan, params, grads, state)
         if result is not None:
             return result, None
+    if not donate:
+        result = _functional(plan, params, grads, state, "p", backend)
+        if result is not None:
+            return result, None
     paths, p_flat, spec = tree_lib.flatten_with_paths(params)
     g_flat = tree_lib.flatten_like(spec, grads, "grads", paths)
     stage_states = [_get_checked(state, path, stage) for path, stage in
@@ -172,15 +177,43 @@ def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
         return None, reason
     from ftopt.lowering.execute import execute
 
-    result = execute(plan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active, params,
-                     state, donate)
-    new_params, new_stage_states = result
-    new_state = state
-    for path, st in zip(plan.state_paths, new_stage_states):
-        new_state = _replace(new_state, path, st)
+    new_params, new_stage_states, prepared = execute(
+        plan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active, params, state,
+        donate)
+    if not donate and prepared is not None:
+        from ftopt.lowering.functional import remember
+
+        remember(plan, "p", prepared, spec, params, g_flat, slot_flat, p_flat)
+    new_state = _with_stage_states(plan, state, new_stage_states)
     if donate and plan.prepared is not None:
         plan.prepared.state_obj = new_state
     return (new_params, new_state), None
+
+
+def _with_stage_states(plan: ChainPlan, state, stage_states):
+    for path, st in zip(plan.state_paths, stage_states):
+        state = _replace(state, path, st)
+    return state
+
+
+# Set while the outputs must not share storage (a torch.library op's returns may not
+# alias each other): the cached non-donated path writes views of one buffer per role.
+SEPARATE_OUTPUTS = contextvars.ContextVar("ftopt_separate_outputs", default=False)
+
+
+def _functional(plan: ChainPlan, params, grads, state, output: str, backend: str):
+    """The cached non-donated path (see :mod:`ftopt.lowering.functional`), or ``None``."""
+    cache = plan.functional.get(output)
+    if (cache is None or SEPARATE_OUTPUTS.get()
+            or not _fast_path_allowed(cache.prepared, backend)):
+        return None
+    from ftopt.lowering.functional import fast_functional
+
+    got = fast_functional(plan, params, grads, state, output)
+    if got is None:
+        return None
+    new, stage_states = got
+    return new, _with_stage_states(plan, state, stage_states)
 
 
 _IN_UPDATE = contextvars.ContextVar("ftopt_in_update", default=False)
@@ -217,6 +250,9 @@ def fused_update_or_reason(tx, updates, state, params, backend: str):
     plan = plan_chain(tx)
     if plan.reason:
         return None, plan.reason
+    result = _functional(plan, params, updates, state, "u", backend)
+    if result is not None:
+        return result, None
     first = next(iter(optree.tree_leaves(updates, none_is_leaf=False, namespace="ftopt")),
                  None)
     if (backend == "auto" and isinstance(first, torch.Tensor) and first.device.type == "cpu"):
@@ -257,12 +293,14 @@ def fused_update_or_reason(tx, updates, state, params, backend: str):
         return None, reason
     from ftopt.lowering.execute import execute
 
-    new_updates, new_stage_states = execute(plan, spec, paths, p_flat, g_flat, stage_states,
-                                            slot_flat, active, params, state, False, "u")
-    new_state = state
-    for path, st in zip(plan.state_paths, new_stage_states):
-        new_state = _replace(new_state, path, st)
-    return (new_updates, new_state), None
+    new_updates, new_stage_states, prepared = execute(
+        plan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active, params, state,
+        False, "u")
+    if prepared is not None:
+        from ftopt.lowering.functional import remember
+
+        remember(plan, "u", prepared, spec, params, g_flat, slot_flat, p_flat)
+    return (new_updates, _with_stage_states(plan, state, new_stage_states)), None
 
 
 def _check_devices(path: str, g, p, slots: dict) -> None:

@@ -1,0 +1,226 @@
+"""Non-donated steps and fused updates over trees shaped like the previous call's.
+
+The first such call runs the full path (flatten with paths, every check, new tables) and
+keeps its :class:`~ftopt.lowering.execute.PreparedStep`. A later call whose trees have
+the same structure, shapes, dtypes, device and ``None`` gradients is checked role by role
+in a few C-level passes, writes its outputs into one new buffer per (group, output role)
+with a view per leaf, uploads one address table per group and launches. Anything that
+does not match returns ``None``: the full path then runs, and names what is wrong.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from itertools import repeat
+
+import optree
+import torch
+
+from ftopt import eager
+from ftopt.lowering import codegen, launch
+from ftopt.lowering.execute import (
+    PreparedStep,
+    _advance_counts,
+    _data_ptr,
+    _dtype,
+    _is_contiguous,
+    _on_device,
+    _scalars,
+    _shape,
+    _uses_tensors,
+)
+from ftopt.rules import QuantizedSlot
+
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+@dataclass
+class OutputLayout:
+    """Where a group's outputs of one role live in their shared buffer: each leaf starts
+    16-byte aligned (``splits`` alternates a leaf's size and its padding)."""
+
+    dtype: torch.dtype
+    splits: list[int]
+    shapes: list
+    byte_offsets: list[int]
+    total: int
+
+
+@dataclass
+class FunctionalCache:
+    prepared: PreparedStep
+    spec: optree.PyTreeSpec
+    n: int
+    params_given: bool
+    getter: object  # itemgetter of a flat {name: tensor} dict's keys, or None
+    inactive: list[int]
+    in_meta: list[dict] = field(default_factory=list)  # per group: role -> (shapes, dtypes)
+    out_layout: list[dict] = field(default_factory=list)  # per group: role -> OutputLayout
+
+
+def remember(plan, output: str, prepared: PreparedStep, spec, params, g_flat, slot_flat,
+             p_flat) -> None:
+    """Keep a full call's tables for the next call over trees shaped the same way."""
+    if any(isinstance(leaf, QuantizedSlot) for slots in slot_flat for leaves in slots.values()
+           for leaf in leaves):
+        return  # 8-bit states take the full path
+    n = len(g_flat)
+    keys = ([path[0] for path in optree.tree_paths(params, none_is_leaf=False,
+                                                    namespace="ftopt")]
+            if type(params) is dict and len(params) == n else [])
+    cache = FunctionalCache(prepared, spec, n, params is not None,
+                            operator.itemgetter(*keys) if keys else None,
+                            [i for i in range(n) if g_flat[i] is None])
+    traced = prepared.traced
+    for group in prepared.groups:
+        leaves = group.leaves
+        roles = _input_tensors(traced, leaves, p_flat, g_flat, slot_flat)
+        cache.in_meta.append({r: (list(map(_shape, ts)), list(map(_dtype, ts)))
+                              for r, ts in roles.items()})
+        layouts = {}
+        for role in codegen.output_roles(group.traced):
+            dtype = group.p_dtype if role == "p_out" else torch.float32
+            size = torch.empty((), dtype=dtype).element_size()
+            per_16 = 16 // size
+            splits, offsets, total = [], [], 0
+            for i in leaves:
+                n_i = g_flat[i].numel()
+                pad = -n_i % per_16
+                offsets.append(total * size)
+                splits += [n_i, pad]
+                total += n_i + pad
+            layouts[role] = OutputLayout(dtype, splits, [g_flat[i].shape for i in leaves],
+                                         offsets, total)
+        cache.out_layout.append(layouts)
+    plan.functional[output] = cache
+
+
+def _input_tensors(traced, leaves, p_flat, g_flat, slot_flat) -> dict:
+    roles = {"g": [g_flat[i] for i in leaves], "p": [p_flat[i] for i in leaves]}
+    for stage_i, name in traced.slot_roles:
+        roles[f"st{stage_i}_{name}_in"] = [slot_flat[stage_i][name][i] for i in leaves]
+    return roles
+
+
+def _leaves(cache: FunctionalCache, tree):
+    if cache.getter is not None and type(tree) is dict and len(tree) == cache.n:
+        try:
+            got = cache.getter(tree)
+        except KeyError:
+            return None
+        return got if cache.n != 1 else (got,)
+    try:
+        return cache.spec.flatten_up_to(tree)
+    except (ValueError, TypeError):
+        return None
+
+
+def _stage_states(plan, state):
+    from ftopt.lowering.plan import _get
+
+    out = []
+    for path, stage in zip(plan.state_paths, plan.stages):
+        try:
+            st = _get(state, path)
+        except (KeyError, IndexError, TypeError):
+            return None
+        if not isinstance(st, stage.rule.state_class):
+            return None
+        out.append(st)
+    return out
+
+
+def fast_functional(plan, params, grads, state, output: str):
+    """A non-donated step (``output="p"``) or an update (``"u"``) through the cached
+    tables: ``(new params or updates, new stage states)``, or ``None``."""
+    cache = plan.functional.get(output)
+    if cache is None or (params is not None) != cache.params_given:
+        return None
+    prep = cache.prepared
+    if eager.functorch_active():
+        return None
+    g_flat = _leaves(cache, grads)
+    p_flat = _leaves(cache, params) if params is not None else g_flat
+    stage_states = _stage_states(plan, state)
+    if g_flat is None or p_flat is None or stage_states is None:
+        return None
+    slot_flat = []
+    for stage, st in zip(plan.stages, stage_states):
+        slots = {}
+        for slot in stage.rule.slots:
+            leaves = _leaves(cache, getattr(st, slot.name))
+            if leaves is None:
+                return None
+            slots[slot.name] = leaves
+        slot_flat.append(slots)
+    if any([g_flat[i] is not None for i in cache.inactive]):
+        return None
+    grad_mode = torch.is_grad_enabled()
+    device = prep.device
+    traced = prep.traced
+    tables = []
+    try:
+        for group, meta in zip(prep.groups, cache.in_meta):
+            roles = _input_tensors(traced, group.leaves, p_flat, g_flat, slot_flat)
+            for role, tensors in roles.items():
+                if ((list(map(_shape, tensors)), list(map(_dtype, tensors))) != meta[role]
+                        or not all(map(_is_contiguous, tensors))
+                        or not _on_device(tensors, device)):
+                    return None
+            if grad_mode and (any(map(_requires_grad, roles["p"])) or (
+                    output == "u" and any(map(_requires_grad, roles["g"])))):
+                return None
+            tables.append({role: list(map(_data_ptr, ts)) for role, ts in roles.items()})
+    except (AttributeError, TypeError):  # a leaf that is not a tensor
+        return None
+    for group, addresses in zip(prep.groups, tables):
+        if group.aligned and any([a & 15 for ts in addresses.values() for a in ts]):
+            return None
+    counts = [st.count if stage.rule.counted else None
+              for stage, st in zip(plan.stages, stage_states)]
+    if any(c is not None and not isinstance(c, torch.Tensor) for c in counts):
+        return None
+    steps, new_counts, pairs = _advance_counts(plan, counts, False, _uses_tensors(plan),
+                                               device)
+    out = list(p_flat) if output == "p" else [None] * cache.n
+    slot_out = [{name: list(leaves) for name, leaves in slots.items()} for slots in slot_flat]
+    for group, addresses, layouts in zip(prep.groups, tables, cache.out_layout):
+        for role, layout in layouts.items():
+            buffer = torch.empty(layout.total, dtype=layout.dtype, device=device)
+            views = list(map(torch.Tensor.view, torch.split(buffer, layout.splits)[::2],
+                             layout.shapes))
+            base = buffer.data_ptr()
+            addresses[role] = [base + o for o in layout.byte_offsets]
+            if role == f"{output}_out":
+                target = out
+            else:
+                stage_i, name = role[2:-4].split("_", 1)
+                target = slot_out[int(stage_i)][name]
+            for i, view in zip(group.leaves, views):
+                target[i] = view
+        _upload(group, addresses, device)
+    prep.launch(_scalars(plan, traced, steps, device), pairs)
+    new_states = []
+    for stage, st, slots, count in zip(plan.stages, stage_states, slot_out, new_counts):
+        values = {name: optree.tree_unflatten(cache.spec, leaves)
+                  for name, leaves in slots.items()}
+        if stage.rule.counted:
+            values["count"] = count
+        new_states.append(type(st)(**values))
+    return optree.tree_unflatten(cache.spec, out), new_states
+
+
+def _upload(group, addresses: dict, device) -> None:
+    """One host-to-device copy of every role's addresses; each role's table is a row
+    (rows of an even length, so every row starts 16-byte aligned)."""
+    roles = list(addresses)
+    width = len(group.leaves) + len(group.leaves) % 2
+    flat = []
+    for role in roles:
+        row = addresses[role]
+        flat += row
+        flat += repeat(0, width - len(row))
+    table = launch.to_device(flat, device).view(len(roles), width)
+    for r, role in enumerate(roles):
+        group.addresses[role] = table[r]
