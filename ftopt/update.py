@@ -83,7 +83,10 @@ def step(
     result = eager_step(tx, params, grads, state, donate)
     if result is not None:
         return result
-    updates, new_state = tx.update(grads, state, params)
+    from ftopt.lowering.plan import eager_updates
+
+    with eager_updates():  # the fused path was ruled out (or not asked for) above
+        updates, new_state = tx.update(grads, state, params)
     new_params = apply_updates(params, updates)
     if donate:
         return _write_back(params, new_params), _write_back(state, new_state)

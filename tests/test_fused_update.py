@@ -193,6 +193,16 @@ def test_update_backend_choice():
         calls.clear()
         tx.update(grads, state, params, backend="eager")
         assert calls == []
+        # step(backend="eager") updates eagerly on every device (no fused update inside).
+        import ftopt.update as update_module
+
+        chunked = update_module.eager_step
+        update_module.eager_step = lambda *args: None  # the tx.update + apply route
+        try:
+            ftopt.step(tx, params, grads, state, backend="eager")
+        finally:
+            update_module.eager_step = chunked
+        assert calls == []
     finally:
         plan.fused_update_or_reason = real
     with pytest.raises(ValueError, match="backend must be one of"):

@@ -7,6 +7,7 @@ per-call conditions (device, dtypes, autograd, ``torch.func``) and runs the kern
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import weakref
@@ -220,6 +221,16 @@ _IN_UPDATE = contextvars.ContextVar("ftopt_in_update", default=False)
 _UPDATE_BACKENDS = ("auto", "fused", "eager")
 
 
+@contextlib.contextmanager
+def eager_updates():
+    """Within it, ``update`` calls run eagerly (as updates nested in an eager one do)."""
+    token = _IN_UPDATE.set(True)
+    try:
+        yield
+    finally:
+        _IN_UPDATE.reset(token)
+
+
 def update_entry(obj, updates, state, params, extra: dict, run_eager):
     """``update`` of a chain or rule transform called by the user: fused where it can be
     (a ``backend`` keyword, as for :func:`ftopt.step`, forces a path), else
@@ -237,11 +248,8 @@ def update_entry(obj, updates, state, params, extra: dict, run_eager):
             return result
         if backend == "fused":
             raise RuntimeError(f"update(backend='fused') cannot fuse: {reason}")
-    token = _IN_UPDATE.set(True)
-    try:
+    with eager_updates():
         return run_eager()
-    finally:
-        _IN_UPDATE.reset(token)
 
 
 def fused_update_or_reason(tx, updates, state, params, backend: str):
