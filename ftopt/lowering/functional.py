@@ -57,6 +57,9 @@ class FunctionalCache:
     inactive: list[int]
     in_meta: list[dict] = field(default_factory=list)  # per group: role -> (shapes, dtypes)
     out_layout: list[dict] = field(default_factory=list)  # per group: role -> OutputLayout
+    # Per group: input role -> the tensors the last call returned for it (a functional
+    # loop passes them back: known shapes, dtypes, device and alignment, no checks).
+    returned: list[dict] = field(default_factory=list)
 
 
 def remember(plan, output: str, prepared: PreparedStep, spec, params, g_flat, slot_flat,
@@ -93,6 +96,7 @@ def remember(plan, output: str, prepared: PreparedStep, spec, params, g_flat, sl
             layouts[role] = OutputLayout(dtype, splits, [g_flat[i].shape for i in leaves],
                                          offsets, total)
         cache.out_layout.append(layouts)
+        cache.returned.append({})
     plan.functional[output] = cache
 
 
@@ -161,22 +165,27 @@ def fast_functional(plan, params, grads, state, output: str):
     traced = prep.traced
     tables = []
     try:
-        for group, meta in zip(prep.groups, cache.in_meta):
+        for group, meta, returned in zip(prep.groups, cache.in_meta, cache.returned):
             roles = _input_tensors(traced, group.leaves, p_flat, g_flat, slot_flat)
+            addresses = {}
             for role, tensors in roles.items():
+                ours = returned.get(role)
+                if ours is not None and all(map(operator.is_, tensors, ours[0])):
+                    addresses[role] = ours[1]
+                    continue
                 if ((list(map(_shape, tensors)), list(map(_dtype, tensors))) != meta[role]
                         or not all(map(_is_contiguous, tensors))
                         or not _on_device(tensors, device)):
                     return None
-            if grad_mode and (any(map(_requires_grad, roles["p"])) or (
-                    output == "u" and any(map(_requires_grad, roles["g"])))):
-                return None
-            tables.append({role: list(map(_data_ptr, ts)) for role, ts in roles.items()})
+                if grad_mode and (role == "p" or (role == "g" and output == "u")) and any(
+                        map(_requires_grad, tensors)):
+                    return None
+                addresses[role] = list(map(_data_ptr, tensors))
+                if group.aligned and any([a & 15 for a in addresses[role]]):
+                    return None
+            tables.append(addresses)
     except (AttributeError, TypeError):  # a leaf that is not a tensor
         return None
-    for group, addresses in zip(prep.groups, tables):
-        if group.aligned and any([a & 15 for ts in addresses.values() for a in ts]):
-            return None
     counts = [st.count if stage.rule.counted else None
               for stage, st in zip(plan.stages, stage_states)]
     if any(c is not None and not isinstance(c, torch.Tensor) for c in counts):
@@ -185,7 +194,9 @@ def fast_functional(plan, params, grads, state, output: str):
                                                device)
     out = list(p_flat) if output == "p" else [None] * cache.n
     slot_out = [{name: list(leaves) for name, leaves in slots.items()} for slots in slot_flat]
-    for group, addresses, layouts in zip(prep.groups, tables, cache.out_layout):
+    for group, addresses, layouts, returned in zip(prep.groups, tables, cache.out_layout,
+                                                   cache.returned):
+        returned.clear()
         for role, layout in layouts.items():
             buffer = torch.empty(layout.total, dtype=layout.dtype, device=device)
             views = list(map(torch.Tensor.view, torch.split(buffer, layout.splits)[::2],
@@ -194,9 +205,12 @@ def fast_functional(plan, params, grads, state, output: str):
             addresses[role] = [base + o for o in layout.byte_offsets]
             if role == f"{output}_out":
                 target = out
+                if output == "p":
+                    returned["p"] = (views, addresses[role])
             else:
                 stage_i, name = role[2:-4].split("_", 1)
                 target = slot_out[int(stage_i)][name]
+                returned[role[:-4] + "_in"] = (views, addresses[role])
             for i, view in zip(group.leaves, views):
                 target[i] = view
         _upload(group, addresses, device)
