@@ -232,7 +232,8 @@ def test_fused_update_compiles_once_per_layout():
 
 
 MIXED = {"a": ((7, 5), torch.float32), "b": ((1031,), torch.bfloat16),
-         "c": ((3, 1500), torch.float32), "d": ((), torch.float16), "e": ((0,), torch.float32)}
+         "c": ((3, 1500), torch.float32), "d": ((), torch.float16), "e": ((0,), torch.float32),
+         "f": ((2, 0, 3), torch.float32)}
 
 
 def _mixed(gen):
@@ -279,12 +280,14 @@ def test_repeated_functional_calls(entry, monkeypatch):
             if want[k] is None:
                 assert got[k] is None
                 continue
+            assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, (i, k)
             # 16-bit params: each step rounds once on both paths; the two trajectories
             # may drift apart by an ulp per step.
             tol = 1e-5 if got[k].dtype == torch.float32 else 4 * torch.finfo(
                 got[k].dtype).eps
             assert _rel_err(got[k].float(), want[k].float()) <= tol, (i, k)
         for a, b in zip(ftopt.tree.leaves(state_f), ftopt.tree.leaves(state_e)):
+            assert a.shape == b.shape and a.dtype == b.dtype
             if a.is_floating_point():
                 assert _rel_err(a, b) <= 1e-5
     # Calls 1 and 4 fit the tables of the call before; 2 and 3 differ in their None leaves.
