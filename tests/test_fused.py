@@ -412,3 +412,24 @@ def test_donated_step_of_module_parameters_fuses():
     for k, p in model.named_parameters():
         assert id(p) == ids[k] and isinstance(p, torch.nn.Parameter) and p.requires_grad
         assert _rel_err(p.detach(), reference[k]) <= 1e-6, k
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_steps_do_not_keep_gradients_alive(donate):
+    """The cached tables must not hold the last step's gradients: with
+    zero_grad(set_to_none=True) their memory is the next backward's."""
+    import gc
+    import weakref
+
+    gen = torch.Generator().manual_seed(15)
+    tx = ftopt.adam(0.01)
+    params = _tree(gen, torch.float32)
+    state = tx.init(params)
+    refs = []
+    for _ in range(3):
+        grads = _tree(gen, torch.float32)
+        refs.append(weakref.ref(grads["ragged"]))
+        params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=donate)
+        del grads
+    gc.collect()
+    assert all(r() is None for r in refs)

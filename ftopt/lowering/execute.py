@@ -9,6 +9,7 @@ addresses and launches: that keeps the host cost per step small.
 from __future__ import annotations
 
 import operator
+import weakref
 from itertools import repeat
 
 import optree
@@ -27,6 +28,14 @@ _device = operator.attrgetter("device")
 _get_device = torch.Tensor.get_device
 _data_ptr = torch.Tensor.data_ptr
 _is_contiguous = torch.Tensor.is_contiguous
+
+
+_deref = weakref.ref.__call__
+
+
+def _as_tuple(picked) -> tuple:
+    """``itemgetter`` of one index returns the item itself."""
+    return picked if isinstance(picked, tuple) else (picked,)
 
 
 def _on_device(tensors: list, device: torch.device) -> bool:
@@ -127,8 +136,10 @@ class PreparedStep:
         # What the fast path checks: the same tensor objects as this step's.
         self.param_leaves = list(p_flat)
         self.state_leaves: list = []
-        self.grad_leaves = list(g_flat)
+        self.n_leaves = len(g_flat)
         self.inactive = [i for i in range(len(g_flat)) if g_flat[i] is None]
+        self.active_of = operator.itemgetter(*active) if self.inactive else None
+        self._remember_grads(g_flat)
         self.state_obj = None  # the state tree this step returned
         for group in self.groups:
             grads = [g_flat[i] for i in group.leaves]
@@ -138,12 +149,13 @@ class PreparedStep:
     def refresh_grads(self, g_flat) -> bool:
         """Point the tables at new gradient tensors; False if they do not fit the plan
         (the full path then checks them and names what is wrong)."""
-        if len(g_flat) != len(self.grad_leaves):
+        if len(g_flat) != self.n_leaves:
             return False
-        if all(map(operator.is_, g_flat, self.grad_leaves)):
-            return True
         if self.inactive and any([g_flat[i] is not None for i in self.inactive]):
             return False
+        active = g_flat if self.active_of is None else _as_tuple(self.active_of(g_flat))
+        if all(map(operator.is_, active, map(_deref, self.grad_refs))):
+            return True
         device = self.device
         uploads = []
         for group in self.groups:
@@ -164,8 +176,14 @@ class PreparedStep:
         for group, addresses in uploads:
             group.addresses["g"] = launch.to_device(addresses, device)
             group.grad_addresses = addresses
-        self.grad_leaves = list(g_flat)
+        self._remember_grads(g_flat)
         return True
+
+    def _remember_grads(self, g_flat) -> None:
+        # Weak references: holding last step's gradients would keep their memory from
+        # the next backward pass (a whole extra gradient per parameter at its peak).
+        active = g_flat if self.active_of is None else _as_tuple(self.active_of(g_flat))
+        self.grad_refs = list(map(weakref.ref, active))
 
     def launch(self, scalars, count_pairs) -> None:
         traced = self.traced

@@ -79,6 +79,7 @@ def remember(plan, output: str, prepared: PreparedStep, spec, params, g_flat, sl
     if any(isinstance(leaf, QuantizedSlot) for slots in slot_flat for leaves in slots.values()
            for leaf in leaves):
         return  # 8-bit states take the full path
+    prepared.param_leaves = []  # (for the donated path's identity checks only)
     n = len(g_flat)
     keys = ([path[0] for path in optree.tree_paths(params, none_is_leaf=False,
                                                     namespace="ftopt")]
