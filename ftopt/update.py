@@ -79,6 +79,15 @@ def step(
             return result
         if backend == "fused":
             raise RuntimeError(f"step(backend='fused') cannot fuse: {reason}")
+    if donate:
+        # A donated step writes into the given tensors: never differentiable, so no
+        # autograd graph is built for it (nn.Parameters in grad mode take the fast path).
+        with torch.no_grad():
+            return _eager(tx, params, grads, state, True)
+    return _eager(tx, params, grads, state, False)
+
+
+def _eager(tx, params, grads, state, donate: bool):
     # A chain of elementwise rules on the CPU: update + apply in one chunked pass.
     result = eager_step(tx, params, grads, state, donate)
     if result is not None:

@@ -360,3 +360,31 @@ def test_functional_call_training_loop_matches_torch_adam():
     # The module's own parameters were not touched by the functional loop.
     for k, v in model.named_parameters():
         assert not torch.equal(v.detach(), params[k])
+
+
+def test_module_loop_donated_step_matches_torch_adamw():
+    """A plain nn.Module loop: ``step(..., donate=True)`` on the module's own Parameters
+    (requires grad, grad mode on) writes them in place, builds no autograd graph and
+    matches torch.optim.AdamW."""
+    torch.manual_seed(SEED + 21)
+    model, ref_model = _MLP(), _MLP()
+    ref_model.load_state_dict(model.state_dict())
+    x = torch.randn(64, 4)
+    y = torch.sin(x.sum(1, keepdim=True))
+    tx = ftopt.adamw(1e-2, weight_decay=0.1)
+    state = tx.init(dict(model.named_parameters()))
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
+    ids = {k: id(p) for k, p in model.named_parameters()}
+    for _ in range(20):
+        for m in (model, ref_model):
+            m.zero_grad()
+            torch.mean((m(x) - y) ** 2).backward()
+        grads = {k: p.grad for k, p in model.named_parameters()}
+        params, state = ftopt.step(tx, dict(model.named_parameters()), grads, state,
+                                   donate=True)
+        ref_opt.step()
+        assert all(p.grad_fn is None and p.requires_grad for p in params.values())
+        assert all(v.grad_fn is None for v in ftopt.tree.leaves(state))
+    assert {k: id(p) for k, p in model.named_parameters()} == ids
+    for (k, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-6, msg=k)
