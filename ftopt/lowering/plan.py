@@ -159,6 +159,15 @@ def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
             return result, None
     paths, p_flat, spec = tree_lib.flatten_with_paths(params)
     g_flat = tree_lib.flatten_like(spec, grads, "grads", paths)
+    return _full_call(plan, params, state, spec, paths, p_flat, g_flat, backend, donate,
+                      "p")
+
+
+def _full_call(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: str,
+               donate: bool, output: str):
+    """Every check, new tables, the kernels: a step (``output="p"``) or an update
+    (``"u"``; ``params`` may be ``None``, ``p_flat`` then holds stand-ins).
+    ``((new params or updates, new state), None)``, or ``(None, reason)``."""
     stage_states = [_get_checked(state, path, stage) for path, stage in
                     zip(plan.state_paths, plan.stages)]
     slot_flat = [
@@ -169,26 +178,28 @@ def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
     active = [i for i, g in enumerate(g_flat) if g is not None]
     for i in active:
         leaf_slots = {k: v[i] for slots in slot_flat for k, v in slots.items()}
-        _check_leaf(paths[i], g_flat[i], p_flat[i], leaf_slots)
+        _check_leaf(paths[i], g_flat[i], p_flat[i] if params is not None else None,
+                    leaf_slots)
         _check_devices(paths[i], g_flat[i], p_flat[i], leaf_slots)
-    reason = call_reason(plan, p_flat, g_flat, active, backend, donate=donate)
+    reason = call_reason(plan, p_flat, g_flat, active, backend, grads_too=output == "u",
+                         donate=donate)
     if reason is None:
         reason = _slot_reason(plan, slot_flat, active)
     if reason is not None:
         return None, reason
     from ftopt.lowering.execute import execute
 
-    new_params, new_stage_states, prepared = execute(
+    new, new_stage_states, prepared = execute(
         plan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active, params, state,
-        donate)
+        donate, output)
     if not donate and prepared is not None:
         from ftopt.lowering.functional import remember
 
-        remember(plan, "p", prepared, spec, params, g_flat, slot_flat, p_flat)
+        remember(plan, output, prepared, spec, params, g_flat, slot_flat, p_flat)
     new_state = _with_stage_states(plan, state, new_stage_states)
     if donate and plan.prepared is not None:
         plan.prepared.state_obj = new_state
-    return (new_params, new_state), None
+    return (new, new_state), None
 
 
 def _with_stage_states(plan: ChainPlan, state, stage_states):
@@ -281,34 +292,7 @@ def fused_update_or_reason(tx, updates, state, params, backend: str):
             updates, none_is_leaf=True, namespace="ftopt")]
         g_flat = spec.flatten_up_to(updates)
         p_flat = list(g_flat)  # stand-ins: no rule reads them
-    stage_states = [_get_checked(state, path, stage) for path, stage in
-                    zip(plan.state_paths, plan.stages)]
-    slot_flat = [
-        {s.name: tree_lib.flatten_like(spec, getattr(st, s.name), f"state {s.name}", paths)
-         for s in stage.rule.slots}
-        for stage, st in zip(plan.stages, stage_states)
-    ]
-    active = [i for i, g in enumerate(g_flat) if g is not None]
-    for i in active:
-        leaf_slots = {k: v[i] for slots in slot_flat for k, v in slots.items()}
-        _check_leaf(paths[i], g_flat[i], p_flat[i] if params is not None else None,
-                    leaf_slots)
-        _check_devices(paths[i], g_flat[i], p_flat[i], leaf_slots)
-    reason = call_reason(plan, p_flat, g_flat, active, backend, grads_too=True)
-    if reason is None:
-        reason = _slot_reason(plan, slot_flat, active)
-    if reason is not None:
-        return None, reason
-    from ftopt.lowering.execute import execute
-
-    new_updates, new_stage_states, prepared = execute(
-        plan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active, params, state,
-        False, "u")
-    if prepared is not None:
-        from ftopt.lowering.functional import remember
-
-        remember(plan, "u", prepared, spec, params, g_flat, slot_flat, p_flat)
-    return (new_updates, _with_stage_states(plan, state, new_stage_states)), None
+    return _full_call(plan, params, state, spec, paths, p_flat, g_flat, backend, False, "u")
 
 
 def _check_devices(path: str, g, p, slots: dict) -> None:
