@@ -227,17 +227,30 @@ def _empty_like(leaf):
     return torch.empty_like(leaf)
 
 
-def _flat_dict_leaves(tree, prepared) -> list | tuple | None:
-    """The leaves of a flat ``{name: tensor}`` dict in optree order (sorted keys), found
-    without a full flatten; ``None`` if ``tree`` is not such a dict of the known keys."""
-    getter = prepared.flat_getter
-    if getter is None or type(tree) is not dict or len(tree) != prepared.flat_len:
+def flat_dict_getter(params) -> operator.itemgetter | None:
+    """An ``itemgetter`` of a flat ``{name: tensor}`` dict's keys in optree order (sorted),
+    or ``None`` for any other tree: it picks the leaves without a full flatten."""
+    if type(params) is not dict or not params or not all(
+            isinstance(v, torch.Tensor) for v in params.values()):
+        return None
+    return operator.itemgetter(*[path[0] for path in optree.tree_paths(
+        params, none_is_leaf=False, namespace="ftopt")])
+
+
+def flat_dict_leaves(getter, n: int, tree) -> tuple | None:
+    """The ``n`` leaves of ``tree`` through ``getter`` (see :func:`flat_dict_getter`);
+    ``None`` if ``tree`` is not a dict of exactly those keys."""
+    if getter is None or type(tree) is not dict or len(tree) != n:
         return None
     try:
         leaves = getter(tree)
     except KeyError:
         return None
-    return leaves if prepared.flat_len != 1 else (leaves,)
+    return leaves if n != 1 else (leaves,)
+
+
+def _flat_dict_leaves(tree, prepared) -> tuple | None:
+    return flat_dict_leaves(prepared.flat_getter, prepared.flat_len, tree)
 
 
 def fast_step(plan: ChainPlan, params, grads, state):
@@ -300,12 +313,8 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
         prepared.launch(_scalars(plan, prepared.traced, steps, device), pairs)
         if donate:
             prepared.spec = spec
-            flat = type(params) is dict and all(
-                isinstance(v, torch.Tensor) for v in params.values())
-            keys = ([path[0] for path in optree.tree_paths(
-                params, none_is_leaf=False, namespace="ftopt")] if flat else [])
-            prepared.flat_getter = operator.itemgetter(*keys) if keys else None
-            prepared.flat_len = len(keys)
+            prepared.flat_getter = flat_dict_getter(params)
+            prepared.flat_len = len(params) if prepared.flat_getter else 0
             prepared.counts = counts
             prepared.state_leaves = optree.tree_leaves(state, none_is_leaf=False,
                                                        namespace="ftopt")

@@ -30,6 +30,8 @@ from ftopt.lowering.execute import (
     _scalars,
     _shape,
     _uses_tensors,
+    flat_dict_getter,
+    flat_dict_leaves,
 )
 from ftopt.rules import QuantizedSlot
 
@@ -81,11 +83,8 @@ def remember(plan, output: str, prepared: PreparedStep, spec, params, g_flat, sl
         return  # 8-bit states take the full path
     prepared.param_leaves = []  # (for the donated path's identity checks only)
     n = len(g_flat)
-    keys = ([path[0] for path in optree.tree_paths(params, none_is_leaf=False,
-                                                    namespace="ftopt")]
-            if type(params) is dict and len(params) == n else [])
-    cache = FunctionalCache(prepared, spec, n, params is not None,
-                            operator.itemgetter(*keys) if keys else None,
+    getter = flat_dict_getter(params) if params is not None and len(params) == n else None
+    cache = FunctionalCache(prepared, spec, n, params is not None, getter,
                             [i for i in range(n) if g_flat[i] is None])
     traced = prepared.traced
     for group in prepared.groups:
@@ -128,12 +127,10 @@ def _input_tensors(traced, leaves, p_flat, g_flat, slot_flat) -> dict:
 
 
 def _leaves(cache: FunctionalCache, tree):
-    if cache.getter is not None and type(tree) is dict and len(tree) == cache.n:
-        try:
-            got = cache.getter(tree)
-        except KeyError:
-            return None
-        return got if cache.n != 1 else (got,)
+    if cache.getter is not None:
+        leaves = flat_dict_leaves(cache.getter, cache.n, tree)
+        if leaves is not None:
+            return leaves
     try:
         return cache.spec.flatten_up_to(tree)
     except (ValueError, TypeError):
