@@ -13,8 +13,10 @@ in two gradient scenarios: the same gradient tensors every step (``zero_grad`` k
 the buffers, or a persistent gradient tree), and new gradient tensors every step (cycling
 through ``--grad-sets`` pre-made trees, as ``zero_grad(set_to_none=True)`` or a
 ``torch.func.grad`` loop give). For ftopt it also times the step with Triton's generic
-``JITFunction`` launch instead of the cached launcher, and prints a cProfile of the
-host path. Writes ``host_step.json`` and ``host_step.md`` to ``--out``.
+``JITFunction`` launch instead of the cached launcher, with new tensors checked from
+Python instead of torch's C++ guards, the non-donated step of a functional loop and
+``tx.update``, and prints a cProfile of the host path. Writes ``host_step.json`` and
+``host_step.md`` to ``--out``.
 
 On the GPU machine (see benchmarks/gpu_step.py for the set-up line):
 
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import gpt2_shapes, random_tree  # noqa: E402
 
 import ftopt  # noqa: E402
-from ftopt.lowering import launch  # noqa: E402
+from ftopt.lowering import checks, launch  # noqa: E402
 
 
 def _sync():
@@ -92,18 +94,20 @@ def generic_launch():
 
 
 @contextlib.contextmanager
-def pageable_upload():
-    """New gradient addresses copied from pageable memory, not a pinned buffer."""
-    saved = launch.to_device
-    launch.to_device = lambda values, device: torch.tensor(values, dtype=torch.int64).to(
-        device, non_blocking=True)
+def python_checks():
+    """New tensors checked property by property from Python, not by torch's C++ guards
+    (the choice is made when the tables are built: the warm-up runs under it too)."""
+    saved = checks.USE_GUARDS
+    checks.USE_GUARDS = False
     try:
         yield
     finally:
-        launch.to_device = saved
+        checks.USE_GUARDS = saved
 
 
-def ftopt_runner(params, grad_sets, tx):
+def ftopt_runner(params, grad_sets, tx, mode: str = "donate"):
+    """``mode``: "donate" (in place), "functional" (donate=False: new params and states
+    each call, fed back) or "update" (``tx.update``: new updates and states)."""
     box = [{k: v.clone() for k, v in params.items()}, None]
     box[1] = tx.init(box[0])
     i = [0]
@@ -111,7 +115,10 @@ def ftopt_runner(params, grad_sets, tx):
     def step():
         g = grad_sets[i[0] % len(grad_sets)]
         i[0] += 1
-        box[0], box[1] = ftopt.step(tx, box[0], g, box[1], donate=True)
+        if mode == "update":
+            _, box[1] = tx.update(g, box[1], box[0])
+        else:
+            box[0], box[1] = ftopt.step(tx, box[0], g, box[1], donate=mode == "donate")
 
     return step
 
@@ -167,8 +174,12 @@ def main(argv=None) -> int:
         ("torch Adam fused, new grad tensors each step", torch_runner(params, new), none),
         ("ftopt fused, same grads, generic Triton launch",
          ftopt_runner(params, same, ftopt.adam(1e-3)), generic_launch),
-        ("ftopt fused, new grads, pageable address upload",
-         ftopt_runner(params, new, ftopt.adam(1e-3)), pageable_upload),
+        ("ftopt fused, new grads, checks in Python",
+         ftopt_runner(params, new, ftopt.adam(1e-3)), python_checks),
+        ("ftopt fused donate=False (functional loop), new grads",
+         ftopt_runner(params, new, ftopt.adam(1e-3), "functional"), none),
+        ("ftopt fused tx.update, new grads",
+         ftopt_runner(params, new, ftopt.adam(1e-3), "update"), none),
     ]
     for _, step, ctx in variants:
         with ctx():

@@ -6,3 +6,16 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(params=["guards", "python"])
+def tensor_checks(request, monkeypatch):
+    """Runs a test with both ways the fused paths check new tensors against their
+    cached tables: torch's C++ guards and the per-property Python passes."""
+    from ftopt.lowering import checks
+
+    monkeypatch.setattr(checks, "USE_GUARDS", request.param == "guards")
+    return request.param

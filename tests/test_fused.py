@@ -315,7 +315,7 @@ class _Null:
         pass
 
 
-def test_cached_donated_step_follows_new_grad_tensors():
+def test_cached_donated_step_follows_new_grad_tensors(tensor_checks):
     """Donated steps reuse their tables; new gradient tensors (alternating buffers, fresh
     tensors, a changed dtype, in-place writes) must each be read, as the eager path does."""
     gen = torch.Generator().manual_seed(11)
@@ -335,7 +335,7 @@ def test_cached_donated_step_follows_new_grad_tensors():
             assert _rel_err(params[k], reference[k]) < 1e-6, (i, k)
 
 
-def test_cached_donated_step_checks_new_grads():
+def test_cached_donated_step_checks_new_grads(tensor_checks):
     """A gradient that does not fit the cached tables goes through the full checks: a
     clear error naming the leaf, and the caller's params and state untouched."""
     gen = torch.Generator().manual_seed(12)
@@ -433,3 +433,32 @@ def test_steps_do_not_keep_gradients_alive(donate):
         del grads
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_kept_gradients_return_to_the_identity_check(monkeypatch):
+    """While each step brings new gradient tensors they are checked one by one (weak
+    references made only now and then); a loop that then keeps its gradient tensors
+    is back on the identity check within 16 steps, and every step stays correct."""
+    from ftopt.lowering import checks
+
+    calls = []
+    real = checks.TensorCheck.check
+    monkeypatch.setattr(checks.TensorCheck, "check",
+                        lambda self, ts: calls.append(1) or real(self, ts))
+    gen = torch.Generator().manual_seed(16)
+    tx = ftopt.adam(0.01)
+    params = _tree(gen, torch.float32)
+    reference = {k: v.clone() for k, v in params.items()}
+    state, ref_state = tx.init(params), tx.init(reference)
+    kept = _tree(gen, torch.float32)
+    for i in range(40):
+        grads = _tree(gen, torch.float32) if i < 20 else kept
+        calls.clear()
+        params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+        reference, ref_state = ftopt.step(tx, reference, grads, ref_state, backend="eager")
+        if 0 < i < 20:
+            assert calls, i
+        if i >= 20 + 16:
+            assert not calls, i
+    for k in params:
+        assert _rel_err(params[k], reference[k]) < 1e-5, k

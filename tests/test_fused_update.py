@@ -241,7 +241,7 @@ def _mixed(gen):
 
 
 @pytest.mark.parametrize("entry", ["step", "update"])
-def test_repeated_functional_calls(entry, monkeypatch):
+def test_repeated_functional_calls(entry, monkeypatch, tensor_checks):
     """Non-donated steps and updates over trees shaped like the last call's reuse its
     tables (one group per dtype pair here) and write each output to its own memory."""
     from ftopt.lowering import functional
@@ -300,7 +300,7 @@ def test_repeated_functional_calls(entry, monkeypatch):
         assert torch.equal(t, old)
 
 
-def test_functional_calls_recheck_new_inputs():
+def test_functional_calls_recheck_new_inputs(tensor_checks):
     """After a cached call, inputs that do not fit get the full checks and their errors."""
     tx = ftopt.adam(0.01)
     gen = torch.Generator().manual_seed(31)

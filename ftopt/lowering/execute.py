@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import operator
 import weakref
-from itertools import repeat
 
 import optree
 import torch
 
 from ftopt import tree as tree_lib
-from ftopt.lowering import launch
+from ftopt.lowering import checks, launch
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.plan import ChainPlan, host_step, remember
 from ftopt.quant import dynamic_map
@@ -24,10 +23,7 @@ from ftopt.rules import QuantizedSlot, step_scalars
 
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
-_device = operator.attrgetter("device")
-_get_device = torch.Tensor.get_device
 _data_ptr = torch.Tensor.data_ptr
-_is_contiguous = torch.Tensor.is_contiguous
 
 
 _deref = weakref.ref.__call__
@@ -36,13 +32,6 @@ _deref = weakref.ref.__call__
 def _as_tuple(picked) -> tuple:
     """``itemgetter`` of one index returns the item itself."""
     return picked if isinstance(picked, tuple) else (picked,)
-
-
-def _on_device(tensors: list, device: torch.device) -> bool:
-    if device.type == "cpu":
-        return not any(map(operator.ne, map(_device, tensors), repeat(device)))
-    # An accelerator's index (-1 for the CPU and meta): no device objects to build.
-    return all(map(operator.eq, map(_get_device, tensors), repeat(device.index)))
 
 
 def _uses_tensors(plan: ChainPlan) -> bool:
@@ -118,10 +107,12 @@ class PreparedStep:
         masks = {i: plan.stages[i]._leaf_mask(params, len(p_flat), paths)
                  for i, _ in traced.graph.leaf_values}
         for (p_dtype, g_dtype, quant_block), leaves in by_key.items():
-            work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device)
-            group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work)
             # 8-bit slots need every lane of a block: no skipped loads.
-            group.traced = plan.traced(donate and not quant_block, output)
+            group_traced = plan.traced(donate and not quant_block, output)
+            work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
+                                     launch.tile(group_traced)[0])
+            group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work)
+            group.traced = group_traced
             group.quant_block = quant_block
             if quant_block:
                 group.qmaps = (dynamic_map(True, self.device), dynamic_map(False, self.device))
@@ -140,10 +131,12 @@ class PreparedStep:
         self.inactive = [i for i in range(len(g_flat)) if g_flat[i] is None]
         self.active_of = operator.itemgetter(*active) if self.inactive else None
         self._remember_grads(g_flat)
+        self._misses = 0  # calls in a row whose gradients were not the last call's
         self.state_obj = None  # the state tree this step returned
         for group in self.groups:
-            grads = [g_flat[i] for i in group.leaves]
-            group.grad_meta = (list(map(_shape, grads)), list(map(_dtype, grads)))
+            group.pick = operator.itemgetter(*group.leaves)
+            grads = _as_tuple(group.pick(g_flat))
+            group.grad_check = checks.TensorCheck(grads, self.device)
             group.grad_addresses = list(map(_data_ptr, grads))
 
     def refresh_grads(self, g_flat) -> bool:
@@ -154,29 +147,32 @@ class PreparedStep:
         if self.inactive and any([g_flat[i] is not None for i in self.inactive]):
             return False
         active = g_flat if self.active_of is None else _as_tuple(self.active_of(g_flat))
-        if all(map(operator.is_, active, map(_deref, self.grad_refs))):
+        refs = self.grad_refs
+        if refs is not None and all(map(operator.is_, active, map(_deref, refs))):
+            self._misses = 0
             return True
-        device = self.device
         uploads = []
         for group in self.groups:
-            grads = [g_flat[i] for i in group.leaves]
-            try:
-                if ((list(map(_shape, grads)), list(map(_dtype, grads))) != group.grad_meta
-                        or not all(map(_is_contiguous, grads))
-                        or not _on_device(grads, device)):
-                    return False
-                addresses = list(map(_data_ptr, grads))
-            except (AttributeError, TypeError):  # None or not a tensor
+            grads = _as_tuple(group.pick(g_flat))
+            if not group.grad_check.check(grads):
                 return False
+            addresses = list(map(_data_ptr, grads))
             if addresses != group.grad_addresses:
                 if group.aligned and any([a & 15 for a in addresses]):
                     return False
                 uploads.append((group, addresses))
         # The caching allocator often hands back the same blocks: upload only on change.
         for group, addresses in uploads:
-            group.addresses["g"] = launch.to_device(addresses, device)
+            group.addresses["g"] = launch.to_device(addresses, self.device)
             group.grad_addresses = addresses
-        self._remember_grads(g_flat)
+        # Weak references cost about as much as the checks: while every call brings new
+        # gradients they are made only every 16th call (a loop that keeps its gradient
+        # tensors is back on the identity check within 16 steps).
+        self._misses += 1
+        if self._misses == 1 or self._misses % 16 == 0:
+            self._remember_grads(g_flat)
+        else:
+            self.grad_refs = None
         return True
 
     def _remember_grads(self, g_flat) -> None:

@@ -19,16 +19,12 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 from ftopt import eager
-from ftopt.lowering import codegen, launch
+from ftopt.lowering import checks, codegen, launch
 from ftopt.lowering.execute import (
     PreparedStep,
     _advance_counts,
     _data_ptr,
-    _dtype,
-    _is_contiguous,
-    _on_device,
     _scalars,
-    _shape,
     _uses_tensors,
     flat_dict_getter,
     flat_dict_leaves,
@@ -68,7 +64,7 @@ class FunctionalCache:
     params_given: bool
     getter: object  # itemgetter of a flat {name: tensor} dict's keys, or None
     inactive: list[int]
-    in_meta: list[dict] = field(default_factory=list)  # per group: role -> (shapes, dtypes)
+    in_check: list[dict] = field(default_factory=list)  # per group: role -> TensorCheck
     out_layout: list[dict] = field(default_factory=list)  # per group: role -> OutputLayout
     # Per group: input role -> the tensors the last call returned for it (a functional
     # loop passes them back: known shapes, dtypes, device and alignment, no checks).
@@ -90,8 +86,8 @@ def remember(plan, output: str, prepared: PreparedStep, spec, params, g_flat, sl
     for group in prepared.groups:
         leaves = group.leaves
         roles = _input_tensors(traced, leaves, p_flat, g_flat, slot_flat)
-        cache.in_meta.append({r: (list(map(_shape, ts)), list(map(_dtype, ts)))
-                              for r, ts in roles.items()})
+        cache.in_check.append({r: checks.TensorCheck(ts, prepared.device)
+                               for r, ts in roles.items()})
         layouts = {}
         for role in codegen.output_roles(group.traced):
             dtype = group.p_dtype if role == "p_out" else torch.float32
@@ -182,7 +178,7 @@ def fast_functional(plan, params, grads, state, output: str):
     traced = prep.traced
     tables = []
     try:
-        for group, meta, returned in zip(prep.groups, cache.in_meta, cache.returned):
+        for group, in_check, returned in zip(prep.groups, cache.in_check, cache.returned):
             roles = _input_tensors(traced, group.leaves, p_flat, g_flat, slot_flat)
             addresses = {}
             for role, tensors in roles.items():
@@ -190,12 +186,11 @@ def fast_functional(plan, params, grads, state, output: str):
                 if ours is not None and all(map(operator.is_, tensors, ours[0])):
                     addresses[role] = ours[1]
                     continue
-                if ((list(map(_shape, tensors)), list(map(_dtype, tensors))) != meta[role]
-                        or not all(map(_is_contiguous, tensors))
-                        or not _on_device(tensors, device)):
+                check = in_check[role]
+                if not check.check(tensors):
                     return None
-                if grad_mode and (role == "p" or (role == "g" and output == "u")) and any(
-                        map(_requires_grad, tensors)):
+                if (grad_mode and (role == "p" or (role == "g" and output == "u"))
+                        and not check.grad_free and any(map(_requires_grad, tensors))):
                     return None
                 addresses[role] = list(map(_data_ptr, tensors))
                 if group.aligned and any([a & 15 for a in addresses[role]]):
