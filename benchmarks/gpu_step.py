@@ -48,8 +48,9 @@ On the GPU machine, from the repo root (see /work/shared/gpu/README.md):
 
 Most of the time is torch.compile of the two GPT-2 trees (~35 s each; --quick skips
 them). ``--sections single,gpt2_fp32`` runs a subset; ``--tiles 512x4,1024x8`` adds ftopt
-variants with other ``ftopt.lowering.launch`` BLOCK/NUM_WARPS, timed in the same run
-(the environment variables FTOPT_BLOCK / FTOPT_NUM_WARPS change ftopt's default instead).
+variants with other ``ftopt.lowering.launch`` tiles, timed in the same run (see
+``parse_tiles``; the environment variables FTOPT_BLOCK / FTOPT_NUM_WARPS /
+FTOPT_IN_PLACE_TILE change ftopt's default instead).
 
 Check on a CPU (Triton interpreter, tiny sizes; CUDA-only peers are recorded as
 unavailable):
@@ -344,25 +345,30 @@ def _clear_lowering_caches() -> None:
 
 
 def tile_hooks(tile) -> tuple[Callable, Callable]:
-    """(enter, exit): set ftopt.lowering.launch.BLOCK/NUM_WARPS to ``tile`` and back.
+    """(enter, exit): set ftopt.lowering.launch's tiles (BLOCK/NUM_WARPS, the in-place
+    skip_zeros tile, whether one-leaf groups get their own kernel) to ``tile`` and back.
 
-    The lowering caches tables and constants built with the module's BLOCK, so both
-    clear those caches; the harness calls them around chunks of steps (never inside a
-    timed step) and runs one untimed step after ``enter``.
+    The lowering caches tables and constants built with them, so both clear those
+    caches; the harness calls them around chunks of steps (never inside a timed step)
+    and runs one untimed step after ``enter``.
     """
     from ftopt.lowering import launch
 
-    if not (hasattr(launch, "BLOCK") and hasattr(launch, "NUM_WARPS")):
-        raise RuntimeError("ftopt.lowering.launch has no BLOCK/NUM_WARPS to override")
+    names = ("BLOCK", "NUM_WARPS", "IN_PLACE_TILE", "SINGLE_LEAF")
+    if not all(hasattr(launch, n) for n in names):
+        raise RuntimeError(f"ftopt.lowering.launch lacks one of {names} to override")
     saved = []
 
     def enter():
-        saved.append((launch.BLOCK, launch.NUM_WARPS))
-        launch.BLOCK, launch.NUM_WARPS = tile
+        saved.append(tuple(getattr(launch, n) for n in names))
+        block, warps, ip_block, ip_warps, single = tile
+        launch.BLOCK, launch.NUM_WARPS = block, warps
+        launch.IN_PLACE_TILE, launch.SINGLE_LEAF = (ip_block, ip_warps), single
         _clear_lowering_caches()
 
     def exit_():
-        launch.BLOCK, launch.NUM_WARPS = saved.pop()
+        for n, v in zip(names, saved.pop()):
+            setattr(launch, n, v)
         _clear_lowering_caches()
 
     return enter, exit_
@@ -372,9 +378,17 @@ def ftopt_tile_now() -> tuple | None:
     try:
         from ftopt.lowering import launch
 
-        return (launch.BLOCK, launch.NUM_WARPS)
+        return (launch.BLOCK, launch.NUM_WARPS, *launch.IN_PLACE_TILE, launch.SINGLE_LEAF)
     except Exception:  # noqa: BLE001
         return None
+
+
+def _tile_note(tile) -> str:
+    block, warps, ip_block, ip_warps, single = tile
+    note = f"BLOCK={block}, warps={warps}"
+    if (ip_block, ip_warps) != (block, warps):
+        note += f"; in place {ip_block}/{ip_warps}"
+    return note + ("" if single else "; one-leaf groups: work-table kernel")
 
 
 def make_ftopt(tx, params: dict, grads: dict, *, backend: str = "fused", tile=None,
@@ -411,7 +425,7 @@ def make_ftopt(tx, params: dict, grads: dict, *, backend: str = "fused", tile=No
     if "backend_ran" in info:
         print(f"    backend='{backend}' ran: {info['backend_ran']}")
     tile_now = tile or ftopt_tile_now()
-    note = f"BLOCK={tile_now[0]}, warps={tile_now[1]}" if tile_now else ""
+    note = _tile_note(tile_now) if tile_now else ""
     if info.get("backend_ran", "fused") != "fused":
         note = "ran eagerly (see the correctness lines)"
     if not c["ok"]:
@@ -760,7 +774,7 @@ def section_copy(cfg: Config, clk: Clock) -> dict:
 
 
 def _tile_label(tile) -> str:
-    return f"ftopt fused [BLOCK={tile[0]}, warps={tile[1]}]"
+    return f"ftopt fused [{_tile_note(tile)}]"
 
 
 def ftopt_specs(tx_fn, params, grads, cfg: Config, label="ftopt fused", **kw) -> list:
@@ -1021,7 +1035,7 @@ def write_outputs(results: dict, out: Path) -> None:
     md = ["# ftopt GPU step benchmark", "",
           f"- date: {meta['date']}", f"- command: `{meta['command']}`",
           f"- device: {meta['device']}", f"- versions: {meta['versions']}",
-          f"- ftopt tile (launch.BLOCK, NUM_WARPS): {meta['ftopt_tile']}",
+          f"- ftopt tiles: {_tile_note(meta['ftopt_tile']) if meta['ftopt_tile'] else '-'}",
           f"- timing: median of {meta['iters']} steps per variant after {meta['warmup']} "
           f"warm-up steps, {meta['timer']} around each step, {meta['rounds']} interleaved "
           "rounds; 'wall' = perf_counter over back-to-back steps, one sync at the end",
@@ -1099,10 +1113,17 @@ SECTIONS = ("copy", "single", "gpt2_fp32", "gpt2_bf16", "skip_zeros", "host", "e
 
 
 def parse_tiles(text: str) -> list:
+    """``1024x4``: that tile for every kernel; ``1024x4/512x4``: in-place skip_zeros
+    kernels get the second; a ``-multi`` suffix: one-leaf groups run the work-table
+    kernel too."""
     tiles = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        block, warps = part.lower().split("x")
-        tiles.append((int(block), int(warps)))
+    for part in filter(None, (p.strip().lower() for p in text.split(","))):
+        single = not part.endswith("-multi")
+        part = part.removesuffix("-multi")
+        main, _, in_place = part.partition("/")
+        block, warps = (int(x) for x in main.split("x"))
+        ip_block, ip_warps = (int(x) for x in (in_place or main).split("x"))
+        tiles.append((block, warps, ip_block, ip_warps, single))
     return tiles
 
 
@@ -1155,8 +1176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                     help="torch.compile peer (auto: on for CUDA; --quick: 64M tensor only)")
     ap.add_argument("--tiles", default="",
-                    help="extra ftopt (BLOCK x warps) variants, e.g. '512x4,1024x8': "
-                         "sets ftopt.lowering.launch.BLOCK/NUM_WARPS around their steps")
+                    help="extra ftopt tile variants, e.g. '512x4,1024x4/1024x4,1024x4-multi'"
+                         " (see parse_tiles): set around their steps")
     ap.add_argument("--sections", default="",
                     help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     args = ap.parse_args(argv)

@@ -117,19 +117,23 @@ class Variant:
     aligned: bool  # every address of the group is 16-byte aligned
     scalar_args: bool  # per-step scalars are kernel arguments (else loaded from a buffer)
     quant_block: int = 0  # elements per absmax of 8-bit slots (0: fp32 slots)
+    single: bool = False  # the group has one leaf: blocks from the program id alone
 
 
-def _prelude(roles: list[str], dtypes: dict[str, str], aligned: bool) -> list[str]:
-    lines = [
-        "pid = tl.program_id(0)",
-        "leaf = tl.load(block_leaf_ptr + pid)",
-        "start = tl.multiple_of(tl.load(block_start_ptr + pid), BLOCK)",
-        "n = tl.load(numel_ptr + leaf)",
-        "offs = start + tl.arange(0, BLOCK)",
-    ]
+def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list[str]:
+    if variant.single:
+        # Every load below is independent of the others: one round trip, not two.
+        lines = ["pid = tl.program_id(0)", "leaf = 0",
+                 "start = pid.to(tl.int64) * BLOCK", "n = tl.load(numel_ptr)"]
+    else:
+        lines = ["pid = tl.program_id(0)",
+                 "leaf = tl.load(block_leaf_ptr + pid)",
+                 "start = tl.multiple_of(tl.load(block_start_ptr + pid), BLOCK)",
+                 "n = tl.load(numel_ptr + leaf)"]
+    lines.append("offs = start + tl.arange(0, BLOCK)")
     for role in roles:
         address = f"tl.load({role}_addr_ptr + leaf)"
-        if aligned:
+        if variant.aligned:
             address = f"tl.multiple_of({address}, 16)"
         lines.append(f"{_pointer_var(role)} = {address}.to(tl.pointer_type({dtypes[role]}))")
     return lines
@@ -262,7 +266,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
                          f"{masks['SMASK']})")
         bodies.append(lines)
     count_args, count_lines = _count_lines(traced)
-    lines = _prelude(roles, dtypes, variant.aligned) + count_lines + _split_blocks(*bodies)
+    lines = _prelude(roles, dtypes, variant) + count_lines + _split_blocks(*bodies)
     sig = _signature(roles, count_args, len(traced.graph.scalars), variant, ("COUNT",))
     return _kernel("ftopt_main", sig, lines)
 
@@ -283,7 +287,7 @@ def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
             lines.append(f"tl.store(partials_ptr + pid * {len(reductions)} + {j}, "
                          f"tl.sum({square}))")
         bodies.append(lines)
-    lines = _prelude(roles, dtypes, variant.aligned) + _split_blocks(*bodies)
+    lines = _prelude(roles, dtypes, variant) + _split_blocks(*bodies)
     sig = _signature(roles, ["partials_ptr"], len(traced.graph.scalars), variant)
     return _kernel(f"ftopt_reduce_{level}", sig, lines)
 

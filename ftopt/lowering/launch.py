@@ -26,6 +26,23 @@ from ftopt.lowering import codegen
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 BLOCK = int(os.environ.get("FTOPT_BLOCK", "4096" if _INTERPRETING else "1024"))
 NUM_WARPS = int(os.environ.get("FTOPT_NUM_WARPS", "4"))
+# In-place skip_zeros kernels load p and the states only after g (their masks depend on
+# it): smaller programs keep more of them in flight (H200, dense gradients: +3.0% over
+# no skip_zeros at 1024/4, -0.3% at 512/4; benchmarks/RESULTS.md). FTOPT_IN_PLACE_TILE
+# ("BLOCKxWARPS") overrides it.
+IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
+    "FTOPT_IN_PLACE_TILE", "2048x4" if _INTERPRETING else "512x4").split("x"))
+
+# A group of one leaf runs a kernel that computes its block's start from the program id
+# instead of reading the work table (one round of dependent loads fewer per program).
+SINGLE_LEAF = True
+
+
+def tile(traced) -> tuple[int, int]:
+    """(elements, warps) per program of ``traced``'s kernels."""
+    if traced.in_place:
+        return IN_PLACE_TILE
+    return BLOCK, NUM_WARPS
 
 
 @triton.jit
@@ -78,12 +95,12 @@ class WorkTable:
 
 
 @lru_cache(maxsize=64)
-def work_table(numels: tuple[int, ...], device: torch.device) -> WorkTable:
-    counts = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
+def work_table(numels: tuple[int, ...], device: torch.device, block: int) -> WorkTable:
+    counts = torch.tensor([triton.cdiv(n, block) for n in numels], dtype=torch.int64)
     first = torch.cumsum(counts, 0) - counts
     total = int(counts.sum())
     leaf = torch.repeat_interleave(torch.arange(len(numels)), counts)
-    start = (torch.arange(total) - first[leaf]) * BLOCK
+    start = (torch.arange(total) - first[leaf]) * block
     move = lambda t, dt=torch.int64: t.to(dt).to(device)  # noqa: E731
     return WorkTable(move(leaf, torch.int32), move(start), move(torch.tensor(numels)),
                      move(first), move(counts), total, len(numels))
@@ -103,7 +120,8 @@ class GroupLaunch:
     aligned: bool = False
     quant_block: int = 0  # 8-bit slots with this many elements per absmax (0: fp32 slots)
     qmaps: tuple = ()
-    grad_meta: tuple = ()  # (shapes, dtypes) of the gradients the tables were built for
+    pick: object = None  # itemgetter of the group's leaves
+    grad_check: object = None  # checks.TensorCheck of the gradients the tables were built for
     grad_addresses: list = field(default_factory=list)
 
     def args(self, roles, scalars, reductions, global_reductions) -> list:
@@ -115,17 +133,18 @@ class GroupLaunch:
 
     def variant(self, scalars) -> codegen.Variant:
         return _variant(self.p_dtype, self.g_dtype, self.aligned, isinstance(scalars, list),
-                        self.quant_block)
+                        self.quant_block, len(self.leaves) == 1)
 
 
 @lru_cache(maxsize=256)
 def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tuple:
     """Constexprs and launch options (``count``: the main kernel's ``COUNT``)."""
+    block, warps = tile(traced)
     constants = {
         "N_LEAF_VALUES": max(len(traced.graph.leaf_values), 1),
         "N_REDUCTIONS": max(len(traced.graph.reductions), 1),
-        "BLOCK": BLOCK,
-        "num_warps": NUM_WARPS,
+        "BLOCK": block,
+        "num_warps": warps,
         # No a*b+c -> fma contraction: every kernel variant (skip_zeros on or off) then
         # rounds each element the same way, and the eager path's way.
         "enable_fp_fusion": False,
@@ -138,9 +157,10 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tu
 
 
 @lru_cache(maxsize=256)
-def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool,
-             quant_block: int) -> codegen.Variant:
-    return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block)
+def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool, quant_block: int,
+             single: bool) -> codegen.Variant:
+    return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block,
+                           single and SINGLE_LEAF)
 
 
 @lru_cache(maxsize=256)
