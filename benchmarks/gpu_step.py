@@ -354,16 +354,17 @@ def tile_hooks(tile) -> tuple[Callable, Callable]:
     """
     from ftopt.lowering import launch
 
-    names = ("BLOCK", "NUM_WARPS", "IN_PLACE_TILE", "SINGLE_LEAF")
+    names = ("BLOCK", "NUM_WARPS", "IN_PLACE_TILE", "SINGLE_LEAF", "STREAM_HINTS")
     if not all(hasattr(launch, n) for n in names):
         raise RuntimeError(f"ftopt.lowering.launch lacks one of {names} to override")
     saved = []
 
     def enter():
         saved.append(tuple(getattr(launch, n) for n in names))
-        block, warps, ip_block, ip_warps, single = tile
+        block, warps, ip_block, ip_warps, single, stream = tile
         launch.BLOCK, launch.NUM_WARPS = block, warps
         launch.IN_PLACE_TILE, launch.SINGLE_LEAF = (ip_block, ip_warps), single
+        launch.STREAM_HINTS = stream
         _clear_lowering_caches()
 
     def exit_():
@@ -378,17 +379,19 @@ def ftopt_tile_now() -> tuple | None:
     try:
         from ftopt.lowering import launch
 
-        return (launch.BLOCK, launch.NUM_WARPS, *launch.IN_PLACE_TILE, launch.SINGLE_LEAF)
+        return (launch.BLOCK, launch.NUM_WARPS, *launch.IN_PLACE_TILE, launch.SINGLE_LEAF,
+                launch.STREAM_HINTS)
     except Exception:  # noqa: BLE001
         return None
 
 
 def _tile_note(tile) -> str:
-    block, warps, ip_block, ip_warps, single = tile
+    block, warps, ip_block, ip_warps, single, stream = tile
     note = f"BLOCK={block}, warps={warps}"
     if (ip_block, ip_warps) != (block, warps):
         note += f"; in place {ip_block}/{ip_warps}"
-    return note + ("" if single else "; one-leaf groups: work-table kernel")
+    note += "" if single else "; one-leaf groups: work-table kernel"
+    return note + ("; streaming cache hints" if stream else "")
 
 
 def make_ftopt(tx, params: dict, grads: dict, *, backend: str = "fused", tile=None,
@@ -1114,16 +1117,18 @@ SECTIONS = ("copy", "single", "gpt2_fp32", "gpt2_bf16", "skip_zeros", "host", "e
 
 def parse_tiles(text: str) -> list:
     """``1024x4``: that tile for every kernel; ``1024x4/512x4``: in-place skip_zeros
-    kernels get the second; a ``-multi`` suffix: one-leaf groups run the work-table
-    kernel too."""
+    kernels get the second; suffixes ``-multi`` (one-leaf groups run the work-table
+    kernel too) and ``-stream`` (streaming cache hints)."""
     tiles = []
     for part in filter(None, (p.strip().lower() for p in text.split(","))):
+        stream = part.endswith("-stream")
+        part = part.removesuffix("-stream")
         single = not part.endswith("-multi")
         part = part.removesuffix("-multi")
         main, _, in_place = part.partition("/")
         block, warps = (int(x) for x in main.split("x"))
         ip_block, ip_warps = (int(x) for x in (in_place or main).split("x"))
-        tiles.append((block, warps, ip_block, ip_warps, single))
+        tiles.append((block, warps, ip_block, ip_warps, single, stream))
     return tiles
 
 

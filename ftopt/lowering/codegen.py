@@ -118,6 +118,7 @@ class Variant:
     scalar_args: bool  # per-step scalars are kernel arguments (else loaded from a buffer)
     quant_block: int = 0  # elements per absmax of 8-bit slots (0: fp32 slots)
     single: bool = False  # the group has one leaf: blocks from the program id alone
+    stream: bool = False  # streaming cache hints on the element loads and stores
 
 
 def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list[str]:
@@ -206,8 +207,17 @@ def _slot_signs(traced: TracedChain) -> dict[str, bool]:
             for i, stage in enumerate(traced.stages) for slot in stage.rule.slots}
 
 
-def _masks(traced: TracedChain, tail: bool) -> dict[str, str]:
-    """Load and store masks of the full-block and the tail-block code."""
+def _masks(traced: TracedChain, tail: bool, stream: bool = False) -> dict[str, str]:
+    """Load and store masks (and cache hints) of the full-block and the tail-block code."""
+    masks = _plain_masks(traced, tail)
+    if stream:  # every element is read and written once: keep it out of the caches
+        masks = {"GMASK": masks["GMASK"] + ", eviction_policy='evict_first'",
+                 "LMASK": masks["LMASK"] + ", eviction_policy='evict_first'",
+                 "SMASK": masks["SMASK"] + ", cache_modifier='.cs'"}
+    return masks
+
+
+def _plain_masks(traced: TracedChain, tail: bool) -> dict[str, str]:
     keep = " & keep" if traced.in_place else ""
     if tail:
         return {"GMASK": ", mask=in_range, other=0.0",
@@ -249,7 +259,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     signs = _slot_signs(traced) if quant else {}
     bodies = []
     for tail in (False, True):
-        masks = _masks(traced, tail)
+        masks = _masks(traced, tail, variant.stream)
         lines = _body_lines(traced, nodes, masks, variant)
         for role, node in traced.stores:
             value = node
@@ -278,7 +288,7 @@ def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
     nodes = traced.graph.closure([r.source for r in reductions])
     bodies = []
     for tail in (False, True):
-        lines = _body_lines(traced, nodes, _masks(traced, tail), variant)
+        lines = _body_lines(traced, nodes, _masks(traced, tail, variant.stream), variant)
         for j, red in enumerate(reductions):
             x = red.source
             square = f"({x} * {x} + tl.zeros([BLOCK], tl.float32))"

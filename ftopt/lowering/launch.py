@@ -36,6 +36,8 @@ IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
 # A group of one leaf runs a kernel that computes its block's start from the program id
 # instead of reading the work table (one round of dependent loads fewer per program).
 SINGLE_LEAF = True
+# Streaming cache hints (evict-first loads, streaming stores) on element accesses.
+STREAM_HINTS = False
 
 
 def tile(traced) -> tuple[int, int]:
@@ -160,7 +162,7 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tu
 def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool, quant_block: int,
              single: bool) -> codegen.Variant:
     return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block,
-                           single and SINGLE_LEAF)
+                           single and SINGLE_LEAF, STREAM_HINTS)
 
 
 @lru_cache(maxsize=256)
