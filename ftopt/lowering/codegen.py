@@ -133,10 +133,12 @@ def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list
                  "n = tl.load(numel_ptr + leaf)"]
     lines.append("offs = start + tl.arange(0, BLOCK)")
     for role in roles:
-        address = f"tl.load({role}_addr_ptr + leaf)"
+        pointer = f"tl.load({role}_addr_ptr + leaf).to(tl.pointer_type({dtypes[role]}))"
         if variant.aligned:
-            address = f"tl.multiple_of({address}, 16)"
-        lines.append(f"{_pointer_var(role)} = {address}.to(tl.pointer_type({dtypes[role]}))")
+            # On the pointer, not the integer it is cast from: the hint does not survive
+            # the cast, and without it no access is vectorized (LDG.E.128: 4-8 lanes).
+            pointer = f"tl.multiple_of({pointer}, 16)"
+        lines.append(f"{_pointer_var(role)} = {pointer}")
     return lines
 
 
