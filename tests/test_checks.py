@@ -7,7 +7,8 @@ import torch
 
 from ftopt.lowering import checks
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# With its index, as the tensors' own device is (what the fused paths pass).
+DEVICE = torch.empty(0, device="cuda" if torch.cuda.is_available() else "cpu").device
 
 
 def _tensors(gen):
