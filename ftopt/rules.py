@@ -303,7 +303,10 @@ class RuleTransform:
             result = _run_vec(rule, mode, us, ps, old, masks, scalars)
         u_items, slot_items = result
         for j, i in enumerate(active):
-            new_u[i] = u_items[j]
+            # A 0-d leaf whose per-step scalars are float64 tensors (a device count) would
+            # be promoted to float64: updates are in the leaf's compute dtype.
+            want = _compute_dtype(us[j])
+            new_u[i] = u_items[j] if u_items[j].dtype == want else u_items[j].to(want)
         for slot in rule.slots:
             for j, i in enumerate(active):
                 new_slots[slot.name][i] = self._write_slot(

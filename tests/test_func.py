@@ -388,3 +388,26 @@ def test_module_loop_donated_step_matches_torch_adamw():
     assert {k: id(p) for k, p in model.named_parameters()} == ids
     for (k, p), q in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_scalar_leaf_updates_keep_their_dtype_with_device_counts():
+    """Under torch.func the per-step scalars are float64 0-d tensors (computed from the
+    count tensor); a 0-d leaf must not be promoted by them: its update is in its compute
+    dtype (float32 for 16-bit and float32 leaves), as for every other leaf."""
+    tx = ftopt.adam(0.01)
+    params = {"s": torch.tensor(0.5, dtype=torch.float16), "t": torch.tensor(-1.5),
+              "v": torch.randn(3)}
+    state = tx.init(params)
+    grads = {"s": torch.tensor(0.25, dtype=torch.float16), "t": torch.tensor(0.75),
+             "v": torch.randn(3)}
+    seen = {}
+
+    def total(g):
+        u, _ = tx.update(g, state, params)
+        seen.update({k: v.dtype for k, v in u.items()})
+        return sum(v.float().sum() for v in u.values())
+
+    torch.func.grad(total)(grads)
+    assert seen == {"s": torch.float32, "t": torch.float32, "v": torch.float32}
+    u, _ = tx.update(grads, state, params)
+    assert {k: v.dtype for k, v in u.items()} == seen
