@@ -37,4 +37,4 @@ def test_views_have_the_shapes_offsets_and_no_overlap(dtype):
     # One run per trailing shape cuts the common cases with one call each: 1-d leaves,
     # (k, 8) and (k, 4, 4) leaves (rows of whole 16-byte units); the rest one by one.
     assert [run[2] for run in layout.runs] == [(-1,), (-1, 8), (-1, 4, 4)]
-    assert sorted(single[0] for single in layout.singles) == [3, 4, 9, 12, 13]
+    assert [single[0] for single in layout.singles] == [shapes[k] for k in (3, 4, 9, 12, 13)]

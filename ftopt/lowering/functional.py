@@ -51,22 +51,22 @@ class OutputLayout:
     n: int  # leaves
     byte_offsets: list[int]  # per leaf, in the group's leaf order
     total: int  # elements of the buffer
-    # (start, stop, view shape, split sizes, [(piece index, leaf position)])
-    runs: list = field(default_factory=list)
-    singles: list = field(default_factory=list)  # (position, shape, strides, offset)
-    empty: list = field(default_factory=list)  # (position, shape) of leaves with no elements
+    runs: list = field(default_factory=list)  # (start, stop, view shape, split sizes)
+    singles: list = field(default_factory=list)  # (shape, strides, offset)
+    empty: list = field(default_factory=list)  # shapes of leaves with no elements
+    # The piece of each leaf (pieces: the runs' in order, then singles, then empty ones):
+    # an itemgetter, or a one-item list for one leaf.
+    order: object = None
 
     def views(self, buffer: torch.Tensor) -> list:
-        out = [None] * self.n
-        for start, stop, shape, sizes, picks in self.runs:
-            pieces = buffer[start:stop].view(shape).split_with_sizes(sizes)
-            for k, position in picks:
-                out[position] = pieces[k]
-        for position, shape, strides, offset in self.singles:
-            out[position] = buffer.as_strided(shape, strides, offset)
-        for position, shape in self.empty:
-            out[position] = buffer.new_empty(shape)
-        return out
+        pieces = []
+        for start, stop, shape, sizes in self.runs:
+            pieces += buffer[start:stop].view(shape).split_with_sizes(sizes)
+        for shape, strides, offset in self.singles:
+            pieces.append(buffer.as_strided(shape, strides, offset))
+        for shape in self.empty:
+            pieces.append(buffer.new_empty(shape))
+        return list(self.order(pieces)) if self.n > 1 else [pieces[self.order[0]]]
 
 
 def output_layout(shapes: list, dtype: torch.dtype) -> OutputLayout:
@@ -75,10 +75,10 @@ def output_layout(shapes: list, dtype: torch.dtype) -> OutputLayout:
     per_16 = 16 // size
     layout = OutputLayout(dtype, len(shapes), [0] * len(shapes), 0)
     by_trailing: dict[tuple, list[int]] = {}
-    odd = []
+    odd, empty = [], []
     for position, shape in enumerate(shapes):
         if shape.numel() == 0:
-            layout.empty.append((position, shape))
+            empty.append(position)
         elif len(shape) == 1:
             by_trailing.setdefault((), []).append(position)
         elif len(shape) > 1 and shape[1:].numel() % per_16 == 0:
@@ -86,27 +86,37 @@ def output_layout(shapes: list, dtype: torch.dtype) -> OutputLayout:
         else:
             odd.append(position)
     total = 0
+    piece_of = [0] * len(shapes)
+    n_pieces = 0
     for trailing, positions in by_trailing.items():
-        start, sizes, picks = total, [], []
+        start, sizes = total, []
         row = max(1, torch.Size(trailing).numel())
         for position in positions:
             rows = shapes[position][0]
             layout.byte_offsets[position] = total * size
-            picks.append((len(sizes), position))
+            piece_of[position] = n_pieces + len(sizes)
             sizes.append(rows)
             total += rows * row
             pad = -total % per_16  # (0 for rows of whole 16-byte units)
             if pad:
                 sizes.append(pad)
                 total += pad
-        layout.runs.append((start, total, (-1, *trailing), sizes, picks))
+        layout.runs.append((start, total, (-1, *trailing), sizes))
+        n_pieces += len(sizes)
     for position in odd:
         shape = shapes[position]
         layout.byte_offsets[position] = total * size
         strides = torch.empty(shape, device="meta").stride()
-        layout.singles.append((position, shape, strides, total))
+        layout.singles.append((shape, strides, total))
+        piece_of[position] = n_pieces
+        n_pieces += 1
         total += shape.numel()
         total += -total % per_16
+    for position in empty:
+        layout.empty.append(shapes[position])
+        piece_of[position] = n_pieces
+        n_pieces += 1
+    layout.order = operator.itemgetter(*piece_of) if len(shapes) > 1 else piece_of
     layout.total = total
     return layout
 
@@ -124,6 +134,7 @@ class FunctionalCache:
     # Per group: input role -> the tensors the last call returned for it (a functional
     # loop passes them back: known shapes, dtypes, device and alignment, no checks).
     returned: list[dict] = field(default_factory=list)
+    whole: bool = False  # one group of every leaf, in order: outputs are its views
 
 
 def remember(plan, output: str, prepared: PreparedStep, spec, params, g_flat, slot_flat,
@@ -150,6 +161,7 @@ def remember(plan, output: str, prepared: PreparedStep, spec, params, g_flat, sl
             layouts[role] = output_layout(shapes, dtype)
         cache.out_layout.append(layouts)
         cache.returned.append({})
+    cache.whole = len(prepared.groups) == 1 and prepared.groups[0].leaves == list(range(n))
     plan.functional[output] = cache
 
 
@@ -242,24 +254,33 @@ def fast_functional(plan, params, grads, state, output: str):
         return None
     steps, new_counts, pairs = _advance_counts(plan, counts, False, _uses_tensors(plan),
                                                device)
-    out = list(p_flat) if output == "p" else [None] * cache.n
-    slot_out = [{name: list(leaves) for name, leaves in slots.items()} for slots in slot_flat]
+    if cache.whole:  # every output list is replaced by one group's views
+        out, slot_out = None, [{name: None for name in slots} for slots in slot_flat]
+    else:
+        out = list(p_flat) if output == "p" else [None] * cache.n
+        slot_out = [{name: list(leaves) for name, leaves in slots.items()}
+                    for slots in slot_flat]
     for group, addresses, layouts, returned in zip(prep.groups, tables, cache.out_layout,
                                                    cache.returned):
         returned.clear()
         for role, layout in layouts.items():
             buffer = torch.empty(layout.total, dtype=layout.dtype, device=device)
             views = layout.views(buffer)
-            base = buffer.data_ptr()
-            addresses[role] = [base + o for o in layout.byte_offsets]
+            addresses[role] = list(map(buffer.data_ptr().__add__, layout.byte_offsets))
             if role == f"{output}_out":
-                target = out
                 if output == "p":
                     returned["p"] = (views, addresses[role])
+                if cache.whole:
+                    out = views
+                    continue
+                target = out
             else:
                 stage_i, name = role[2:-4].split("_", 1)
-                target = slot_out[int(stage_i)][name]
                 returned[role[:-4] + "_in"] = (views, addresses[role])
+                if cache.whole:
+                    slot_out[int(stage_i)][name] = views
+                    continue
+                target = slot_out[int(stage_i)][name]
             for i, view in zip(group.leaves, views):
                 target[i] = view
         _upload(group, addresses, device)
@@ -284,6 +305,5 @@ def _upload(group, addresses: dict, device) -> None:
         row = addresses[role]
         flat += row
         flat += repeat(0, width - len(row))
-    table = launch.to_device(flat, device).view(len(roles), width)
-    for r, role in enumerate(roles):
-        group.addresses[role] = table[r]
+    rows = launch.to_device(flat, device).view(len(roles), width).unbind(0)
+    group.addresses.update(zip(roles, rows))
