@@ -926,11 +926,14 @@ def section_host(cfg: Config, clk: Clock) -> dict:
 
 
 def eight_bit_specs(params, grads, cfg: Config) -> list:
+    kw = dict(backend="auto", state_bytes=bnb_8bit_states, check_backend="auto",
+              record_backend=True)
     return [
         ("ftopt adam(state_bits=8) auto",
-         lambda: make_ftopt(ftopt.adam(LR, state_bits=8), params, grads, backend="auto",
-                            state_bytes=bnb_8bit_states, check_backend="auto",
-                            record_backend=True)),
+         lambda: make_ftopt(ftopt.adam(LR, state_bits=8), params, grads, **kw)),
+        *[(_tile_label(tile) + " 8-bit",
+           lambda tile=tile: make_ftopt(ftopt.adam(LR, state_bits=8), params, grads,
+                                        tile=tile, **kw)) for tile in cfg.tiles],
         ("bnb Triton 8-bit (direct)", lambda: make_bnb_triton(params, grads, bits=8, cfg=cfg)),
         ("bnb CUDA Adam8bit", lambda: make_bnb_cuda(params, grads, bits=8, cfg=cfg)),
         ("flashoptim FlashAdam (int8 states)",

@@ -21,15 +21,16 @@ import triton.language as tl
 from ftopt.lowering import codegen
 
 # Elements per program and warps per program of every kernel (FTOPT_BLOCK and
-# FTOPT_NUM_WARPS override them, for tuning on new hardware).
+# FTOPT_NUM_WARPS override them, for tuning on new hardware). On an H200, 512/4 is as
+# fast as 1024/4 with fp32 params and 12% faster with bf16 ones (benchmarks/RESULTS.md).
 # Under the Triton interpreter every program costs Python time, so blocks are larger.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-BLOCK = int(os.environ.get("FTOPT_BLOCK", "4096" if _INTERPRETING else "1024"))
+BLOCK = int(os.environ.get("FTOPT_BLOCK", "4096" if _INTERPRETING else "512"))
 NUM_WARPS = int(os.environ.get("FTOPT_NUM_WARPS", "4"))
 # In-place skip_zeros kernels load p and the states only after g (their masks depend on
-# it): smaller programs keep more of them in flight (H200, dense gradients: +3.0% over
-# no skip_zeros at 1024/4, -0.3% at 512/4; benchmarks/RESULTS.md). FTOPT_IN_PLACE_TILE
-# ("BLOCKxWARPS") overrides it.
+# it, so those loads are not vectorized): their own tile, tuned apart (H200, dense
+# gradients, 1024/4: +3.0% over no skip_zeros where 512/4 gave -0.3%).
+# FTOPT_IN_PLACE_TILE ("BLOCKxWARPS") overrides it.
 IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
     "FTOPT_IN_PLACE_TILE", "2048x4" if _INTERPRETING else "512x4").split("x"))
 
