@@ -110,7 +110,7 @@ class PreparedStep:
             # 8-bit slots need every lane of a block: no skipped loads.
             group_traced = plan.traced(donate and not quant_block, output)
             work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
-                                     launch.tile(group_traced)[0])
+                                     launch.tile(group_traced, quant_block)[0])
             group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work)
             group.traced = group_traced
             group.quant_block = quant_block

@@ -330,11 +330,12 @@ def _get_checked(state, path, stage):
 
 
 def _slot_reason(plan: ChainPlan, slot_flat, active) -> str | None:
-    from ftopt.lowering.launch import BLOCK
+    from ftopt.lowering.launch import QUANT_TILE
 
     blocks = {s.quant.block_size for s in plan.stages if s.quant is not None and s.rule.slots}
-    if len(blocks) > 1 or any(BLOCK % b for b in blocks):
-        return f"8-bit block sizes {sorted(blocks)} do not divide the kernel block {BLOCK}"
+    if len(blocks) > 1 or any(QUANT_TILE[0] % b for b in blocks):
+        return (f"8-bit block sizes {sorted(blocks)} do not divide the kernel block "
+                f"{QUANT_TILE[0]}")
     for i in active:
         layouts = set()
         for slots in slot_flat:
