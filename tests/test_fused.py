@@ -146,6 +146,8 @@ def test_fused_skip_zeros(name, donate):
     grads["odd"][2] = 0.0
     grads["odd"][4] = -0.0
     grads["ragged"][100:700] = 0.0
+    # A full block with zeros and one without (in place they may take different code).
+    grads["two_blocks"][0, 10:20] = 0.0
     zero = {k: g == 0 for k, g in grads.items()}
     before = {k: v.clone() for k, v in params.items()}
     state_before = [x.clone() for x in ftopt.tree.leaves(state_s)]

@@ -119,6 +119,7 @@ class Variant:
     quant_block: int = 0  # elements per absmax of 8-bit slots (0: fp32 slots)
     single: bool = False  # the group has one leaf: blocks from the program id alone
     stream: bool = False  # streaming cache hints on the element loads and stores
+    dense_split: bool = False  # in place: full blocks without zero gradients run unmasked
 
 
 def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list[str]:
@@ -209,9 +210,11 @@ def _slot_signs(traced: TracedChain) -> dict[str, bool]:
             for i, stage in enumerate(traced.stages) for slot in stage.rule.slots}
 
 
-def _masks(traced: TracedChain, tail: bool, stream: bool = False) -> dict[str, str]:
-    """Load and store masks (and cache hints) of the full-block and the tail-block code."""
-    masks = _plain_masks(traced, tail)
+def _masks(traced: TracedChain, tail: bool, stream: bool = False,
+           in_place: bool | None = None) -> dict[str, str]:
+    """Load and store masks (and cache hints) of the full-block and the tail-block code
+    (``in_place=False``: without the in-place kernel's zero-gradient masks)."""
+    masks = _plain_masks(traced, tail, traced.in_place if in_place is None else in_place)
     if stream:  # every element is read and written once: keep it out of the caches
         masks = {"GMASK": masks["GMASK"] + ", eviction_policy='evict_first'",
                  "LMASK": masks["LMASK"] + ", eviction_policy='evict_first'",
@@ -219,13 +222,13 @@ def _masks(traced: TracedChain, tail: bool, stream: bool = False) -> dict[str, s
     return masks
 
 
-def _plain_masks(traced: TracedChain, tail: bool) -> dict[str, str]:
-    keep = " & keep" if traced.in_place else ""
+def _plain_masks(traced: TracedChain, tail: bool, in_place: bool) -> dict[str, str]:
+    keep = " & keep" if in_place else ""
     if tail:
         return {"GMASK": ", mask=in_range, other=0.0",
                 "LMASK": f", mask=in_range{keep}, other=0.0",
                 "SMASK": f", mask=in_range{keep}"}
-    if traced.in_place:
+    if in_place:
         return {"GMASK": "", "LMASK": ", mask=keep, other=0.0", "SMASK": ", mask=keep"}
     return {"GMASK": "", "LMASK": "", "SMASK": ""}
 
@@ -258,29 +261,50 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     roles = input_roles(traced, quant) + output_roles(traced, quant)
     dtypes = _role_dtypes(traced, variant)
     nodes = traced.graph.closure([node for _, node in traced.stores])
-    signs = _slot_signs(traced) if quant else {}
+    split = traced.in_place and variant.dense_split
     bodies = []
     for tail in (False, True):
         masks = _masks(traced, tail, variant.stream)
-        lines = _body_lines(traced, nodes, masks, variant)
-        for role, node in traced.stores:
-            value = node
-            if traced.graph.nodes[node].kind != "elem":  # broadcast a per-leaf value
-                value = f"tl.full([BLOCK], 0.0, tl.float32) + {node}"
-            slot = role[: -len("_out")]
-            if slot in signs:
-                stage = int(slot[2:].split("_", 1)[0])
-                zero = "zero" if traced.skips[stage] else None
-                lines += quantized.store_lines(slot, f"{slot}_old", value, signs[slot], zero,
-                                               tail)
-                continue
-            lines.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]})"
-                         f"{masks['SMASK']})")
+        if split and not tail:
+            # A full block with no zero gradient runs the plain body (vectorized loads
+            # and stores); a block with one runs the masked body.
+            head = [node for node in nodes if node.name in ("g", "keep")]
+            rest = [node for node in nodes if node.name not in ("g", "keep")]
+            plain = _masks(traced, tail, variant.stream, in_place=False)
+            lines = _body_lines(traced, head, masks, variant)
+            lines.append("if tl.min(keep.to(tl.int32), axis=0) == 1:")
+            lines += ["    " + x for x in _body_and_stores(traced, rest, plain, variant,
+                                                             dtypes, tail)]
+            lines.append("else:")
+            lines += ["    " + x for x in _body_and_stores(traced, rest, masks, variant,
+                                                             dtypes, tail)]
+        else:
+            lines = _body_and_stores(traced, nodes, masks, variant, dtypes, tail)
         bodies.append(lines)
     count_args, count_lines = _count_lines(traced)
     lines = _prelude(roles, dtypes, variant) + count_lines + _split_blocks(*bodies)
     sig = _signature(roles, count_args, len(traced.graph.scalars), variant, ("COUNT",))
     return _kernel("ftopt_main", sig, lines)
+
+
+def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
+                     dtypes: dict, tail: bool) -> list[str]:
+    signs = _slot_signs(traced) if variant.quant_block else {}
+    lines = _body_lines(traced, nodes, masks, variant)
+    for role, node in traced.stores:
+        value = node
+        if traced.graph.nodes[node].kind != "elem":  # broadcast a per-leaf value
+            value = f"tl.full([BLOCK], 0.0, tl.float32) + {node}"
+        slot = role[: -len("_out")]
+        if slot in signs:
+            stage = int(slot[2:].split("_", 1)[0])
+            zero = "zero" if traced.skips[stage] else None
+            lines += quantized.store_lines(slot, f"{slot}_old", value, signs[slot], zero,
+                                           tail)
+            continue
+        lines.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]})"
+                     f"{masks['SMASK']})")
+    return lines
 
 
 def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:

@@ -44,6 +44,10 @@ QUANT_TILE = tuple(int(x) for x in os.environ.get(
 SINGLE_LEAF = True
 # Streaming cache hints (evict-first loads, streaming stores) on element accesses.
 STREAM_HINTS = False
+# In-place skip_zeros kernels: a full block with no zero gradient takes an unmasked
+# (vectorized) copy of the body, decided per block after g is loaded. FTOPT_DENSE_SPLIT=1
+# turns it on.
+DENSE_SPLIT = os.environ.get("FTOPT_DENSE_SPLIT", "0") == "1"
 
 
 def tile(traced, quant_block: int = 0) -> tuple[int, int]:
@@ -171,7 +175,7 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tu
 def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool, quant_block: int,
              single: bool) -> codegen.Variant:
     return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block,
-                           single and SINGLE_LEAF, STREAM_HINTS)
+                           single and SINGLE_LEAF, STREAM_HINTS, DENSE_SPLIT)
 
 
 @lru_cache(maxsize=256)
