@@ -354,19 +354,16 @@ def tile_hooks(tile) -> tuple[Callable, Callable]:
     """
     from ftopt.lowering import launch
 
-    names = ("BLOCK", "NUM_WARPS", "IN_PLACE_TILE", "SINGLE_LEAF", "STREAM_HINTS",
-             "QUANT_TILE", "DENSE_SPLIT")
+    names = ("BLOCK", "NUM_WARPS", "IN_PLACE_TILE", "QUANT_TILE")
     if not all(hasattr(launch, n) for n in names):
         raise RuntimeError(f"ftopt.lowering.launch lacks one of {names} to override")
     saved = []
 
     def enter():
         saved.append(tuple(getattr(launch, n) for n in names))
-        block, warps, ip_block, ip_warps, single, stream, q_block, q_warps, split = tile
+        block, warps, ip_block, ip_warps, q_block, q_warps = tile
         launch.BLOCK, launch.NUM_WARPS = block, warps
-        launch.IN_PLACE_TILE, launch.SINGLE_LEAF = (ip_block, ip_warps), single
-        launch.STREAM_HINTS, launch.QUANT_TILE = stream, (q_block, q_warps)
-        launch.DENSE_SPLIT = split
+        launch.IN_PLACE_TILE, launch.QUANT_TILE = (ip_block, ip_warps), (q_block, q_warps)
         _clear_lowering_caches()
 
     def exit_():
@@ -381,22 +378,19 @@ def ftopt_tile_now() -> tuple | None:
     try:
         from ftopt.lowering import launch
 
-        return (launch.BLOCK, launch.NUM_WARPS, *launch.IN_PLACE_TILE, launch.SINGLE_LEAF,
-                launch.STREAM_HINTS, *launch.QUANT_TILE, launch.DENSE_SPLIT)
+        return (launch.BLOCK, launch.NUM_WARPS, *launch.IN_PLACE_TILE, *launch.QUANT_TILE)
     except Exception:  # noqa: BLE001
         return None
 
 
 def _tile_note(tile) -> str:
-    block, warps, ip_block, ip_warps, single, stream, q_block, q_warps, split = tile
+    block, warps, ip_block, ip_warps, q_block, q_warps = tile
     note = f"BLOCK={block}, warps={warps}"
     if (ip_block, ip_warps) != (block, warps):
         note += f"; in place {ip_block}/{ip_warps}"
     if (q_block, q_warps) != (block, warps):
         note += f"; 8-bit {q_block}/{q_warps}"
-    note += "" if single else "; one-leaf groups: work-table kernel"
-    note += "; in place: unmasked copy for blocks without zeros" if split else ""
-    return note + ("; streaming cache hints" if stream else "")
+    return note
 
 
 def make_ftopt(tx, params: dict, grads: dict, *, backend: str = "fused", tile=None,
@@ -1125,22 +1119,13 @@ SECTIONS = ("copy", "single", "gpt2_fp32", "gpt2_bf16", "skip_zeros", "host", "e
 
 def parse_tiles(text: str) -> list:
     """``1024x4``: that tile for every kernel; ``1024x4/512x4``: in-place skip_zeros
-    kernels get the second (8-bit kernels always the first); suffixes ``-multi``
-    (one-leaf groups run the work-table kernel too), ``-stream`` (streaming cache
-    hints) and ``-split`` (in place: an unmasked copy of the body for full blocks
-    without zero gradients), in that order."""
+    kernels get the second (8-bit kernels always the first)."""
     tiles = []
     for part in filter(None, (p.strip().lower() for p in text.split(","))):
-        split = part.endswith("-split")
-        part = part.removesuffix("-split")
-        stream = part.endswith("-stream")
-        part = part.removesuffix("-stream")
-        single = not part.endswith("-multi")
-        part = part.removesuffix("-multi")
         main, _, in_place = part.partition("/")
         block, warps = (int(x) for x in main.split("x"))
         ip_block, ip_warps = (int(x) for x in (in_place or main).split("x"))
-        tiles.append((block, warps, ip_block, ip_warps, single, stream, block, warps, split))
+        tiles.append((block, warps, ip_block, ip_warps, block, warps))
     return tiles
 
 

@@ -117,21 +117,13 @@ class Variant:
     aligned: bool  # every address of the group is 16-byte aligned
     scalar_args: bool  # per-step scalars are kernel arguments (else loaded from a buffer)
     quant_block: int = 0  # elements per absmax of 8-bit slots (0: fp32 slots)
-    single: bool = False  # the group has one leaf: blocks from the program id alone
-    stream: bool = False  # streaming cache hints on the element loads and stores
-    dense_split: bool = False  # in place: full blocks without zero gradients run unmasked
 
 
 def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list[str]:
-    if variant.single:
-        # Every load below is independent of the others: one round trip, not two.
-        lines = ["pid = tl.program_id(0)", "leaf = 0",
-                 "start = pid.to(tl.int64) * BLOCK", "n = tl.load(numel_ptr)"]
-    else:
-        lines = ["pid = tl.program_id(0)",
-                 "leaf = tl.load(block_leaf_ptr + pid)",
-                 "start = tl.multiple_of(tl.load(block_start_ptr + pid), BLOCK)",
-                 "n = tl.load(numel_ptr + leaf)"]
+    lines = ["pid = tl.program_id(0)",
+             "leaf = tl.load(block_leaf_ptr + pid)",
+             "start = tl.multiple_of(tl.load(block_start_ptr + pid), BLOCK)",
+             "n = tl.load(numel_ptr + leaf)"]
     lines.append("offs = start + tl.arange(0, BLOCK)")
     for role in roles:
         pointer = f"tl.load({role}_addr_ptr + leaf).to(tl.pointer_type({dtypes[role]}))"
@@ -210,25 +202,14 @@ def _slot_signs(traced: TracedChain) -> dict[str, bool]:
             for i, stage in enumerate(traced.stages) for slot in stage.rule.slots}
 
 
-def _masks(traced: TracedChain, tail: bool, stream: bool = False,
-           in_place: bool | None = None) -> dict[str, str]:
-    """Load and store masks (and cache hints) of the full-block and the tail-block code
-    (``in_place=False``: without the in-place kernel's zero-gradient masks)."""
-    masks = _plain_masks(traced, tail, traced.in_place if in_place is None else in_place)
-    if stream:  # every element is read and written once: keep it out of the caches
-        masks = {"GMASK": masks["GMASK"] + ", eviction_policy='evict_first'",
-                 "LMASK": masks["LMASK"] + ", eviction_policy='evict_first'",
-                 "SMASK": masks["SMASK"] + ", cache_modifier='.cs'"}
-    return masks
-
-
-def _plain_masks(traced: TracedChain, tail: bool, in_place: bool) -> dict[str, str]:
-    keep = " & keep" if in_place else ""
+def _masks(traced: TracedChain, tail: bool) -> dict[str, str]:
+    """Load and store masks of the full-block and the tail-block code."""
+    keep = " & keep" if traced.in_place else ""
     if tail:
         return {"GMASK": ", mask=in_range, other=0.0",
                 "LMASK": f", mask=in_range{keep}, other=0.0",
                 "SMASK": f", mask=in_range{keep}"}
-    if in_place:
+    if traced.in_place:
         return {"GMASK": "", "LMASK": ", mask=keep, other=0.0", "SMASK": ", mask=keep"}
     return {"GMASK": "", "LMASK": "", "SMASK": ""}
 
@@ -261,26 +242,8 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     roles = input_roles(traced, quant) + output_roles(traced, quant)
     dtypes = _role_dtypes(traced, variant)
     nodes = traced.graph.closure([node for _, node in traced.stores])
-    split = traced.in_place and variant.dense_split
-    bodies = []
-    for tail in (False, True):
-        masks = _masks(traced, tail, variant.stream)
-        if split and not tail:
-            # A full block with no zero gradient runs the plain body (vectorized loads
-            # and stores); a block with one runs the masked body.
-            head = [node for node in nodes if node.name in ("g", "keep")]
-            rest = [node for node in nodes if node.name not in ("g", "keep")]
-            plain = _masks(traced, tail, variant.stream, in_place=False)
-            lines = _body_lines(traced, head, masks, variant)
-            lines.append("if tl.min(keep.to(tl.int32), axis=0) == 1:")
-            lines += ["    " + x for x in _body_and_stores(traced, rest, plain, variant,
-                                                             dtypes, tail)]
-            lines.append("else:")
-            lines += ["    " + x for x in _body_and_stores(traced, rest, masks, variant,
-                                                             dtypes, tail)]
-        else:
-            lines = _body_and_stores(traced, nodes, masks, variant, dtypes, tail)
-        bodies.append(lines)
+    bodies = [_body_and_stores(traced, nodes, _masks(traced, tail), variant, dtypes, tail)
+              for tail in (False, True)]
     count_args, count_lines = _count_lines(traced)
     lines = _prelude(roles, dtypes, variant) + count_lines + _split_blocks(*bodies)
     sig = _signature(roles, count_args, len(traced.graph.scalars), variant, ("COUNT",))
@@ -314,7 +277,7 @@ def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
     nodes = traced.graph.closure([r.source for r in reductions])
     bodies = []
     for tail in (False, True):
-        lines = _body_lines(traced, nodes, _masks(traced, tail, variant.stream), variant)
+        lines = _body_lines(traced, nodes, _masks(traced, tail), variant)
         for j, red in enumerate(reductions):
             x = red.source
             square = f"({x} * {x} + tl.zeros([BLOCK], tl.float32))"

@@ -39,17 +39,6 @@ IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
 QUANT_TILE = tuple(int(x) for x in os.environ.get(
     "FTOPT_QUANT_TILE", "4096x4" if _INTERPRETING else "1024x4").split("x"))
 
-# A group of one leaf runs a kernel that computes its block's start from the program id
-# instead of reading the work table (one round of dependent loads fewer per program).
-SINGLE_LEAF = True
-# Streaming cache hints (evict-first loads, streaming stores) on element accesses.
-STREAM_HINTS = False
-# In-place skip_zeros kernels: a full block with no zero gradient takes an unmasked
-# (vectorized) copy of the body, decided per block after g is loaded. FTOPT_DENSE_SPLIT=1
-# turns it on.
-DENSE_SPLIT = os.environ.get("FTOPT_DENSE_SPLIT", "0") == "1"
-
-
 def tile(traced, quant_block: int = 0) -> tuple[int, int]:
     """(elements, warps) per program of ``traced``'s kernels (``quant_block``: the
     group's 8-bit block size, 0 for fp32 slots)."""
@@ -148,7 +137,7 @@ class GroupLaunch:
 
     def variant(self, scalars) -> codegen.Variant:
         return _variant(self.p_dtype, self.g_dtype, self.aligned, isinstance(scalars, list),
-                        self.quant_block, len(self.leaves) == 1)
+                        self.quant_block)
 
 
 @lru_cache(maxsize=256)
@@ -172,10 +161,9 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tu
 
 
 @lru_cache(maxsize=256)
-def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool, quant_block: int,
-             single: bool) -> codegen.Variant:
-    return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block,
-                           single and SINGLE_LEAF, STREAM_HINTS, DENSE_SPLIT)
+def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool,
+             quant_block: int) -> codegen.Variant:
+    return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block)
 
 
 @lru_cache(maxsize=256)
