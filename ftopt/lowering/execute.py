@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from functools import reduce
 
 import optree
 import torch
@@ -27,6 +28,11 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 _deref = weakref.ref.__call__
+
+
+def misaligned(addresses: list[int]) -> bool:
+    """Whether any address is not a multiple of 16 (one C-level pass)."""
+    return bool(reduce(operator.or_, addresses, 0) & 15)
 
 
 def _as_tuple(picked) -> tuple:
@@ -158,7 +164,7 @@ class PreparedStep:
                 return False
             addresses = list(map(_data_ptr, grads))
             if addresses != group.grad_addresses:
-                if group.aligned and any([a & 15 for a in addresses]):
+                if group.aligned and misaligned(addresses):
                     return False
                 uploads.append((group, addresses))
         # The caching allocator often hands back the same blocks: upload only on change.

@@ -27,6 +27,7 @@ from ftopt.lowering.execute import (
     _uses_tensors,
     flat_dict_getter,
     flat_dict_leaves,
+    misaligned,
 )
 from ftopt.rules import QuantizedSlot
 
@@ -243,7 +244,7 @@ def fast_functional(plan, params, grads, state, output: str):
                         and not check.grad_free and any(map(_requires_grad, tensors))):
                     return None
                 addresses[role] = list(map(_data_ptr, tensors))
-                if group.aligned and any([a & 15 for a in addresses[role]]):
+                if group.aligned and misaligned(addresses[role]):
                     return None
             tables.append(addresses)
     except (AttributeError, TypeError):  # a leaf that is not a tensor
