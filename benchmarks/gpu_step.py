@@ -806,12 +806,17 @@ def peer_specs(params, grads, cfg: Config, compile_ok: bool, bf16: bool = False)
     ]
 
 
+def _one_tensor(cfg: Config, seed: int) -> tuple[dict, dict]:
+    """(params, grads) of one ``cfg.single_numel``-element fp32 leaf."""
+    gen = torch.Generator(device=cfg.device).manual_seed(seed)
+    params = {"w": torch.randn(cfg.single_numel, generator=gen, device=cfg.device) * 0.02}
+    grads = {"w": torch.randn(cfg.single_numel, generator=gen, device=cfg.device) * 0.01}
+    return params, grads
+
+
 def section_single(cfg: Config, clk: Clock) -> dict:
     n = cfg.single_numel
-    dev = cfg.device
-    gen = torch.Generator(device=dev).manual_seed(0)
-    params = {"w": torch.randn(n, generator=gen, device=dev) * 0.02}
-    grads = {"w": torch.randn(n, generator=gen, device=dev) * 0.01}
+    params, grads = _one_tensor(cfg, 0)
     specs = ftopt_specs(lambda: ftopt.adam(LR), params, grads, cfg)
     specs += peer_specs(params, grads, cfg, cfg.compile_single)
     title = f"2. one {n / 2**20:.0f}M-element fp32 tensor, Adam"
@@ -944,10 +949,7 @@ def eight_bit_specs(params, grads, cfg: Config) -> list:
 
 def section_eight_bit(cfg: Config, clk: Clock) -> dict:
     n = cfg.single_numel
-    dev = cfg.device
-    gen = torch.Generator(device=dev).manual_seed(3)
-    params = {"w": torch.randn(n, generator=gen, device=dev) * 0.02}
-    grads = {"w": torch.randn(n, generator=gen, device=dev) * 0.01}
+    params, grads = _one_tensor(cfg, 3)
     single = measure_table(f"7a. 8-bit states, one {n / 2**20:.0f}M-element fp32 tensor",
                            eight_bit_specs(params, grads, cfg), cfg, clk,
                            "ftopt adam(state_bits=8) auto")

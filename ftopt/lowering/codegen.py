@@ -120,11 +120,13 @@ class Variant:
 
 
 def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list[str]:
-    lines = ["pid = tl.program_id(0)",
-             "leaf = tl.load(block_leaf_ptr + pid)",
-             "start = tl.multiple_of(tl.load(block_start_ptr + pid), BLOCK)",
-             "n = tl.load(numel_ptr + leaf)"]
-    lines.append("offs = start + tl.arange(0, BLOCK)")
+    lines = [
+        "pid = tl.program_id(0)",
+        "leaf = tl.load(block_leaf_ptr + pid)",
+        "start = tl.multiple_of(tl.load(block_start_ptr + pid), BLOCK)",
+        "n = tl.load(numel_ptr + leaf)",
+        "offs = start + tl.arange(0, BLOCK)",
+    ]
     for role in roles:
         pointer = f"tl.load({role}_addr_ptr + leaf).to(tl.pointer_type({dtypes[role]}))"
         if variant.aligned:

@@ -22,8 +22,6 @@ from ftopt.lowering.plan import ChainPlan, host_step, remember
 from ftopt.quant import dynamic_map
 from ftopt.rules import QuantizedSlot, step_scalars
 
-_shape = operator.attrgetter("shape")
-_dtype = operator.attrgetter("dtype")
 _data_ptr = torch.Tensor.data_ptr
 
 

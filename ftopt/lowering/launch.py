@@ -39,6 +39,7 @@ IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
 QUANT_TILE = tuple(int(x) for x in os.environ.get(
     "FTOPT_QUANT_TILE", "4096x4" if _INTERPRETING else "1024x4").split("x"))
 
+
 def tile(traced, quant_block: int = 0) -> tuple[int, int]:
     """(elements, warps) per program of ``traced``'s kernels (``quant_block``: the
     group's 8-bit block size, 0 for fp32 slots)."""
