@@ -15,8 +15,13 @@ $(VENV)/.ready: pyproject.toml
 demo: $(VENV)/.ready
 	$(PY) -m ftopt.demo
 
+# Every run starts with an empty Triton cache under build/, as on a new machine: a warm
+# cache hides failures in Triton's code generator (compiled kernels are cache hits).
+TEST_CACHE := $(CURDIR)/build/triton-cache
+
 test: $(VENV)/.ready
-	$(PY) -m pytest -q
+	rm -rf $(TEST_CACHE) && mkdir -p $(TEST_CACHE)
+	TRITON_CACHE_DIR=$(TEST_CACHE) $(PY) -m pytest -q
 
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check ftopt tests benchmarks

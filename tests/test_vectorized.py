@@ -4,11 +4,23 @@ Compiled for sm_90 (Hopper) without a GPU: Triton lowers the generated source to
 the host. Without 16-byte vector accesses the kernels still give the right numbers but
 lose bandwidth (on an H200: 0.445 -> 0.453 ms on a 64M fp32 Adam step), which no
 correctness test would notice.
+
+The cross-compilation runs in a subprocess with ``TRITON_INTERPRET`` unset and a cache
+directory of its own. In this process the other tests run kernels in Triton's
+interpreter, and the interpreter (Triton 3.6 to 3.9) leaves ``triton.language.core``
+patched after a kernel calls a ``@triton.jit`` helper such as ``tl.sum``; ftopt undoes
+that after each of its launches (``launch.interpreter_patches_undone``, tested in
+``test_interpreter.py``), and the subprocess keeps this test independent of whatever
+else ran before it, with a cold cache every time, as on a new machine.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -50,17 +62,46 @@ def _ptx(source: str) -> str:
     return compiled.asm["ptx"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("donate", [False, True])
-def test_adam_kernel_accesses_are_16_byte_vectors(dtype, donate):
-    traced = plan_chain(ftopt.adam(1e-3)).traced(donate, "p")
-    ptx = _ptx(codegen.main_source(traced, codegen.Variant(dtype, dtype, True, True, 0)))
+CASES = [(dtype, donate) for dtype in ("float32", "bfloat16") for donate in (False, True)]
+
+
+def dump_ptx(path: str) -> None:
+    """Writes the PTX of every case to ``path`` (JSON); run in the subprocess."""
+    out = {}
+    for dtype_name, donate in CASES:
+        dtype = getattr(torch, dtype_name)
+        traced = plan_chain(ftopt.adam(1e-3)).traced(donate, "p")
+        source = codegen.main_source(traced, codegen.Variant(dtype, dtype, True, True, 0))
+        out[f"{dtype_name}-{donate}"] = _ptx(source)
+    with open(path, "w") as f:
+        json.dump(out, f)
+
+
+@pytest.fixture(scope="module")
+def ptx_of(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vectorized")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); import test_vectorized; "
+            f"test_vectorized.dump_ptx({str(tmp / 'ptx.json')!r})")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    with open(tmp / "ptx.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("dtype_name, donate", CASES)
+def test_adam_kernel_accesses_are_16_byte_vectors(ptx_of, dtype_name, donate):
+    ptx = ptx_of[f"{dtype_name}-{donate}"]
+
     def count(op, width):
         return len(re.findall(rf"{op}\.global(?:\.\w+)*\.v{width}\.b32", ptx))
 
     # The full-block path, 4 elements per thread at BLOCK 512 and 4 warps: g, p, mu, nu
     # read and p, mu, nu written as vectors, 16 bytes for fp32 (fp32 states always),
     # 8 bytes for bf16 g and p.
-    wide, narrow = (4, 0) if dtype == torch.float32 else (2, 2)
+    wide, narrow = (4, 0) if dtype_name == "float32" else (2, 2)
     assert count("ld", 4) >= wide and count("ld", 2) >= narrow, ptx.count("ld.global")
     assert count("st", 4) >= wide - 1 and count("st", 2) >= narrow - 1, ptx.count("st.")

@@ -188,6 +188,42 @@ _DIRECT = _direct_launch_supported()
 _COMPILED: dict = {}
 
 
+def _patched_by_interpreter() -> list:
+    """The objects whose attributes Triton's interpreter replaces while it runs a kernel
+    (``triton.runtime.interpreter._patch_lang``)."""
+    core = tl.core
+    names = ("tensor", "tensor_descriptor_base", "condition", "dtype")
+    return [tl, core, tl.math, *[getattr(core, n) for n in names if hasattr(core, n)]]
+
+
+@contextlib.contextmanager
+def interpreter_patches_undone():
+    """Leaves ``triton.language`` as it was before an interpreted launch.
+
+    Triton's interpreter (seen in 3.6 to 3.9) patches ``triton.language`` for the length
+    of a launch and restores it afterwards, except for the ``@triton.jit`` helpers a
+    kernel calls (``tl.sum``, ``tl.max``, ``tl.min`` of ``triton/language/standard.py``):
+    each call of one patches ``triton.language.core`` again and never restores it. Left
+    so, the next real compilation in the process (any Triton kernel not found in the
+    cache, ours or the user's) runs the interpreter's builtins and fails.
+    """
+    objects = _patched_by_interpreter()
+    saved = [dict(vars(obj)) for obj in objects]
+    try:
+        yield
+    finally:
+        for obj, before in zip(objects, saved):
+            now = vars(obj)
+            for name in [n for n in now if n not in before]:
+                delattr(obj, name)
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    setattr(obj, name, value)
+
+
+_MISSING = object()
+
+
 def _launch(kernel, grid: tuple, args: list, constants: tuple, device: torch.device,
             key: tuple = ()) -> None:
     """``kernel[grid](*args, **dict(constants))``, then straight to the compiled kernel.
@@ -206,6 +242,10 @@ def _launch(kernel, grid: tuple, args: list, constants: tuple, device: torch.dev
         compiled[grid + (1,) * (3 - len(grid))](*args, *tail)
         return
     named = dict(constants)
+    if _INTERPRETING:
+        with interpreter_patches_undone():
+            kernel[grid](*args, **named)
+        return
     compiled = kernel[grid](*args, **named)
     if _DIRECT and compiled is not None:
         tail = [named[name] for name in kernel.arg_names[len(args):]]

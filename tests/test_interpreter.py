@@ -1,0 +1,63 @@
+"""Kernels run in Triton's interpreter leave ``triton.language`` as they found it.
+
+Triton's interpreter (3.6 to 3.9) patches ``triton.language.core`` whenever a kernel
+calls a ``@triton.jit`` helper (``tl.sum``, ``tl.max``, ``tl.min``) and never restores
+it; a real compilation later in the same process (a GPU kernel, or a cross-compile on
+the host) then fails with ``'block_argument' object has no attribute
+'get_element_ty'``. ftopt restores it after each interpreted launch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ftopt
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the interpreter runs only without a GPU")
+
+
+def _snapshot():
+    from ftopt.lowering.launch import _patched_by_interpreter
+
+    return [dict(vars(obj)) for obj in _patched_by_interpreter()]
+
+
+CHAINS = {
+    "global norm": lambda: ftopt.chain(ftopt.clip_by_global_norm(1.0), ftopt.adam(1e-3)),
+    "trust ratio": lambda: ftopt.lamb(1e-3, weight_decay=0.1),
+    "8-bit skip_zeros": lambda: ftopt.adamw(1e-3, state_bits=8, skip_zeros=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_interpreted_steps_leave_triton_language_unpatched(name):
+    tx = CHAINS[name]()
+    params = {"w": torch.randn(64, 80), "b": torch.randn(80)}
+    grads = {"w": torch.randn(64, 80), "b": torch.randn(80)}
+    grads["w"][:3] = 0.0
+    before = _snapshot()
+    state = tx.init(params)
+    params, state = ftopt.step(tx, params, grads, state, backend="fused")
+    ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+    tx.update(grads, state, params, backend="fused")
+    after = _snapshot()
+    for old, new in zip(before, after):
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) is not new.get(k))
+        assert not changed, changed[:10]
+
+
+def test_the_guard_restores_what_a_leaking_launch_changed():
+    """The control: the patching the guard undoes does happen without it."""
+    import triton.language as tl
+
+    from ftopt.lowering.launch import interpreter_patches_undone
+
+    original = tl.core.add
+    with interpreter_patches_undone():
+        tl.core.add = lambda *a, **k: None
+        tl.core.ftopt_probe = 1
+    assert tl.core.add is original and not hasattr(tl.core, "ftopt_probe")
