@@ -21,7 +21,13 @@ The fused backend must compute ``x / absmax`` with round-to-nearest division
 (``tl.math.div_rn``) and the two distances in float32 to reproduce the codes bit-exactly.
 
 An all-zero block (``absmax == 0``) encodes every element to the code of 0.0 and
-dequantizes to exactly 0 (no 0/0). NaN inputs are not guarded (as in bitsandbytes).
+dequantizes to exactly 0 (no 0/0).
+
+Non-finite values stay in their element: a block's absmax is the largest *finite*
+magnitude in it (0 if it has none), a NaN is encoded as the code of 0.0 and +-Inf as the
+code of +-1 (the block's extreme). So a NaN or Inf gradient element (which makes its
+param element non-finite on every backend) cannot turn the other 255 states of its block
+into NaN, as a NaN absmax would. The fused kernels follow the same rule.
 
 Note: the signed map holds +1.0 but not -1.0, so re-quantizing a dequantized block whose
 largest magnitude is negative shrinks its absmax to ``0.99297 * absmax``; re-quantization
@@ -127,11 +133,13 @@ def block_absmax(x: torch.Tensor, block_size: int = 256) -> torch.Tensor:
     A partial last block is padded with zeros, which do not change its maximum.
     """
     _check_block_size(block_size)
-    flat = x.reshape(-1).to(torch.float32)
+    flat = x.reshape(-1).to(torch.float32).abs()
+    # Non-finite magnitudes do not count (see the module docstring).
+    flat = torch.where(flat < float("inf"), flat, torch.zeros((), dtype=flat.dtype))
     num_blocks = -(-flat.numel() // block_size)
     padded = flat.new_zeros(num_blocks * block_size)
     padded[: flat.numel()] = flat
-    return padded.view(num_blocks, block_size).abs().amax(dim=1)
+    return padded.view(num_blocks, block_size).amax(dim=1)
 
 
 def expand_absmax(absmax: torch.Tensor, numel: int, block_size: int = 256) -> torch.Tensor:
@@ -162,7 +170,8 @@ def encode_with_absmax(x: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor
     """Codes of ``x`` given its (new) block absmax, broadcast against ``x`` per element.
 
     ``c = nearest(clamp(x / absmax, -1, 1))``; where ``absmax == 0`` (or is not > 0)
-    ``v = 0``, so an all-zero block never divides 0 by 0.
+    ``v = 0``, so an all-zero block never divides 0 by 0. A NaN ``x / absmax`` is
+    encoded as 0, +-Inf as +-1.
 
     Args:
       x: values to encode (upcast to float32).
@@ -176,7 +185,8 @@ def encode_with_absmax(x: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor
     absmax = absmax.to(torch.float32)
     positive = absmax > 0
     safe = torch.where(positive, absmax, torch.ones_like(absmax))
-    v = torch.where(positive, x / safe, torch.zeros_like(x)).clamp_(-1.0, 1.0)
+    v = torch.where(positive, x / safe, torch.zeros_like(x))
+    v = torch.where(v == v, v, torch.zeros((), dtype=v.dtype)).clamp_(-1.0, 1.0)
     return nearest_code(v, qmap)
 
 

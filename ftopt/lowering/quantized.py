@@ -32,8 +32,11 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
     x = f"tl.where(in_range, {value}, 0.0)" if tail else value
     lines = [
         f"{q}_x = tl.reshape({x} + tl.zeros([BLOCK], tl.float32), {shape})",
-        f"{q}_amax = tl.max(tl.abs({q}_x), axis=1)",
+        # The largest finite magnitude; NaN codes as 0, +-Inf as +-1 (ftopt.quant).
+        f"{q}_abs = tl.abs({q}_x)",
+        f"{q}_amax = tl.max(tl.where({q}_abs <= 3.4028234663852886e38, {q}_abs, 0.0), axis=1)",
         f"{q}_v = tl.div_rn({q}_x, tl.where({q}_amax > 0.0, {q}_amax, 1.0)[:, None])",
+        f"{q}_v = tl.where({q}_v == {q}_v, {q}_v, 0.0)",
         f"{q}_v = tl.minimum(tl.maximum({q}_v, -1.0), 1.0)",
         f"{q}_pos = tl.zeros({shape}, tl.int32)",
     ]

@@ -1,0 +1,109 @@
+"""What a NaN or Inf gradient does: the same on every backend, 32-bit and 8-bit states.
+
+The policy (README, "Errors and guarantees"): a non-finite gradient element makes its
+param element non-finite (as in ``torch.optim``), with 32-bit states its own states too,
+and nothing else, except through norms (a norm over a non-finite value is non-finite).
+With 8-bit states a block's absmax is its largest finite magnitude, a NaN state is
+stored as 0 and +-Inf as +-absmax, so the block's other elements keep finite states.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftopt
+
+BAD = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf")}
+BACKENDS = ["eager", "fused"]
+
+
+def _leaves(tree):
+    out = []
+    for leaf in ftopt.tree.leaves(tree):
+        out += [leaf.codes, leaf.absmax] if hasattr(leaf, "codes") else [leaf]
+    return out
+
+
+def _run(tx, params, grads_list, backend):
+    state = tx.init(params)
+    for grads in grads_list:
+        params, state = ftopt.step(tx, params, grads, state, backend=backend)
+    return params, state
+
+
+def _agree(a, b) -> bool:
+    """Fused and eager: non-finite in the same elements, finite ones within fp32
+    rounding (SPEC §6), 8-bit codes and step counts identical."""
+    if not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    finite = torch.isfinite(a)
+    return (torch.equal(finite, torch.isfinite(b))
+            and torch.equal(a[~finite].isnan(), b[~finite].isnan())
+            and torch.allclose(a[finite], b[finite], rtol=1e-6, atol=1e-7))
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+@pytest.mark.parametrize("bits", [32, 8])
+def test_a_non_finite_gradient_stays_in_its_element(bad, bits):
+    torch.manual_seed(0)
+    n, at = 4096, 300  # element 300 sits in block 1 of 16
+    params = {"w": torch.randn(n), "b": torch.randn(7)}
+    grads = [{"w": torch.randn(n), "b": torch.randn(7)} for _ in range(3)]
+    grads[0]["w"][at] = BAD[bad]
+    tx = ftopt.adamw(1e-2, weight_decay=0.1, state_bits=bits)
+    results = {b: _run(tx, params, grads, b) for b in BACKENDS}
+    p, state = results["eager"]
+    w = p["w"]
+    assert not torch.isfinite(w[at])
+    assert torch.isfinite(w[:at]).all() and torch.isfinite(w[at + 1:]).all()
+    assert torch.isfinite(p["b"]).all()
+    adam_state = state[0]
+    for slot in (adam_state.mu["w"], adam_state.nu["w"]):
+        if bits == 8:
+            assert torch.isfinite(slot.absmax).all()
+            qmap_signed = slot is adam_state.mu["w"]
+            decoded = ftopt.quant.dequantize_blockwise(
+                slot.codes, slot.absmax, ftopt.quant.dynamic_map(qmap_signed))
+            assert torch.isfinite(decoded).all()
+        else:
+            others = torch.cat([slot[:at], slot[at + 1:]])
+            assert torch.isfinite(others).all() and not torch.isfinite(slot[at])
+    # Both backends agree, in which elements are non-finite too.
+    eager_leaves = _leaves(results["eager"])
+    fused_leaves = _leaves(results["fused"])
+    assert len(eager_leaves) == len(fused_leaves)
+    assert all(_agree(a, b) for a, b in zip(eager_leaves, fused_leaves))
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+def test_eight_bit_non_finite_state_is_encoded_by_the_rule(bad):
+    """NaN -> the code of 0, +-Inf -> the code of +-1; absmax over finite values."""
+    qmap = ftopt.quant.dynamic_map(True)
+    x = torch.randn(512)
+    x[7] = BAD[bad]
+    codes, absmax = ftopt.quant.quantize_blockwise(x, qmap)
+    finite_max = torch.cat([x[:7], x[8:256]]).abs().max()
+    assert absmax[0] == finite_max and torch.isfinite(absmax).all()
+    want = {"nan": 0.0, "inf": 1.0, "-inf": -1.0}[bad]
+    assert codes[7] == ftopt.quant.nearest_code(torch.tensor([want]), qmap)[0]
+    # The other elements are encoded as if the bad one were absent.
+    clean = x.clone()
+    clean[7] = 0.0
+    clean_codes, clean_absmax = ftopt.quant.quantize_blockwise(clean, qmap)
+    assert torch.equal(absmax, clean_absmax)
+    assert torch.equal(torch.cat([codes[:7], codes[8:]]),
+                       torch.cat([clean_codes[:7], clean_codes[8:]]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_global_norm_over_a_non_finite_gradient_is_non_finite(backend):
+    """The documented exception: a norm sees every element, so a NaN reaches every leaf
+    scaled by it (clip_grad_norm_ in torch does the same)."""
+    torch.manual_seed(1)
+    params = {"w": torch.randn(64), "b": torch.randn(8)}
+    grads = {"w": torch.randn(64), "b": torch.randn(8)}
+    grads["w"][3] = float("nan")
+    tx = ftopt.chain(ftopt.clip_by_global_norm(1.0), ftopt.sgd(0.1))
+    p, _ = _run(tx, params, [grads], backend)
+    assert not torch.isfinite(p["b"]).any()
