@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ftopt import tree as tree_lib
+from ftopt.aliasing import check_disjoint
 from ftopt.base import GradientTransformation
 from ftopt.eager_step import eager_step
 
@@ -80,6 +81,8 @@ def step(
         if backend == "fused":
             raise RuntimeError(f"step(backend='fused') cannot fuse: {reason}")
     if donate:
+        paths, flat, _ = tree_lib.flatten_with_paths(params)
+        check_disjoint(paths, flat)
         # A donated step writes into the given tensors: never differentiable, so no
         # autograd graph is built for it (nn.Parameters in grad mode take the fast path).
         with torch.no_grad():

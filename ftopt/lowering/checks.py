@@ -12,14 +12,12 @@ this torch has them in the form probed here, and the Python passes otherwise.
 from __future__ import annotations
 
 import operator
-from itertools import repeat
 
 import torch
 
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
-_get_device = torch.Tensor.get_device
 _is_contiguous = torch.Tensor.is_contiguous
 
 try:
@@ -28,13 +26,6 @@ except ImportError:  # pragma: no cover - every supported torch has it
     _TensorGuards = None
 
 USE_GUARDS = True  # False: always the Python passes (tests run both)
-
-
-def on_device(tensors, device: torch.device) -> bool:
-    if device.type == "cpu":
-        return not any(map(operator.ne, map(_device, tensors), repeat(device)))
-    # An accelerator's index (-1 for the CPU and meta): no device objects to build.
-    return all(map(operator.eq, map(_get_device, tensors), repeat(device.index)))
 
 
 def _guard(tensors: list):
@@ -58,16 +49,17 @@ def _guard(tensors: list):
 
 class TensorCheck:
     """Built from contiguous tensors; ``check(tensors)`` is True when ``tensors`` (a
-    sequence of as many) have the same shapes and dtypes, are contiguous and on
-    ``device``. The C++ check is stricter (also ``requires_grad`` and dispatch keys):
-    a False only sends the caller to its full path, which decides."""
+    sequence of as many) have the same shapes, dtypes and devices, and are contiguous.
+    The C++ check is stricter (also strides, ``requires_grad`` and dispatch keys): a
+    False only sends the caller to its full path, which decides."""
 
-    __slots__ = ("n", "guard", "meta", "device", "grad_free")
+    __slots__ = ("n", "guard", "meta", "grad_free")
 
-    def __init__(self, tensors: list, device: torch.device):
+    def __init__(self, tensors: list, device: torch.device | None = None):
+        del device  # each tensor's own device is recorded
         self.n = len(tensors)
-        self.device = device
-        self.meta = (list(map(_shape, tensors)), list(map(_dtype, tensors)))
+        self.meta = (list(map(_shape, tensors)), list(map(_dtype, tensors)),
+                     list(map(_device, tensors)))
         contiguous = all(map(_is_contiguous, tensors))
         self.guard = _guard(tensors) if contiguous else None
         # The C++ check compares requires_grad too: built from tensors that need no
@@ -81,7 +73,8 @@ class TensorCheck:
         if self.guard is not None:
             return self.guard.check(*tensors)
         try:
-            return ((list(map(_shape, tensors)), list(map(_dtype, tensors))) == self.meta
-                    and all(map(_is_contiguous, tensors)) and on_device(tensors, self.device))
+            return ((list(map(_shape, tensors)), list(map(_dtype, tensors)),
+                     list(map(_device, tensors))) == self.meta
+                    and all(map(_is_contiguous, tensors)))
         except (AttributeError, TypeError):  # None or not a tensor
             return False

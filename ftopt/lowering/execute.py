@@ -1,31 +1,32 @@
 """Runs one fused step of a planned chain: counts, scalars, tables, reductions, kernels.
 
 The first step over a set of tensors builds a :class:`PreparedStep` (groups, work tables,
-address tables). With ``donate=True`` the params and states are the same objects from one
-step to the next, so the next step only checks their identity, refreshes the gradient
-addresses and launches: that keeps the host cost per step small.
+address tables). With ``donate=True`` the params and states are the same tensors from one
+step to the next, so the next step checks that every tensor the tables point at still is
+the caller's (data pointer, shape, strides, dtype, device: two C-level passes over all
+of them, params, states and gradients), refreshes the gradient addresses and launches.
+Anything else (a param whose ``.data`` was replaced, a state leaf swapped for another
+tensor) sends the step to the full path, which plans it anew: the tables never act on
+memory the caller no longer holds.
 """
 
 from __future__ import annotations
 
 import operator
-import weakref
 from functools import reduce
 
 import optree
 import torch
 
 from ftopt import tree as tree_lib
+from ftopt.aliasing import check_disjoint
 from ftopt.lowering import checks, launch
 from ftopt.lowering.codegen import output_roles
-from ftopt.lowering.plan import ChainPlan, host_step, remember
+from ftopt.lowering.plan import ChainPlan, _get, host_step, remember
 from ftopt.quant import dynamic_map
 from ftopt.rules import QuantizedSlot, step_scalars
 
 _data_ptr = torch.Tensor.data_ptr
-
-
-_deref = weakref.ref.__call__
 
 
 def misaligned(addresses: list[int]) -> bool:
@@ -128,39 +129,83 @@ class PreparedStep:
             group.leaf_values = torch.tensor(rows, dtype=torch.float32).reshape(-1).to(
                 self.device)
             self.groups.append(group)
-        # What the fast path checks: the same tensor objects as this step's.
-        self.param_leaves = list(p_flat)
-        self.state_leaves: list = []
         self.n_leaves = len(g_flat)
         self.inactive = [i for i in range(len(g_flat)) if g_flat[i] is None]
         self.active_of = operator.itemgetter(*active) if self.inactive else None
-        self._remember_grads(g_flat)
-        self._misses = 0  # calls in a row whose gradients were not the last call's
-        self.state_obj = None  # the state tree this step returned
+        position = {leaf: j for j, leaf in enumerate(active)}
         for group in self.groups:
-            group.pick = operator.itemgetter(*group.leaves)
-            grads = _as_tuple(group.pick(g_flat))
-            group.grad_check = checks.TensorCheck(grads, self.device)
-            group.grad_addresses = list(map(_data_ptr, grads))
+            group.pick = operator.itemgetter(*[position[i] for i in group.leaves])
+            group.grad_addresses = list(map(_data_ptr, _as_tuple(group.pick(
+                self._active(g_flat)))))
+        self.n_fixed = 0
+        self.pointers: list[int] = []
+        self.check = None
 
-    def refresh_grads(self, g_flat) -> bool:
-        """Point the tables at new gradient tensors; False if they do not fit the plan
-        (the full path then checks them and names what is wrong)."""
+    def _active(self, g_flat) -> tuple:
+        return tuple(g_flat) if self.active_of is None else _as_tuple(self.active_of(g_flat))
+
+    def watch(self, p_flat, s_flat, g_flat) -> None:
+        """Record what the tables point at: every param, state and gradient tensor."""
+        tensors = [*p_flat, *s_flat, *self._active(g_flat)]
+        self.n_fixed = len(p_flat) + len(s_flat)
+        self.pointers = list(map(_data_ptr, tensors))
+        self.check = checks.TensorCheck(tensors)
+
+    def state_tensors(self, state) -> list | None:
+        """The tensors of ``state`` the kernels read and write (step counts, then each
+        stage's slots; 8-bit slots as codes and absmax), in table order; ``None`` if the
+        state is not shaped as planned."""
+        out = []
+        for path, stage in zip(self.plan.state_paths, self.plan.stages):
+            try:
+                st = _get(state, path)
+            except (KeyError, IndexError, TypeError):
+                return None
+            if not isinstance(st, stage.rule.state_class):
+                return None
+            if stage.rule.counted:
+                out.append(st.count)
+            for slot in stage.rule.slots:
+                tree = getattr(st, slot.name)
+                leaves = flat_dict_leaves(self.flat_getter, self.flat_len, tree)
+                if leaves is None:
+                    try:
+                        leaves = self.spec.flatten_up_to(tree)
+                    except (ValueError, TypeError):
+                        return None
+                if stage.quant is None:
+                    out += leaves
+                else:
+                    for leaf in leaves:
+                        if isinstance(leaf, QuantizedSlot):
+                            out += leaf
+                        else:
+                            out.append(leaf)
+        return out
+
+    def still_valid(self, p_flat, s_flat, g_flat) -> bool:
+        """Whether the tables point at exactly these tensors' memory (gradients may have
+        moved: their addresses are refreshed). False sends the step to the full path."""
         if len(g_flat) != self.n_leaves:
             return False
         if self.inactive and any([g_flat[i] is not None for i in self.inactive]):
             return False
-        active = g_flat if self.active_of is None else _as_tuple(self.active_of(g_flat))
-        refs = self.grad_refs
-        if refs is not None and all(map(operator.is_, active, map(_deref, refs))):
-            self._misses = 0
+        tensors = (*p_flat, *s_flat, *self._active(g_flat))
+        try:
+            pointers = list(map(_data_ptr, tensors))
+        except TypeError:  # None, or not a tensor: the full path names it
+            return False
+        if not self.check.check(tensors):
+            return False
+        if pointers == self.pointers:
             return True
+        n = self.n_fixed
+        if pointers[:n] != self.pointers[:n]:
+            return False  # a param or state is not the memory planned for
+        grad_pointers = pointers[n:]
         uploads = []
         for group in self.groups:
-            grads = _as_tuple(group.pick(g_flat))
-            if not group.grad_check.check(grads):
-                return False
-            addresses = list(map(_data_ptr, grads))
+            addresses = list(_as_tuple(group.pick(grad_pointers)))
             if addresses != group.grad_addresses:
                 if group.aligned and misaligned(addresses):
                     return False
@@ -169,21 +214,8 @@ class PreparedStep:
         for group, addresses in uploads:
             group.addresses["g"] = launch.to_device(addresses, self.device)
             group.grad_addresses = addresses
-        # Weak references cost about as much as the checks: while every call brings new
-        # gradients they are made only every 16th call (a loop that keeps its gradient
-        # tensors is back on the identity check within 16 steps).
-        self._misses += 1
-        if self._misses == 1 or self._misses % 16 == 0:
-            self._remember_grads(g_flat)
-        else:
-            self.grad_refs = None
+        self.pointers = pointers
         return True
-
-    def _remember_grads(self, g_flat) -> None:
-        # Weak references: holding last step's gradients would keep their memory from
-        # the next backward pass (a whole extra gradient per parameter at its peak).
-        active = g_flat if self.active_of is None else _as_tuple(self.active_of(g_flat))
-        self.grad_refs = list(map(weakref.ref, active))
 
     def launch(self, scalars, count_pairs) -> None:
         traced = self.traced
@@ -254,29 +286,23 @@ def _flat_dict_leaves(tree, prepared) -> tuple | None:
 
 
 def fast_step(plan: ChainPlan, params, grads, state):
-    """The donated step over the same tensors as the prepared one, or ``None``."""
+    """The donated step over the same memory as the prepared one, or ``None``."""
     prepared = plan.prepared
     if prepared is None or not prepared.donate:
         return None
     p_flat = _flat_dict_leaves(params, prepared)
     if p_flat is None:
         p_flat = optree.tree_leaves(params, none_is_leaf=False, namespace="ftopt")
-    if (len(p_flat) != len(prepared.param_leaves)
-            or not all(map(operator.is_, p_flat, prepared.param_leaves))):
+    s_flat = prepared.state_tensors(state)
+    if s_flat is None:
         return None
-    if state is not prepared.state_obj:
-        s_flat = optree.tree_leaves(state, none_is_leaf=False, namespace="ftopt")
-        if (len(s_flat) != len(prepared.state_leaves)
-                or not all(map(operator.is_, s_flat, prepared.state_leaves))):
-            return None
-        prepared.state_obj = state
     g_flat = _flat_dict_leaves(grads, prepared)
     if g_flat is None:
         try:
             g_flat = prepared.spec.flatten_up_to(grads)
         except (ValueError, TypeError):
             return None
-    if not prepared.refresh_grads(g_flat):
+    if not prepared.still_valid(p_flat, s_flat, g_flat):
         return None
     steps, _, pairs = _advance_counts(plan, prepared.counts, True, _uses_tensors(plan),
                                       prepared.device)
@@ -292,6 +318,8 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
     the gradient is ``None``) in place of the new params. ``p_flat`` then holds the
     params, or the gradients as stand-ins when the chain reads no params.
     """
+    if donate:
+        check_disjoint(paths, p_flat)
     counts = [st.count if stage.rule.counted else None
               for stage, st in zip(plan.stages, stage_states)]
     device = p_flat[active[0]].device if active else torch.device("cpu")
@@ -316,8 +344,7 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
             prepared.flat_getter = flat_dict_getter(params)
             prepared.flat_len = len(params) if prepared.flat_getter else 0
             prepared.counts = counts
-            prepared.state_leaves = optree.tree_leaves(state, none_is_leaf=False,
-                                                       namespace="ftopt")
+            prepared.watch(p_flat, prepared.state_tensors(state), g_flat)
             plan.prepared = prepared
     else:
         _increment(pairs)

@@ -3,9 +3,10 @@
 The first such call runs the full path (flatten with paths, every check, new tables) and
 keeps its :class:`~ftopt.lowering.execute.PreparedStep`. A later call whose trees have
 the same structure, shapes, dtypes, device and ``None`` gradients is checked role by role
-in a few C-level passes, writes its outputs into one new buffer per (group, output role)
-with a view per leaf, uploads one address table per group and launches. Anything that
-does not match returns ``None``: the full path then runs, and names what is wrong.
+in a few C-level passes (shapes, strides, dtypes, devices; then the data pointers, which
+are the addresses uploaded), writes its outputs into one new buffer per (group, output
+role) with a view per leaf, uploads one address table per group and launches. Anything
+that does not match returns ``None``: the full path then runs, and names what is wrong.
 """
 
 from __future__ import annotations
@@ -132,8 +133,8 @@ class FunctionalCache:
     inactive: list[int]
     in_check: list[dict] = field(default_factory=list)  # per group: role -> TensorCheck
     out_layout: list[dict] = field(default_factory=list)  # per group: role -> OutputLayout
-    # Per group: input role -> the tensors the last call returned for it (a functional
-    # loop passes them back: known shapes, dtypes, device and alignment, no checks).
+    # Per group: input role -> the addresses of the tensors the last call returned for
+    # it (a functional loop passes them back: aligned, no alignment test).
     returned: list[dict] = field(default_factory=list)
     whole: bool = False  # one group of every leaf, in order: outputs are its views
 
@@ -144,7 +145,6 @@ def remember(plan, output: str, prepared: PreparedStep, spec, params, g_flat, sl
     if any(isinstance(leaf, QuantizedSlot) for slots in slot_flat for leaves in slots.values()
            for leaf in leaves):
         return  # 8-bit states take the full path
-    prepared.param_leaves = []  # (for the donated path's identity checks only)
     n = len(g_flat)
     getter = flat_dict_getter(params) if params is not None and len(params) == n else None
     cache = FunctionalCache(prepared, spec, n, params is not None, getter,
@@ -233,19 +233,17 @@ def fast_functional(plan, params, grads, state, output: str):
             roles = _input_tensors(traced, group.leaves, p_flat, g_flat, slot_flat)
             addresses = {}
             for role, tensors in roles.items():
-                ours = returned.get(role)
-                if ours is not None and all(map(operator.is_, tensors, ours[0])):
-                    addresses[role] = ours[1]
-                    continue
                 check = in_check[role]
                 if not check.check(tensors):
                     return None
                 if (grad_mode and (role == "p" or (role == "g" and output == "u"))
                         and not check.grad_free and any(map(_requires_grad, tensors))):
                     return None
-                addresses[role] = list(map(_data_ptr, tensors))
-                if group.aligned and misaligned(addresses[role]):
+                found = list(map(_data_ptr, tensors))
+                if (group.aligned and found != returned.get(role)
+                        and misaligned(found)):
                     return None
+                addresses[role] = found
             tables.append(addresses)
     except (AttributeError, TypeError):  # a leaf that is not a tensor
         return None
@@ -270,14 +268,14 @@ def fast_functional(plan, params, grads, state, output: str):
             addresses[role] = list(map(buffer.data_ptr().__add__, layout.byte_offsets))
             if role == f"{output}_out":
                 if output == "p":
-                    returned["p"] = (views, addresses[role])
+                    returned["p"] = addresses[role]
                 if cache.whole:
                     out = views
                     continue
                 target = out
             else:
                 stage_i, name = role[2:-4].split("_", 1)
-                returned[role[:-4] + "_in"] = (views, addresses[role])
+                returned[role[:-4] + "_in"] = addresses[role]
                 if cache.whole:
                     slot_out[int(stage_i)][name] = views
                     continue

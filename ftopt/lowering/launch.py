@@ -125,8 +125,7 @@ class GroupLaunch:
     aligned: bool = False
     quant_block: int = 0  # 8-bit slots with this many elements per absmax (0: fp32 slots)
     qmaps: tuple = ()
-    pick: object = None  # itemgetter of the group's leaves
-    grad_check: object = None  # checks.TensorCheck of the gradients the tables were built for
+    pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
 
     def args(self, roles, scalars, reductions, global_reductions) -> list:

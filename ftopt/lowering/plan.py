@@ -197,8 +197,6 @@ def _full_call(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, back
 
         remember(plan, output, prepared, spec, params, g_flat, slot_flat, p_flat)
     new_state = _with_stage_states(plan, state, new_stage_states)
-    if donate and plan.prepared is not None:
-        plan.prepared.state_obj = new_state
     return (new, new_state), None
 
 
