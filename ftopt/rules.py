@@ -118,6 +118,8 @@ class RuleTransform:
     """A ``GradientTransformation`` made from a :class:`Rule`."""
 
     def __init__(self, rule: Rule, quant: QuantConfig | None = None):
+        # Every hyperparameter is checked here, once, against ``rule.domains``: a bad value
+        # fails at construction, not as NaN params later (see :mod:`ftopt.domains`).
         for k, v in rule.hparams.items():
             _check_hparam(rule.name, k, v, rule.domains.get(k))
         self.rule = rule
