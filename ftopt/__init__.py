@@ -12,6 +12,7 @@ from ftopt.combine import (
     partition,
     skip_zeros,
 )
+from ftopt.finite import ApplyIfFiniteState, apply_if_finite
 from ftopt.lowering.explain import explain
 from ftopt.quantize import quantize_states
 from ftopt.schedules import (
@@ -54,6 +55,7 @@ from ftopt.update import apply_updates, step
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApplyIfFiniteState",
     "EmptyState",
     "GradientTransformation",
     "MaskedState",
@@ -72,6 +74,7 @@ __all__ = [
     "ademamix",
     "ademamix_alpha_warmup",
     "ademamix_b3_warmup",
+    "apply_if_finite",
     "apply_updates",
     "chain",
     "clip_by_global_norm",

@@ -2,6 +2,10 @@
 
 Every alias takes keyword-only ``skip_zeros`` (see :func:`ftopt.skip_zeros`) and
 ``state_bits`` (32, or 8 for 8-bit blockwise states, see :func:`quantize_states`).
+
+Hyperparameters passed through to a transform are checked by it at construction (see
+:mod:`ftopt.domains`); the alias checks its own: ``momentum`` (the decay of ``trace``,
+>= 0, as torch.optim.SGD) and ``state_bits``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 from ftopt.base import GradientTransformation
 from ftopt.combine import chain, masked
 from ftopt.combine import skip_zeros as skip_zeros_marker
+from ftopt.domains import NONNEG, check_hparam
 from ftopt.quantize import quantize_states
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.transforms import (
@@ -30,6 +35,19 @@ from ftopt.transforms import (
 __all__ = ["adagrad", "adam", "adamw", "ademamix", "lamb", "lars", "lion", "rmsprop", "sgd"]
 
 Float = float | torch.Tensor
+
+
+def _check_momentum(alias: str, momentum: Any) -> None:
+    if momentum is not None:
+        check_hparam(alias, "momentum (the decay of trace)", momentum, NONNEG)
+
+
+def _check_state_bits(alias: str, state_bits: Any) -> None:
+    if not isinstance(state_bits, int) or isinstance(state_bits, bool):
+        raise TypeError(f"{alias}: state_bits must be 8 or 32, got "
+                        f"{type(state_bits).__name__} {state_bits!r}")
+    if state_bits not in (8, 32):
+        raise ValueError(f"{alias}: state_bits must be 8 or 32, got {state_bits}")
 
 
 def _finish(parts: list, skip_zeros: bool, state_bits: int) -> GradientTransformation:
@@ -50,6 +68,8 @@ def sgd(
     state_bits: int = 32,
 ) -> GradientTransformation:
     """SGD, with optional (Nesterov) momentum: ``chain(trace(momentum), lr)``."""
+    _check_momentum("sgd", momentum)
+    _check_state_bits("sgd", state_bits)
     parts = [] if momentum is None else [trace(momentum, nesterov)]
     return _finish([*parts, scale_by_learning_rate(learning_rate)], skip_zeros, state_bits)
 
@@ -66,6 +86,7 @@ def adam(
     state_bits: int = 32,
 ) -> GradientTransformation:
     """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr))``."""
+    _check_state_bits("adam", state_bits)
     parts = [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
              scale_by_learning_rate(learning_rate)]
     return _finish(parts, skip_zeros, state_bits)
@@ -89,6 +110,7 @@ def adamw(
     The decay is multiplied by the learning rate: p ← p − lr·(m̂/(√v̂+eps) + wd·p), which
     is torch.optim.AdamW and bitsandbytes' Adam/AdamW.
     """
+    _check_state_bits("adamw", state_bits)
     parts = [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
              add_decayed_weights(weight_decay, mask),
              scale_by_learning_rate(learning_rate)]
@@ -106,6 +128,7 @@ def lion(
     state_bits: int = 32,
 ) -> GradientTransformation:
     """Lion: ``chain(scale_by_lion(b1, b2), add_decayed_weights(wd, mask), lr)``."""
+    _check_state_bits("lion", state_bits)
     parts = [scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask),
              scale_by_learning_rate(learning_rate)]
     return _finish(parts, skip_zeros, state_bits)
@@ -124,6 +147,8 @@ def rmsprop(
     state_bits: int = 32,
 ) -> GradientTransformation:
     """RMSprop: ``chain(scale_by_rms(...), lr, trace(momentum))`` (optax's order)."""
+    _check_momentum("rmsprop", momentum)
+    _check_state_bits("rmsprop", state_bits)
     parts = [scale_by_rms(decay, eps, initial_scale, eps_in_sqrt=eps_in_sqrt),
              scale_by_learning_rate(learning_rate)]
     if momentum is not None:
@@ -140,6 +165,7 @@ def adagrad(
     state_bits: int = 32,
 ) -> GradientTransformation:
     """Adagrad: ``chain(scale_by_rss(initial_accumulator_value, eps), lr)``."""
+    _check_state_bits("adagrad", state_bits)
     parts = [scale_by_rss(initial_accumulator_value, eps),
              scale_by_learning_rate(learning_rate)]
     return _finish(parts, skip_zeros, state_bits)
@@ -158,6 +184,7 @@ def lamb(
     state_bits: int = 32,
 ) -> GradientTransformation:
     """LAMB: ``chain(scale_by_adam, add_decayed_weights, scale_by_trust_ratio, lr)``."""
+    _check_state_bits("lamb", state_bits)
     parts = [scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
              scale_by_trust_ratio(), scale_by_learning_rate(learning_rate)]
     return _finish(parts, skip_zeros, state_bits)
@@ -178,6 +205,8 @@ def lars(
 ) -> GradientTransformation:
     """LARS (optax order): ``chain(add_decayed_weights, masked(scale_by_trust_ratio),
     lr, trace(momentum))``."""
+    _check_momentum("lars", momentum)
+    _check_state_bits("lars", state_bits)
     parts = [
         add_decayed_weights(weight_decay, mask=_all_or(weight_decay_mask)),
         _maybe_masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps),
@@ -211,6 +240,7 @@ def ademamix(
     state_bits: int = 32,
 ) -> GradientTransformation:
     """AdEMAMix (as optax.contrib): ``chain(scale_by_ademamix, add_decayed_weights, lr)``."""
+    _check_state_bits("ademamix", state_bits)
     parts = [scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root),
              add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]
     return _finish(parts, skip_zeros, state_bits)

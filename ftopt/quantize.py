@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ftopt.base import GradientTransformation
+from ftopt.domains import check_int
 from ftopt.rules import QuantConfig, RuleTransform
 
 __all__ = ["quantize_states"]
@@ -32,12 +33,19 @@ def quantize_states(
     Args:
         tx: the transform (a chain of ftopt transforms).
         bits: 8, or 32 to return ``tx`` with 32-bit states.
-        block_size: elements per absmax (default: 256).
-        min_size: smallest leaf with 8-bit state (default: 4096).
+        block_size: elements per absmax, a positive int (default: 256). The fused kernels
+            also need it to divide their tile; another size runs eagerly (see
+            :func:`ftopt.explain`).
+        min_size: smallest leaf with 8-bit state, an int >= 0 (default: 4096).
+
+    Raises:
+        TypeError: an argument that is not an int (``bool`` and floats included).
+        ValueError: ``bits`` not 8 or 32, ``block_size`` < 1 or ``min_size`` < 0.
     """
+    bits = check_int("quantize_states", "bits", bits)
     if bits not in (8, 32):
         raise ValueError(f"quantize_states: bits must be 8 or 32, got {bits}")
-    if block_size <= 0 or min_size < 0:
-        raise ValueError("quantize_states: block_size must be positive and min_size >= 0")
+    block_size = check_int("quantize_states", "block_size", block_size, minimum=1)
+    min_size = check_int("quantize_states", "min_size", min_size, minimum=0)
     quant = None if bits == 32 else QuantConfig(bits, block_size, min_size)
     return _rebuild(tx, quant)

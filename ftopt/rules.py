@@ -14,7 +14,6 @@ layout (32-bit or 8-bit blockwise slots, the step count), validation and ``skip_
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -26,6 +25,8 @@ from ftopt import eager, eager_chunked
 from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
 from ftopt.base import EmptyState, GradientTransformation, register_owner, register_state
+from ftopt.domains import Interval
+from ftopt.domains import check_hparam as _check_hparam
 from ftopt.quant import dequantize_blockwise, dynamic_map, quantize_blockwise
 
 __all__ = ["Slot", "Rule", "RuleTransform", "QuantizedSlot", "QuantConfig", "rule_transform"]
@@ -75,22 +76,9 @@ class Rule:
     uses_params: bool = False
     leaf_mask: Any = None
     schedule_at_t: bool = False
-
-
-def _check_hparam(rule_name: str, name: str, value: Any) -> None:
-    if callable(value):
-        return
-    if isinstance(value, torch.Tensor):
-        if value.ndim != 0 or not (value.is_floating_point() or not value.is_complex()):
-            raise ValueError(f"{rule_name}: hyperparameter {name} must be a 0-d real tensor")
-        return
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(
-            f"{rule_name}: hyperparameter {name} must be a float, a 0-d tensor or a schedule, "
-            f"got {type(value).__name__}"
-        )
-    if not math.isfinite(value):
-        raise ValueError(f"{rule_name}: hyperparameter {name} must be finite, got {value}")
+    # The allowed range of each float hyperparameter, checked at construction (an absent
+    # entry: any finite value). See :mod:`ftopt.domains`.
+    domains: Mapping[str, Interval] = field(default_factory=dict)
 
 
 def hparam_values(rule: Rule, count: Any, t: Any) -> dict:
@@ -130,8 +118,10 @@ class RuleTransform:
     """A ``GradientTransformation`` made from a :class:`Rule`."""
 
     def __init__(self, rule: Rule, quant: QuantConfig | None = None):
+        # Every hyperparameter is checked here, once, against ``rule.domains``: a bad value
+        # fails at construction, not as NaN params later (see :mod:`ftopt.domains`).
         for k, v in rule.hparams.items():
-            _check_hparam(rule.name, k, v)
+            _check_hparam(rule.name, k, v, rule.domains.get(k))
         self.rule = rule
         self.quant = quant
         register_owner(self)

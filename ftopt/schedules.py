@@ -4,12 +4,23 @@ An ``int`` count gives a ``float`` (float64 host math, for kernel scalars); a 0-
 tensor count gives a 0-d float32 tensor on its device, from torch ops only (no ``.item()``,
 no host sync: CUDA-graph capturable and traceable). The two agree up to float32 rounding.
 Integer work on the count comes before any float conversion, so large counts stay exact.
+
+Every schedule checks its arguments when it is built, so a bad value fails there and not
+as a NaN learning rate steps later: values (init, peak, end, alpha, ...) must be finite
+real numbers, step counts and boundaries ``int`` (a float raises ``TypeError``), and
+arguments the formula divides by or raises to a power must be in range. What optax accepts
+with a defined result is kept (``transition_steps <= 0`` gives a constant schedule, a
+negative ``transition_begin`` counts as 0, ``join_schedules`` boundaries in any order).
+Messages name the schedule and the argument: ``linear_schedule: end_value must be finite,
+got nan``.
 """
 
 import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+
+from ftopt.domains import NONNEG, OPEN_UNIT, check_finite, check_int
 
 __all__ = [
     "Schedule", "ScalarOrSchedule", "constant_schedule", "linear_schedule", "polynomial_schedule",
@@ -64,7 +75,7 @@ def constant_schedule(value: float) -> Schedule:
     Args: value: the value at every count.
     Returns: the schedule; ``constant_schedule(0.1)(7) == 0.1``.
     """
-    value = float(value)
+    value = check_finite("constant_schedule", "value", value)
     return lambda count: _full(value, count) if _is_tensor(count) else value
 
 
@@ -72,14 +83,25 @@ def polynomial_schedule(init_value: float, end_value: float, power: float, trans
                         transition_begin: int = 0) -> Schedule:  # fmt: skip
     """Polynomial: ``v(t) = (I - E)·(1 - clip(t - B, 0, T)/T)^P + E``.
 
-    Args: init_value ``I``; end_value ``E``; power ``P``; transition_steps ``T`` (``<= 0``:
-        constant ``I``); transition_begin ``B`` (negative: 0).
+    Args: init_value ``I``, end_value ``E``: finite; power ``P`` >= 0 (a negative power is
+        infinite at the end of the transition); transition_steps ``T``, an int (``<= 0``:
+        constant ``I``); transition_begin ``B``, an int (negative: 0).
     Returns: the schedule; ``polynomial_schedule(1.0, 0.0, 2, 10)(5) == 0.25``.
     """
+    return _polynomial("polynomial_schedule", init_value, end_value, power, transition_steps,
+                       transition_begin)
+
+
+def _polynomial(name: str, init_value: float, end_value: float, power: float,
+                transition_steps: int, transition_begin: int) -> Schedule:
+    init = check_finite(name, "init_value", init_value)
+    end = check_finite(name, "end_value", end_value)
+    power = check_finite(name, "power", power, NONNEG)
+    transition_steps = check_int(name, "transition_steps", transition_steps)
+    transition_begin = check_int(name, "transition_begin", transition_begin)
     if transition_steps <= 0 or power == 0:  # as optax: constant init_value
-        return constant_schedule(init_value)
+        return constant_schedule(init)
     transition_begin = max(transition_begin, 0)  # optax: a negative begin falls back to 0
-    init, end, power = float(init_value), float(end_value), float(power)
 
     def schedule(count: Count) -> Value:
         done = _clip(count - transition_begin, 0, transition_steps)
@@ -97,11 +119,12 @@ def linear_schedule(
 ) -> Schedule:
     """Linear: ``v(t) = I + clip(t - B, 0, T)/T·(E - I)`` (polynomial with ``P = 1``).
 
-    Args: init_value ``I``; end_value ``E``; transition_steps ``T`` (``<= 0``: constant
-        ``I``); transition_begin ``B`` (negative: 0).
+    Args: init_value ``I``, end_value ``E``: finite; transition_steps ``T``, an int (``<= 0``:
+        constant ``I``); transition_begin ``B``, an int (negative: 0).
     Returns: the schedule; ``linear_schedule(1.0, 0.0, 10)(5) == 0.5``.
     """
-    return polynomial_schedule(init_value, end_value, 1, transition_steps, transition_begin)
+    return _polynomial("linear_schedule", init_value, end_value, 1, transition_steps,
+                       transition_begin)
 
 
 def exponential_decay(init_value: float, transition_steps: int, decay_rate: float,
@@ -109,19 +132,22 @@ def exponential_decay(init_value: float, transition_steps: int, decay_rate: floa
                       end_value: float | None = None) -> Schedule:  # fmt: skip
     """Exponential: ``v(t) = I·r^((t - B)/T)`` for ``t > B``, else ``I``.
 
-    Args: init_value ``I``; transition_steps ``T`` (``<= 0``: constant ``I``); decay_rate
-        ``r`` (``0``: constant ``I``; negative: ``ValueError``); transition_begin ``B``
-        (negative: 0); staircase: use ``(t - B) // T``; end_value: a lower bound on the
-        value if ``r < 1``, else an upper bound.
+    Args: init_value ``I``, finite; transition_steps ``T``, an int (``<= 0``: constant
+        ``I``); decay_rate ``r``, finite and >= 0 (``0``: constant ``I``; a negative rate to
+        a fractional power is NaN); transition_begin ``B``, an int (negative: 0); staircase:
+        use ``(t - B) // T``; end_value: ``None`` or finite, a lower bound on the value if
+        ``r < 1``, else an upper bound.
     Returns: the schedule; ``exponential_decay(1.0, 10, 0.5)(20) == 0.25``.
     """
-    if transition_steps <= 0 or decay_rate == 0:  # as optax: constant init_value
-        return constant_schedule(init_value)
-    if decay_rate < 0:
-        raise ValueError(f"exponential_decay requires decay_rate >= 0, got {decay_rate=}.")
+    name = "exponential_decay"
+    init = check_finite(name, "init_value", init_value)
+    steps = check_int(name, "transition_steps", transition_steps)
+    rate = check_finite(name, "decay_rate", decay_rate, NONNEG)
+    transition_begin = check_int(name, "transition_begin", transition_begin)
+    end = None if end_value is None else check_finite(name, "end_value", end_value)
+    if steps <= 0 or rate == 0:  # as optax: constant init_value
+        return constant_schedule(init)
     transition_begin = max(transition_begin, 0)  # optax: a negative begin falls back to 0
-    init, rate, steps = float(init_value), float(decay_rate), transition_steps
-    end = None if end_value is None else float(end_value)
 
     def schedule(count: Count) -> Value:
         d = count - transition_begin
@@ -142,13 +168,16 @@ def cosine_decay_schedule(
 ) -> Schedule:
     """Cosine: ``v(t) = I·((1 - a)·(½(1 + cos(π·min(t, T)/T)))^e + a)``.
 
-    Args: init_value ``I``; decay_steps ``T`` (must be positive, else ``ValueError``);
-        alpha ``a`` (the final multiplier); exponent ``e``.
+    Args: init_value ``I``, finite; decay_steps ``T``, a positive int (else ``ValueError``);
+        alpha ``a`` (the final multiplier), finite; exponent ``e`` >= 0 (a negative one is
+        infinite at ``t = T``).
     Returns: the schedule; ``cosine_decay_schedule(2.0, 10)(10) == 0.0``.
     """
-    if not decay_steps > 0:
-        raise ValueError(f"cosine_decay_schedule requires decay_steps > 0, got {decay_steps=}.")
-    init, alpha, exponent = float(init_value), float(alpha), float(exponent)
+    name = "cosine_decay_schedule"
+    init = check_finite(name, "init_value", init_value)
+    decay_steps = check_int(name, "decay_steps", decay_steps, minimum=1)
+    alpha = check_finite(name, "alpha", alpha)
+    exponent = check_finite(name, "exponent", exponent, NONNEG)
     if exponent == 0:
         return constant_schedule(init)
     half_angle = math.pi / (2 * decay_steps)  # ½(1 + cos x) = sin²((π - x)/2): exact near T
@@ -170,17 +199,26 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
     """Warmup then cosine: ``v(t) = linear(init, peak, W)(t)`` for ``t < W``, else
     ``cosine_decay(peak, D - W, end/peak, exponent)(t - W)``.
 
-    Args: init_value, peak_value, end_value: the three levels; warmup_steps ``W``;
-        decay_steps ``D``, the total length, warmup included (``D <= W``: ``ValueError``);
-        exponent: of the cosine factor.
+    Args: init_value, peak_value, end_value: the three levels, finite; warmup_steps ``W``,
+        an int >= 0; decay_steps ``D``, an int, the total length, warmup included (``D <= W``:
+        ``ValueError``); exponent: of the cosine factor, >= 0.
     Returns: the schedule; ``warmup_cosine_decay_schedule(0.0, 1.0, 10, 20)(5) == 0.5``.
     """
+    name = "warmup_cosine_decay_schedule"
+    init = check_finite(name, "init_value", init_value)
+    peak = check_finite(name, "peak_value", peak_value)
+    end = check_finite(name, "end_value", end_value)
+    warmup_steps = check_int(name, "warmup_steps", warmup_steps, minimum=0)
+    decay_steps = check_int(name, "decay_steps", decay_steps)
+    exponent = check_finite(name, "exponent", exponent, NONNEG)
     if not decay_steps > warmup_steps:
-        raise ValueError(f"warmup_cosine_decay_schedule needs decay_steps (total length, warmup "
-                         f"included) > warmup_steps, got {decay_steps=}, {warmup_steps=}.")
-    peak = float(peak_value)
-    alpha = 0.0 if peak == 0.0 else float(end_value) / peak
-    warmup = linear_schedule(init_value, peak, warmup_steps)
+        raise ValueError(f"{name}: decay_steps (the total length, warmup included) must be > "
+                         f"warmup_steps, got decay_steps={decay_steps}, "
+                         f"warmup_steps={warmup_steps}")
+    alpha = 0.0 if peak == 0.0 else end / peak
+    if not math.isfinite(alpha):
+        raise ValueError(f"{name}: end_value / peak_value must be finite, got {end} / {peak}")
+    warmup = linear_schedule(init, peak, warmup_steps)
     decay = cosine_decay_schedule(peak, decay_steps - warmup_steps, alpha, exponent)
     return join_schedules([warmup, decay], [warmup_steps])
 
@@ -188,10 +226,12 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
 def warmup_constant_schedule(init_value: float, peak_value: float, warmup_steps: int) -> Schedule:
     """Warmup then constant: ``v(t) = init + min(t, W)/W·(peak - init)``.
 
-    Args: init_value; peak_value; warmup_steps ``W`` (``<= 0``: constant ``init_value``).
+    Args: init_value, peak_value: finite; warmup_steps ``W``, an int (``<= 0``: constant
+        ``init_value``, as optax).
     Returns: the schedule; ``warmup_constant_schedule(0.0, 1.0, 4)(9) == 1.0``.
     """
-    return linear_schedule(init_value, peak_value, warmup_steps)
+    name = "warmup_constant_schedule"
+    return _polynomial(name, init_value, peak_value, 1, warmup_steps, 0)
 
 
 def piecewise_constant_schedule(
@@ -199,17 +239,25 @@ def piecewise_constant_schedule(
 ) -> Schedule:
     """Piecewise constant: ``v(t) = init·∏{s_i : t >= b_i}`` over ``{b_i: s_i}``.
 
-    Args: init_value; boundaries_and_scales: ``{step: scale}``, scales non-negative
+    Args: init_value, finite; boundaries_and_scales: ``{step: scale}``, int steps (any
+        order; a negative step applies from the start, as optax) and finite scales >= 0
         (else ``ValueError``).
     Returns: the schedule; ``piecewise_constant_schedule(1.0, {2: 0.5})(2) == 0.5``.
     """
-    items = sorted((boundaries_and_scales or {}).items())
-    if any(scale < 0 for _, scale in items):
-        raise ValueError(f"piecewise_constant_schedule needs scales >= 0, got {dict(items)}.")
-    init = float(init_value)
+    name = "piecewise_constant_schedule"
+    init = check_finite(name, "init_value", init_value)
+    if boundaries_and_scales is not None and not isinstance(boundaries_and_scales, Mapping):
+        raise TypeError(f"{name}: boundaries_and_scales must be a mapping {{step: scale}}, "
+                        f"got {type(boundaries_and_scales).__name__}")
+    items = []
+    for boundary, scale in (boundaries_and_scales or {}).items():
+        boundary = check_int(name, "boundary", boundary)
+        items.append((boundary, check_finite(name, f"scale at boundary {boundary}", scale,
+                                             NONNEG)))
+    items.sort()
     levels, level = [], init
     for boundary, scale in items:  # cumulative products in float64, rounded once
-        level *= float(scale)
+        level *= scale
         levels.append((boundary, level))
 
     def schedule(count: Count) -> Value:
@@ -227,14 +275,23 @@ def piecewise_constant_schedule(
 def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
     """Join: ``v(t) = s_k(t - b_k)`` for the last ``k`` with ``t >= b_k`` (``s_0(t)`` before).
 
-    Args: schedules ``[s_0, ..., s_n]``; boundaries ``[b_1, ..., b_n]``, one fewer than the
-        schedules (else ``ValueError``).
+    Args: schedules ``[s_0, ..., s_n]``, callables; boundaries ``[b_1, ..., b_n]``, ints,
+        one fewer than the schedules (else ``ValueError``); as in optax, they are taken in
+        the order given (a later boundary below an earlier one takes over from there).
     Returns: the schedule; ``join_schedules([constant_schedule(1.0), linear_schedule(1.0,
         0.0, 10)], [5])(10) == 0.5`` (the linear part is called with ``t - 5``).
     """
     schedules, boundaries = list(schedules), list(boundaries)
     if not schedules or len(boundaries) != len(schedules) - 1:
-        raise ValueError("join_schedules needs len(boundaries) == len(schedules) - 1 >= 0.")
+        raise ValueError(f"join_schedules: needs at least one schedule and len(boundaries) == "
+                         f"len(schedules) - 1, got {len(schedules)} schedules and "
+                         f"{len(boundaries)} boundaries")
+    for i, fn in enumerate(schedules):
+        if not callable(fn):
+            raise TypeError(f"join_schedules: schedules[{i}] must be callable, got "
+                            f"{type(fn).__name__}")
+    boundaries = [check_int("join_schedules", f"boundaries[{i}]", b)
+                  for i, b in enumerate(boundaries)]
 
     def schedule(count: Count) -> Value:
         out = _as_value(schedules[0](count), count)
@@ -251,13 +308,12 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
 def ademamix_alpha_warmup(alpha: float, warmup_steps: int) -> Schedule:
     """AdEMAMix alpha warmup (bitsandbytes ``t_alpha``): ``α_t = min(t·α/T, α)``, ``t`` >= 1.
 
-    Args: alpha ``α`` (non-negative, else ``ValueError``); warmup_steps ``T`` (``<= 0``:
-        no warmup, constant ``α``).
+    Args: alpha ``α``, finite and >= 0 (else ``ValueError``); warmup_steps ``T``, an int
+        (``<= 0``: no warmup, constant ``α``).
     Returns: the schedule; ``ademamix_alpha_warmup(5.0, 10)(2) == 1.0``.
     """
-    alpha = float(alpha)
-    if alpha < 0:
-        raise ValueError(f"ademamix_alpha_warmup requires alpha >= 0, got {alpha=}.")
+    alpha = check_finite("ademamix_alpha_warmup", "alpha", alpha, NONNEG)
+    warmup_steps = check_int("ademamix_alpha_warmup", "warmup_steps", warmup_steps)
     if warmup_steps <= 0:
         return constant_schedule(alpha)
 
@@ -274,12 +330,13 @@ def ademamix_b3_warmup(b1: float, b3: float, warmup_steps: int) -> Schedule:
     ``β3_t = min(exp(ln b1·ln b3 / ((1 - s)·ln b3 + s·ln b1)), b3)`` (``t < 0`` counts as 0).
 
     Args: b1, b3: the fast decay and the final slow decay, in ``(0, 1)`` (else
-        ``ValueError``); warmup_steps ``T`` (``<= 0``: no warmup, constant ``b3``).
+        ``ValueError``: the formula divides by their logs); warmup_steps ``T``, an int
+        (``<= 0``: no warmup, constant ``b3``).
     Returns: the schedule; ``ademamix_b3_warmup(0.9, 0.999, 100)(100) == 0.999``.
     """
-    b1, b3 = float(b1), float(b3)
-    if not (0.0 < b1 < 1.0 and 0.0 < b3 < 1.0):
-        raise ValueError(f"ademamix_b3_warmup requires b1, b3 in (0, 1), got {b1=}, {b3=}.")
+    b1 = check_finite("ademamix_b3_warmup", "b1", b1, OPEN_UNIT)
+    b3 = check_finite("ademamix_b3_warmup", "b3", b3, OPEN_UNIT)
+    warmup_steps = check_int("ademamix_b3_warmup", "warmup_steps", warmup_steps)
     if warmup_steps <= 0:
         return constant_schedule(b3)
     ln1, ln3 = math.log(b1), math.log(b3)

@@ -73,5 +73,8 @@ def _walk(tx, path: tuple, skip: bool, at_input: bool, stages: list, paths: list
             if reason:
                 return reason
         return None
+    reason = getattr(obj, "unfused_reason", None)  # a transform may say why itself
+    if reason:
+        return reason
     name = type(obj).__name__ if obj is not None else _describe(tx)
     return f"{name} has no elementwise rule"

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ftopt.base import GradientTransformation, register_state
+from ftopt.domains import NONNEG, UNIT, UNIT_OPEN
 from ftopt.rules import Rule, Slot, rule_transform
 from ftopt.schedules import ScalarOrSchedule
 
@@ -45,6 +46,12 @@ class ScaleByRssState(NamedTuple):
     sum_of_squares: Any
 
 
+def _host_float(x: Any) -> Any:
+    # An initial state value: a float (``bool`` and other types reach the check unchanged).
+    return float(x) if isinstance(x, (int, float, torch.Tensor)) and not isinstance(x, bool) \
+        else x
+
+
 def _adam_scalars(nesterov: bool):
     def scalars(t, h):
         b1, b2 = h["b1"], h["b2"]
@@ -72,10 +79,11 @@ def scale_by_adam(
     m̂ = b1·mu/(1−b1ᵗ⁺¹) + (1−b1)·u/(1−b1ᵗ) (as optax).
 
     Args:
-        b1: decay of the first moment (default: 0.9).
-        b2: decay of the second moment (default: 0.999).
-        eps: added to the denominator outside the square root (default: 1e-8).
-        eps_root: added inside the square root (default: 0.0).
+        b1: decay of the first moment, in [0, 1) (default: 0.9).
+        b2: decay of the second moment, in [0, 1) (default: 0.999). 1 is excluded: the
+            bias correction divides by 1 − bᵗ.
+        eps: added to the denominator outside the square root, >= 0 (default: 1e-8).
+        eps_root: added inside the square root, >= 0 (default: 0.0).
         nesterov: Nesterov momentum (default: False).
     """
 
@@ -95,6 +103,7 @@ def scale_by_adam(
         state_class=ScaleByAdamState,
         slots=(Slot("mu", signed=True), Slot("nu", signed=False)),
         hparams={"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root},
+        domains={"b1": UNIT_OPEN, "b2": UNIT_OPEN, "eps": NONNEG, "eps_root": NONNEG},
         scalars=_adam_scalars(nesterov),
         counted=True,
     )
@@ -130,10 +139,10 @@ def scale_by_ademamix(
     u ← (m1/(1−b1ᵗ) + α·m2)/(√(nu/(1−b2ᵗ)+eps_root)+eps); m2 is not bias-corrected.
 
     Args:
-        b1, b2: decays of the fast EMA and of the second moment.
-        b3: decay of the slow EMA; a schedule of the step t (1 on the first step), e.g.
+        b1, b2: decays of the fast EMA and of the second moment, in [0, 1).
+        b3: decay of the slow EMA, in [0, 1]; a schedule of the step t (1 on the first step), e.g.
             :func:`ftopt.schedules.ademamix_b3_warmup` (default: 0.9999).
-        alpha: weight of the slow EMA; a float or a schedule of t, e.g.
+        alpha: weight of the slow EMA, >= 0; a float or a schedule of t, e.g.
             :func:`ftopt.schedules.ademamix_alpha_warmup` (default: 5.0).
         eps, eps_root: as in :func:`scale_by_adam`.
     """
@@ -144,6 +153,8 @@ def scale_by_ademamix(
         slots=(Slot("m1"), Slot("m2"), Slot("nu", signed=False)),
         hparams={"b1": b1, "b2": b2, "b3": b3, "alpha": alpha, "eps": eps,
                  "eps_root": eps_root},
+        domains={"b1": UNIT_OPEN, "b2": UNIT_OPEN, "b3": UNIT, "alpha": NONNEG, "eps": NONNEG,
+                 "eps_root": NONNEG},
         scalars=_ademamix_scalars,
         counted=True,
         schedule_at_t=True,
@@ -164,9 +175,9 @@ def scale_by_rms(
     ``eps_in_sqrt=False`` (torch.optim.RMSprop and bitsandbytes).
 
     Args:
-        decay: decay of the running mean (default: 0.9).
-        eps: stabiliser (default: 1e-8).
-        initial_scale: initial value of nu (default: 0.0).
+        decay: decay of the running mean, in [0, 1] (default: 0.9).
+        eps: stabiliser, >= 0 (default: 1e-8).
+        initial_scale: initial value of nu, >= 0 (default: 0.0).
         eps_in_sqrt: where eps goes (default: True).
     """
 
@@ -181,7 +192,8 @@ def scale_by_rms(
         body,
         state_class=ScaleByRmsState,
         slots=(Slot("nu", signed=False, init="initial_scale"),),
-        hparams={"decay": decay, "eps": eps, "initial_scale": float(initial_scale)},
+        hparams={"decay": decay, "eps": eps, "initial_scale": _host_float(initial_scale)},
+        domains={"decay": UNIT, "eps": NONNEG, "initial_scale": NONNEG},
         scalars=lambda t, h: {"one_minus_decay": 1 - h["decay"]},
     )
     return rule_transform(rule)
@@ -199,8 +211,8 @@ def scale_by_rss(
     ``eps_in_sqrt=False`` (torch.optim.Adagrad and bitsandbytes).
 
     Args:
-        initial_accumulator_value: initial value of s (default: 0.1).
-        eps: stabiliser (default: 1e-7).
+        initial_accumulator_value: initial value of s, >= 0 (default: 0.1).
+        eps: stabiliser, >= 0 (default: 1e-7).
         eps_in_sqrt: where eps goes (default: True).
     """
 
@@ -215,6 +227,8 @@ def scale_by_rss(
         body,
         state_class=ScaleByRssState,
         slots=(Slot("sum_of_squares", signed=False, init="initial_accumulator_value"),),
-        hparams={"initial_accumulator_value": float(initial_accumulator_value), "eps": eps},
+        hparams={"initial_accumulator_value": _host_float(initial_accumulator_value),
+                 "eps": eps},
+        domains={"initial_accumulator_value": NONNEG, "eps": NONNEG},
     )
     return rule_transform(rule)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ftopt.base import GradientTransformation
+from ftopt.domains import NONNEG, POSITIVE
 from ftopt.rules import Rule, rule_transform
 
 
@@ -21,10 +22,12 @@ def _global_clip_body(o, x):
 def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformation:
     """Clips the whole tree to a global norm: u ← u·min(1, max_norm/‖u‖).
 
-    ‖u‖ is over all leaves of the tree (as optax).
+    ‖u‖ is over all leaves of the tree (as optax). ``max_norm`` > 0 (a negative one would
+    flip the update's sign).
     """
     return rule_transform(
-        Rule("clip_by_global_norm", _global_clip_body, hparams={"max_norm": max_norm})
+        Rule("clip_by_global_norm", _global_clip_body, hparams={"max_norm": max_norm},
+             domains={"max_norm": POSITIVE})
     )
 
 
@@ -38,11 +41,12 @@ def _param_ratio_body(o, x):
 def clip_by_param_norm_ratio(max_ratio: float | torch.Tensor) -> GradientTransformation:
     """Per leaf: if ‖u‖ > max_ratio·‖p‖ then u ← u·max_ratio·‖p‖/‖u‖.
 
-    The update-norm clipping of bitsandbytes' LAMB and LARS (``max_unorm``).
+    The update-norm clipping of bitsandbytes' LAMB and LARS (``max_unorm``); ``max_ratio``
+    > 0.
     """
     return rule_transform(
         Rule("clip_by_param_norm_ratio", _param_ratio_body, hparams={"max_ratio": max_ratio},
-             uses_params=True)
+             domains={"max_ratio": POSITIVE}, uses_params=True)
     )
 
 
@@ -61,7 +65,8 @@ def scale_by_trust_ratio(
 ) -> GradientTransformation:
     """Per leaf, as optax: u ← u·c·‖p‖/(‖u‖+eps), ratio 1 where ‖p‖ = 0 or ‖u‖ = 0.
 
-    Norms are floored at ``min_norm``.
+    Norms are floored at ``min_norm``; ``min_norm``, ``trust_coefficient`` and ``eps`` are
+    >= 0.
     """
     return rule_transform(
         Rule(
@@ -69,6 +74,7 @@ def scale_by_trust_ratio(
             _trust_body,
             hparams={"min_norm": min_norm, "trust_coefficient": trust_coefficient,
                      "eps": eps},
+            domains={"min_norm": NONNEG, "trust_coefficient": NONNEG, "eps": NONNEG},
             uses_params=True,
         )
     )

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ftopt.base import GradientTransformation, register_state
+from ftopt.domains import NONNEG
 from ftopt.rules import Rule, Slot, rule_transform
 
 
@@ -21,7 +22,7 @@ def trace(decay: float | torch.Tensor, nesterov: bool = False) -> GradientTransf
     """Momentum: tr ← u + decay·tr; u ← tr (u ← u + decay·tr with nesterov).
 
     Args:
-        decay: the momentum coefficient.
+        decay: the momentum coefficient, >= 0.
         nesterov: use Nesterov momentum (default: False).
     """
     def body(o, x):
@@ -35,5 +36,6 @@ def trace(decay: float | torch.Tensor, nesterov: bool = False) -> GradientTransf
         state_class=TraceState,
         slots=(Slot("trace"),),
         hparams={"decay": decay},
+        domains={"decay": NONNEG},  # torch.optim.SGD's rule for momentum
     )
     return rule_transform(rule)

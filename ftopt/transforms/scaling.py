@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ftopt.base import EmptyState, GradientTransformation, register_state
+from ftopt.domains import NONNEG
 from ftopt.rules import Rule, rule_transform
 from ftopt.schedules import ScalarOrSchedule
 
@@ -26,7 +27,7 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
     """Scales updates: u ← step_size·u.
 
     Args:
-        step_size: a float or 0-d tensor.
+        step_size: a finite float or 0-d tensor (any sign).
     """
     return rule_transform(Rule("scale", _scale_body, hparams={"step_size": step_size}))
 
@@ -37,8 +38,8 @@ def scale_by_learning_rate(
     """Scales updates by the learning rate: u ← −lr·u (u ← lr·u with ``flip_sign=False``).
 
     Args:
-        learning_rate: a float, a 0-d tensor, or a schedule called with the step count
-            (0 on the first step, as in optax).
+        learning_rate: a float >= 0, a 0-d tensor, or a schedule called with the step
+            count (0 on the first step, as in optax).
         flip_sign: negate the update, so that ``apply_updates`` descends (default: True).
     """
     sign = -1.0 if flip_sign else 1.0
@@ -48,6 +49,7 @@ def scale_by_learning_rate(
         _scale_body,
         state_class=ScaleByScheduleState if scheduled else EmptyState,
         hparams={"learning_rate": learning_rate},
+        domains={"learning_rate": NONNEG},  # as torch.optim; the sign is flip_sign's
         scalars=lambda t, h: {"step_size": sign * h["learning_rate"]},
         counted=scheduled,
     )
@@ -64,7 +66,7 @@ def add_decayed_weights(
     """Adds decayed weights: u ← u + wd·p.
 
     Args:
-        weight_decay: a float or 0-d tensor (default: 0.0).
+        weight_decay: a float >= 0 or 0-d tensor (default: 0.0).
         mask: a pytree of bools like the params (or a function of the params returning
             one); leaves marked False are passed through unchanged (default: all leaves).
     """
@@ -72,6 +74,7 @@ def add_decayed_weights(
         "add_decayed_weights",
         _decay_body,
         hparams={"weight_decay": weight_decay},
+        domains={"weight_decay": NONNEG},
         uses_params=True,
         leaf_mask=mask,
     )

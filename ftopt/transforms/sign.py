@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ftopt.base import GradientTransformation, register_state
+from ftopt.domains import UNIT
 from ftopt.rules import Rule, Slot, rule_transform
 
 
@@ -30,8 +31,8 @@ def scale_by_lion(
     """Lion: u ← sign(b1·mu + (1−b1)·u) (sign(0) = 0); mu ← b2·mu + (1−b2)·u.
 
     Args:
-        b1: interpolation of the update direction (default: 0.9).
-        b2: decay of the momentum (default: 0.99).
+        b1: interpolation of the update direction, in [0, 1] (default: 0.9).
+        b2: decay of the momentum, in [0, 1] (default: 0.99).
     """
     rule = Rule(
         "scale_by_lion",
@@ -39,6 +40,7 @@ def scale_by_lion(
         state_class=ScaleByLionState,
         slots=(Slot("mu"),),
         hparams={"b1": b1, "b2": b2},
+        domains={"b1": UNIT, "b2": UNIT},
         scalars=lambda t, h: {"one_minus_b1": 1 - h["b1"], "one_minus_b2": 1 - h["b2"]},
         counted=True,
     )
