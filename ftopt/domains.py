@@ -128,9 +128,16 @@ def check_finite(owner: str, name: str, value: Any, domain: Interval | None = No
     return x
 
 
-def check_int(owner: str, name: str, value: Any, minimum: int | None = None) -> int:
+def check_int(owner: str, name: str, value: Any, minimum: int | None = None, *,
+              integral_floats: bool = False) -> int:
     """``value`` as an ``int``, if it is an integer (not ``bool``, not a float) of at least
-    ``minimum``; raises ``TypeError``/``ValueError`` naming ``owner`` and ``name``."""
+    ``minimum``; raises ``TypeError``/``ValueError`` naming ``owner`` and ``name``.
+
+    ``integral_floats``: a float with an integer value (``1e4`` step counts, as optax
+    accepts them) counts as that integer."""
+    if (integral_floats and isinstance(value, float) and math.isfinite(value)
+            and value.is_integer()):
+        value = int(value)
     if minimum is None:
         what = "an int"
     elif minimum == 1:

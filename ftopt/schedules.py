@@ -7,20 +7,25 @@ Integer work on the count comes before any float conversion, so large counts sta
 
 Every schedule checks its arguments when it is built, so a bad value fails there and not
 as a NaN learning rate steps later: values (init, peak, end, alpha, ...) must be finite
-real numbers, step counts and boundaries ``int`` (a float raises ``TypeError``), and
-arguments the formula divides by or raises to a power must be in range. What optax accepts
+real numbers, step counts and boundaries integers (an ``int``, or a float of integer
+value such as ``1e4``; ``2.5`` raises ``TypeError``), and arguments the formula divides by
+or raises to a power must be in range. What optax accepts
 with a defined result is kept (``transition_steps <= 0`` gives a constant schedule, a
 negative ``transition_begin`` counts as 0, ``join_schedules`` boundaries in any order).
 Messages name the schedule and the argument: ``linear_schedule: end_value must be finite,
 got nan``.
 """
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from ftopt.domains import NONNEG, OPEN_UNIT, check_finite, check_int
+
+# Step counts and boundaries: ints, or floats of integer value (``1e4``), as optax takes.
+_check_steps = functools.partial(check_int, integral_floats=True)
 
 __all__ = [
     "Schedule", "ScalarOrSchedule", "constant_schedule", "linear_schedule", "polynomial_schedule",
@@ -97,8 +102,8 @@ def _polynomial(name: str, init_value: float, end_value: float, power: float,
     init = check_finite(name, "init_value", init_value)
     end = check_finite(name, "end_value", end_value)
     power = check_finite(name, "power", power, NONNEG)
-    transition_steps = check_int(name, "transition_steps", transition_steps)
-    transition_begin = check_int(name, "transition_begin", transition_begin)
+    transition_steps = _check_steps(name, "transition_steps", transition_steps)
+    transition_begin = _check_steps(name, "transition_begin", transition_begin)
     if transition_steps <= 0 or power == 0:  # as optax: constant init_value
         return constant_schedule(init)
     transition_begin = max(transition_begin, 0)  # optax: a negative begin falls back to 0
@@ -141,9 +146,9 @@ def exponential_decay(init_value: float, transition_steps: int, decay_rate: floa
     """
     name = "exponential_decay"
     init = check_finite(name, "init_value", init_value)
-    steps = check_int(name, "transition_steps", transition_steps)
+    steps = _check_steps(name, "transition_steps", transition_steps)
     rate = check_finite(name, "decay_rate", decay_rate, NONNEG)
-    transition_begin = check_int(name, "transition_begin", transition_begin)
+    transition_begin = _check_steps(name, "transition_begin", transition_begin)
     end = None if end_value is None else check_finite(name, "end_value", end_value)
     if steps <= 0 or rate == 0:  # as optax: constant init_value
         return constant_schedule(init)
@@ -175,7 +180,7 @@ def cosine_decay_schedule(
     """
     name = "cosine_decay_schedule"
     init = check_finite(name, "init_value", init_value)
-    decay_steps = check_int(name, "decay_steps", decay_steps, minimum=1)
+    decay_steps = _check_steps(name, "decay_steps", decay_steps, minimum=1)
     alpha = check_finite(name, "alpha", alpha)
     exponent = check_finite(name, "exponent", exponent, NONNEG)
     if exponent == 0:
@@ -208,8 +213,8 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
     init = check_finite(name, "init_value", init_value)
     peak = check_finite(name, "peak_value", peak_value)
     end = check_finite(name, "end_value", end_value)
-    warmup_steps = check_int(name, "warmup_steps", warmup_steps, minimum=0)
-    decay_steps = check_int(name, "decay_steps", decay_steps)
+    warmup_steps = _check_steps(name, "warmup_steps", warmup_steps, minimum=0)
+    decay_steps = _check_steps(name, "decay_steps", decay_steps)
     exponent = check_finite(name, "exponent", exponent, NONNEG)
     if not decay_steps > warmup_steps:
         raise ValueError(f"{name}: decay_steps (the total length, warmup included) must be > "
@@ -251,7 +256,7 @@ def piecewise_constant_schedule(
                         f"got {type(boundaries_and_scales).__name__}")
     items = []
     for boundary, scale in (boundaries_and_scales or {}).items():
-        boundary = check_int(name, "boundary", boundary)
+        boundary = _check_steps(name, "boundary", boundary)
         items.append((boundary, check_finite(name, f"scale at boundary {boundary}", scale,
                                              NONNEG)))
     items.sort()
@@ -290,7 +295,7 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
         if not callable(fn):
             raise TypeError(f"join_schedules: schedules[{i}] must be callable, got "
                             f"{type(fn).__name__}")
-    boundaries = [check_int("join_schedules", f"boundaries[{i}]", b)
+    boundaries = [_check_steps("join_schedules", f"boundaries[{i}]", b)
                   for i, b in enumerate(boundaries)]
 
     def schedule(count: Count) -> Value:
@@ -313,7 +318,7 @@ def ademamix_alpha_warmup(alpha: float, warmup_steps: int) -> Schedule:
     Returns: the schedule; ``ademamix_alpha_warmup(5.0, 10)(2) == 1.0``.
     """
     alpha = check_finite("ademamix_alpha_warmup", "alpha", alpha, NONNEG)
-    warmup_steps = check_int("ademamix_alpha_warmup", "warmup_steps", warmup_steps)
+    warmup_steps = _check_steps("ademamix_alpha_warmup", "warmup_steps", warmup_steps)
     if warmup_steps <= 0:
         return constant_schedule(alpha)
 
@@ -336,7 +341,7 @@ def ademamix_b3_warmup(b1: float, b3: float, warmup_steps: int) -> Schedule:
     """
     b1 = check_finite("ademamix_b3_warmup", "b1", b1, OPEN_UNIT)
     b3 = check_finite("ademamix_b3_warmup", "b3", b3, OPEN_UNIT)
-    warmup_steps = check_int("ademamix_b3_warmup", "warmup_steps", warmup_steps)
+    warmup_steps = _check_steps("ademamix_b3_warmup", "warmup_steps", warmup_steps)
     if warmup_steps <= 0:
         return constant_schedule(b3)
     ln1, ln3 = math.log(b1), math.log(b3)

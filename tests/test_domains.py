@@ -192,9 +192,12 @@ SCHEDULE_ERRORS = [
     (lambda: S.linear_schedule(1e-3, NAN, 10), ValueError,
      "linear_schedule: end_value must be finite, got nan"),
     (lambda: S.linear_schedule(INF, 0.0, 10), ValueError, "linear_schedule: init_value"),
-    (lambda: S.linear_schedule(1.0, 0.0, 10.0), TypeError,
-     "linear_schedule: transition_steps must be an int"),
     (lambda: S.linear_schedule(1.0, 0.0, 10, 1.5), TypeError, "transition_begin"),
+    (lambda: S.linear_schedule(1.0, 0.0, 10.5), TypeError,
+     "linear_schedule: transition_steps must be an int"),
+    (lambda: S.cosine_decay_schedule(1.0, 10.5), TypeError, "decay_steps"),
+    (lambda: S.warmup_constant_schedule(0.0, 1.0, 4.5), TypeError, "warmup_constant_schedule"),
+    (lambda: S.ademamix_b3_warmup(0.9, 0.999, 1.5), TypeError, "warmup_steps"),
     (lambda: S.polynomial_schedule(1.0, 0.0, -1.0, 10), ValueError,
      "polynomial_schedule: power must be >= 0, got -1.0"),
     (lambda: S.polynomial_schedule(1.0, 0.0, NAN, 10), ValueError, "power must be finite"),
@@ -205,7 +208,6 @@ SCHEDULE_ERRORS = [
     (lambda: S.exponential_decay(1.0, 2.5, 0.5), TypeError, "transition_steps"),
     (lambda: S.cosine_decay_schedule(1.0, 0), ValueError,
      "cosine_decay_schedule: decay_steps must be a positive int, got 0"),
-    (lambda: S.cosine_decay_schedule(1.0, 10.0), TypeError, "decay_steps"),
     (lambda: S.cosine_decay_schedule(1.0, 10, alpha=NAN), ValueError, "alpha must be finite"),
     (lambda: S.cosine_decay_schedule(1.0, 10, exponent=-1.0), ValueError,
      "exponent must be >= 0"),
@@ -219,7 +221,6 @@ SCHEDULE_ERRORS = [
      "exponent must be >= 0"),
     (lambda: S.warmup_constant_schedule(0.0, NAN, 4), ValueError,
      "warmup_constant_schedule: end_value"),
-    (lambda: S.warmup_constant_schedule(0.0, 1.0, 4.0), TypeError, "warmup_constant_schedule"),
     (lambda: S.piecewise_constant_schedule(NAN, {2: 0.5}), ValueError, "init_value"),
     (lambda: S.piecewise_constant_schedule(1.0, {2: NAN}), ValueError,
      "scale at boundary 2 must be finite"),
@@ -241,7 +242,6 @@ SCHEDULE_ERRORS = [
      r"ademamix_b3_warmup: b1 must be in \(0, 1\), got 0.0"),
     (lambda: S.ademamix_b3_warmup(0.9, 1.0, 10), ValueError, r"b3 must be in \(0, 1\)"),
     (lambda: S.ademamix_b3_warmup(0.9, NAN, 10), ValueError, "b3 must be finite"),
-    (lambda: S.ademamix_b3_warmup(0.9, 0.999, 1.0), TypeError, "warmup_steps"),
 ]
 
 
@@ -270,3 +270,13 @@ def test_schedule_boundaries_are_accepted_and_train():
         _one_step(A.adam(sched))
     _one_step(A.ademamix(1e-2, b3=S.ademamix_b3_warmup(0.5, 0.999, 3),
                          alpha=S.ademamix_alpha_warmup(5.0, 3)))
+
+
+def test_schedule_step_counts_may_be_integral_floats():
+    """optax takes ``transition_steps=1e4``: a float of integer value is that int."""
+    for as_float, as_int in [(S.linear_schedule(1.0, 0.0, 1e2), S.linear_schedule(1.0, 0.0, 100)),
+                             (S.cosine_decay_schedule(1.0, 10.0), S.cosine_decay_schedule(1.0, 10)),
+                             (S.warmup_constant_schedule(0.0, 1.0, 4.0),
+                              S.warmup_constant_schedule(0.0, 1.0, 4))]:
+        for count in (0, 3, 50, 150):
+            assert float(as_float(count)) == float(as_int(count))
