@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ftopt.base import GradientTransformation
+from ftopt.base import GradientTransformation, check_transform
 from ftopt.rules import QuantConfig, RuleTransform
 
 __all__ = ["quantize_states"]
@@ -35,6 +35,7 @@ def quantize_states(
         block_size: elements per absmax (default: 256).
         min_size: smallest leaf with 8-bit state (default: 4096).
     """
+    check_transform(tx, "quantize_states: argument tx")
     if bits not in (8, 32):
         raise ValueError(f"quantize_states: bits must be 8 or 32, got {bits}")
     if block_size <= 0 or min_size < 0:

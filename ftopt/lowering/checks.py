@@ -83,5 +83,5 @@ class TensorCheck:
         try:
             return ((list(map(_shape, tensors)), list(map(_dtype, tensors))) == self.meta
                     and all(map(_is_contiguous, tensors)) and on_device(tensors, self.device))
-        except (AttributeError, TypeError):  # None or not a tensor
+        except (AttributeError, TypeError, RuntimeError):  # not a (dense) tensor
             return False
