@@ -156,8 +156,9 @@ def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransform
     """Like :func:`chain`; the state is an ``OrderedDict`` keyed by the given names."""
     for i, entry in enumerate(named):
         if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
-            got = (f"a tuple of length {len(entry)}" if isinstance(entry, tuple)
-                   else type(entry).__name__)
+            got = ("a GradientTransformation with no name" if isinstance(
+                entry, GradientTransformation) else f"a tuple of length {len(entry)}"
+                if isinstance(entry, tuple) else type(entry).__name__)
             raise TypeError(f"named_chain element {i}: expected a (name, transform) pair "
                             f"with a str name, got {got}")
     names = [n for n, _ in named]

@@ -197,10 +197,10 @@ class RuleTransform:
                             lambda: self._update(updates, state, params, None))
 
     def _update(self, updates, state, params, zero_mask):
+        from ftopt.validate import check_state_class  # (it imports this module)
+
         rule = self.rule
-        if (rule.slots or rule.counted) and not isinstance(state, rule.state_class):
-            raise ValueError(f"{rule.name} expects a {rule.state_class.__name__} state, got "
-                             f"{type(state).__name__} (a state made by another transform?)")
+        check_state_class(rule, state)
         spec = optree.tree_structure(updates, none_is_leaf=True, namespace="ftopt")
         paths = [tree_lib.path_str(p) for p in optree.tree_paths(
             updates, none_is_leaf=True, namespace="ftopt")]
@@ -252,7 +252,7 @@ class RuleTransform:
         for i, u in enumerate(u_flat):
             if u is None:
                 continue
-            check_leaf(paths[i], u, p_flat[i])
+            check_leaf(paths[i], u, p_flat[i], params is not None)
             check_slots(self, paths[i], u, p_flat[i], {n: v[i] for n, v in slots_flat.items()})
             if leaf_mask is None or leaf_mask[i]:
                 active.append(i)

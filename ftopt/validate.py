@@ -12,9 +12,30 @@ from typing import Any
 
 import torch
 
-from ftopt.rules import QuantizedSlot, RuleTransform, _check_param
+from ftopt.rules import QuantizedSlot, Rule, RuleTransform, _check_param
 
-__all__ = ["check_leaf", "check_slots", "check_count", "check_layout"]
+__all__ = ["check_leaf", "check_slots", "check_count", "check_layout", "check_state_class",
+           "check_state_tree"]
+
+
+def check_state_class(rule: Rule, state: Any) -> None:
+    """A stateful rule's state is its own NamedTuple (not another transform's)."""
+    if (rule.slots or rule.counted) and not isinstance(state, rule.state_class):
+        raise ValueError(f"{rule.name} expects a {rule.state_class.__name__} state, got "
+                         f"{type(state).__name__} (a state made by another transform?)")
+
+
+def check_state_tree(obj: Any, state: Any) -> None:
+    """The containers of a chain's state, checked in the order its eager ``update`` does
+    (so the fused path raises the same error): a tuple (or, named, a mapping) per chain,
+    each rule's own state class at its place."""
+    from ftopt.combine import Chain, owner
+
+    if isinstance(obj, RuleTransform):
+        check_state_class(obj.rule, state)
+    elif isinstance(obj, Chain):
+        for t, s in zip(obj.transforms, obj._inner_states(state)):
+            check_state_tree(owner(t), s)
 
 
 def check_layout(what: str, path: str, t: torch.Tensor) -> None:
@@ -25,15 +46,18 @@ def check_layout(what: str, path: str, t: torch.Tensor) -> None:
                         f"({hint})")
 
 
-def check_leaf(path: str, u: Any, p: Any) -> None:
+def check_leaf(path: str, u: Any, p: Any, params_given: bool = True) -> None:
     """One leaf's update (gradient) and param: a dense floating-point tensor each, of one
-    shape, on one device (``p`` is ``None`` for an update called without params)."""
+    shape, on one device (``params_given=False``: an update called without params)."""
     if not isinstance(u, torch.Tensor):
         raise TypeError(f"update at {path}: expected a tensor or None, got {type(u).__name__}")
     check_layout("grad", path, u)
     if not u.is_floating_point():
         raise TypeError(f"update at {path}: expected a floating-point tensor, got {u.dtype}")
     if p is None:
+        if params_given:
+            raise TypeError(f"params at {path}: expected a tensor, got NoneType (the params "
+                            "hold None where the gradient holds a tensor)")
         return
     _check_param(path, p)
     if p.shape != u.shape:

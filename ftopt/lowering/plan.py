@@ -24,7 +24,7 @@ from ftopt.base import GradientTransformation
 from ftopt.combine import owner
 from ftopt.rules import QuantizedSlot, RuleTransform, step_scalars
 from ftopt.stages import chain_stages
-from ftopt.validate import check_count, check_leaf, check_slots
+from ftopt.validate import check_count, check_leaf, check_slots, check_state_tree
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -172,14 +172,17 @@ def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
     paths, p_flat, spec = tree_lib.flatten_with_paths(params)
     g_flat = tree_lib.flatten_like(spec, grads, "grads", paths)
     return _full_call(plan, params, state, spec, paths, p_flat, g_flat, backend, donate,
-                      "p")
+                      "p", tx)
 
 
 def _full_call(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: str,
-               donate: bool, output: str):
+               donate: bool, output: str, tx=None):
     """Every check, new tables, the kernels: a step (``output="p"``) or an update
     (``"u"``; ``params`` may be ``None``, ``p_flat`` then holds stand-ins).
-    ``((new params or updates, new state), None)``, or ``(None, reason)``."""
+    ``((new params or updates, new state), None)``, or ``(None, reason)``. ``tx``: the
+    transform, whose state containers are checked as its eager update checks them."""
+    if tx is not None:
+        check_state_tree(owner(tx), state)
     stage_states = [_get_checked(state, path, stage) for path, stage in
                     zip(plan.state_paths, plan.stages)]
     slot_flat = [
@@ -191,7 +194,7 @@ def _full_call(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, back
     # The checks of the eager path (the same functions), before anything is written.
     for i in active:
         p = p_flat[i] if params is not None else None
-        check_leaf(paths[i], g_flat[i], p)
+        check_leaf(paths[i], g_flat[i], p, params is not None)
         for stage, slots in zip(plan.stages, slot_flat):
             check_slots(stage, paths[i], g_flat[i], p, {k: v[i] for k, v in slots.items()})
     for stage, st in zip(plan.stages, stage_states):
@@ -308,7 +311,8 @@ def fused_update_or_reason(tx, updates, state, params, backend: str):
             updates, none_is_leaf=True, namespace="ftopt")]
         g_flat = spec.flatten_up_to(updates)
         p_flat = list(g_flat)  # stand-ins: no rule reads them
-    return _full_call(plan, params, state, spec, paths, p_flat, g_flat, backend, False, "u")
+    return _full_call(plan, params, state, spec, paths, p_flat, g_flat, backend, False, "u",
+                      tx)
 
 
 def _fast_path_allowed(prepared, backend: str) -> bool:
