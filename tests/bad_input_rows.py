@@ -8,7 +8,6 @@ substrings its message must hold, and the entry points that do not apply with th
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,9 @@ class Row:
 
 ROWS: list[Row] = []
 
+# Fused-only refusals need tensors the kernels can run on: a GPU's, or the CPU's under
+# the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FUSED_ONLY = "valid input for the eager backend (only the fused kernels refuse it)"
 EAGER_ENTRIES = ("step-eager", "step-auto", "update-eager", "update-auto")
 NO_UPDATE = ("update-eager", "update-fused", "update-auto")
@@ -74,14 +76,15 @@ def _like(tree, gen):
     return ftopt.tree.map(lambda x: torch.randn(x.shape, generator=gen), tree)
 
 
-def _adam_case(name: str, tx=None):
+def adam_case(name: str, tx=None, device: str = "cpu"):
     """tx, params, fresh random grads, tx's state after one step (not all zeros)."""
     gen = _gen(name)
     tx = tx or ftopt.adam(1e-2)
-    params = _params(gen)
+    params = ftopt.tree.map(lambda x: x.to(device), _params(gen))
     state = tx.init(params)
-    _, state = ftopt.step(tx, params, _like(params, gen), state, backend="eager")
-    return tx, params, _like(params, gen), state
+    grads = ftopt.tree.map(lambda x: x.to(device), _like(params, gen))
+    _, state = ftopt.step(tx, params, grads, state, backend="eager")
+    return tx, params, ftopt.tree.map(lambda x: x.to(device), _like(params, gen)), state
 
 
 def _big(name: str):
@@ -91,7 +94,7 @@ def _big(name: str):
     return params, _like(params, gen), gen
 
 
-def _with_mu(state, **leaves):
+def with_mu(state, **leaves):
     inner = state[0]
     return (inner._replace(mu={**inner.mu, **leaves}), *state[1:])
 
@@ -137,7 +140,7 @@ def _():
     tx = ftopt.adam(1e-2, state_bits=8)
     state = tx.init(params)
     q = state[0].mu["w"]
-    return tx, params, grads, _with_mu(state, w=q._replace(codes=q.codes.long())), {}
+    return tx, params, grads, with_mu(state, w=q._replace(codes=q.codes.long())), {}
 
 
 @row("8bit_absmax_fp16", TypeError, ["state mu at ['w']", "absmax", "torch.float32"])
@@ -146,7 +149,7 @@ def _():
     tx = ftopt.adam(1e-2, state_bits=8)
     state = tx.init(params)
     q = state[0].mu["w"]
-    return tx, params, grads, _with_mu(state, w=q._replace(absmax=q.absmax.half())), {}
+    return tx, params, grads, with_mu(state, w=q._replace(absmax=q.absmax.half())), {}
 
 
 @row("8bit_codes_wrong_shape", ValueError, ["state mu at ['w']", "(64, 64)", "(4096,)"])
@@ -155,7 +158,7 @@ def _():
     tx = ftopt.adam(1e-2, state_bits=8)
     state = tx.init(params)
     q = state[0].mu["w"]
-    return tx, params, grads, _with_mu(state, w=q._replace(codes=q.codes.view(64, 64))), {}
+    return tx, params, grads, with_mu(state, w=q._replace(codes=q.codes.view(64, 64))), {}
 
 
 @row("8bit_absmax_on_meta", ValueError, ["state mu at ['w']", "on meta", "cpu"])
@@ -164,7 +167,7 @@ def _():
     tx = ftopt.adam(1e-2, state_bits=8)
     state = tx.init(params)
     q = state[0].mu["w"]
-    return tx, params, grads, _with_mu(state, w=q._replace(absmax=q.absmax.to("meta"))), {}
+    return tx, params, grads, with_mu(state, w=q._replace(absmax=q.absmax.to("meta"))), {}
 
 
 # ------------------------------------------------------------- layouts and devices
@@ -172,90 +175,90 @@ def _():
 
 @row("sparse_coo_grad", TypeError, ["grad at ['w']", "sparse", "g.to_dense()"])
 def _():
-    tx, params, grads, state = _adam_case("sparse_coo_grad")
+    tx, params, grads, state = adam_case("sparse_coo_grad")
     return tx, params, {**grads, "w": grads["w"].to_sparse()}, state, {}
 
 
 @row("sparse_csr_grad_skip_zeros", TypeError, ["grad at ['w']", "sparse", "g.to_dense()"])
 def _():
-    tx, params, grads, state = _adam_case("sparse_csr_grad_skip_zeros",
+    tx, params, grads, state = adam_case("sparse_csr_grad_skip_zeros",
                                           ftopt.adam(1e-2, skip_zeros=True))
     return tx, params, {**grads, "w": grads["w"].to_sparse_csr()}, state, {}
 
 
 @row("sparse_coo_param", TypeError, ["params at ['w']", "sparse"])
 def _():
-    tx, params, grads, state = _adam_case("sparse_coo_param")
+    tx, params, grads, state = adam_case("sparse_coo_param")
     return tx, {**params, "w": params["w"].to_sparse()}, grads, state, {}
 
 
 @row("sparse_state", TypeError, ["state mu at ['w']", "sparse"])
 def _():
-    tx, params, grads, state = _adam_case("sparse_state")
-    return tx, params, grads, _with_mu(state, w=state[0].mu["w"].to_sparse()), {}
+    tx, params, grads, state = adam_case("sparse_state")
+    return tx, params, grads, with_mu(state, w=state[0].mu["w"].to_sparse()), {}
 
 
 @row("grad_on_meta", ValueError, ["grad at ['w']: on meta", "param's device cpu"])
 def _():
-    tx, params, grads, state = _adam_case("grad_on_meta")
+    tx, params, grads, state = adam_case("grad_on_meta")
     return tx, params, {**grads, "w": grads["w"].to("meta")}, state, {}
 
 
 @row("state_on_meta", ValueError, ["state mu at ['w']: on meta", "param's device cpu"])
 def _():
-    tx, params, grads, state = _adam_case("state_on_meta")
-    return tx, params, grads, _with_mu(state, w=state[0].mu["w"].to("meta")), {}
+    tx, params, grads, state = adam_case("state_on_meta")
+    return tx, params, grads, with_mu(state, w=state[0].mu["w"].to("meta")), {}
 
 
 @row("param_on_meta", ValueError, ["grad at ['w']: on cpu", "param's device meta"])
 def _():
-    tx, params, grads, state = _adam_case("param_on_meta")
+    tx, params, grads, state = adam_case("param_on_meta")
     return tx, {**params, "w": params["w"].to("meta")}, grads, state, {}
 
 
 @fused_only("noncontiguous_grad", RuntimeError, ["grad at ['w'] is not contiguous"])
 def _():
-    tx, params, grads, state = _adam_case("noncontiguous_grad")
+    tx, params, grads, state = adam_case("noncontiguous_grad", device=DEVICE)
     return tx, params, {**grads, "w": grads["w"].t().contiguous().t()}, state, {}
 
 
 @fused_only("noncontiguous_state", RuntimeError, ["state mu at ['w'] is not contiguous"])
 def _():
-    tx, params, grads, state = _adam_case("noncontiguous_state")
-    return tx, params, grads, _with_mu(state, w=state[0].mu["w"].t().contiguous().t()), {}
+    tx, params, grads, state = adam_case("noncontiguous_state", device=DEVICE)
+    return tx, params, grads, with_mu(state, w=state[0].mu["w"].t().contiguous().t()), {}
 
 
 @fused_only("float64_params", RuntimeError,
             ["param at ['w']: dtype torch.float64 is not fp32/fp16/bf16"])
 def _():
-    tx, params, grads, state = _adam_case("float64_params")
+    tx, params, grads, state = adam_case("float64_params", device=DEVICE)
     return tx, {**params, "w": params["w"].double()}, grads, state, {}
 
 
 @fused_only("float64_grad", RuntimeError,
             ["grad at ['b']: dtype torch.float64 is not fp32/fp16/bf16"])
 def _():
-    tx, params, grads, state = _adam_case("float64_grad")
+    tx, params, grads, state = adam_case("float64_grad", device=DEVICE)
     return tx, params, {**grads, "b": grads["b"].double()}, state, {}
 
 
 @fused_only("fp16_state", RuntimeError, ["state mu at ['w']: dtype torch.float16 is not fp32"])
 def _():
-    tx, params, grads, state = _adam_case("fp16_state")
-    return tx, params, grads, _with_mu(state, w=state[0].mu["w"].half()), {}
+    tx, params, grads, state = adam_case("fp16_state", device=DEVICE)
+    return tx, params, grads, with_mu(state, w=state[0].mu["w"].half()), {}
 
 
 @fused_only("param_requires_grad", RuntimeError, ["param requires grad at ['w']"],
             donate=(False,))  # a donated step is never differentiable: it fuses
 def _():
-    tx, params, grads, state = _adam_case("param_requires_grad")
+    tx, params, grads, state = adam_case("param_requires_grad", device=DEVICE)
     return tx, {**params, "w": params["w"].clone().requires_grad_()}, grads, state, {}
 
 
 @fused_only("grad_requires_grad", RuntimeError, ["gradient requires grad at ['w']"],
             also={"step-fused": "a step is not differentiable in its gradients: it fuses"})
 def _():
-    tx, params, grads, state = _adam_case("grad_requires_grad")
+    tx, params, grads, state = adam_case("grad_requires_grad", device=DEVICE)
     return tx, params, {**grads, "w": grads["w"].clone().requires_grad_()}, state, {}
 
 
@@ -264,81 +267,81 @@ def _():
 
 @row("grads_missing_key", ValueError, ["['w']", "missing"])
 def _():
-    tx, params, grads, state = _adam_case("grads_missing_key")
+    tx, params, grads, state = adam_case("grads_missing_key")
     del grads["w"]
     return tx, params, grads, state, {}
 
 
 @row("grads_extra_key", ValueError, ["['v']", "unexpected"])
 def _():
-    tx, params, grads, state = _adam_case("grads_extra_key")
+    tx, params, grads, state = adam_case("grads_extra_key")
     return tx, params, {**grads, "v": torch.randn(2)}, state, {}
 
 
 @row("grads_list_too_long", ValueError, ["['out']", "length 2", "length 3"])
 def _():
-    tx, params, grads, state = _adam_case("grads_list_too_long")
+    tx, params, grads, state = adam_case("grads_list_too_long")
     return tx, params, {**grads, "out": [*grads["out"], torch.randn(1)]}, state, {}
 
 
 @row("grads_wrong_container", ValueError, ["['out']", "list", "tuple"])
 def _():
-    tx, params, grads, state = _adam_case("grads_wrong_container")
+    tx, params, grads, state = adam_case("grads_wrong_container")
     return tx, params, {**grads, "out": tuple(grads["out"])}, state, {}
 
 
 @row("grad_where_params_hold_none", (ValueError, TypeError), ["['w']", "NoneType"])
 def _():
-    tx, params, grads, _ = _adam_case("grad_where_params_hold_none")
+    tx, params, grads, _ = adam_case("grad_where_params_hold_none")
     params = {**params, "w": None}
     return tx, params, grads, tx.init(params), {}
 
 
 @row("state_for_a_smaller_model", ValueError, ["['w']", "missing"])
 def _():
-    tx, params, grads, _ = _adam_case("state_for_a_smaller_model")
+    tx, params, grads, _ = adam_case("state_for_a_smaller_model")
     return tx, params, grads, tx.init({k: v for k, v in params.items() if k != "w"}), {}
 
 
 @row("state_extra_key", ValueError, ["['z']", "unexpected"])
 def _():
-    tx, params, grads, _ = _adam_case("state_extra_key")
+    tx, params, grads, _ = adam_case("state_extra_key")
     return tx, params, grads, tx.init({**params, "z": torch.randn(2)}), {}
 
 
 @row("state_slot_none", TypeError, ["state mu at ['w']", "expected a tensor", "NoneType"])
 def _():
-    tx, params, grads, state = _adam_case("state_slot_none")
-    return tx, params, grads, _with_mu(state, w=None), {}
+    tx, params, grads, state = adam_case("state_slot_none")
+    return tx, params, grads, with_mu(state, w=None), {}
 
 
 @row("state_wrong_type", ValueError, ["ScaleByAdamState", "dict"])
 def _():
-    tx, params, grads, state = _adam_case("state_wrong_type")
+    tx, params, grads, state = adam_case("state_wrong_type")
     return tx, params, grads, (state[0]._asdict(), state[1]), {}
 
 
 @row("state_of_another_optimizer", ValueError, ["ScaleByAdamState", "TraceState"])
 def _():
-    tx, params, grads, _ = _adam_case("state_of_another_optimizer")
+    tx, params, grads, _ = adam_case("state_of_another_optimizer")
     return tx, params, grads, ftopt.sgd(0.1, momentum=0.9).init(params), {}
 
 
 @row("chain_state_too_short", ValueError, ["2 transforms", "length 1"])
 def _():
-    tx, params, grads, state = _adam_case("chain_state_too_short")
+    tx, params, grads, state = adam_case("chain_state_too_short")
     return tx, params, grads, state[:1], {}
 
 
 @row("state_none", ValueError, ["2 states", "NoneType"])
 def _():
-    tx, params, grads, _ = _adam_case("state_none")
+    tx, params, grads, _ = adam_case("state_none")
     return tx, params, grads, None, {}
 
 
 @row("adamw_mask_missing_key", ValueError, ["mask", "['w']", "missing"])
 def _():
-    _, params, grads, state = _adam_case("adamw_mask_missing_key", ftopt.adamw(1e-2, mask={
+    _, params, grads, state = adam_case("adamw_mask_missing_key", ftopt.adamw(1e-2, mask={
         "w": True, "b": False, "out": [True, True]}))
     bad = ftopt.adamw(1e-2, mask={"b": False, "out": [True, True]})
     return bad, params, grads, state, {}
@@ -351,7 +354,7 @@ NOT_FUSIBLE = {"step-fused": "backend='fused' refuses the transform (no elementw
 @row("masked_mask_wrong_structure", ValueError, ["mask", "['out']", "length 2"],
      skip=NOT_FUSIBLE)
 def _():
-    tx, params, grads, state = _adam_case("masked_mask_wrong_structure", ftopt.masked(
+    tx, params, grads, state = adam_case("masked_mask_wrong_structure", ftopt.masked(
         ftopt.adam(1e-2), {"w": True, "b": False, "out": [True, False]}))
     bad = ftopt.masked(ftopt.adam(1e-2), {"w": True, "b": False, "out": [True]})
     return bad, params, grads, state, {}
@@ -362,215 +365,7 @@ def _():
 def _():
     labels = {"w": "a", "b": "b", "out": ["a", "b"]}
     txs = {"a": ftopt.adam(1e-2), "b": ftopt.sgd(0.1)}
-    _, params, grads, state = _adam_case("partition_label_without_transform",
+    _, params, grads, state = adam_case("partition_label_without_transform",
                                          ftopt.partition(txs, labels))
     bad = ftopt.partition(txs, {**labels, "out": ["a", "c"]})
     return bad, params, grads, state, {}
-
-
-# ------------------------------------------------------------- shapes and dtypes
-
-
-@row("grad_wrong_shape", ValueError, ["['w']", "(2, 3)", "(3, 2)"])
-def _():
-    tx, params, grads, state = _adam_case("grad_wrong_shape")
-    return tx, params, {**grads, "w": grads["w"].reshape(2, 3)}, state, {}
-
-
-@row("state_wrong_shape", ValueError, ["state mu at ['w']", "(2, 3)", "(3, 2)"])
-def _():
-    tx, params, grads, state = _adam_case("state_wrong_shape")
-    return tx, params, grads, _with_mu(state, w=state[0].mu["w"].reshape(2, 3)), {}
-
-
-@row("zero_dim_leaf_wrong_shape", ValueError, ["['s']", "(1,)", "()"])
-def _():
-    tx, params, grads, _ = _adam_case("zero_dim_leaf_wrong_shape")
-    params = {**params, "s": torch.randn(())}
-    return tx, params, {**grads, "s": torch.randn(1)}, tx.init(params), {}
-
-
-@row("empty_leaf_wrong_shape", ValueError, ["['e']", "(0, 3)", "(0,)"])
-def _():
-    tx, params, grads, _ = _adam_case("empty_leaf_wrong_shape")
-    params = {**params, "e": torch.randn(0)}
-    return tx, params, {**grads, "e": torch.randn(0, 3)}, tx.init(params), {}
-
-
-@row("int_params", TypeError, ["params at ['w']", "floating-point", "torch.int64"])
-def _():
-    tx, params, grads, state = _adam_case("int_params")
-    return tx, {**params, "w": torch.randint(-5, 5, (3, 2))}, grads, state, {}
-
-
-@row("complex_params", TypeError, ["params at ['b']", "floating-point", "torch.complex64"])
-def _():
-    tx, params, grads, state = _adam_case("complex_params")
-    return tx, {**params, "b": torch.randn(2, dtype=torch.complex64)}, grads, state, {}
-
-
-@row("int_grads", TypeError, ["update at ['w']", "floating-point", "torch.int32"])
-def _():
-    tx, params, grads, state = _adam_case("int_grads")
-    return tx, params, {**grads, "w": torch.randint(-5, 5, (3, 2), dtype=torch.int32)}, \
-        state, {}
-
-
-@row("bool_grads", TypeError, ["update at ['b']", "floating-point", "torch.bool"])
-def _():
-    tx, params, grads, state = _adam_case("bool_grads")
-    return tx, params, {**grads, "b": torch.tensor([True, False])}, state, {}
-
-
-@row("complex_grads", TypeError, ["update at ['out'][1]", "torch.complex64"])
-def _():
-    tx, params, grads, state = _adam_case("complex_grads")
-    out = [grads["out"][0], torch.randn(1, dtype=torch.complex64)]
-    return tx, params, {**grads, "out": out}, state, {}
-
-
-@row("str_grad_leaf", TypeError, ["update at ['b']", "tensor", "str"])
-def _():
-    tx, params, grads, state = _adam_case("str_grad_leaf")
-    return tx, params, {**grads, "b": "0.1"}, state, {}
-
-
-@row("int_state_leaf", TypeError, ["state nu at ['w']", "floating-point", "torch.int32"])
-def _():
-    tx, params, grads, state = _adam_case("int_state_leaf")
-    inner = state[0]
-    nu = {**inner.nu, "w": inner.nu["w"].to(torch.int32)}
-    return tx, params, grads, (inner._replace(nu=nu), state[1]), {}
-
-
-# ------------------------------------------------------------------ step counts
-
-
-def _count_row(name: str, count_fn, fragments):
-    @row(name, ValueError, ["scale_by_adam", "state.count", *fragments])
-    def _():
-        tx, params, grads, state = _adam_case(name)
-        return tx, params, grads, (state[0]._replace(count=count_fn()), state[1]), {}
-
-
-_count_row("count_float_tensor", lambda: torch.tensor(1.0), ["0-d integer tensor",
-                                                             "torch.float32"])
-_count_row("count_python_int", lambda: 1, ["0-d integer tensor", "got int"])
-_count_row("count_1d", lambda: torch.ones(2, dtype=torch.int32), ["0-d integer", "(2,)"])
-_count_row("count_bool", lambda: torch.tensor(True), ["0-d integer tensor", "torch.bool"])
-_count_row("count_none", lambda: None, ["0-d integer tensor", "NoneType"])
-_count_row("count_on_meta", lambda: torch.zeros((), dtype=torch.int32, device="meta"),
-           ["meta"])
-
-
-# ------------------------------------------------------------- arguments of calls
-
-
-@row("backend_bogus", ValueError, ["backend", "'bogus'", "'fused'"])
-def _():
-    return (*_adam_case("backend_bogus"), {"backend": "bogus"})
-
-
-@row("update_needs_params", ValueError, ["add_decayed_weights", "needs params"],
-     skip={e: "step always has params" for e in ("step-eager", "step-fused", "step-auto")})
-def _():
-    tx, params, grads, state = _adam_case("update_needs_params", ftopt.adamw(1e-2))
-    return tx, params, grads, state, {"params": None}
-
-
-@row("step_tx_is_a_function", TypeError, ["step: argument tx", "function"],
-     skip={e: "a function has no update method to call" for e in NO_UPDATE})
-def _():
-    _, params, grads, state = _adam_case("step_tx_is_a_function")
-    return (lambda u, s, p=None: (u, s)), params, grads, state, {}
-
-
-@row("step_tx_is_none", TypeError, ["step: argument tx", "NoneType"],
-     skip={e: "None has no update method to call" for e in NO_UPDATE})
-def _():
-    _, params, grads, state = _adam_case("step_tx_is_none")
-    return None, params, grads, state, {}
-
-
-# --------------------------------------------- construction (build() itself raises)
-
-
-def _fn(u, p):
-    return u
-
-
-@build_row("chain_of_a_function", TypeError, ["chain element 0", "function", "'_fn'"])
-def _():
-    return ftopt.chain(_fn)
-
-
-@build_row("chain_with_none", TypeError, ["chain element 1", "NoneType"])
-def _():
-    return ftopt.chain(ftopt.adam(1e-2), None)
-
-
-@build_row("chain_of_an_uncalled_alias", TypeError, ["chain element 0", "'adam'",
-                                                     "ftopt.adam(1e-3)"])
-def _():
-    return ftopt.chain(ftopt.adam)
-
-
-@build_row("named_chain_of_a_function", TypeError, ["named_chain element 0 ('a')", "function"])
-def _():
-    return ftopt.named_chain(("a", _fn))
-
-
-@build_row("named_chain_not_pairs", TypeError, ["named_chain element 0", "(name, transform)",
-                                                "GradientTransformation"])
-def _():
-    return ftopt.named_chain(ftopt.adam(1e-2))
-
-
-@build_row("masked_of_a_function", TypeError, ["masked: argument inner", "function"])
-def _():
-    return ftopt.masked(_fn, {"w": True})
-
-
-@build_row("partition_of_a_function", TypeError, ["partition: transforms['a']", "function"])
-def _():
-    return ftopt.partition({"a": _fn}, {"w": "a"})
-
-
-@build_row("partition_of_a_list", TypeError, ["partition: argument transforms", "list"])
-def _():
-    return ftopt.partition([ftopt.adam(1e-2)], {"w": 0})
-
-
-@build_row("skip_zeros_of_a_function", TypeError, ["skip_zeros: argument inner", "function"])
-def _():
-    return ftopt.skip_zeros(_fn)
-
-
-@build_row("quantize_states_of_none", TypeError, ["quantize_states: argument tx", "NoneType"])
-def _():
-    return ftopt.quantize_states(None)
-
-
-@build_row("explain_of_a_function", TypeError, ["explain: argument tx", "function"])
-def _():
-    return ftopt.explain(_fn, {"w": torch.randn(2)})
-
-
-@build_row("explain_backend_bogus", ValueError, ["backend", "'bogus'"])
-def _():
-    return ftopt.explain(ftopt.adam(1e-2), {"w": torch.randn(2)}, backend="bogus")
-
-
-@build_row("learning_rate_str", TypeError, ["learning_rate", "str"])
-def _():
-    return ftopt.adam("0.1")
-
-
-@build_row("learning_rate_nan", ValueError, ["learning_rate", "finite"])
-def _():
-    return ftopt.adam(math.nan)
-
-
-@build_row("b1_list", TypeError, ["b1", "list"])
-def _():
-    return ftopt.adam(1e-2, b1=[0.9])

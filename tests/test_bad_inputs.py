@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import bad_input_rows_more  # noqa: F401 - registers the rest of the rows
 import pytest
 import torch
-from bad_input_rows import ROWS, Row
+from bad_input_rows import DEVICE, ROWS, Row
 
 import ftopt
 
@@ -136,6 +137,7 @@ def test_explain_names_the_refused_leaf():
     gen = torch.Generator().manual_seed(5)
     params = {"a": torch.randn(3, generator=gen), "w": torch.randn(3, 2, generator=gen)}
     grads = {"a": torch.randn(3, generator=gen), "w": torch.randn(2, 3, generator=gen).t()}
+    params, grads = ftopt.tree.map(lambda x: x.to(DEVICE), (params, grads))
     text = ftopt.explain(ftopt.adam(1e-2), params, grads, backend="fused", file=_Null())
     assert "path: eager (grad at ['w'] is not contiguous)" in text
     wide = {"a": params["a"], "w": params["w"].double()}
@@ -156,8 +158,8 @@ def test_checked_before_the_cached_fused_paths():
     state, sparse or misplaced gradients) still get the full checks and their errors."""
     gen = torch.Generator().manual_seed(6)
     tx = ftopt.adam(1e-2)
-    params = {"w": torch.randn(64, 64, generator=gen)}
-    grads = {"w": torch.randn(64, 64, generator=gen)}
+    params = {"w": torch.randn(64, 64, generator=gen).to(DEVICE)}
+    grads = {"w": torch.randn(64, 64, generator=gen).to(DEVICE)}
     state = tx.init(params)
     ftopt.step(tx, params, grads, state, backend="fused")  # caches the functional tables
     eight = ftopt.adam(1e-2, state_bits=8).init(params)
@@ -177,3 +179,29 @@ def test_checked_before_the_cached_fused_paths():
             fn()
         assert fragment in str(info.value)
         snap.check()
+
+
+@pytest.mark.parametrize("case", ["sparse_update", "sparse_param", "update_on_meta"])
+def test_apply_updates_names_the_leaf(case):
+    gen = torch.Generator().manual_seed(7)
+    params = {"b": torch.randn(2, generator=gen), "w": torch.randn(3, 2, generator=gen)}
+    updates = {"b": torch.randn(2, generator=gen), "w": torch.randn(3, 2, generator=gen)}
+    error, fragments = {
+        "sparse_update": (TypeError, ["apply_updates at ['w']", "update is a sparse",
+                                      ".to_dense()"]),
+        "sparse_param": (TypeError, ["apply_updates at ['w']", "param is a sparse"]),
+        "update_on_meta": (ValueError, ["apply_updates at ['w']", "on meta",
+                                        "param's device cpu"]),
+    }[case]
+    if case == "sparse_update":
+        updates["w"] = updates["w"].to_sparse()
+    elif case == "sparse_param":
+        params["w"] = params["w"].to_sparse()
+    else:
+        updates["w"] = updates["w"].to("meta")
+    snap = Snapshot(params, updates)
+    with pytest.raises(error) as info:
+        ftopt.apply_updates(params, updates)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    snap.check()

@@ -35,12 +35,12 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     element. ``grads`` defaults to gradients shaped and typed like the params.
     """
     check_transform(tx, "explain: argument tx")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     paths, p_flat, spec = tree_lib.flatten_with_paths(params)
     g_flat = (tree_lib.flatten_like(spec, grads, "grads", paths) if grads is not None
               else list(p_flat))
     active = [i for i, g in enumerate(g_flat) if g is not None]
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     for i in active:  # what step would raise, named the same way
         check_leaf(paths[i], g_flat[i], p_flat[i])
     plan = plan_chain(tx)
