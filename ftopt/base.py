@@ -23,6 +23,7 @@ __all__ = [
     "set_to_zero",
     "stateless",
     "register_state",
+    "check_transform",
 ]
 
 
@@ -49,6 +50,25 @@ class GradientTransformation(NamedTuple):
 
     init: TransformInitFn
     update: TransformUpdateFn
+
+
+def check_transform(tx: Any, what: str) -> None:
+    """Raise a ``TypeError`` naming ``what`` unless ``tx`` is a ``GradientTransformation``.
+
+    Checked where a transform is handed over (combinators, ``step``, ``explain``): a plain
+    function or ``None`` would otherwise fail much later, as an ``AttributeError`` about
+    ``update`` that does not say which argument was wrong.
+    """
+    if isinstance(tx, GradientTransformation) and callable(tx.init) and callable(tx.update):
+        return
+    if isinstance(tx, GradientTransformation):
+        got = "a GradientTransformation whose init or update is not callable"
+    else:
+        name = getattr(tx, "__qualname__", None) if callable(tx) else None
+        got = type(tx).__name__ + (f" {name!r}" if isinstance(name, str) else "")
+    hint = ("; call a factory (ftopt.adam(1e-3), not ftopt.adam), or wrap a function "
+            "of (updates, params) with ftopt.stateless(fn)" if callable(tx) else "")
+    raise TypeError(f"{what}: expected a GradientTransformation, got {got}{hint}")
 
 
 class EmptyState(NamedTuple):

@@ -14,7 +14,13 @@ from typing import Any, NamedTuple
 import torch
 
 from ftopt import tree as tree_lib
-from ftopt.base import EmptyState, GradientTransformation, register_owner, register_state
+from ftopt.base import (
+    EmptyState,
+    GradientTransformation,
+    check_transform,
+    register_owner,
+    register_state,
+)
 from ftopt.rules import RuleTransform
 
 __all__ = [
@@ -36,8 +42,16 @@ def owner(tx: GradientTransformation) -> Any:
 
 
 def zero_mask_of(updates) -> Any:
-    """``g == 0`` for every leaf (``+0.0`` and ``-0.0``; NaN is not zero)."""
-    return tree_lib.map(lambda g: g == 0, updates)
+    """``g == 0`` for every leaf (``+0.0`` and ``-0.0``; NaN is not zero).
+
+    A leaf that is not a dense tensor is passed through as it is: the rules' checks then
+    name what is wrong with it (``==`` on a sparse tensor would raise torch's error first).
+    """
+    return tree_lib.map(_zero, updates)
+
+
+def _zero(g):
+    return g == 0 if isinstance(g, torch.Tensor) and g.layout == torch.strided else g
 
 
 def _mask_aware(tx: GradientTransformation) -> bool:
@@ -72,8 +86,9 @@ class Chain:
     def __init__(self, transforms: Sequence[GradientTransformation],
                  names: Sequence[str] | None = None):
         for i, t in enumerate(transforms):
-            if not isinstance(t, GradientTransformation):
-                raise TypeError(f"chain element {i} is not a GradientTransformation: {t!r}")
+            what = (f"chain element {i}" if names is None
+                    else f"named_chain element {i} ({names[i]!r})")
+            check_transform(t, what)
         self.transforms = tuple(transforms)
         self.names = tuple(names) if names is not None else None
         self.skip_zeros = any(isinstance(owner(t), SkipZeros) for t in self.transforms)
@@ -139,6 +154,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransformation:
     """Like :func:`chain`; the state is an ``OrderedDict`` keyed by the given names."""
+    for i, entry in enumerate(named):
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
+            got = ("a GradientTransformation with no name" if isinstance(
+                entry, GradientTransformation) else f"a tuple of length {len(entry)}"
+                if isinstance(entry, tuple) else type(entry).__name__)
+            raise TypeError(f"named_chain element {i}: expected a (name, transform) pair "
+                            f"with a str name, got {got}")
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain names must be unique, got {names}")
@@ -155,6 +177,8 @@ def skip_zeros(inner: GradientTransformation | None = None) -> GradientTransform
     the chain keeps its pre-step value; step counts advance. Every other element is
     bit-identical to the result without ``skip_zeros``. Norms see the skipped elements as 0.
     """
+    if inner is not None:
+        check_transform(inner, "skip_zeros: argument inner")
     obj = SkipZeros()
     marker = GradientTransformation(obj.init, obj.update)
     if inner is None:
@@ -181,6 +205,7 @@ class Masked:
     """Applies ``inner`` to the leaves where ``mask`` is True; others pass through."""
 
     def __init__(self, inner: GradientTransformation, mask: Any):
+        check_transform(inner, "masked: argument inner")
         self.inner = inner
         self.mask = mask
         register_owner(self)
@@ -247,6 +272,11 @@ class Partition:
 
     def __init__(self, transforms: Mapping[Any, GradientTransformation],
                  param_labels: Any | Callable[[Any], Any]):
+        if not isinstance(transforms, Mapping):
+            raise TypeError("partition: argument transforms must be a mapping of label to "
+                            f"transform, got {type(transforms).__name__}")
+        for label, tx in transforms.items():
+            check_transform(tx, f"partition: transforms[{label!r}]")
         self.labels = list(transforms)
         self.user_transforms = dict(transforms)
         self.param_labels = param_labels

@@ -114,6 +114,9 @@ def _prepare(tx, stages, params, grads, state, donate: bool) -> _Prepared:
                for name, leaves in by_name.items()]
     grad_mode = torch.is_grad_enabled()
     tensor = torch.Tensor
+    strided = torch.strided
+    quant_min = min((stage.quant.min_size for stage, _ in stages if stage.quant is not None
+                     and stage.rule.slots), default=float("inf"))
     active = []
     groups: dict[tuple, list[int]] = {}
     for i, g in enumerate(g_flat):
@@ -129,11 +132,13 @@ def _prepare(tx, stages, params, grads, state, donate: bool) -> _Prepared:
             raise _Unsupported
         shape = g.shape
         if not (g.is_floating_point() and p.is_floating_point() and p.shape == shape
-                and g.is_cpu and p.is_cpu):
+                and g.is_cpu and p.is_cpu and g.layout is strided and p.layout is strided):
             raise _Unsupported
+        if leaf_slots and g.numel() >= quant_min:
+            raise _Unsupported  # 8-bit states (or a 32-bit one where 8-bit is expected)
         for t in leaf_slots:  # (8-bit states are not tensors: the generic path)
             if not isinstance(t, tensor) or t.shape != shape or not t.is_floating_point() \
-                    or not t.is_cpu:
+                    or not t.is_cpu or t.layout is not strided:
                 raise _Unsupported
         if grad_mode and (g.requires_grad or p.requires_grad or any(
                 t.requires_grad for t in leaf_slots)):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ftopt.base import GradientTransformation
+from ftopt.base import GradientTransformation, check_transform
 from ftopt.domains import check_int
 from ftopt.rules import QuantConfig, RuleTransform
 
@@ -42,6 +42,7 @@ def quantize_states(
         TypeError: an argument that is not an int (``bool`` and floats included).
         ValueError: ``bits`` not 8 or 32, ``block_size`` < 1 or ``min_size`` < 0.
     """
+    check_transform(tx, "quantize_states: argument tx")
     bits = check_int("quantize_states", "bits", bits)
     if bits not in (8, 32):
         raise ValueError(f"quantize_states: bits must be 8 or 32, got {bits}")

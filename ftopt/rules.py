@@ -187,10 +187,10 @@ class RuleTransform:
                             lambda: self._update(updates, state, params, None))
 
     def _update(self, updates, state, params, zero_mask):
+        from ftopt.validate import check_state_class  # (it imports this module)
+
         rule = self.rule
-        if (rule.slots or rule.counted) and not isinstance(state, rule.state_class):
-            raise ValueError(f"{rule.name} expects a {rule.state_class.__name__} state, got "
-                             f"{type(state).__name__} (a state made by another transform?)")
+        check_state_class(rule, state)
         spec = optree.tree_structure(updates, none_is_leaf=True, namespace="ftopt")
         paths = [tree_lib.path_str(p) for p in optree.tree_paths(
             updates, none_is_leaf=True, namespace="ftopt")]
@@ -235,12 +235,15 @@ class RuleTransform:
         return tree_lib.flatten_like(spec, params, "params", paths, against="updates")
 
     def _active_leaves(self, u_flat, p_flat, slots_flat, paths, params) -> list[int]:
+        from ftopt.validate import check_leaf, check_slots  # (it imports this module)
+
         leaf_mask = self._leaf_mask(params, len(u_flat), paths)
         active = []
         for i, u in enumerate(u_flat):
             if u is None:
                 continue
-            _check_leaf(paths[i], u, p_flat[i], {n: v[i] for n, v in slots_flat.items()})
+            check_leaf(paths[i], u, p_flat[i], params is not None)
+            check_slots(self, paths[i], u, p_flat[i], {n: v[i] for n, v in slots_flat.items()})
             if leaf_mask is None or leaf_mask[i]:
                 active.append(i)
         return active
@@ -262,9 +265,10 @@ class RuleTransform:
     def _advance_count(self, state):
         if not self.rule.counted:
             return None, None, None
+        from ftopt.validate import check_count
+
         count = state.count
-        if not isinstance(count, torch.Tensor) or count.ndim != 0 or count.is_floating_point():
-            raise ValueError(f"{self.rule.name}: state.count must be a 0-d integer tensor")
+        check_count(self.rule.name, count)
         new_count = count + 1
         known = host_count(count)
         if known is None and count.device.type == "cpu" and not eager.functorch_active():
@@ -415,30 +419,14 @@ def _keep_skipped_blocks(old: QuantizedSlot, codes, absmax, mask, quant: QuantCo
     return codes, absmax
 
 
-def _check_leaf(path: str, u, p, slots: dict) -> None:
-    if not isinstance(u, torch.Tensor):
-        raise TypeError(f"update at {path}: expected a tensor or None, got {type(u).__name__}")
-    if not u.is_floating_point():
-        raise TypeError(f"update at {path}: expected a floating-point tensor, got {u.dtype}")
-    if p is not None:
-        _check_param(path, p)
-        if p.shape != u.shape:
-            raise ValueError(f"update at {path}: shape {tuple(u.shape)} does not match the "
-                             f"param's shape: expected {tuple(p.shape)}")
-    for name, s in slots.items():
-        shape = s.codes.shape if isinstance(s, QuantizedSlot) else getattr(s, "shape", None)
-        if shape != u.shape:
-            got = tuple(shape) if shape is not None else type(s).__name__
-            raise ValueError(f"state {name} at {path}: shape {got} does not match the "
-                             f"update's shape: expected {tuple(u.shape)}")
-        if isinstance(s, torch.Tensor) and not s.is_floating_point():
-            raise TypeError(f"state {name} at {path}: expected a floating-point tensor, got "
-                            f"{s.dtype}")
-
-
 def _check_param(path: str, p) -> None:
+    """A param is a dense floating-point tensor (also checked by ``init``: a state built
+    for an int or sparse param would fail only at the first step)."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"params at {path}: expected a tensor, got {type(p).__name__}")
+    if p.layout != torch.strided:
+        raise TypeError(f"params at {path}: a sparse tensor ({p.layout}) is not supported "
+                        "(expected a dense tensor)")
     if not p.is_floating_point():
         raise TypeError(f"params at {path}: expected a floating-point tensor, got {p.dtype}")
 

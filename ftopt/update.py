@@ -8,7 +8,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
-from ftopt.base import GradientTransformation
+from ftopt.base import GradientTransformation, check_transform
 from ftopt.eager_step import eager_step
 
 __all__ = ["apply_updates", "step"]
@@ -26,9 +26,16 @@ def _apply_leaf(path: str, p, u):
         which, t = ("param", p) if not p.is_floating_point() else ("update", u)
         raise TypeError(f"apply_updates at {path}: expected a floating-point {which}, got "
                         f"{t.dtype}")
+    if p.layout != torch.strided or u.layout != torch.strided:
+        which, t = ("param", p) if p.layout != torch.strided else ("update", u)
+        raise TypeError(f"apply_updates at {path}: the {which} is a sparse tensor "
+                        f"({t.layout}); expected dense tensors (densify with .to_dense())")
     if u.shape != p.shape:
         raise ValueError(f"apply_updates at {path}: update shape {tuple(u.shape)} does not "
                          f"match param shape {tuple(p.shape)}")
+    if u.device != p.device:
+        raise ValueError(f"apply_updates at {path}: update on {u.device}, expected the "
+                         f"param's device {p.device}")
     compute = torch.promote_types(torch.promote_types(p.dtype, u.dtype), torch.float32)
     return (p.to(compute) + u.to(compute)).to(p.dtype)
 
@@ -66,6 +73,7 @@ def step(
     Returns:
         ``(new_params, new_state)``.
     """
+    check_transform(tx, "step: argument tx")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if torch.compiler.is_compiling():

@@ -76,5 +76,5 @@ class TensorCheck:
             return ((list(map(_shape, tensors)), list(map(_dtype, tensors)),
                      list(map(_device, tensors))) == self.meta
                     and all(map(_is_contiguous, tensors)))
-        except (AttributeError, TypeError):  # None or not a tensor
+        except (AttributeError, TypeError, RuntimeError):  # not a (dense) tensor
             return False

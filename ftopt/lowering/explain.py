@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ftopt import tree as tree_lib
+from ftopt.base import GradientTransformation, check_transform
 from ftopt.lowering.plan import _DTYPE_BYTES, call_reason, plan_chain
+from ftopt.validate import check_leaf
+
+_BACKENDS = ("auto", "fused", "eager")
 
 __all__ = ["explain"]
 
@@ -20,20 +26,26 @@ def _reduction_reads(traced, level: int, p_bytes: int, g_bytes: int) -> int:
     return total
 
 
-def explain(tx, params, grads=None, *, backend: str = "auto", file=None) -> str:
+def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
+            backend: str = "auto", file: Any = None) -> str:
     """Prints (and returns) the plan of ``ftopt.step(tx, params, grads, ...)``.
 
     Per group of leaves sharing (device, param dtype, grad dtype): the path (fused or
     eager) and the reason, kernel launches per step, and bytes read and written per
     element. ``grads`` defaults to gradients shaped and typed like the params.
     """
+    check_transform(tx, "explain: argument tx")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     paths, p_flat, spec = tree_lib.flatten_with_paths(params)
     g_flat = (tree_lib.flatten_like(spec, grads, "grads", paths) if grads is not None
               else list(p_flat))
     active = [i for i, g in enumerate(g_flat) if g is not None]
+    for i in active:  # what step would raise, named the same way
+        check_leaf(paths[i], g_flat[i], p_flat[i])
     plan = plan_chain(tx)
-    reason = call_reason(plan, p_flat, g_flat, active, backend) if backend != "eager" \
-        else "backend='eager' was asked for"
+    reason = call_reason(plan, p_flat, g_flat, active, backend, paths=paths) \
+        if backend != "eager" else "backend='eager' was asked for"
     lines = [f"ftopt plan: {len(plan.stages)} elementwise stages"
              + (f" ({', '.join(s.rule.name for s in plan.stages)})" if plan.stages else "")
              + (", skip_zeros" if any(plan.skips) else "")]

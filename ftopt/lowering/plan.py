@@ -22,8 +22,9 @@ from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
 from ftopt.base import GradientTransformation
 from ftopt.combine import owner
-from ftopt.rules import QuantizedSlot, RuleTransform, _check_leaf, step_scalars
+from ftopt.rules import QuantizedSlot, RuleTransform, step_scalars
 from ftopt.stages import chain_stages
+from ftopt.validate import check_count, check_leaf, check_slots, check_state_tree
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -88,11 +89,13 @@ def _interpreting() -> bool:
 
 
 def call_reason(plan: ChainPlan, p_flat, g_flat, active, backend: str,
-                grads_too: bool = False, donate: bool = False) -> str | None:
-    """Why this call cannot fuse (``None`` if it can). ``grads_too``: gradients that
-    require grad also need the differentiable (eager) path. A donated step is never
-    differentiable (it writes the given tensors in place on every path), so params that
-    require grad (``nn.Parameter``) do not keep it from fusing."""
+                grads_too: bool = False, donate: bool = False,
+                paths: list[str] | None = None) -> str | None:
+    """Why this call cannot fuse (``None`` if it can), naming the first offending leaf by
+    its path (``paths``, in leaf order). ``grads_too``: gradients that require grad also
+    need the differentiable (eager) path. A donated step is never differentiable (it
+    writes the given tensors in place on every path), so params that require grad
+    (``nn.Parameter``) do not keep it from fusing."""
     if plan.reason:
         return plan.reason
     missing = triton_missing()
@@ -100,11 +103,18 @@ def call_reason(plan: ChainPlan, p_flat, g_flat, active, backend: str,
         return missing
     if eager.functorch_active():
         return "a torch.func transform (grad, vmap, ...) is active"
+    where = paths if paths is not None else [f"leaf {i}" for i in range(len(p_flat))]
     tensors = [p_flat[i] for i in active]
-    if not donate and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "a param requires grad and grad mode is on (differentiable step)"
-    if grads_too and torch.is_grad_enabled() and any(g_flat[i].requires_grad for i in active):
-        return "a gradient requires grad and grad mode is on (differentiable update)"
+    if not donate and torch.is_grad_enabled():
+        for i in active:
+            if p_flat[i].requires_grad:
+                return (f"param requires grad at {where[i]} and grad mode is on "
+                        "(differentiable step)")
+    if grads_too and torch.is_grad_enabled():
+        for i in active:
+            if g_flat[i].requires_grad:
+                return (f"gradient requires grad at {where[i]} and grad mode is on "
+                        "(differentiable update)")
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         return f"params on several devices {sorted(map(str, devices))}"
@@ -116,10 +126,12 @@ def call_reason(plan: ChainPlan, p_flat, g_flat, active, backend: str,
             return f"Triton does not target device {device.type!r}"
     for i in active:
         for name, t in (("param", p_flat[i]), ("grad", g_flat[i])):
+            if t.layout != torch.strided:
+                return f"{name} at {where[i]} is a sparse tensor ({t.layout})"
             if t.dtype not in FUSED_DTYPES:
-                return f"{name} dtype {t.dtype} is not fp32/fp16/bf16"
+                return f"{name} at {where[i]}: dtype {t.dtype} is not fp32/fp16/bf16"
             if not t.is_contiguous():
-                return f"a {name} is not contiguous"
+                return f"{name} at {where[i]} is not contiguous"
     return None
 
 
@@ -160,14 +172,17 @@ def fused_step_or_reason(tx, params, grads, state, donate: bool, backend: str):
     paths, p_flat, spec = tree_lib.flatten_with_paths(params)
     g_flat = tree_lib.flatten_like(spec, grads, "grads", paths)
     return _full_call(plan, params, state, spec, paths, p_flat, g_flat, backend, donate,
-                      "p")
+                      "p", tx)
 
 
 def _full_call(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: str,
-               donate: bool, output: str):
+               donate: bool, output: str, tx=None):
     """Every check, new tables, the kernels: a step (``output="p"``) or an update
     (``"u"``; ``params`` may be ``None``, ``p_flat`` then holds stand-ins).
-    ``((new params or updates, new state), None)``, or ``(None, reason)``."""
+    ``((new params or updates, new state), None)``, or ``(None, reason)``. ``tx``: the
+    transform, whose state containers are checked as its eager update checks them."""
+    if tx is not None:
+        check_state_tree(owner(tx), state)
     stage_states = [_get_checked(state, path, stage) for path, stage in
                     zip(plan.state_paths, plan.stages)]
     slot_flat = [
@@ -176,15 +191,19 @@ def _full_call(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, back
         for stage, st in zip(plan.stages, stage_states)
     ]
     active = [i for i, g in enumerate(g_flat) if g is not None]
+    # The checks of the eager path (the same functions), before anything is written.
     for i in active:
-        leaf_slots = {k: v[i] for slots in slot_flat for k, v in slots.items()}
-        _check_leaf(paths[i], g_flat[i], p_flat[i] if params is not None else None,
-                    leaf_slots)
-        _check_devices(paths[i], g_flat[i], p_flat[i], leaf_slots)
+        p = p_flat[i] if params is not None else None
+        check_leaf(paths[i], g_flat[i], p, params is not None)
+        for stage, slots in zip(plan.stages, slot_flat):
+            check_slots(stage, paths[i], g_flat[i], p, {k: v[i] for k, v in slots.items()})
+    for stage, st in zip(plan.stages, stage_states):
+        if stage.rule.counted:
+            check_count(stage.rule.name, st.count)
     reason = call_reason(plan, p_flat, g_flat, active, backend, grads_too=output == "u",
-                         donate=donate)
+                         donate=donate, paths=paths)
     if reason is None:
-        reason = _slot_reason(plan, slot_flat, active)
+        reason = _slot_reason(plan, slot_flat, active, paths)
     if reason is not None:
         return None, reason
     from ftopt.lowering.execute import execute
@@ -290,21 +309,8 @@ def fused_update_or_reason(tx, updates, state, params, backend: str):
             updates, none_is_leaf=True, namespace="ftopt")]
         g_flat = spec.flatten_up_to(updates)
         p_flat = list(g_flat)  # stand-ins: no rule reads them
-    return _full_call(plan, params, state, spec, paths, p_flat, g_flat, backend, False, "u")
-
-
-def _check_devices(path: str, g, p, slots: dict) -> None:
-    """A kernel reads every tensor of a leaf through raw addresses: all on one device."""
-    device = p.device
-    if g.device != device:
-        raise ValueError(f"grad at {path}: on {g.device}, expected the param's device "
-                         f"{device}")
-    for name, s in slots.items():
-        tensors = (s.codes, s.absmax) if isinstance(s, QuantizedSlot) else (s,)
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device != device:
-                raise ValueError(f"state {name} at {path}: on {t.device}, expected the "
-                                 f"param's device {device}")
+    return _full_call(plan, params, state, spec, paths, p_flat, g_flat, backend, False, "u",
+                      tx)
 
 
 def _fast_path_allowed(prepared, backend: str) -> bool:
@@ -327,7 +333,9 @@ def _get_checked(state, path, stage):
     return st
 
 
-def _slot_reason(plan: ChainPlan, slot_flat, active) -> str | None:
+def _slot_reason(plan: ChainPlan, slot_flat, active, paths: list[str]) -> str | None:
+    """Why these states cannot be read by the kernels (``None`` if they can), naming the
+    first offending leaf. Errors (a wrong kind of state) were raised before."""
     from ftopt.lowering.launch import QUANT_TILE
 
     blocks = {s.quant.block_size for s in plan.stages if s.quant is not None and s.rule.slots}
@@ -343,16 +351,17 @@ def _slot_reason(plan: ChainPlan, slot_flat, active) -> str | None:
                     layouts.add("8-bit")
                     tensors = (leaf.codes, leaf.absmax)
                     if leaf.codes.dtype != torch.uint8 or leaf.absmax.dtype != torch.float32:
-                        return f"8-bit state {name} is not uint8 codes with fp32 absmax"
+                        return (f"8-bit state {name} at {paths[i]} is not uint8 codes with "
+                                "fp32 absmax")
                 else:
                     layouts.add("32-bit")
                     tensors = (leaf,)
                     if leaf.dtype != torch.float32:
-                        return f"state {name} is not fp32"
+                        return f"state {name} at {paths[i]}: dtype {leaf.dtype} is not fp32"
                 if not all(t.is_contiguous() for t in tensors):
-                    return f"state {name} is not contiguous"
+                    return f"state {name} at {paths[i]} is not contiguous"
         if len(layouts) > 1:
-            return "a leaf mixes 8-bit and 32-bit states"
+            return f"the leaf at {paths[i]} mixes 8-bit and 32-bit states"
     return None
 
 

@@ -1,0 +1,141 @@
+"""The per-leaf input checks that every backend runs before it computes or writes anything.
+
+The eager ``update`` (:mod:`ftopt.rules`) and the fused planner (:mod:`ftopt.lowering.plan`)
+call the same functions here, so a bad input gets the same error, naming the leaf's pytree
+path and what was expected, whichever backend the call takes. Raising before any write is
+what keeps ``step(..., donate=True)`` from leaving half-updated params behind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ftopt.rules import QuantizedSlot, Rule, RuleTransform, _check_param
+
+__all__ = ["check_leaf", "check_slots", "check_count", "check_layout", "check_state_class",
+           "check_state_tree"]
+
+
+def check_state_class(rule: Rule, state: Any) -> None:
+    """A stateful rule's state is its own NamedTuple (not another transform's)."""
+    if (rule.slots or rule.counted) and not isinstance(state, rule.state_class):
+        raise ValueError(f"{rule.name} expects a {rule.state_class.__name__} state, got "
+                         f"{type(state).__name__} (a state made by another transform?)")
+
+
+def check_state_tree(obj: Any, state: Any) -> None:
+    """The containers of a chain's state, checked in the order its eager ``update`` does
+    (so the fused path raises the same error): a tuple (or, named, a mapping) per chain,
+    each rule's own state class at its place."""
+    from ftopt.combine import Chain, owner
+
+    if isinstance(obj, RuleTransform):
+        check_state_class(obj.rule, state)
+    elif isinstance(obj, Chain):
+        for t, s in zip(obj.transforms, obj._inner_states(state)):
+            check_state_tree(owner(t), s)
+
+
+def check_layout(what: str, path: str, t: torch.Tensor) -> None:
+    """Only dense (strided) tensors: sparse ones have no per-element storage to update."""
+    if t.layout != torch.strided:
+        hint = "densify it first: g.to_dense()" if what == "grad" else "expected a dense tensor"
+        raise TypeError(f"{what} at {path}: a sparse tensor ({t.layout}) is not supported "
+                        f"({hint})")
+
+
+def check_leaf(path: str, u: Any, p: Any, params_given: bool = True) -> None:
+    """One leaf's update (gradient) and param: a dense floating-point tensor each, of one
+    shape, on one device (``params_given=False``: an update called without params)."""
+    if not isinstance(u, torch.Tensor):
+        raise TypeError(f"update at {path}: expected a tensor or None, got {type(u).__name__}")
+    check_layout("grad", path, u)
+    if not u.is_floating_point():
+        raise TypeError(f"update at {path}: expected a floating-point tensor, got {u.dtype}")
+    if p is None:
+        if params_given:
+            raise TypeError(f"params at {path}: expected a tensor, got NoneType (the params "
+                            "hold None where the gradient holds a tensor)")
+        return
+    _check_param(path, p)
+    if p.shape != u.shape:
+        raise ValueError(f"update at {path}: shape {tuple(u.shape)} does not match the "
+                         f"param's shape: expected {tuple(p.shape)}")
+    if u.device != p.device:
+        raise ValueError(f"grad at {path}: on {u.device}, expected the param's device "
+                         f"{p.device}")
+
+
+def check_slots(stage: RuleTransform, path: str, u: torch.Tensor, p: Any, slots: dict) -> None:
+    """The states of one leaf for ``stage``: shaped like the update, floating-point, on the
+    param's device, and of the kind ``stage`` keeps for a leaf of this size (8-bit
+    ``QuantizedSlot`` for leaves of at least ``min_size`` elements under ``state_bits=8``,
+    32-bit tensors otherwise, with as many absmax entries as the block size gives)."""
+    device, whose = (p.device, "param's") if p is not None else (u.device, "update's")
+    for name, s in slots.items():
+        where = f"state {name} at {path}"
+        if isinstance(s, QuantizedSlot):
+            tensors = _check_quantized(stage, where, u, s)
+        elif isinstance(s, torch.Tensor):
+            check_layout(f"state {name}", path, s)
+            if s.shape != u.shape:
+                raise ValueError(f"{where}: shape {tuple(s.shape)} does not match the "
+                                 f"update's shape: expected {tuple(u.shape)}")
+            if not s.is_floating_point():
+                raise TypeError(f"{where}: expected a floating-point tensor, got {s.dtype}")
+            quant = stage.quant
+            if quant is not None and u.numel() >= quant.min_size:
+                raise ValueError(f"{where}: a 32-bit state given to a transform with 8-bit "
+                                 f"states (state_bits={quant.bits}, leaves of >= "
+                                 f"{quant.min_size} elements)")
+            tensors = (s,)
+        else:
+            raise TypeError(f"{where}: expected a tensor (or an 8-bit QuantizedSlot), got "
+                            f"{type(s).__name__}")
+        for t in tensors:
+            if t.device != device:
+                raise ValueError(f"{where}: on {t.device}, expected the {whose} device "
+                                 f"{device}")
+
+
+def _check_quantized(stage: RuleTransform, where: str, u: torch.Tensor,
+                     s: QuantizedSlot) -> tuple:
+    quant = stage.quant
+    if quant is None:
+        raise ValueError(f"{where}: an 8-bit state (QuantizedSlot) given to a transform "
+                         "with 32-bit states (state_bits=32)")
+    if u.numel() < quant.min_size:
+        raise ValueError(f"{where}: an 8-bit state (QuantizedSlot) given to a transform "
+                         f"that keeps 32-bit states for leaves of < {quant.min_size} elements "
+                         f"(this one has {u.numel()})")
+    codes, absmax = s
+    for part, t, dtype in (("codes", codes, torch.uint8), ("absmax", absmax, torch.float32)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: 8-bit {part} must be a tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{where}: 8-bit {part} is a sparse tensor ({t.layout})")
+        if t.dtype != dtype:
+            raise TypeError(f"{where}: 8-bit {part} must be {dtype}, got {t.dtype}")
+    if codes.shape != u.shape:
+        raise ValueError(f"{where}: shape {tuple(codes.shape)} does not match the update's "
+                         f"shape: expected {tuple(u.shape)}")
+    expected = -(-u.numel() // quant.block_size)
+    if absmax.numel() != expected:
+        raise ValueError(f"{where}: absmax has {absmax.numel()} entries, expected {expected} "
+                         f"(block_size={quant.block_size} for {u.numel()} elements; was the "
+                         "state made with another block_size?)")
+    return codes, absmax
+
+
+def check_count(rule_name: str, count: Any) -> None:
+    """A step count is a 0-d integer tensor with a value (not on the meta device)."""
+    if (not isinstance(count, torch.Tensor) or count.ndim != 0 or count.is_floating_point()
+            or count.is_complex() or count.dtype == torch.bool):
+        got = (f"a {count.dtype} tensor of shape {tuple(count.shape)}"
+               if isinstance(count, torch.Tensor) else type(count).__name__)
+        raise ValueError(f"{rule_name}: state.count must be a 0-d integer tensor, got {got}")
+    if count.device.type == "meta":
+        raise ValueError(f"{rule_name}: state.count is on the meta device (it holds no "
+                         "value): expected a 0-d integer tensor on the params' device")
