@@ -11,7 +11,7 @@ $(VENV)/.ready: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench fuzz
 demo: $(VENV)/.ready
 	$(PY) -m ftopt.demo
 
@@ -28,3 +28,8 @@ lint: $(VENV)/.ready
 
 bench: $(VENV)/.ready
 	$(PY) benchmarks/eager_cpu.py
+
+# The fuzzed contract (tests/fuzz_checks.py) by the ten thousand on a GPU; on a CPU run
+# `TRITON_INTERPRET=1 $(PY) benchmarks/fuzz.py --examples 50`.
+fuzz: $(VENV)/.ready
+	$(PY) benchmarks/fuzz.py

@@ -1,0 +1,370 @@
+"""The properties the fuzzed contract checks on one :class:`fuzz_cases.Case`.
+
+Each check raises ``AssertionError`` (a :class:`PurityError` when an input was modified)
+with a message that names the step, the leaf and the values; both ``tests/test_fuzz.py``
+and ``benchmarks/fuzz.py`` call them. Every non-donated call they make is also checked for
+purity (SPEC §1): its inputs, hyperparameter tensors included, keep their bits.
+
+* :func:`fused_vs_eager`: ``step`` (and for some cases ``tx.update``) on both backends
+  from the same inputs at every step, within SPEC §6's tolerance (fp32: relative 1e-6 per
+  leaf; fp16/bf16 params: one ulp of the param dtype plus fp32 rounding; 8-bit codes at
+  most one code apart, counted in :data:`STATS` when they differ at all).
+* :func:`skip_zeros_exact`: SPEC §3 and §5 bit for bit on one backend.
+* :func:`donate`: ``donate=True`` returns the given tensor objects, with the bits of
+  ``donate=False``.
+* :func:`checkpoint`: a state through ``torch.save``/``torch.load(weights_only=True)``
+  continues bit-identically.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import warnings
+from typing import Any
+
+import optree
+import torch
+from fuzz_cases import Case, plain_state
+
+import ftopt
+from ftopt.quant import dequantize_blockwise, dynamic_map, encode_with_absmax, expand_absmax
+from ftopt.rules import QuantizedSlot
+
+STATS: collections.Counter = collections.Counter()
+SIGNED = {"mu", "trace", "m1", "m2"}
+BLOCK = 256
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class PurityError(AssertionError):
+    """A call modified one of its inputs."""
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """An integer view with the same bits (so -0.0 != +0.0 and NaN == NaN)."""
+    if t.is_floating_point():
+        return t.detach().contiguous().view(_INT[t.element_size()])
+    return t.detach()
+
+
+def _leaves(tree: Any) -> list:
+    return optree.tree_leaves(tree, none_is_leaf=False, namespace="ftopt")
+
+
+def assert_bitwise(a: Any, b: Any, what: str) -> None:
+    la, lb = _leaves(a), _leaves(b)
+    assert optree.tree_structure(a, namespace="ftopt") == optree.tree_structure(
+        b, namespace="ftopt"), f"{what}: tree structures differ"
+    for i, (x, y) in enumerate(zip(la, lb)):
+        assert x.dtype == y.dtype and x.shape == y.shape, \
+            f"{what}: leaf {i} is {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}"
+        assert torch.equal(bits(x), bits(y)), f"{what}: leaf {i} differs in its bits"
+
+
+class Snapshot:
+    """Clones of every tensor of some trees, to check later that none was modified."""
+
+    def __init__(self, *trees: Any):
+        self.tensors = [t for t in _leaves(trees) if isinstance(t, torch.Tensor)]
+        self.copies = [t.clone() for t in self.tensors]
+
+    def check(self, what: str) -> None:
+        for i, (t, c) in enumerate(zip(self.tensors, self.copies)):
+            if not torch.equal(bits(t), bits(c)):
+                raise PurityError(f"{what} modified input tensor {i} "
+                                  f"({t.dtype}{tuple(t.shape)})")
+
+
+def pure_step(case: Case, tx, p, g, s, backend: str):
+    snap = Snapshot(p, g, s, case.hparam_tensors())
+    out = ftopt.step(tx, p, g, s, backend=backend)
+    snap.check(f"step(backend={backend!r}, donate=False)")
+    return out
+
+
+def pure_update(case: Case, tx, p, g, s, backend: str):
+    snap = Snapshot(p, g, s, case.hparam_tensors())
+    out = tx.update(g, s, p, backend=backend)
+    snap.check(f"update(backend={backend!r})")
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# fused == eager
+# ------------------------------------------------------------------------------------------
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    a, b = a.double(), b.double()
+    scale = torch.maximum(a.abs().max(), b.abs().max()).clamp_min(1e-30)
+    return ((a - b).abs().max() / scale).item()
+
+
+def _close_param(f: torch.Tensor, e: torch.Tensor, old: torch.Tensor, what: str) -> None:
+    assert f.dtype == e.dtype and f.shape == e.shape, f"{what}: dtype/shape differ"
+    if f.dtype == torch.float32:
+        err = _rel(f, e)
+        assert err <= 1e-6, f"{what}: relative error {err:.3g} > 1e-6"
+        return
+    # 16-bit: each backend rounds an fp32 value once; those values may differ by fp32
+    # rounding relative to the inputs, so one ulp of the result plus that.
+    fi = torch.finfo(f.dtype)
+    ef, ee, eo = f.float(), e.float(), old.float()
+    tol = fi.eps * torch.maximum(ee.abs(), torch.tensor(fi.smallest_normal)) \
+        + 4 * torch.finfo(torch.float32).eps * eo.abs()
+    bad = (ef - ee).abs() > tol
+    assert not bad.any(), (f"{what}: {int(bad.sum())} elements beyond one ulp, e.g. fused "
+                           f"{ef[bad][:3].tolist()} eager {ee[bad][:3].tolist()}")
+
+
+def _close_states(f: Any, e: Any, what: str) -> None:
+    is_q = lambda x: isinstance(x, QuantizedSlot)
+    lf, sf = optree.tree_flatten(f, is_leaf=is_q, namespace="ftopt")
+    le, se = optree.tree_flatten(e, is_leaf=is_q, namespace="ftopt")
+    assert sf == se, f"{what}: state structures differ: {sf} vs {se}"
+    for i, (x, y) in enumerate(zip(lf, le)):
+        if isinstance(x, QuantizedSlot):
+            err = _rel(x.absmax, y.absmax)
+            assert err <= 1e-6, f"{what}: 8-bit absmax of leaf {i}: relative error {err:.3g}"
+            diff = (x.codes.int() - y.codes.int()).abs()
+            n = int((diff > 0).sum())
+            if n:
+                STATS["code_diff_elements"] += n
+                warnings.warn(f"{what}: {n} 8-bit codes differ between fused and eager "
+                              f"(max {int(diff.max())})", stacklevel=2)
+            assert n == 0 or int(diff.max()) <= 1, f"{what}: 8-bit codes differ by > 1"
+            continue
+        assert x.dtype == y.dtype and x.shape == y.shape, f"{what}: state leaf {i} layout"
+        if not x.is_floating_point():
+            assert torch.equal(x, y), f"{what}: state leaf {i}: {x} vs {y}"
+        else:
+            err = _rel(x, y)
+            assert err <= 1e-6, f"{what}: state leaf {i}: relative error {err:.3g} > 1e-6"
+
+
+def fused_vs_eager(case: Case) -> None:
+    """Every step from the same inputs on both backends (so errors cannot accumulate)."""
+    tx = case.tx()
+    p = case.params
+    s = tx.init(p)
+    for k, g in enumerate(case.grads):
+        pe, se = pure_step(case, tx, p, g, s, "eager")
+        pf, sf = pure_step(case, tx, p, g, s, "fused")
+        paths, flat_old, spec = ftopt.tree.flatten_with_paths(p)
+        for path, old, a, b in zip(paths, flat_old, spec.flatten_up_to(pf),
+                                   spec.flatten_up_to(pe)):
+            _close_param(a, b, old, f"step {k}, param {path}")
+        _close_states(sf, se, f"step {k}, state")
+        if case.update_too:
+            ue, sue = pure_update(case, tx, p, g, s, "eager")
+            uf, suf = pure_update(case, tx, p, g, s, "fused")
+            lu_f, lu_e = spec.flatten_up_to(uf), spec.flatten_up_to(ue)
+            for path, a, b in zip(paths, lu_f, lu_e):
+                assert (a is None) == (b is None), f"update {k} at {path}: None on one side"
+                if a is not None:
+                    assert a.dtype == b.dtype, f"update {k} at {path}: {a.dtype} vs {b.dtype}"
+                    err = _rel(a, b)
+                    assert err <= 1e-6, f"update {k} at {path}: relative error {err:.3g}"
+            _close_states(suf, sue, f"update {k}, state")
+        p, s = pe, se
+
+
+# ------------------------------------------------------------------------------------------
+# skip_zeros
+# ------------------------------------------------------------------------------------------
+
+
+def _slots(state: Any, params: Any) -> list[tuple[str, list]]:
+    """The per-element state slots of ``state``: (field name, leaves aligned with the
+    param leaves, ``None`` where a slot has no leaf for that param)."""
+    spec = optree.tree_structure(params, namespace="ftopt")
+    shapes = [tuple(p.shape) for p in _leaves(params)]
+    is_q = lambda x: isinstance(x, QuantizedSlot)
+    found = []
+
+    def walk(node: Any, name: str) -> None:
+        if node is None or isinstance(node, (torch.Tensor, QuantizedSlot)):
+            return
+        try:
+            flat = spec.flatten_up_to(node)
+        except (ValueError, TypeError):
+            flat = None
+        if flat is not None and all(
+                x is None or (is_q(x) and tuple(x.codes.shape) == sh)
+                or (isinstance(x, torch.Tensor) and x.is_floating_point()
+                    and tuple(x.shape) == sh) for x, sh in zip(flat, shapes)):
+            found.append((name, flat))
+            return
+        if hasattr(node, "_fields"):
+            for f in node._fields:
+                walk(getattr(node, f), f)
+        elif isinstance(node, dict):
+            for v in node.values():
+                walk(v, name)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v, name)
+
+    walk(state, "")
+    return found
+
+
+def skip_zeros_exact(case: Case, backend: str) -> None:
+    """SPEC §3/§5 on one backend, every step from the skip-aware run's state."""
+    s_ = case.structure
+    tx, plain = case.tx(), case.tx(skip=False)
+    p = case.params
+    s = tx.init(p)
+    for k, g in enumerate(case.grads):
+        p1, s1 = pure_step(case, tx, p, g, s, backend)
+        p0, s0 = pure_step(case, plain, p, g, plain_state(s_, s), backend)
+        paths, flat_p, spec = ftopt.tree.flatten_with_paths(p)
+        flat_g = spec.flatten_up_to(g)
+        skipped = [torch.ones(x.shape, dtype=torch.bool, device=x.device) if gg is None
+                   else gg == 0 for x, gg in zip(flat_p, flat_g)]
+        where = f"step {k} ({backend})"
+        for path, m, old, new, ctl in zip(paths, skipped, flat_p, spec.flatten_up_to(p1),
+                                          spec.flatten_up_to(p0)):
+            assert torch.equal(bits(new)[m], bits(old)[m]), \
+                f"{where}: param {path} changed at a zero-gradient element"
+            if s_.exact_off_zeros:
+                assert torch.equal(bits(new)[~m], bits(ctl)[~m]), \
+                    f"{where}: param {path} differs from the plain chain off the zeros"
+        olds, news, ctls = _slots(s, p), _slots(s1, p), _slots(s0, p)
+        assert [n for n, _ in olds] == [n for n, _ in news] == [n for n, _ in ctls], \
+            f"{where}: state slots differ: {[n for n, _ in olds]}, {[n for n, _ in ctls]}"
+        for (name, old_l), (_, new_l), (_, ctl_l) in zip(olds, news, ctls):
+            for path, m, old, new, ctl in zip(paths, skipped, old_l, new_l, ctl_l):
+                if old is None:
+                    continue
+                w = f"{where}: state {name} at {path}"
+                if isinstance(old, QuantizedSlot):
+                    _check_quantized(old, new, ctl, m, name, s_.exact_off_zeros, w)
+                    continue
+                assert torch.equal(bits(new)[m], bits(old)[m]), \
+                    f"{w} changed at a zero-gradient element"
+                if s_.exact_off_zeros:
+                    assert torch.equal(bits(new)[~m], bits(ctl)[~m]), \
+                        f"{w} differs from the plain chain off the zeros"
+        p, s = p1, s1
+
+
+def _check_quantized(old: QuantizedSlot, new: QuantizedSlot, ctl: QuantizedSlot,
+                     m: torch.Tensor, name: str, exact: bool, w: str) -> None:
+    """§5: all-zero-gradient blocks keep their bytes; a skipped element of another block
+    is its old value re-encoded with the block's new absmax; blocks without a zero
+    gradient equal the plain chain's bytes."""
+    n = m.numel()
+    nblocks = old.absmax.numel()
+    flat_m = torch.cat([m.reshape(-1), m.new_ones(nblocks * BLOCK - n)])
+    per_block = flat_m.view(nblocks, BLOCK)
+    full, none = per_block.all(1), ~per_block.any(1)
+    assert torch.equal(bits(new.absmax)[full], bits(old.absmax)[full]), \
+        f"{w}: absmax of an all-zero-gradient block changed"
+    elem_full = expand_absmax(full, n).view(m.shape)
+    assert torch.equal(new.codes[elem_full], old.codes[elem_full]), \
+        f"{w}: codes of an all-zero-gradient block changed"
+    qmap = dynamic_map(name in SIGNED, m.device)
+    old_x = dequantize_blockwise(old.codes, old.absmax, qmap, BLOCK)
+    want = encode_with_absmax(old_x, expand_absmax(new.absmax, n).view(m.shape), qmap)
+    part = m & ~elem_full
+    assert torch.equal(new.codes[part], want[part]), \
+        f"{w}: a skipped element is not its old value re-encoded with the new absmax"
+    if exact:
+        elem_none = expand_absmax(none, n).view(m.shape)
+        assert torch.equal(bits(new.absmax)[none], bits(ctl.absmax)[none]) and torch.equal(
+            new.codes[elem_none], ctl.codes[elem_none]), \
+            f"{w}: a block without zero gradients differs from the plain chain"
+
+
+# ------------------------------------------------------------------------------------------
+# donate, checkpoint
+# ------------------------------------------------------------------------------------------
+
+
+def _clone(tree: Any) -> Any:
+    return optree.tree_map(lambda t: t.clone(), tree, namespace="ftopt")
+
+
+def donate(case: Case, backend: str) -> None:
+    tx = case.tx()
+    ref_p, ref_s = case.params, tx.init(case.params)
+    p, s = _clone(ref_p), _clone(ref_s)
+    for k, g in enumerate(case.grads):
+        rp, rs = pure_step(case, tx, ref_p, g, ref_s, backend)
+        ids_p, ids_s = [id(x) for x in _leaves(p)], [id(x) for x in _leaves(s)]
+        snap = Snapshot(g, case.hparam_tensors())
+        np_, ns = ftopt.step(tx, p, g, s, donate=True, backend=backend)
+        snap.check(f"step {k} (donate=True, {backend}) on the grads/hyperparameters")
+        assert [id(x) for x in _leaves(np_)] == ids_p, \
+            f"step {k} ({backend}): donate=True did not return the given param tensors"
+        assert [id(x) for x in _leaves(ns)] == ids_s, \
+            f"step {k} ({backend}): donate=True did not return the given state tensors"
+        assert_bitwise(np_, rp, f"step {k} ({backend}): donated params vs donate=False")
+        assert_bitwise(ns, rs, f"step {k} ({backend}): donated state vs donate=False")
+        p, s, ref_p, ref_s = np_, ns, rp, rs
+
+
+def checkpoint(case: Case, backend: str) -> None:
+    tx = case.tx()
+    g1, g2 = case.grads[0], case.grads[-1]
+    p, s = pure_step(case, tx, case.params, g1, tx.init(case.params), backend)
+    buf = io.BytesIO()
+    torch.save(s, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert_bitwise(loaded, s, "loaded state vs saved")
+    a = pure_step(case, tx, p, g2, s, backend)
+    b = pure_step(case, tx, p, g2, loaded, backend)
+    assert_bitwise(b, a, f"step after torch.load ({backend}) vs the original state")
+
+
+def purity(case: Case, backend: str) -> None:
+    """``init``, ``update`` and ``step(donate=False)`` leave every input's bits alone."""
+    tx = case.tx()
+    snap = Snapshot(case.params, case.hparam_tensors())
+    s = tx.init(case.params)
+    snap.check("init")
+    p = case.params
+    for g in case.grads:
+        pure_update(case, tx, p, g, s, backend)
+        p, s = pure_step(case, tx, p, g, s, backend)
+
+
+PROPERTIES = ("fused_vs_eager", "skip_zeros", "purity", "donate", "checkpoint")
+
+
+def backends(case: Case) -> list[str]:
+    return ["eager", "fused"] if case.structure.fusible else ["eager"]
+
+
+def run_all(case: Case, only: tuple[str, ...] = PROPERTIES) -> dict[str, str | None]:
+    """Every property that applies to ``case``: ``{property: None if it held, else the
+    failure message}``. An exception other than ``AssertionError`` is a failure too; a
+    :class:`PurityError` counts against "purity" whichever check met it."""
+    results: dict[str, str | None] = {}
+
+    def run(name: str, fn, *args) -> None:
+        results.setdefault(name, None)
+        try:
+            fn(case, *args)
+        except PurityError as err:
+            results["purity"] = results.get("purity") or f"{name}: {err}"
+        except Exception as err:  # noqa: BLE001  (reported, never swallowed)
+            results[name] = results[name] or f"{type(err).__name__}: {err}"
+
+    if "fused_vs_eager" in only and case.structure.fusible:
+        run("fused_vs_eager", fused_vs_eager)
+    for b in backends(case):
+        if "skip_zeros" in only and case.structure.skip != "off":
+            run("skip_zeros", skip_zeros_exact, b)
+        if "purity" in only:
+            run("purity", purity, b)
+        if "donate" in only:
+            run("donate", donate, b)
+        if "checkpoint" in only:
+            run("checkpoint", checkpoint, b)
+    return results

@@ -1,0 +1,365 @@
+"""Every transform, alias and combinator that ``ftopt`` exports, with what tests need to know.
+
+One table, so that a property test can draw from all of ftopt at once and a new export
+cannot be forgotten (``tests/test_registry.py`` fails when an export that builds a
+``GradientTransformation`` has no entry here). Each :class:`Entry` says how to build the
+transform (``make(**hparams)``), how to draw valid hyperparameters (``sample(src)``, where
+``src`` is any :class:`Source`: ``random.Random``-backed on the GPU runner, hypothesis-backed
+in pytest), and its traits:
+
+* ``states``: names of its per-element state slots; ``counted``: it keeps a step count;
+* ``norms``: ``None``, ``"leaf"`` or ``"global"`` (reads a per-leaf or a global norm);
+* ``uses_params``; ``keeps_zero``: a zero incoming update stays zero (so a norm after it
+  sees the same value with or without ``skip_zeros``);
+* ``fusible``: it has an elementwise rule, so a chain of only fusible entries fuses;
+* ``eight_bit``: it has per-element float states that ``quantize_states`` stores in 8 bits;
+* ``kind``: ``"transform"`` (a chain building block), ``"alias"`` (a whole optimizer) or
+  ``"combinator"`` (wraps other transforms; ``make`` takes them as keywords).
+
+Hyperparameters are drawn inside the domains the constructors accept (SPEC §2, §4), at the
+edges some of the time; float ones may be drawn as 0-d tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+import ftopt
+from ftopt.base import GradientTransformation
+
+
+class Source(Protocol):
+    """Where random choices come from (``random.Random`` or hypothesis' ``data.draw``)."""
+
+    def floats(self, lo: float, hi: float) -> float: ...
+
+    def integers(self, lo: int, hi: int) -> int: ...
+
+    def choice(self, options: Sequence[Any]) -> Any: ...
+
+    def boolean(self, p: float = 0.5) -> bool: ...
+
+
+FP32_TINY = 2.0**-126
+
+
+@dataclass(frozen=True)
+class HP:
+    """A float hyperparameter's domain ``[lo, hi]`` (log-uniform when ``log``).
+
+    ``tensor``: may be passed as a 0-d tensor. ``schedule``: a learning-rate-like value
+    that may also be a schedule of the step count.
+    """
+
+    lo: float
+    hi: float
+    log: bool = False
+    tensor: bool = True
+    schedule: bool = False
+
+    def draw(self, src: Source) -> float:
+        """An edge value a fifth of the time (where edges are bugs' favourite places).
+
+        Magnitudes below fp32's smallest normal (2**-126) become 0.0: the Triton
+        interpreter types such a float argument fp64 and the kernel fails
+        (``test_fuzz.py::test_tiny_hyperparameter_in_the_interpreter``, a known bug).
+        """
+        edge = src.integers(0, 9)
+        if edge == 0:
+            return self.lo
+        if edge == 1:
+            return self.hi
+        if self.log and self.lo > 0:
+            return math.exp(src.floats(math.log(self.lo), math.log(self.hi)))
+        value = src.floats(self.lo, self.hi)
+        return 0.0 if abs(value) < FP32_TINY else value
+
+
+BETA = HP(0.0, 0.999)
+EPS = HP(1e-8, 1e-3, log=True)
+EPS_ROOT = HP(0.0, 1e-6)
+LR = HP(1e-4, 1e-1, log=True, schedule=True)
+WD = HP(0.0, 0.1)
+DECAY = HP(0.0, 0.99)
+
+
+def draw_schedule(src: Source, lo: float = 1e-4, hi: float = 1e-1) -> Callable:
+    """One of ftopt's schedules, with values inside ``[lo, hi]``."""
+    a = math.exp(src.floats(math.log(lo), math.log(hi)))
+    b = math.exp(src.floats(math.log(lo), math.log(hi)))
+    n = src.integers(1, 6)
+    s = ftopt.schedules
+    options = {
+        "constant": lambda: s.constant_schedule(a),
+        "linear": lambda: s.linear_schedule(a, b, n),
+        "cosine": lambda: s.cosine_decay_schedule(a, n, b / a),
+        "warmup_cosine": lambda: s.warmup_cosine_decay_schedule(lo, a, 1, n + 1, b),
+        "exponential": lambda: s.exponential_decay(a, n, 0.5, end_value=lo),
+        "polynomial": lambda: s.polynomial_schedule(a, b, 2.0, n),
+        "warmup_constant": lambda: s.warmup_constant_schedule(lo, a, n),
+        "piecewise": lambda: s.piecewise_constant_schedule(a, {1: 0.5, 3: 0.5}),
+        "join": lambda: s.join_schedules([s.constant_schedule(a), s.linear_schedule(a, b, n)],
+                                         [1]),
+    }
+    return options[src.choice(sorted(options))]()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One buildable thing of ftopt (see the module docstring for the traits)."""
+
+    name: str
+    make: Callable[..., GradientTransformation]
+    export: str = ""  # the ftopt name it exercises (default: ``name``)
+    floats: dict[str, HP] = field(default_factory=dict)
+    options: dict[str, tuple] = field(default_factory=dict)  # structural (compile-time)
+    kind: str = "transform"
+    states: tuple[str, ...] = ()
+    counted: bool = False
+    norms: str | None = None
+    uses_params: bool = False
+    keeps_zero: bool = False
+    fusible: bool = True
+    eight_bit: bool = False
+
+    @property
+    def exported(self) -> str:
+        return self.export or self.name
+
+    def draw_options(self, src: Source) -> dict:
+        """The structural choices (booleans, masks): part of a kernel's identity."""
+        return {k: src.choice(v) for k, v in self.options.items()}
+
+    def draw_floats(self, src: Source, tensors: bool = False, device: Any = "cpu",
+                    schedules: bool = False) -> dict:
+        """Float hyperparameters. ``tensors``: each may come as a 0-d fp32 tensor;
+        ``schedules``: those that may be schedules are (both change the kernel)."""
+        out: dict[str, Any] = {}
+        for k, hp in self.floats.items():
+            if hp.schedule and schedules:
+                out[k] = draw_schedule(src, hp.lo, hp.hi)
+                continue
+            value = hp.draw(src)
+            if tensors and hp.tensor and src.boolean(0.6):
+                out[k] = torch.tensor(value, dtype=torch.float32, device=device)
+            else:
+                out[k] = value
+        return out
+
+    def sample(self, src: Source, **kwargs) -> dict:
+        """All hyperparameters: ``make(**entry.sample(src))`` builds a valid transform."""
+        return {**self.draw_options(src), **self.draw_floats(src, **kwargs)}
+
+
+def _ndim_mask(params: Any) -> Any:
+    """A callable mask: matrices (and higher) only, as weight decay masks usually are."""
+    return ftopt.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def _odd_mask(params: Any) -> Any:
+    return ftopt.tree.map(lambda p: p.numel() % 2 == 1, params)
+
+
+MASKS: dict[str, Callable | None] = {"none": None, "ndim": _ndim_mask, "odd": _odd_mask}
+
+
+def _halve(updates: Any, params: Any) -> Any:
+    del params
+    return ftopt.tree.map(lambda u: u * 0.5, updates)
+
+
+def _sched_lr(learning_rate: float, schedule: str = "linear",
+              **kw) -> GradientTransformation:
+    """A scheduled (so counted) learning rate starting at ``learning_rate``."""
+    s, lr = ftopt.schedules, learning_rate
+    made = {"linear": lambda: s.linear_schedule(lr, 0.5 * lr, 3),
+            "cosine": lambda: s.cosine_decay_schedule(lr, 4, 0.1),
+            "join": lambda: s.join_schedules([s.constant_schedule(lr),
+                                              s.linear_schedule(lr, 0.1 * lr, 2)], [1])}
+    return ftopt.scale_by_learning_rate(made[schedule](), **kw)
+
+
+def _ademamix_sched(b1: float, b2: float, b3: float, alpha: float, eps: float,
+                    warmup: int, **kw) -> GradientTransformation:
+    """AdEMAMix with bitsandbytes' warm-ups of alpha and b3 (schedules of t)."""
+    b1c = min(max(b1, 0.05), 0.95)
+    b3c = min(max(b3, b1c + 0.01), 0.9999)
+    return ftopt.scale_by_ademamix(b1, b2, ftopt.ademamix_b3_warmup(b1c, b3c, warmup),
+                                   ftopt.ademamix_alpha_warmup(alpha, warmup), eps, **kw)
+
+
+def _mask_kw(fn: Callable, key: str = "mask") -> Callable:
+    """``fn`` with its mask option given by name (see :data:`MASKS`)."""
+    def make(**kw):
+        if key in kw:
+            kw[key] = MASKS[kw[key]] if kw[key] in MASKS else kw[key]
+        return fn(**kw)
+    return make
+
+
+def _lars(trust_ratio_mask: str = "all", weight_decay_mask: str = "all", **kw):
+    masks = {"all": True, **{k: v for k, v in MASKS.items() if v is not None}}
+    return ftopt.lars(trust_ratio_mask=masks[trust_ratio_mask],
+                      weight_decay_mask=masks[weight_decay_mask], **kw)
+
+
+_ADAM_FLOATS = {"b1": BETA, "b2": BETA, "eps": EPS, "eps_root": EPS_ROOT}
+
+TRANSFORMS: list[Entry] = [
+    # ---- chain building blocks (SPEC §2)
+    Entry("scale", ftopt.scale, floats={"step_size": HP(-2.0, 2.0)}, keeps_zero=True),
+    Entry("scale_by_learning_rate", ftopt.scale_by_learning_rate,
+          floats={"learning_rate": HP(1e-4, 1e-1, log=True)},
+          options={"flip_sign": (True, False)}, keeps_zero=True),
+    Entry("scale_by_learning_rate[schedule]", _sched_lr, export="scale_by_learning_rate",
+          floats={"learning_rate": HP(1e-4, 1e-1, log=True, tensor=False)},
+          options={"flip_sign": (True, False), "schedule": ("linear", "cosine", "join")},
+          counted=True, keeps_zero=True),
+    Entry("add_decayed_weights", _mask_kw(ftopt.add_decayed_weights),
+          floats={"weight_decay": WD}, options={"mask": ("none", "ndim", "odd")},
+          uses_params=True),
+    Entry("weight_decay", _mask_kw(ftopt.weight_decay), floats={"weight_decay": WD},
+          options={"mask": ("none", "ndim")}, uses_params=True),
+    Entry("scale_by_adam", ftopt.scale_by_adam, floats=_ADAM_FLOATS,
+          options={"nesterov": (False, True)}, states=("mu", "nu"), counted=True,
+          eight_bit=True),
+    Entry("scale_by_ademamix", ftopt.scale_by_ademamix,
+          floats={**_ADAM_FLOATS, "b3": HP(0.0, 0.9999), "alpha": HP(0.0, 10.0)},
+          states=("m1", "m2", "nu"), counted=True, eight_bit=True),
+    Entry("scale_by_ademamix[warmup]", _ademamix_sched, export="scale_by_ademamix",
+          floats={"b1": BETA, "b2": BETA, "b3": HP(0.5, 0.9999, tensor=False),
+                  "alpha": HP(0.0, 10.0, tensor=False), "eps": EPS},
+          options={"warmup": (1, 3, 10)}, states=("m1", "m2", "nu"), counted=True,
+          eight_bit=True),
+    Entry("scale_by_lion", ftopt.scale_by_lion, floats={"b1": BETA, "b2": BETA},
+          states=("mu",), counted=True, eight_bit=True),
+    Entry("trace", ftopt.trace, floats={"decay": DECAY}, options={"nesterov": (False, True)},
+          states=("trace",), eight_bit=True),
+    Entry("scale_by_rms", ftopt.scale_by_rms,
+          floats={"decay": DECAY, "eps": EPS, "initial_scale": HP(0.0, 1.0, tensor=False)},
+          options={"eps_in_sqrt": (True, False)}, states=("nu",), keeps_zero=True,
+          eight_bit=True),
+    Entry("scale_by_rss", ftopt.scale_by_rss,
+          floats={"initial_accumulator_value": HP(0.0, 1.0, tensor=False), "eps": EPS},
+          options={"eps_in_sqrt": (True, False)}, states=("sum_of_squares",),
+          keeps_zero=True, eight_bit=True),
+    Entry("scale_by_trust_ratio", ftopt.scale_by_trust_ratio,
+          floats={"min_norm": HP(0.0, 0.1), "trust_coefficient": HP(1e-3, 1.0, log=True),
+                  "eps": HP(0.0, 1e-3)},
+          norms="leaf", uses_params=True, keeps_zero=True),
+    Entry("clip_by_param_norm_ratio", ftopt.clip_by_param_norm_ratio,
+          floats={"max_ratio": HP(1e-2, 10.0, log=True)}, norms="leaf", uses_params=True,
+          keeps_zero=True),
+    Entry("clip_by_global_norm", ftopt.clip_by_global_norm,
+          floats={"max_norm": HP(0.1, 10.0, log=True)}, norms="global", keeps_zero=True),
+    Entry("identity", ftopt.identity, keeps_zero=True),
+    Entry("skip_zeros", ftopt.skip_zeros, kind="marker", keeps_zero=True),
+    # ---- utilities without an elementwise rule: they run eagerly
+    Entry("set_to_zero", ftopt.set_to_zero, keeps_zero=True, fusible=False),
+    Entry("stateless", lambda: ftopt.stateless(_halve), keeps_zero=True, fusible=False),
+    # ---- combinators: ``make`` takes the inner transforms
+    Entry("chain", lambda inner=(): ftopt.chain(*inner), kind="combinator"),
+    Entry("named_chain",
+          lambda inner=(): ftopt.named_chain(*[(f"t{i}", t) for i, t in enumerate(inner)]),
+          kind="combinator"),
+    Entry("masked", lambda inner=(), mask="ndim": ftopt.masked(inner[0], MASKS[mask]),
+          options={"mask": ("ndim", "odd")}, kind="combinator", fusible=False),
+    Entry("partition",
+          lambda inner=(), labels="ndim": ftopt.partition(
+              {"lab_a": inner[0], "lab_b": inner[1]},
+              lambda p: ftopt.tree.map(
+                  lambda x: "lab_a" if MASKS[labels](x) else "lab_b", p)),
+          options={"labels": ("ndim", "odd")}, kind="combinator", fusible=False),
+    Entry("quantize_states",
+          lambda inner=(), bits=8, min_size=0: ftopt.quantize_states(
+              inner[0], bits=bits, min_size=min_size),
+          options={"bits": (8, 32)}, kind="combinator"),
+    # ---- aliases (SPEC §4): each also takes skip_zeros= and state_bits=
+    Entry("sgd", ftopt.sgd, floats={"learning_rate": LR}, kind="alias", keeps_zero=True),
+    Entry("sgd[momentum]", ftopt.sgd, export="sgd",
+          floats={"learning_rate": LR, "momentum": DECAY},
+          options={"nesterov": (False, True)}, kind="alias", states=("trace",),
+          eight_bit=True),
+    Entry("adam", ftopt.adam, floats={"learning_rate": LR, **_ADAM_FLOATS},
+          options={"nesterov": (False, True)}, kind="alias", states=("mu", "nu"),
+          counted=True, eight_bit=True),
+    Entry("adamw", _mask_kw(ftopt.adamw),
+          floats={"learning_rate": LR, **_ADAM_FLOATS, "weight_decay": WD},
+          options={"nesterov": (False, True), "mask": ("none", "ndim")}, kind="alias",
+          states=("mu", "nu"), counted=True, uses_params=True, eight_bit=True),
+    Entry("lion", _mask_kw(ftopt.lion),
+          floats={"learning_rate": LR, "b1": BETA, "b2": BETA, "weight_decay": WD},
+          options={"mask": ("none", "odd")}, kind="alias", states=("mu",), counted=True,
+          uses_params=True, eight_bit=True),
+    Entry("rmsprop", ftopt.rmsprop,
+          floats={"learning_rate": LR, "decay": DECAY, "eps": EPS,
+                  "initial_scale": HP(0.0, 1.0, tensor=False)},
+          options={"eps_in_sqrt": (True, False)}, kind="alias", states=("nu",),
+          keeps_zero=True, eight_bit=True),
+    Entry("rmsprop[momentum]", ftopt.rmsprop, export="rmsprop",
+          floats={"learning_rate": LR, "decay": DECAY, "eps": EPS, "momentum": DECAY},
+          options={"eps_in_sqrt": (True, False), "nesterov": (False, True)}, kind="alias",
+          states=("nu", "trace"), eight_bit=True),
+    Entry("adagrad", ftopt.adagrad,
+          floats={"learning_rate": LR, "initial_accumulator_value": HP(0.0, 1.0, tensor=False),
+                  "eps": EPS},
+          kind="alias", states=("sum_of_squares",), keeps_zero=True, eight_bit=True),
+    Entry("lamb", _mask_kw(ftopt.lamb),
+          floats={"learning_rate": LR, **_ADAM_FLOATS, "weight_decay": WD},
+          options={"mask": ("none", "ndim")}, kind="alias", states=("mu", "nu"),
+          counted=True, norms="leaf", uses_params=True, eight_bit=True),
+    Entry("lars", _lars,
+          floats={"learning_rate": LR, "weight_decay": WD,
+                  "trust_coefficient": HP(1e-4, 1.0, log=True), "eps": HP(0.0, 1e-3),
+                  "momentum": DECAY},
+          options={"nesterov": (False, True), "weight_decay_mask": ("all", "ndim")},
+          kind="alias", states=("trace",), norms="leaf", uses_params=True, eight_bit=True),
+    Entry("lars[masked]", _lars, export="lars",
+          floats={"learning_rate": LR, "weight_decay": WD, "momentum": DECAY},
+          options={"trust_ratio_mask": ("ndim", "odd")}, kind="alias", states=("trace",),
+          norms="leaf", uses_params=True, fusible=False, eight_bit=True),
+    Entry("ademamix", _mask_kw(ftopt.ademamix),
+          floats={"learning_rate": LR, **_ADAM_FLOATS, "b3": HP(0.0, 0.9999),
+                  "alpha": HP(0.0, 10.0), "weight_decay": WD},
+          options={"mask": ("none", "ndim")}, kind="alias", states=("m1", "m2", "nu"),
+          counted=True, uses_params=True, eight_bit=True),
+]
+
+BY_NAME: dict[str, Entry] = {e.name: e for e in TRANSFORMS}
+assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
+
+# Exported names that build no GradientTransformation (or only a wrapped one's schedule).
+NOT_TRANSFORMS: frozenset[str] = frozenset({
+    "EmptyState", "GradientTransformation", "MaskedState", "PartitionState",
+    "ScaleByAdamState", "ScaleByAdemamixState", "ScaleByLionState", "ScaleByRmsState",
+    "ScaleByRssState", "ScaleByScheduleState", "TraceState",
+    "apply_updates", "step", "explain", "schedules", "tree",
+    "ademamix_alpha_warmup", "ademamix_b3_warmup", "constant_schedule",
+    "cosine_decay_schedule", "exponential_decay", "join_schedules", "linear_schedule",
+    "piecewise_constant_schedule", "polynomial_schedule", "warmup_constant_schedule",
+    "warmup_cosine_decay_schedule",
+})
+
+
+def by_trait(**traits: Any) -> list[Entry]:
+    """Entries whose traits equal the given values, e.g. ``by_trait(kind="alias",
+    fusible=True)``; ``states=True`` selects entries with at least one state slot."""
+    def ok(e: Entry) -> bool:
+        for k, v in traits.items():
+            got = getattr(e, k)
+            if v is True and k == "states":
+                if not got:
+                    return False
+            elif got != v:
+                return False
+        return True
+    return [e for e in TRANSFORMS if ok(e)]
+
+
+def entry(name: str) -> Entry:
+    return BY_NAME[name]
