@@ -21,14 +21,18 @@ def check_disjoint(paths: Sequence[str], tensors: Sequence, what: str = "params"
     """Raises ``ValueError`` naming both paths if two of ``tensors`` overlap in memory.
 
     Views that interleave without sharing an element (``t[::2]`` and ``t[1::2]``) count
-    as overlapping: their spans do. Empty tensors and tensors without storage (``meta``)
-    occupy nothing.
+    as overlapping: their spans do. Empty tensors, sparse ones and tensors without storage
+    (``meta``, wrapper subclasses) occupy nothing here.
     """
     spans = []
     for path, t in zip(paths, tensors):
-        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device.type == "meta":
+        if (not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0
+                or t.device.type == "meta"):
+            continue  # (what is not a dense tensor is refused by the leaf checks)
+        try:
+            start, end = _span(t)
+        except RuntimeError:  # a tensor without storage of its own (a wrapper subclass)
             continue
-        start, end = _span(t)
         spans.append((str(t.device), start, end, path))
     spans.sort()
     reach = None  # (device, end, path) of the span reaching furthest so far
