@@ -59,7 +59,7 @@ def example(seed: int, worker: int, index: int, pool: list, device: str):
 
 def work(job: tuple) -> dict:
     """Examples ``index = worker, worker + workers, ...`` below ``n`` of one seed."""
-    seed, worker, workers, n, pool_size, device = job
+    seed, worker, workers, n, pool_size, device, deadline = job
     torch.set_num_threads(1)
     pool = structure_pool(seed, pool_size)
     checked, failed = collections.Counter(), collections.Counter()
@@ -67,6 +67,8 @@ def work(job: tuple) -> dict:
     t0 = time.perf_counter()
     count = 0
     for index in range(worker, n, workers):
+        if deadline is not None and time.time() > deadline:
+            break  # the summary says how many ran
         case = example(seed, worker, index, pool, device)
         for prop, message in fuzz_checks.run_all(case).items():
             checked[prop] += 1
@@ -120,6 +122,8 @@ def main() -> int:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     ap.add_argument("--out", default=None, help="output path without suffix")
     ap.add_argument("--replay", default=None, help="SEED:WORKER:INDEX of one example")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds after which no new example starts (results are kept)")
     args = ap.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device != "cpu"
@@ -130,7 +134,8 @@ def main() -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     name = torch.cuda.get_device_name().split()[-1].lower() if gpu else "cpu"
     out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" / f"fuzz_{name}")
-    jobs = [(seed, w, workers, n, args.structures, device) for seed in seeds
+    deadline = None if args.time_limit is None else time.time() + args.time_limit
+    jobs = [(seed, w, workers, n, args.structures, device, deadline) for seed in seeds
             for w in range(workers)]
     t0 = time.perf_counter()
     if workers == 1:

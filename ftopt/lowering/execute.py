@@ -90,7 +90,17 @@ def _scalars(plan: ChainPlan, traced, steps, device) -> list[float] | torch.Tens
             v.to(device=device, dtype=torch.float32).reshape(()) if isinstance(v, torch.Tensor)
             else torch.full((), float(v), dtype=torch.float32, device=device)
             for v in values])
-    return [float(v) for v in values]
+    floats = [float(v) for v in values]
+    if any([0.0 < abs(v) < _FP32_TINY for v in floats]):
+        # Triton types a Python float below fp32's smallest normal as an fp64 argument (a
+        # kernel of another signature, whose fp32 math then fails to compile): such
+        # values go to the kernel as an fp32 buffer instead, rounded as the eager path
+        # rounds them.
+        return torch.tensor(floats, dtype=torch.float32).to(device)
+    return floats
+
+
+_FP32_TINY = torch.finfo(torch.float32).tiny
 
 
 class PreparedStep:
