@@ -234,10 +234,16 @@ class Masked:
         mask = self._mask_for(params if params is not None else updates)
         sub = _select(updates, mask)
         sub_params = _select(params, mask, "params") if params is not None else None
-        if extra.get("zero_mask") is not None:
-            extra = {**extra, "zero_mask": _select(extra["zero_mask"], mask, "zero_mask")}
+        full_mask = extra.get("zero_mask")
+        if full_mask is not None:
+            extra = {**extra, "zero_mask": _select(full_mask, mask, "zero_mask")}
         new_sub, inner_state = self.inner.update(sub, state.inner_state, sub_params, **extra)
-        return _fill(new_sub, updates), MaskedState(inner_state)
+        new = _fill(new_sub, updates)
+        if full_mask is not None:
+            # Leaves passed through unchanged: -0.0 where the raw gradient is zero (so
+            # p + u keeps p, a -0.0 param too); the inner transform masked its own.
+            new = _apply_zero_mask(new, full_mask)
+        return new, MaskedState(inner_state)
 
 
 def _fill(sub, full):

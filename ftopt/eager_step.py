@@ -209,7 +209,10 @@ def _build(prep: _Prepared, leaf: int, zero_dim: bool) -> eager_chunked.Program:
     prog.zero_dim_leaves = zero_dim
     gs = prog.input("g", g.dtype)
     ps = prog.input("p", p.dtype)
-    mask = prog.binary(operator.eq, gs, 0) if any(
+    # A skip-aware chain's update is -0.0 wherever the raw gradient is zero, on every
+    # leaf, those its leaf masks pass through included.
+    whole_chain_skips = all(skip for _, skip in prep.stages)
+    mask = prog.binary(operator.eq, gs, 0) if whole_chain_skips or any(
         skip for (_, skip), f in zip(prep.stages, prep.flags) if f[leaf]) else None
     u = gs
     for k, ((stage, skip), by_name) in enumerate(zip(prep.stages, prep.slots)):
@@ -236,6 +239,9 @@ def _build(prep: _Prepared, leaf: int, zero_dim: bool) -> eager_chunked.Program:
         u = u_new
     if not u.dtype.is_floating_point:
         raise _Unsupported  # apply_updates raises
+    if whole_chain_skips:
+        neg_zero = torch.full((), -0.0, dtype=u.dtype, device="cpu")
+        u = prog.where(mask, neg_zero, u)
     compute = torch.promote_types(torch.promote_types(p.dtype, u.dtype), torch.float32)
     new_p = prog.binary(operator.add, prog.convert(ps, compute), prog.convert(u, compute))
     prog.output("p", prog.convert(new_p, p.dtype))

@@ -206,7 +206,7 @@ class RuleTransform:
         )
         active = self._active_leaves(u_flat, p_flat, slots_flat, paths, params)
         count, new_count, t = self._advance_count(state)
-        new_u = list(u_flat)
+        new_u = _passed_through(u_flat, mask_flat, active)
         new_slots = {name: list(leaves) for name, leaves in slots_flat.items()}
         if active:
             self._run(active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u, new_slots)
@@ -305,6 +305,23 @@ class RuleTransform:
             for j, i in enumerate(active):
                 new_slots[slot.name][i] = self._write_slot(
                     slot, slots_flat[slot.name][i], slot_items[slot.name][j], masks[j])
+
+
+def _passed_through(u_flat: list, mask_flat: list, active: list[int]) -> list:
+    """The updates of leaves a leaf mask leaves out: unchanged, in the compute dtype (as
+    the updates of the other leaves, and as the fused path writes them), ``-0.0`` where a
+    ``skip_zeros`` mask says the gradient is zero (so ``p + u`` keeps ``p``, ``-0.0``
+    too)."""
+    out = list(u_flat)
+    kept = set(active)
+    for i, u in enumerate(u_flat):
+        if u is None or i in kept:
+            continue
+        u = u.to(_compute_dtype(u))
+        if mask_flat[i] is not None:
+            u = torch.where(mask_flat[i], torch.full((), -0.0, dtype=u.dtype), u)
+        out[i] = u
+    return out
 
 
 def _run_vec(rule: Rule, mode: str, us, ps, old: dict, masks: list, scalars: dict):

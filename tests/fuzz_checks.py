@@ -19,6 +19,7 @@ purity (SPEC §1): its inputs, hyperparameter tensors included, keep their bits.
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import warnings
 from typing import Any
@@ -103,10 +104,45 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / scale).item()
 
 
-def _close_param(f: torch.Tensor, e: torch.Tensor, old: torch.Tensor, what: str) -> None:
+class Reference:
+    """The same step in float64 (eager), made only when fp32 results disagree by more
+    than 1e-6: a random chain can be ill-conditioned (cancellation in a moment, a division
+    by a small second moment), and then a rounding difference of one ulp grows. Fused is
+    then held to being about as accurate as eager: its error against float64 at most twice
+    eager's, plus 1e-6 of the leaf's scale."""
+
+    def __init__(self, tx, p, g, s):
+        self.args = (tx, p, g, s)
+        self.result = None
+
+    def param(self, spec, j: int) -> torch.Tensor:
+        return spec.flatten_up_to(self.get()[0])[j]
+
+    def state(self) -> Any:
+        return self.get()[1]
+
+    def get(self):
+        if self.result is None:
+            tx, p, g, s = self.args
+            up = lambda t: (t.double() if isinstance(t, torch.Tensor)  # noqa: E731
+                            and t.dtype == torch.float32 else t)
+            wide = [optree.tree_map(up, x, none_is_leaf=False, namespace="ftopt")
+                    for x in (p, g, s)]
+            self.result = ftopt.step(tx, *wide, backend="eager")
+        return self.result
+
+
+def _as_accurate(f: torch.Tensor, e: torch.Tensor, r: torch.Tensor) -> bool:
+    return _rel(f, r) <= 2 * _rel(e, r) + 1e-6
+
+
+def _close_param(f: torch.Tensor, e: torch.Tensor, old: torch.Tensor, what: str,
+                 ref=None) -> None:
     assert f.dtype == e.dtype and f.shape == e.shape, f"{what}: dtype/shape differ"
     if f.dtype == torch.float32:
         err = _rel(f, e)
+        if err > 1e-6 and ref is not None and _as_accurate(f, e, ref()):
+            return
         assert err <= 1e-6, f"{what}: relative error {err:.3g} > 1e-6"
         return
     # 16-bit: each backend rounds an fp32 value once; those values may differ by fp32
@@ -120,15 +156,19 @@ def _close_param(f: torch.Tensor, e: torch.Tensor, old: torch.Tensor, what: str)
                            f"{ef[bad][:3].tolist()} eager {ee[bad][:3].tolist()}")
 
 
-def _close_states(f: Any, e: Any, what: str) -> None:
+def _close_states(f: Any, e: Any, what: str, ref=None) -> None:
     is_q = lambda x: isinstance(x, QuantizedSlot)
     lf, sf = optree.tree_flatten(f, is_leaf=is_q, namespace="ftopt")
     le, se = optree.tree_flatten(e, is_leaf=is_q, namespace="ftopt")
+    lr = (lambda: optree.tree_leaves(ref(), is_leaf=is_q, namespace="ftopt")) if ref else None
     assert sf == se, f"{what}: state structures differ: {sf} vs {se}"
     for i, (x, y) in enumerate(zip(lf, le)):
         if isinstance(x, QuantizedSlot):
             err = _rel(x.absmax, y.absmax)
-            assert err <= 1e-6, f"{what}: 8-bit absmax of leaf {i}: relative error {err:.3g}"
+            if not (err <= 1e-6 or (lr is not None and _as_accurate(
+                    x.absmax, y.absmax, lr()[i].absmax))):
+                raise AssertionError(f"{what}: 8-bit absmax of leaf {i}: relative error "
+                                     f"{err:.3g}")
             diff = (x.codes.int() - y.codes.int()).abs()
             n = int((diff > 0).sum())
             if n:
@@ -142,6 +182,8 @@ def _close_states(f: Any, e: Any, what: str) -> None:
             assert torch.equal(x, y), f"{what}: state leaf {i}: {x} vs {y}"
         else:
             err = _rel(x, y)
+            if err > 1e-6 and lr is not None and _as_accurate(x, y, lr()[i]):
+                continue
             assert err <= 1e-6, f"{what}: state leaf {i}: relative error {err:.3g} > 1e-6"
 
 
@@ -153,11 +195,13 @@ def fused_vs_eager(case: Case) -> None:
     for k, g in enumerate(case.grads):
         pe, se = pure_step(case, tx, p, g, s, "eager")
         pf, sf = pure_step(case, tx, p, g, s, "fused")
+        ref = Reference(tx, p, g, s)
         paths, flat_old, spec = ftopt.tree.flatten_with_paths(p)
-        for path, old, a, b in zip(paths, flat_old, spec.flatten_up_to(pf),
-                                   spec.flatten_up_to(pe)):
-            _close_param(a, b, old, f"step {k}, param {path}")
-        _close_states(sf, se, f"step {k}, state")
+        for j, (path, old, a, b) in enumerate(zip(paths, flat_old, spec.flatten_up_to(pf),
+                                                  spec.flatten_up_to(pe))):
+            _close_param(a, b, old, f"step {k}, param {path}",
+                         functools.partial(ref.param, spec, j))
+        _close_states(sf, se, f"step {k}, state", ref.state)
         if case.update_too:
             ue, sue = pure_update(case, tx, p, g, s, "eager")
             uf, suf = pure_update(case, tx, p, g, s, "fused")

@@ -261,10 +261,11 @@ def test_inner_update_may_run_fused():
     gen = torch.Generator().manual_seed(SEED + 8)
     inner = ftopt.adam(1e-2)
     tx = ftopt.apply_if_finite(inner, 1)
-    params = _params(gen)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter on a CPU)
+    params = ftopt.tree.map(lambda x: x.to(device), _params(gen))
     state, ref_state = tx.init(params), inner.init(params)
     for bad in (None, math.nan):
-        g = _grads(gen, bad)
+        g = ftopt.tree.map(lambda x: x.to(device), _grads(gen, bad))
         u, state = tx.update(g, state, params, backend="fused")
         if bad is None:
             ref_u, ref_state = inner.update(g, ref_state, params, backend="fused")

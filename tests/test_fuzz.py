@@ -103,7 +103,8 @@ def test_checks_catch_a_planted_bug(prop, monkeypatch):
     grads = [ftopt.tree.map(lambda p: torch.randn(p.shape, generator=gen), params)
              for _ in range(2)]
     grads[0]["w0"][1] = 0.0
-    case = Case(structure, [{"learning_rate": 0.01}], params, grads, "cpu", 0)
+    params, grads = ftopt.tree.map(lambda x: x.to(DEVICE), (params, grads))
+    case = Case(structure, [{"learning_rate": 0.01}], params, grads, DEVICE, 0)
     real_step, real_load = ftopt.step, torch.load
 
     def broken_step(tx, p, g, s, **kw):

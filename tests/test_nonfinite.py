@@ -16,6 +16,8 @@ import ftopt
 
 BAD = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf")}
 BACKENDS = ["eager", "fused"]
+# The fused path runs on the GPU where there is one (the interpreter otherwise).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _leaves(tree):
@@ -48,8 +50,9 @@ def _agree(a, b) -> bool:
 def test_a_non_finite_gradient_stays_in_its_element(bad, bits):
     torch.manual_seed(0)
     n, at = 4096, 300  # element 300 sits in block 1 of 16
-    params = {"w": torch.randn(n), "b": torch.randn(7)}
-    grads = [{"w": torch.randn(n), "b": torch.randn(7)} for _ in range(3)]
+    params = {"w": torch.randn(n, device=DEVICE), "b": torch.randn(7, device=DEVICE)}
+    grads = [{"w": torch.randn(n, device=DEVICE), "b": torch.randn(7, device=DEVICE)}
+             for _ in range(3)]
     grads[0]["w"][at] = BAD[bad]
     tx = ftopt.adamw(1e-2, weight_decay=0.1, state_bits=bits)
     results = {b: _run(tx, params, grads, b) for b in BACKENDS}
@@ -64,7 +67,7 @@ def test_a_non_finite_gradient_stays_in_its_element(bad, bits):
             assert torch.isfinite(slot.absmax).all()
             qmap_signed = slot is adam_state.mu["w"]
             decoded = ftopt.quant.dequantize_blockwise(
-                slot.codes, slot.absmax, ftopt.quant.dynamic_map(qmap_signed))
+                slot.codes, slot.absmax, ftopt.quant.dynamic_map(qmap_signed, DEVICE))
             assert torch.isfinite(decoded).all()
         else:
             others = torch.cat([slot[:at], slot[at + 1:]])
@@ -101,8 +104,8 @@ def test_a_global_norm_over_a_non_finite_gradient_is_non_finite(backend):
     """The documented exception: a norm sees every element, so a NaN reaches every leaf
     scaled by it (clip_grad_norm_ in torch does the same)."""
     torch.manual_seed(1)
-    params = {"w": torch.randn(64), "b": torch.randn(8)}
-    grads = {"w": torch.randn(64), "b": torch.randn(8)}
+    params = {"w": torch.randn(64, device=DEVICE), "b": torch.randn(8, device=DEVICE)}
+    grads = {"w": torch.randn(64, device=DEVICE), "b": torch.randn(8, device=DEVICE)}
     grads["w"][3] = float("nan")
     tx = ftopt.chain(ftopt.clip_by_global_norm(1.0), ftopt.sgd(0.1))
     p, _ = _run(tx, params, [grads], backend)

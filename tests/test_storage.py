@@ -15,10 +15,16 @@ import torch
 import ftopt
 
 BACKENDS = ["eager", "fused"]
+# The fused path runs on the GPU where there is one (the interpreter otherwise).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _randn(*shape, gen):
+    return torch.randn(*shape, generator=gen).to(DEVICE)
 
 
 def _tree(gen, shapes):
-    return {k: torch.randn(*s, generator=gen) for k, s in shapes.items()}
+    return {k: _randn(*s, gen=gen) for k, s in shapes.items()}
 
 
 SHAPES = {"w": (64, 8), "b": (8,), "e": (40, 16)}
@@ -50,7 +56,7 @@ def test_a_param_whose_storage_was_replaced_is_updated_there(donate, bits):
     params, state, reference, ref_state = _twin(tx, gen, donate)
     old = params["w"]
     old_storage = old.clone()
-    new_data = torch.randn(64, 8, generator=gen)
+    new_data = _randn(64, 8, gen=gen)
     params["w"].data = new_data.clone()
     reference["w"] = new_data.clone()
     grads = _tree(gen, SHAPES)
@@ -69,7 +75,7 @@ def test_a_state_whose_storage_was_replaced_is_read_there(donate):
     gen = torch.Generator().manual_seed(2)
     tx = ftopt.adam(1e-2)
     params, state, reference, ref_state = _twin(tx, gen, donate)
-    fresh = torch.rand(64, 8, generator=gen)
+    fresh = torch.rand(64, 8, generator=gen).to(DEVICE)
     state[0].nu["w"].data = fresh.clone()
     ref_state[0].nu["w"].copy_(fresh)
     grads = _tree(gen, SHAPES)
@@ -105,7 +111,7 @@ def test_a_gradient_whose_storage_was_replaced_is_read_there(donate):
                tx.init(params), backend="fused", donate=donate)  # cached with these grads
     params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=donate)
     reference, ref_state = ftopt.step(tx, reference, grads, ref_state, backend="eager")
-    grads["w"].data = torch.randn(64, 8, generator=gen)
+    grads["w"].data = _randn(64, 8, gen=gen)
     params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=donate)
     reference, ref_state = ftopt.step(tx, reference, grads, ref_state, backend="eager")
     for k in SHAPES:
@@ -122,7 +128,7 @@ def test_a_gradient_reshaped_in_place_is_an_error_naming_it(donate, bad):
     params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=donate)
     before = {k: v.clone() for k, v in params.items()}
     before_state = [t.clone() for t in ftopt.tree.leaves(state)]
-    grads["w"].data = torch.randn(*bad, generator=gen)
+    grads["w"].data = _randn(*bad, gen=gen)
     with pytest.raises(ValueError, match=r"\['w'\]"):
         ftopt.step(tx, params, grads, state, backend="fused", donate=donate)
     for k in SHAPES:
@@ -132,9 +138,9 @@ def test_a_gradient_reshaped_in_place_is_an_error_naming_it(donate, bad):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_same_tensor_twice_is_refused_when_donated(backend):
-    t = torch.randn(16)
+    t = torch.randn(16, device=DEVICE)
     params = {"a": t, "b": t}
-    grads = {"a": torch.randn(16), "b": torch.randn(16)}
+    grads = {"a": torch.randn(16, device=DEVICE), "b": torch.randn(16, device=DEVICE)}
     tx = ftopt.sgd(0.1)
     state = tx.init(params)
     kept = t.clone()
@@ -145,7 +151,7 @@ def test_the_same_tensor_twice_is_refused_when_donated(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_overlapping_views_are_refused_when_donated(backend):
-    base = torch.randn(40)
+    base = torch.randn(40, device=DEVICE)
     params = {"a": base[:24], "b": base[16:]}
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     tx = ftopt.adam(1e-2)
@@ -163,9 +169,9 @@ def test_overlapping_views_are_refused_when_donated(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_shared_params_stay_correct_when_not_donated(backend):
-    t = torch.randn(16)
+    t = torch.randn(16, device=DEVICE)
     params = {"a": t, "b": t}
-    grads = {"a": torch.randn(16), "b": torch.randn(16)}
+    grads = {"a": torch.randn(16, device=DEVICE), "b": torch.randn(16, device=DEVICE)}
     tx = ftopt.adam(1e-2)
     new, _ = ftopt.step(tx, params, grads, tx.init(params), backend=backend)
     for k in params:
