@@ -124,9 +124,12 @@ class Reference:
     def get(self):
         if self.result is None:
             tx, p, g, s = self.args
+            # (8-bit slots stay as they are: their absmax is fp32 by format)
             up = lambda t: (t.double() if isinstance(t, torch.Tensor)  # noqa: E731
                             and t.dtype == torch.float32 else t)
-            wide = [optree.tree_map(up, x, none_is_leaf=False, namespace="ftopt")
+            is_q = lambda x: isinstance(x, QuantizedSlot)  # noqa: E731
+            wide = [optree.tree_map(lambda t: t if is_q(t) else up(t), x, is_leaf=is_q,
+                                    none_is_leaf=False, namespace="ftopt")
                     for x in (p, g, s)]
             self.result = ftopt.step(tx, *wide, backend="eager")
         return self.result

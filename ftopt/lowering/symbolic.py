@@ -195,17 +195,23 @@ class SymOps:
         return self._unary(x, "tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0))")
 
     def where(self, cond, a, b) -> Sym:
-        parts = [Sym._operand(_as_sym(cond, self.graph), v) for v in (cond, a, b)]
+        return self._call("tl.where", cond, a, b)
+
+    def _call(self, fn: str, *args) -> Sym:
+        parts = [Sym._operand(_as_sym(args[0], self.graph), v) for v in args]
         kind = max((p[2] for p in parts), key=_KIND_ORDER.__getitem__)
         deps = tuple(d for p in parts for d in p[1])
-        expr = "tl.where({}, {}, {})".format(*(p[0] for p in parts))
-        return self.graph.add(expr, deps, kind)
+        return self.graph.add(f"{fn}({', '.join(p[0] for p in parts)})", deps, kind)
 
     def lerp(self, start, end, weight) -> Sym:
-        """start + weight·(end − start) with torch.lerp's two formulas."""
+        """start + weight·(end − start) as ``torch.lerp`` computes it: its two formulas,
+        each one fused multiply-add (torch's kernels are compiled so, on the CPU and on
+        CUDA), so the fused path rounds as the eager one does. An explicit ``tl.fma`` is
+        the same in every kernel variant (no contraction is left to the compiler)."""
         start, end, weight = (_as_sym(v, self.graph) for v in (start, end, weight))
-        low = start + weight * (end - start)
-        high = end - (end - start) * (1.0 - weight)
+        diff = end - start
+        low = self._call("tl.fma", weight, diff, start)  # start + weight·diff
+        high = self._call("tl.fma", diff * -1.0, 1.0 - weight, end)  # end − diff·(1−w)
         return self.where(weight < 0.5, low, high)
 
     def maximum(self, a, b) -> Sym:
