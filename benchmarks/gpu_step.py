@@ -352,11 +352,11 @@ def tile_hooks(tile) -> tuple[Callable, Callable]:
     caches; the harness calls them around chunks of steps (never inside a timed step)
     and runs one untimed step after ``enter``.
     """
-    from ftopt.lowering import launch
+    from ftopt.lowering import tiles as launch
 
     names = ("BLOCK", "NUM_WARPS", "IN_PLACE_TILE", "QUANT_TILE")
     if not all(hasattr(launch, n) for n in names):
-        raise RuntimeError(f"ftopt.lowering.launch lacks one of {names} to override")
+        raise RuntimeError(f"ftopt.lowering.tiles lacks one of {names} to override")
     saved = []
 
     def enter():
@@ -376,7 +376,7 @@ def tile_hooks(tile) -> tuple[Callable, Callable]:
 
 def ftopt_tile_now() -> tuple | None:
     try:
-        from ftopt.lowering import launch
+        from ftopt.lowering import tiles as launch
 
         return (launch.BLOCK, launch.NUM_WARPS, *launch.IN_PLACE_TILE, *launch.QUANT_TILE)
     except Exception:  # noqa: BLE001

@@ -1,8 +1,8 @@
 """ftopt: functional, optax-style optimizers for PyTorch with fused Triton kernels."""
 
-from ftopt import schedules, tree
+from ftopt import dispatch, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
-from ftopt.base import EmptyState, GradientTransformation, identity, set_to_zero, stateless
+from ftopt.base import EmptyState, GradientTransformation, set_to_zero, stateless
 from ftopt.combine import (
     MaskedState,
     PartitionState,
@@ -39,6 +39,7 @@ from ftopt.transforms import (
     add_decayed_weights,
     clip_by_global_norm,
     clip_by_param_norm_ratio,
+    identity,
     scale,
     scale_by_adam,
     scale_by_ademamix,
@@ -51,6 +52,13 @@ from ftopt.transforms import (
     weight_decay,
 )
 from ftopt.update import apply_updates, step
+
+# The backends, installed where ftopt is imported (imported on first use, except the
+# torch.compile entry, which needs no Triton): the core reaches them only through
+# ftopt.dispatch.
+dispatch.install("fused", "ftopt.lowering.entry")
+dispatch.install("compile", "ftopt.lowering.op", now=True)
+dispatch.install("chunked", "ftopt.chunked.entry")
 
 __version__ = "0.1.0"
 

@@ -19,7 +19,6 @@ OptState = PyTree
 __all__ = [
     "GradientTransformation",
     "EmptyState",
-    "identity",
     "set_to_zero",
     "stateless",
     "register_state",
@@ -122,13 +121,6 @@ def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransf
     """
     obj = _Stateless(fn)
     return GradientTransformation(obj.init, obj.update)
-
-
-def identity() -> GradientTransformation:
-    """Leaves updates unchanged: u ← u."""
-    from ftopt.transforms.scaling import scale
-
-    return scale(1.0)
 
 
 def set_to_zero() -> GradientTransformation:

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ftopt import dispatch
 from ftopt import tree as tree_lib
 from ftopt.base import (
     EmptyState,
@@ -21,7 +22,7 @@ from ftopt.base import (
     register_owner,
     register_state,
 )
-from ftopt.rules import RuleTransform
+from ftopt.rule_transform import RuleTransform
 
 __all__ = [
     "chain",
@@ -117,10 +118,8 @@ class Chain:
         return [state[n] for n in self.names]
 
     def update(self, updates, state, params=None, **extra):
-        from ftopt.lowering.plan import update_entry
-
-        return update_entry(self, updates, state, params, extra,
-                            lambda: self._update(updates, state, params, extra))
+        return dispatch.update_entry(self, updates, state, params, extra,
+                                     lambda: self._update(updates, state, params, extra))
 
     def _update(self, updates, state, params, extra: dict):
         inner = self._inner_states(state)

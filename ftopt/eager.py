@@ -12,7 +12,7 @@ lists call ``torch._foreach_*`` (one dispatch for all leaves); in ``loop`` mode 
 is a plain torch op per leaf, which autograd and ``torch.func`` transforms understand.
 
 On the CPU, ``foreach`` bodies without norms are instead run by
-:mod:`ftopt.eager_chunked`: the same torch ops, so the same bits, chunk by chunk.
+:mod:`ftopt.chunked` (a backend): the same torch ops, so the same bits, chunk by chunk.
 """
 
 from __future__ import annotations

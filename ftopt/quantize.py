@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ftopt.base import GradientTransformation, check_transform
 from ftopt.domains import check_int
-from ftopt.rules import QuantConfig, RuleTransform
+from ftopt.rule_transform import RuleTransform
+from ftopt.rules import QuantConfig
 
 __all__ = ["quantize_states"]
 

@@ -8,28 +8,25 @@ in ``x`` (``x.u``, ``x.p``, ``x.<slot>``, ``x.<scalar>``) and the ``o`` namespac
 ``global_norm``). The eager backend evaluates the body on tensors (:mod:`ftopt.eager`); the
 fused backend evaluates it on symbols and prints a Triton kernel (:mod:`ftopt.lowering`).
 
-:class:`RuleTransform` turns a rule into a ``GradientTransformation``: it owns the state
-layout (32-bit or 8-bit blockwise slots, the step count), validation and ``skip_zeros``.
+:class:`ftopt.rule_transform.RuleTransform` turns a rule into a
+``GradientTransformation``: it owns the state layout (32-bit or 8-bit blockwise slots, the
+step count), validation and ``skip_zeros``. This module holds only the types every layer
+shares (the rule, its slots, the 8-bit layout) and the per-step scalars.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
-from ftopt import eager, eager_chunked
-from ftopt import tree as tree_lib
-from ftopt._counts import host_count, remember_count
-from ftopt.base import EmptyState, GradientTransformation, register_owner, register_state
+from ftopt.base import EmptyState, register_state
 from ftopt.domains import Interval
-from ftopt.domains import check_hparam as _check_hparam
-from ftopt.quant import dequantize_blockwise, dynamic_map, quantize_blockwise
 
-__all__ = ["Slot", "Rule", "RuleTransform", "QuantizedSlot", "QuantConfig", "rule_transform"]
+__all__ = ["Slot", "Rule", "QuantizedSlot", "QuantConfig", "Env", "hparam_values",
+           "step_scalars", "compute_dtype", "state_dtype", "check_param"]
 
 
 @dataclass(frozen=True)
@@ -99,344 +96,22 @@ def step_scalars(rule: Rule, count: Any, t: Any) -> dict:
     return h
 
 
-class _Env:
+class Env:
     """The values a body reads, by attribute."""
 
     def __init__(self, values: dict):
         self.__dict__.update(values)
 
 
-def _state_dtype(p: torch.Tensor) -> torch.dtype:
+def state_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-class RuleTransform:
-    """A ``GradientTransformation`` made from a :class:`Rule`."""
-
-    def __init__(self, rule: Rule, quant: QuantConfig | None = None):
-        # Every hyperparameter is checked here, once, against ``rule.domains``: a bad value
-        # fails at construction, not as NaN params later (see :mod:`ftopt.domains`).
-        for k, v in rule.hparams.items():
-            _check_hparam(rule.name, k, v, rule.domains.get(k))
-        self.rule = rule
-        self.quant = quant
-        register_owner(self)
-
-    def with_quant(self, quant: QuantConfig | None) -> RuleTransform:
-        return RuleTransform(self.rule, quant if self.rule.slots else None)
-
-    def with_rule(self, **changes) -> RuleTransform:
-        return RuleTransform(replace(self.rule, **changes), self.quant)
-
-    def as_transform(self) -> GradientTransformation:
-        return GradientTransformation(self.init, self.update)
-
-    # -- state layout --------------------------------------------------------------------
-    def quantized(self, p: torch.Tensor) -> bool:
-        return self.quant is not None and p.numel() >= self.quant.min_size
-
-    def _init_slot(self, slot: Slot, p: torch.Tensor):
-        value = 0.0 if slot.init is None else self.rule.hparams[slot.init]
-        x = torch.full_like(p, float(value), dtype=_state_dtype(p))
-        if self.quantized(p):
-            qmap = dynamic_map(slot.signed, p.device)
-            return QuantizedSlot(*quantize_blockwise(x.float(), qmap, self.quant.block_size))
-        return x
-
-    def init(self, params):
-        paths, flat, spec = tree_lib.flatten_with_paths(params)
-        if self.rule.slots or self.rule.counted:
-            for path, p in zip(paths, flat):
-                _check_param(path, p)
-        values = {}
-        if self.rule.counted:
-            device = flat[0].device if flat else torch.device("cpu")
-            values["count"] = torch.zeros((), dtype=torch.int32, device=device)
-        for slot in self.rule.slots:
-            leaves = [self._init_slot(slot, p) for p in flat]
-            values[slot.name] = tree_lib.unflatten(spec, leaves)
-        return self.rule.state_class(**values)
-
-    def _read_slot(self, slot: Slot, leaf, p_like: torch.Tensor) -> torch.Tensor:
-        if isinstance(leaf, QuantizedSlot):
-            qmap = dynamic_map(slot.signed, leaf.codes.device)
-            return dequantize_blockwise(leaf.codes, leaf.absmax, qmap, self.quant.block_size)
-        return leaf
-
-    def _write_slot(self, slot: Slot, old_leaf, new: torch.Tensor, mask):
-        if not isinstance(old_leaf, QuantizedSlot):
-            return new.to(old_leaf.dtype)
-        qmap = dynamic_map(slot.signed, new.device)
-        codes, absmax = quantize_blockwise(new.float(), qmap, self.quant.block_size)
-        if mask is not None:
-            # A block whose gradients are all zero keeps its bytes.
-            codes, absmax = _keep_skipped_blocks(old_leaf, codes, absmax, mask, self.quant)
-        return QuantizedSlot(codes, absmax)
-
-    # -- update --------------------------------------------------------------------------
-    def update(self, updates, state, params=None, *, zero_mask=None, **extra):
-        if zero_mask is not None:  # inside a skip_zeros chain
-            return self._update(updates, state, params, zero_mask)
-        from ftopt.lowering.plan import update_entry
-
-        return update_entry(self, updates, state, params, extra,
-                            lambda: self._update(updates, state, params, None))
-
-    def _update(self, updates, state, params, zero_mask):
-        from ftopt.validate import check_state_class  # (it imports this module)
-
-        rule = self.rule
-        check_state_class(rule, state)
-        spec = optree.tree_structure(updates, none_is_leaf=True, namespace="ftopt")
-        paths = [tree_lib.path_str(p) for p in optree.tree_paths(
-            updates, none_is_leaf=True, namespace="ftopt")]
-        u_flat = spec.flatten_up_to(updates)
-        p_flat = self._flatten_params(spec, params, paths, updates)
-        slots_flat = {
-            s.name: tree_lib.flatten_like(spec, getattr(state, s.name), f"state {s.name}", paths)
-            for s in rule.slots
-        }
-        mask_flat = (
-            tree_lib.flatten_like(spec, zero_mask, "zero_mask", paths)
-            if zero_mask is not None else [None] * len(u_flat)
-        )
-        active = self._active_leaves(u_flat, p_flat, slots_flat, paths, params)
-        count, new_count, t = self._advance_count(state)
-        new_u = _passed_through(u_flat, mask_flat, active)
-        new_slots = {name: list(leaves) for name, leaves in slots_flat.items()}
-        if active:
-            self._run(active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u, new_slots)
-        values = {name: tree_lib.unflatten(spec, leaves) for name, leaves in new_slots.items()}
-        if rule.counted:
-            values["count"] = new_count
-        return tree_lib.unflatten(spec, new_u), rule.state_class(**values)
-
-    def _flatten_params(self, spec, params, paths, updates):
-        if params is None:
-            if self.rule.uses_params:
-                raise ValueError(f"{self.rule.name} needs params: call update(updates, "
-                                 "state, params)")
-            return [None] * spec.num_leaves
-        try:
-            return spec.flatten_up_to(params)
-        except (ValueError, TypeError):
-            pass
-        # The trees differ. The params are the reference: name what is wrong with the
-        # updates (gradients) first, then what is wrong with the params.
-        p_paths, _, p_spec = tree_lib.flatten_with_paths(params)
-        for path, u in zip(p_paths, tree_lib.flatten_like(p_spec, updates, "updates", p_paths)):
-            if u is not None and not isinstance(u, torch.Tensor):
-                raise TypeError(f"update at {path}: expected a tensor or None, got "
-                                f"{type(u).__name__}")
-        return tree_lib.flatten_like(spec, params, "params", paths, against="updates")
-
-    def _active_leaves(self, u_flat, p_flat, slots_flat, paths, params) -> list[int]:
-        from ftopt.validate import check_leaf, check_slots  # (it imports this module)
-
-        leaf_mask = self._leaf_mask(params, len(u_flat), paths)
-        active = []
-        for i, u in enumerate(u_flat):
-            if u is None:
-                continue
-            check_leaf(paths[i], u, p_flat[i], params is not None)
-            check_slots(self, paths[i], u, p_flat[i], {n: v[i] for n, v in slots_flat.items()})
-            if leaf_mask is None or leaf_mask[i]:
-                active.append(i)
-        return active
-
-    def _leaf_mask(self, params, n: int, paths) -> list[bool] | None:
-        mask = self.rule.leaf_mask
-        if mask is None:
-            return None
-        if callable(mask):
-            if params is None:
-                raise ValueError(f"{self.rule.name}: a callable mask needs params")
-            mask = mask(params)
-        spec = optree.tree_structure(
-            optree.tree_map(lambda _: 0, params, none_is_leaf=True, namespace="ftopt")
-            if params is not None else [0] * n, none_is_leaf=True, namespace="ftopt")
-        flat = tree_lib.flatten_like(spec, mask, "mask", paths)
-        return [bool(m) for m in flat]
-
-    def _advance_count(self, state):
-        if not self.rule.counted:
-            return None, None, None
-        from ftopt.validate import check_count
-
-        count = state.count
-        check_count(self.rule.name, count)
-        new_count = count + 1
-        known = host_count(count)
-        if known is None and count.device.type == "cpu" and not eager.functorch_active():
-            known = int(count)
-        if known is None:
-            return count, new_count, new_count
-        remember_count(new_count, known + 1)
-        return known, new_count, known + 1
-
-    def _run(self, active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u, new_slots):
-        rule = self.rule
-        us = [u_flat[i] for i in active]
-        ps = [p_flat[i] for i in active] if rule.uses_params else []
-        mode = eager.choose_mode(us + ps)
-        old = {}
-        for slot in rule.slots:
-            old[slot.name] = [
-                self._read_slot(slot, slots_flat[slot.name][i], u_flat[i]) for i in active
-            ]
-        masks = [mask_flat[i] for i in active]
-        scalars = step_scalars(rule, count, t)
-        result = None
-        if mode == "foreach":
-            result = _run_chunked(rule, us, ps, old, masks, scalars)
-        if result is None:
-            result = _run_vec(rule, mode, us, ps, old, masks, scalars)
-        u_items, slot_items = result
-        for j, i in enumerate(active):
-            # A 0-d leaf whose per-step scalars are float64 tensors (a device count) would
-            # be promoted to float64: updates are in the leaf's compute dtype.
-            want = _compute_dtype(us[j])
-            new_u[i] = u_items[j] if u_items[j].dtype == want else u_items[j].to(want)
-        for slot in rule.slots:
-            for j, i in enumerate(active):
-                new_slots[slot.name][i] = self._write_slot(
-                    slot, slots_flat[slot.name][i], slot_items[slot.name][j], masks[j])
-
-
-def _passed_through(u_flat: list, mask_flat: list, active: list[int]) -> list:
-    """The updates of leaves a leaf mask leaves out: unchanged, in the compute dtype (as
-    the updates of the other leaves, and as the fused path writes them), ``-0.0`` where a
-    ``skip_zeros`` mask says the gradient is zero (so ``p + u`` keeps ``p``, ``-0.0``
-    too)."""
-    out = list(u_flat)
-    kept = set(active)
-    for i, u in enumerate(u_flat):
-        if u is None or i in kept:
-            continue
-        u = u.to(_compute_dtype(u))
-        if mask_flat[i] is not None:
-            u = torch.where(mask_flat[i], torch.full((), -0.0, dtype=u.dtype), u)
-        out[i] = u
-    return out
-
-
-def _run_vec(rule: Rule, mode: str, us, ps, old: dict, masks: list, scalars: dict):
-    """The body on :class:`eager.Vec` values over whole leaves: the updates and the new
-    slots (in the compute dtype), zero-gradient elements masked."""
-    env = {"u": eager.elem([u.to(_compute_dtype(u)) for u in us], mode)}
-    if rule.uses_params:
-        env["p"] = eager.elem([p.to(_compute_dtype(p)) for p in ps], mode)
-    for name, leaves in old.items():
-        env[name] = eager.elem(leaves, mode)
-    for k, v in scalars.items():
-        env[k] = eager.scalar(v, mode)
-    u_out, slots_out = rule.body(eager.EagerOps(mode), _Env(env))
-    u_items = _as_elem_items(u_out, us)
-    for j, m in enumerate(masks):
-        if m is not None:
-            u_items[j] = torch.where(m, torch.full((), -0.0, dtype=u_items[j].dtype),
-                                     u_items[j])
-    slot_items = {}
-    for name in old:
-        items = _as_elem_items(slots_out[name], us)
-        for j, m in enumerate(masks):
-            if m is not None:
-                items[j] = torch.where(m, old[name][j], items[j])
-        slot_items[name] = items
-    return u_items, slot_items
-
-
-def _run_chunked(rule: Rule, us, ps, old: dict, masks: list, scalars: dict):
-    """Like :func:`_run_vec` (the same torch ops, so the same bits), as a traced program
-    run over cache-sized chunks of all leaves (see :mod:`ftopt.eager`); ``None`` where
-    that cannot run (a norm in the body, a leaf off the CPU)."""
-    masked = masks[0] is not None
-    if any((m is not None) != masked for m in masks):
-        return None
-    if not eager_chunked.chunkable(us + ps + [t for v in old.values() for t in v]):
-        return None
-    groups: dict[tuple, list[int]] = {}
-    for j, u in enumerate(us):
-        key = (u.dtype, ps[j].dtype if ps else None,
-               tuple(v[j].dtype for v in old.values()), masks[j].dtype if masked else None)
-        groups.setdefault(key, []).append(j)
-    u_items: list = [None] * len(us)
-    slot_items = {name: [None] * len(us) for name in old}
-    for js in groups.values():
-        prog = eager_chunked.Program()
-        prog.zero_dim_leaves = any(us[j].ndim == 0 for j in js)
-        compute = _compute_dtype(us[js[0]])
-        env = {"u": prog.convert(prog.input("u", us[js[0]].dtype), compute)}
-        inputs = {"u": [us[j] for j in js]}
-        if rule.uses_params:
-            p = prog.input("p", ps[js[0]].dtype)
-            env["p"] = prog.convert(p, _compute_dtype(ps[js[0]]))
-            inputs["p"] = [ps[j] for j in js]
-        for name, leaves in old.items():
-            env[name] = prog.input("s:" + name, leaves[js[0]].dtype)
-            inputs["s:" + name] = [leaves[j] for j in js]
-        env.update(scalars)
-        try:
-            u_out, slots_out = rule.body(eager_chunked.TraceOps(prog), _Env(env))
-            results = {"u": prog.as_elem(u_out, compute)}
-            results.update({"s:" + name: prog.as_elem(slots_out[name], compute)
-                            for name in old})
-        except eager_chunked.NotTraceable:
-            return None
-        if masked:
-            m = prog.input("mask", masks[js[0]].dtype)
-            inputs["mask"] = [masks[j] for j in js]
-            neg_zero = torch.full((), -0.0, dtype=results["u"].dtype, device="cpu")
-            results["u"] = prog.where(m, neg_zero, results["u"])
-            for name in old:
-                results["s:" + name] = prog.where(m, env[name], results["s:" + name])
-        outputs = {}
-        for name, value in results.items():
-            prog.output(name, value)
-            outputs[name] = [torch.empty(us[j].shape, dtype=value.dtype, device="cpu")
-                             for j in js]
-        eager_chunked.run_program(prog, inputs, outputs)
-        for j, t in zip(js, outputs.pop("u")):
-            u_items[j] = t
-        for name in old:
-            for j, t in zip(js, outputs["s:" + name]):
-                slot_items[name][j] = t
-    return u_items, slot_items
-
-
-def _as_elem_items(value, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The per-leaf tensors of a body result, broadcast to each leaf's shape."""
-    if not isinstance(value, eager.Vec):
-        value = eager.Vec("scalar", [value], "loop")
-    items = value.items * len(like) if value.kind == "scalar" else value.items
-    out = []
-    for x, ref in zip(items, like):
-        if not isinstance(x, torch.Tensor) or x.shape != ref.shape:
-            x = torch.as_tensor(x, dtype=_compute_dtype(ref), device=ref.device)
-            x = x.expand(ref.shape).clone()
-        out.append(x)
-    return out
-
-
-def _keep_skipped_blocks(old: QuantizedSlot, codes, absmax, mask, quant: QuantConfig):
-    n = mask.numel()
-    nblocks = absmax.numel()
-    pad = nblocks * quant.block_size - n
-    flat_mask = mask.reshape(-1)
-    if pad:
-        flat_mask = torch.cat([flat_mask, flat_mask.new_ones(pad)])
-    block_skipped = flat_mask.view(nblocks, quant.block_size).all(dim=1)
-    absmax = torch.where(block_skipped, old.absmax, absmax)
-    elem_skipped = block_skipped.repeat_interleave(quant.block_size)[:n].view(codes.shape)
-    codes = torch.where(elem_skipped, old.codes, codes)
-    return codes, absmax
-
-
-def _check_param(path: str, p) -> None:
+def check_param(path: str, p) -> None:
     """A param is a dense floating-point tensor (also checked by ``init``: a state built
     for an int or sparse param would fail only at the first step)."""
     if not isinstance(p, torch.Tensor):
@@ -446,8 +121,3 @@ def _check_param(path: str, p) -> None:
                         "(expected a dense tensor)")
     if not p.is_floating_point():
         raise TypeError(f"params at {path}: expected a floating-point tensor, got {p.dtype}")
-
-
-def rule_transform(rule: Rule) -> GradientTransformation:
-    """The ``GradientTransformation`` of ``rule`` with 32-bit state."""
-    return RuleTransform(rule).as_transform()

@@ -8,12 +8,15 @@ them once per transform.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from ftopt.combine import Chain, SkipZeros, owner
-from ftopt.rules import RuleTransform
+from ftopt.rule_transform import RuleTransform
+from ftopt.validate import check_state_class
 
-__all__ = ["Stages", "chain_stages"]
+__all__ = ["Stages", "chain_stages", "state_at", "with_state_at", "check_state_tree"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +81,35 @@ def _walk(tx, path: tuple, skip: bool, at_input: bool, stages: list, paths: list
         return reason
     name = type(obj).__name__ if obj is not None else _describe(tx)
     return f"{name} has no elementwise rule"
+
+
+def state_at(state: Any, path: tuple) -> Any:
+    """The state at ``path`` (tuple indices and ``named_chain`` names) in ``state``."""
+    for key in path:
+        state = state[key]
+    return state
+
+
+def with_state_at(state: Any, path: tuple, value: Any) -> Any:
+    """A copy of ``state`` (tuples, NamedTuples, OrderedDicts) with ``value`` at ``path``."""
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(state, OrderedDict):
+        new = OrderedDict(state)
+        new[key] = with_state_at(state[key], rest, value)
+        return new
+    items = list(state)
+    items[key] = with_state_at(state[key], rest, value)
+    return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)
+
+
+def check_state_tree(obj: Any, state: Any) -> None:
+    """The containers of a chain's state, checked in the order its eager ``update`` does
+    (so the fused path raises the same error): a tuple (or, named, a mapping) per chain,
+    each rule's own state class at its place."""
+    if isinstance(obj, RuleTransform):
+        check_state_class(obj.rule, state)
+    elif isinstance(obj, Chain):
+        for t, s in zip(obj.transforms, obj._inner_states(state)):
+            check_state_tree(owner(t), s)

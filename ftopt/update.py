@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
+from ftopt import dispatch
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
 from ftopt.base import GradientTransformation, check_transform
-from ftopt.eager_step import eager_step
 
 __all__ = ["apply_updates", "step"]
 
@@ -77,15 +77,17 @@ def step(
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if torch.compiler.is_compiling():
-        from ftopt.lowering.op import compiled_step
-
-        return compiled_step(tx, params, grads, state, donate, backend)
+        compiled = dispatch.backend("compile")
+        if compiled is not None:
+            return compiled.compiled_step(tx, params, grads, state, donate, backend)
     if backend != "eager":
-        from ftopt.lowering.plan import fused_step_or_reason
-
-        result, reason = fused_step_or_reason(tx, params, grads, state, donate, backend)
-        if result is not None:
-            return result
+        fused = dispatch.backend("fused")
+        if fused is None:
+            reason = dispatch.missing("fused")
+        else:
+            result, reason = fused.step(tx, params, grads, state, donate, backend)
+            if result is not None:
+                return result
         if backend == "fused":
             raise RuntimeError(f"step(backend='fused') cannot fuse: {reason}")
     if donate:
@@ -100,12 +102,12 @@ def step(
 
 def _eager(tx, params, grads, state, donate: bool):
     # A chain of elementwise rules on the CPU: update + apply in one chunked pass.
-    result = eager_step(tx, params, grads, state, donate)
-    if result is not None:
-        return result
-    from ftopt.lowering.plan import eager_updates
-
-    with eager_updates():  # the fused path was ruled out (or not asked for) above
+    chunked = dispatch.backend("chunked")
+    if chunked is not None:
+        result = chunked.step(tx, params, grads, state, donate)
+        if result is not None:
+            return result
+    with dispatch.eager_updates():  # the fused path was ruled out (or not asked for)
         updates, new_state = tx.update(grads, state, params)
     new_params = apply_updates(params, updates)
     if donate:

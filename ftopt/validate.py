@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 
-from ftopt.rules import QuantizedSlot, Rule, RuleTransform, _check_param
+from ftopt.rules import QuantizedSlot, Rule, check_param
 
-__all__ = ["check_leaf", "check_slots", "check_count", "check_layout", "check_state_class",
-           "check_state_tree"]
+__all__ = ["check_leaf", "check_slots", "check_count", "check_layout", "check_state_class"]
 
 
 def check_state_class(rule: Rule, state: Any) -> None:
@@ -23,19 +22,6 @@ def check_state_class(rule: Rule, state: Any) -> None:
     if (rule.slots or rule.counted) and not isinstance(state, rule.state_class):
         raise ValueError(f"{rule.name} expects a {rule.state_class.__name__} state, got "
                          f"{type(state).__name__} (a state made by another transform?)")
-
-
-def check_state_tree(obj: Any, state: Any) -> None:
-    """The containers of a chain's state, checked in the order its eager ``update`` does
-    (so the fused path raises the same error): a tuple (or, named, a mapping) per chain,
-    each rule's own state class at its place."""
-    from ftopt.combine import Chain, owner
-
-    if isinstance(obj, RuleTransform):
-        check_state_class(obj.rule, state)
-    elif isinstance(obj, Chain):
-        for t, s in zip(obj.transforms, obj._inner_states(state)):
-            check_state_tree(owner(t), s)
 
 
 def check_layout(what: str, path: str, t: torch.Tensor) -> None:
@@ -59,7 +45,7 @@ def check_leaf(path: str, u: Any, p: Any, params_given: bool = True) -> None:
             raise TypeError(f"params at {path}: expected a tensor, got NoneType (the params "
                             "hold None where the gradient holds a tensor)")
         return
-    _check_param(path, p)
+    check_param(path, p)
     if p.shape != u.shape:
         raise ValueError(f"update at {path}: shape {tuple(u.shape)} does not match the "
                          f"param's shape: expected {tuple(p.shape)}")
@@ -68,7 +54,7 @@ def check_leaf(path: str, u: Any, p: Any, params_given: bool = True) -> None:
                          f"{p.device}")
 
 
-def check_slots(stage: RuleTransform, path: str, u: torch.Tensor, p: Any, slots: dict) -> None:
+def check_slots(stage: Any, path: str, u: torch.Tensor, p: Any, slots: dict) -> None:
     """The states of one leaf for ``stage``: shaped like the update, floating-point, on the
     param's device, and of the kind ``stage`` keeps for a leaf of this size (8-bit
     ``QuantizedSlot`` for leaves of at least ``min_size`` elements under ``state_bits=8``,
@@ -100,7 +86,7 @@ def check_slots(stage: RuleTransform, path: str, u: torch.Tensor, p: Any, slots:
                                  f"{device}")
 
 
-def _check_quantized(stage: RuleTransform, where: str, u: torch.Tensor,
+def _check_quantized(stage: Any, where: str, u: torch.Tensor,
                      s: QuantizedSlot) -> tuple:
     quant = stage.quant
     if quant is None:

@@ -87,3 +87,24 @@ def test_step_with_tensor_hyperparameters_replays_in_a_cuda_graph():
     assert int(s[0].count) == int(ref_s[0].count) == 5
     for k in p:
         assert torch.allclose(p[k], ref_p[k], rtol=1e-6, atol=1e-7), k
+
+
+def test_the_constant_mark_is_the_one_dynamo_sets():
+    """ftopt marks its registration function as Dynamo's decorator would, without
+    importing Dynamo when ftopt is imported."""
+    from ftopt.lowering import op
+
+    marked = torch.compiler.assume_constant_result(lambda: 0)
+    assert getattr(marked, "_dynamo_marked_constant", None) is True
+    assert op._register._dynamo_marked_constant is True
+
+
+def test_importing_ftopt_imports_neither_triton_nor_dynamo():
+    import subprocess
+    import sys
+
+    code = ("import sys, ftopt; print('torch._dynamo' in sys.modules, "
+            "'triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "False"], out

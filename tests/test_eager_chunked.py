@@ -1,5 +1,6 @@
-"""The chunked CPU evaluator (ftopt.eager_chunked.Program / run_program) and the one-pass eager
-``step`` (ftopt.eager_step) give the same bits as the whole-leaf foreach path.
+"""The chunked CPU backend (``ftopt.chunked``: programs traced from rule bodies, run over
+chunks of all leaves, and the one-pass eager ``step``) gives the same bits as the
+whole-leaf foreach path.
 
 The chunk size is made small so that the test leaves are split into several chunks (solo
 waves, written in place) and small leaves are packed together (gathered and scattered). The
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 import ftopt
-from ftopt import eager_chunked, eager_step, rules
-from ftopt import update as update_mod
+from ftopt.chunked import entry as chunked_entry
+from ftopt.chunked import program, run
+from ftopt.chunked import step as eager_step
 
 SEED = 9090
 CHUNK = 256
@@ -99,7 +101,7 @@ TXS = {
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(eager_chunked, "CHUNK", CHUNK)
+    monkeypatch.setattr(run, "CHUNK", CHUNK)
 
 
 def _reference(monkeypatch):
@@ -107,12 +109,12 @@ def _reference(monkeypatch):
 
     class Off:
         def __enter__(self):
-            monkeypatch.setattr(rules, "_run_chunked", lambda *a, **k: None)
-            monkeypatch.setattr(update_mod, "eager_step", lambda *a, **k: None)
+            monkeypatch.setattr(chunked_entry, "evaluate", lambda *a, **k: None)
+            monkeypatch.setattr(chunked_entry, "step", lambda *a, **k: None)
 
         def __exit__(self, *exc):
             monkeypatch.undo()
-            monkeypatch.setattr(eager_chunked, "CHUNK", CHUNK)
+            monkeypatch.setattr(run, "CHUNK", CHUNK)
 
     return Off()
 
@@ -170,13 +172,13 @@ def test_step_matches_update_and_apply(name, donate, small_chunks, monkeypatch):
 def test_step_takes_the_chunked_path(small_chunks, monkeypatch):
     """The fused eager step runs for an Adam chain (and not for a chain with a norm)."""
     calls = []
-    real = eager_chunked.run_program
+    real = run.run_program
 
     def spy(prog, *args, **kwargs):
         calls.append(len(prog.code))
         return real(prog, *args, **kwargs)
 
-    monkeypatch.setattr(eager_chunked, "run_program", spy)
+    monkeypatch.setattr(run, "run_program", spy)
     params = _params()
     for name, expect in (("adam", True), ("clip_adam", False)):
         calls.clear()
@@ -203,20 +205,20 @@ def test_donated_step_with_aliased_grad_falls_back(small_chunks):
 
 
 def test_program_reuses_buffers_and_writes_outputs_directly():
-    prog = eager_chunked.Program()
+    prog = program.Program()
     u = prog.input("u", torch.float32)
     mu = prog.input("mu", torch.float32)
     new_mu = 0.9 * mu + 0.1 * u
-    out = new_mu / (eager_chunked.TraceOps(prog).sqrt(u * u) + 1e-8)
+    out = new_mu / (program.TraceOps(prog).sqrt(u * u) + 1e-8)
     prog.output("mu", new_mu)
     prog.output("u", out)
-    plan = eager_chunked._Plan(prog, ["mu", "u"], [torch.float32, torch.float32], (), 64)
+    plan = run._Plan(prog, ["mu", "u"], [torch.float32, torch.float32], (), 64)
     assert sorted(j for _, j in plan.direct_slots) == [0, 1] and not plan.copies
     assert len(plan.bufs) <= 2  # temporaries reuse dead operands' buffers
     x = torch.randn(1000)
     m = torch.randn(1000)
     outs = {"mu": [torch.empty(1000)], "u": [torch.empty(1000)]}
-    eager_chunked.run_program(prog, {"u": [x], "mu": [m]}, outs, chunk=64)
+    run.run_program(prog, {"u": [x], "mu": [m]}, outs, chunk=64)
     ref_mu = 0.9 * m + 0.1 * x
     assert torch.equal(outs["mu"][0], ref_mu)
     assert torch.equal(outs["u"][0], ref_mu / ((x * x).sqrt() + 1e-8))
@@ -225,12 +227,12 @@ def test_program_reuses_buffers_and_writes_outputs_directly():
 def test_number_divided_by_value_is_reciprocal_times_number():
     """``number / tensor`` in torch is ``tensor.reciprocal() * number`` (not a division):
     the trace reproduces it so the bits match the whole-leaf path."""
-    prog = eager_chunked.Program()
+    prog = program.Program()
     x = prog.input("x", torch.float32)
     prog.output("y", 0.9 / x)
     t = torch.randn(5000)
     out = {"y": [torch.empty(5000)]}
-    eager_chunked.run_program(prog, {"x": [t]}, out)
+    run.run_program(prog, {"x": [t]}, out)
     assert torch.equal(out["y"][0], 0.9 / t)
 
 
@@ -238,7 +240,7 @@ def _run(prog, **inputs):
     out_names = [name for name, _ in prog.outputs]
     n = next(iter(inputs.values())).numel()
     outs = {name: [torch.empty(n, dtype=prog.dtypes[v])] for name, v in prog.outputs}
-    eager_chunked.run_program(prog, {k: [v] for k, v in inputs.items()}, outs, chunk=64)
+    run.run_program(prog, {k: [v] for k, v in inputs.items()}, outs, chunk=64)
     return [outs[name][0] for name in out_names]
 
 
@@ -248,9 +250,9 @@ def test_identities_are_dropped_only_where_no_output_sees_a_difference():
     x_abs[::6] = -0.0  # -0.0 reaches the sqrt
 
     def build(eps_root, eps, expose, scale=1.0):
-        prog = eager_chunked.Program()
+        prog = program.Program()
         v = prog.input("v", torch.float32)
-        o = eager_chunked.TraceOps(prog)
+        o = program.TraceOps(prog)
         inner = (v * 2.0) / scale + eps_root
         prog.output("u", o.sqrt(inner) + eps)
         if expose:
@@ -274,7 +276,7 @@ def test_identities_are_dropped_only_where_no_output_sees_a_difference():
 
 def test_an_input_is_never_substituted_for_an_identity_op():
     """``x * 1`` of an input keeps the op (a signaling NaN input would come out quiet)."""
-    prog = eager_chunked.Program()
+    prog = program.Program()
     v = prog.input("v", torch.float32)
     prog.output("u", v * 1.0)
     n_ops = len(prog.code)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import ftopt
-from ftopt.lowering import codegen, plan
+from ftopt.chunked import entry as chunked_entry
+from ftopt.lowering import codegen, entry
 from tests.test_fused import CHAINS, DEVICE, QUANT_SHAPES, _bits, _rel_err, _tree
 
 PARAM_FREE = ["sgd", "sgd_momentum", "adam", "rmsprop", "adagrad", "global_clip_adam",
@@ -176,14 +177,14 @@ def test_update_backend_choice():
     grads = _tree(gen, torch.float32, {"w": (4, 3)})
     state = tx.init(params)
     calls = []
-    real = plan.fused_update_or_reason
+    real = entry.update
 
     def spy(*args):
         result, reason = real(*args)
         calls.append(reason)
         return result, reason
 
-    plan.fused_update_or_reason = spy
+    entry.update = spy
     try:
         tx.update(grads, state, params)
         assert calls == ([None] if DEVICE == "cuda" else ["tensors are on the CPU"])
@@ -194,17 +195,15 @@ def test_update_backend_choice():
         tx.update(grads, state, params, backend="eager")
         assert calls == []
         # step(backend="eager") updates eagerly on every device (no fused update inside).
-        import ftopt.update as update_module
-
-        chunked = update_module.eager_step
-        update_module.eager_step = lambda *args: None  # the tx.update + apply route
+        chunked = chunked_entry.step
+        chunked_entry.step = lambda *args: None  # the tx.update + apply route
         try:
             ftopt.step(tx, params, grads, state, backend="eager")
         finally:
-            update_module.eager_step = chunked
+            chunked_entry.step = chunked
         assert calls == []
     finally:
-        plan.fused_update_or_reason = real
+        entry.update = real
     with pytest.raises(ValueError, match="backend must be one of"):
         tx.update(grads, state, params, backend="triton")
     g = {"w": grads["w"].clone().requires_grad_()}

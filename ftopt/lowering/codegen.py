@@ -19,7 +19,8 @@ import torch
 
 from ftopt.lowering import quantized
 from ftopt.lowering.symbolic import Graph, Reduction, SymOps
-from ftopt.rules import RuleTransform, _Env, step_scalars
+from ftopt.rule_transform import RuleTransform
+from ftopt.rules import Env, step_scalars
 
 _TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16",
               torch.bfloat16: "tl.bfloat16"}
@@ -78,7 +79,7 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
                                    ("keep",) if in_place else (), "elem", name=f"{role}_old")
         for key in step_scalars(rule, 0, 1):
             env[key] = g.scalar(i, key)
-        u_out, new_slots = rule.body(SymOps(g), _Env(env))
+        u_out, new_slots = rule.body(SymOps(g), Env(env))
         ops = SymOps(g)
         if rule.leaf_mask is not None:
             u_out = ops.where(g.leaf_value(i, "mask") != 0.0, u_out, u)

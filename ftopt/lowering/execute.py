@@ -20,11 +20,12 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
-from ftopt.lowering import checks, launch
+from ftopt.lowering import checks, launch, tiles
 from ftopt.lowering.codegen import output_roles
-from ftopt.lowering.plan import ChainPlan, _get, host_step, remember
+from ftopt.lowering.plan import ChainPlan, host_step, remember
 from ftopt.quant import dynamic_map
 from ftopt.rules import QuantizedSlot, step_scalars
+from ftopt.stages import state_at
 
 _data_ptr = torch.Tensor.data_ptr
 
@@ -125,7 +126,7 @@ class PreparedStep:
             # 8-bit slots need every lane of a block: no skipped loads.
             group_traced = plan.traced(donate and not quant_block, output)
             work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
-                                     launch.tile(group_traced, quant_block)[0])
+                                     tiles.tile(group_traced, quant_block)[0])
             group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work)
             group.traced = group_traced
             group.quant_block = quant_block
@@ -168,7 +169,7 @@ class PreparedStep:
         out = []
         for path, stage in zip(self.plan.state_paths, self.plan.stages):
             try:
-                st = _get(state, path)
+                st = state_at(state, path)
             except (KeyError, IndexError, TypeError):
                 return None
             if not isinstance(st, stage.rule.state_class):

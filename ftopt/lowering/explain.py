@@ -8,6 +8,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, check_transform
+from ftopt.lowering.codegen import level_reductions
 from ftopt.lowering.plan import _DTYPE_BYTES, call_reason, plan_chain
 from ftopt.validate import check_leaf
 
@@ -17,8 +18,6 @@ __all__ = ["explain"]
 
 
 def _reduction_reads(traced, level: int, p_bytes: int, g_bytes: int) -> int:
-    from ftopt.lowering.codegen import level_reductions
-
     roots = [r.source for r in level_reductions(traced, level)]
     names = {n.name for n in traced.graph.closure(roots)}
     total = (g_bytes if "g" in names else 0) + (p_bytes if "p" in names else 0)

@@ -31,6 +31,7 @@ from ftopt.lowering.execute import (
     misaligned,
 )
 from ftopt.rules import QuantizedSlot
+from ftopt.stages import state_at
 
 _requires_grad = operator.attrgetter("requires_grad")
 
@@ -185,12 +186,10 @@ def _leaves(cache: FunctionalCache, tree):
 
 
 def _stage_states(plan, state):
-    from ftopt.lowering.plan import _get
-
     out = []
     for path, stage in zip(plan.state_paths, plan.stages):
         try:
-            st = _get(state, path)
+            st = state_at(state, path)
         except (KeyError, IndexError, TypeError):
             return None
         if not isinstance(st, stage.rule.state_class):

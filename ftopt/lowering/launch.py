@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -18,36 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftopt.lowering import codegen
-
-# Elements per program and warps per program of every kernel (FTOPT_BLOCK and
-# FTOPT_NUM_WARPS override them, for tuning on new hardware). On an H200, 512/4 is as
-# fast as 1024/4 with fp32 params and 12% faster with bf16 ones (benchmarks/RESULTS.md).
-# Under the Triton interpreter every program costs Python time, so blocks are larger.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-BLOCK = int(os.environ.get("FTOPT_BLOCK", "4096" if _INTERPRETING else "512"))
-NUM_WARPS = int(os.environ.get("FTOPT_NUM_WARPS", "4"))
-# In-place skip_zeros kernels load p and the states only after g (their masks depend on
-# it, so those loads are not vectorized): their own tile, tuned apart (H200, dense
-# gradients, 1024/4: +3.0% over no skip_zeros where 512/4 gave -0.3%).
-# FTOPT_IN_PLACE_TILE ("BLOCKxWARPS") overrides it.
-IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
-    "FTOPT_IN_PLACE_TILE", "2048x4" if _INTERPRETING else "512x4").split("x"))
-# Kernels with 8-bit slots are bound by their code-map lookups, not by memory: 1024/4
-# is 3% faster than 512/4 there (H200). A multiple of every 8-bit block size that fuses.
-# FTOPT_QUANT_TILE overrides it.
-QUANT_TILE = tuple(int(x) for x in os.environ.get(
-    "FTOPT_QUANT_TILE", "4096x4" if _INTERPRETING else "1024x4").split("x"))
-
-
-def tile(traced, quant_block: int = 0) -> tuple[int, int]:
-    """(elements, warps) per program of ``traced``'s kernels (``quant_block``: the
-    group's 8-bit block size, 0 for fp32 slots)."""
-    if quant_block:
-        return QUANT_TILE
-    if traced.in_place:
-        return IN_PLACE_TILE
-    return BLOCK, NUM_WARPS
+from ftopt.lowering import codegen, tiles
 
 
 @triton.jit
@@ -143,7 +113,7 @@ class GroupLaunch:
 @lru_cache(maxsize=256)
 def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tuple:
     """Constexprs and launch options (``count``: the main kernel's ``COUNT``)."""
-    block, warps = tile(traced, quant_block)
+    block, warps = tiles.tile(traced, quant_block)
     constants = {
         "N_LEAF_VALUES": max(len(traced.graph.leaf_values), 1),
         "N_REDUCTIONS": max(len(traced.graph.reductions), 1),
@@ -177,7 +147,7 @@ def _kernel(traced, kind: str, level: int, variant: codegen.Variant):
 def _direct_launch_supported() -> bool:
     # From Triton 3.2 a compiled kernel's launcher takes every argument of the signature,
     # constexprs included, in order (older launchers drop the constexprs).
-    if _INTERPRETING:
+    if tiles.INTERPRETING:
         return False
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
     return (major, minor) >= (3, 2)
@@ -241,7 +211,7 @@ def _launch(kernel, grid: tuple, args: list, constants: tuple, device: torch.dev
         compiled[grid + (1,) * (3 - len(grid))](*args, *tail)
         return
     named = dict(constants)
-    if _INTERPRETING:
+    if tiles.INTERPRETING:
         with interpreter_patches_undone():
             kernel[grid](*args, **named)
         return

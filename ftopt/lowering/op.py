@@ -8,12 +8,15 @@ rebuilds the trees and runs the usual step (fused where it can be).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import optree
 import torch
 
 from ftopt.base import GradientTransformation, owner_by_key
+from ftopt.lowering.plan import SEPARATE_OUTPUTS
+from ftopt.update import step
 
 _REGISTRY: dict[int, tuple] = {}
 
@@ -22,7 +25,19 @@ def _spec(shape_tree: Any) -> optree.PyTreeSpec:
     return optree.tree_structure(shape_tree, none_is_leaf=False, namespace="ftopt")
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing Dynamo when ftopt is
+    imported (that import costs seconds, and this module is loaded with ftopt so that
+    Dynamo never traces an import): the decorator only marks the function, with the
+    attribute set here; once Dynamo is imported its own decorator is used.
+    ``tests/test_compile.py`` checks that the two agree."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _register(tx_key: str, params_shape, grads_shape, state_shape, backend: str) -> int:
     """Called while tracing (with constants only): remembers the transform, found by its
     owner's key, and the tree structures."""
@@ -44,8 +59,6 @@ def _unflatten(key: int, params, grads, states):
 @torch.library.custom_op("ftopt::step_", mutates_args=("params", "states"))
 def _step_in_place(params: list[torch.Tensor], grads: list[torch.Tensor],
                    states: list[torch.Tensor], key: int) -> None:
-    from ftopt.update import step
-
     tx, (p, g, s), backend = _unflatten(key, params, grads, states)
     step(tx, p, g, s, donate=True, backend=backend)
 
@@ -53,9 +66,6 @@ def _step_in_place(params: list[torch.Tensor], grads: list[torch.Tensor],
 @torch.library.custom_op("ftopt::step", mutates_args=())
 def _step_functional(params: list[torch.Tensor], grads: list[torch.Tensor],
                      states: list[torch.Tensor], key: int) -> list[torch.Tensor]:
-    from ftopt.lowering.plan import SEPARATE_OUTPUTS
-    from ftopt.update import step
-
     tx, (p, g, s), backend = _unflatten(key, params, grads, states)
     token = SEPARATE_OUTPUTS.set(True)
     try:

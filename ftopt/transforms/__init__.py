@@ -19,6 +19,7 @@ from ftopt.transforms.momentum import TraceState, trace
 from ftopt.transforms.scaling import (
     ScaleByScheduleState,
     add_decayed_weights,
+    identity,
     scale,
     scale_by_learning_rate,
     weight_decay,
@@ -36,6 +37,7 @@ __all__ = [
     "add_decayed_weights",
     "clip_by_global_norm",
     "clip_by_param_norm_ratio",
+    "identity",
     "scale",
     "scale_by_adam",
     "scale_by_ademamix",

@@ -9,7 +9,8 @@ import torch
 
 from ftopt.base import GradientTransformation, register_state
 from ftopt.domains import NONNEG, UNIT, UNIT_OPEN
-from ftopt.rules import Rule, Slot, rule_transform
+from ftopt.rule_transform import rule_transform
+from ftopt.rules import Rule, Slot
 from ftopt.schedules import ScalarOrSchedule
 
 

@@ -11,7 +11,8 @@ import torch
 
 from ftopt.base import GradientTransformation
 from ftopt.domains import NONNEG, POSITIVE
-from ftopt.rules import Rule, rule_transform
+from ftopt.rule_transform import rule_transform
+from ftopt.rules import Rule
 
 
 def _global_clip_body(o, x):

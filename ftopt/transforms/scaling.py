@@ -8,7 +8,8 @@ import torch
 
 from ftopt.base import EmptyState, GradientTransformation, register_state
 from ftopt.domains import NONNEG
-from ftopt.rules import Rule, rule_transform
+from ftopt.rule_transform import rule_transform
+from ftopt.rules import Rule
 from ftopt.schedules import ScalarOrSchedule
 
 
@@ -30,6 +31,11 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
         step_size: a finite float or 0-d tensor (any sign).
     """
     return rule_transform(Rule("scale", _scale_body, hparams={"step_size": step_size}))
+
+
+def identity() -> GradientTransformation:
+    """Leaves updates unchanged: u ← u (a scale by 1, so a chain holding it still fuses)."""
+    return scale(1.0)
 
 
 def scale_by_learning_rate(

@@ -8,7 +8,8 @@ import torch
 
 from ftopt.base import GradientTransformation, register_state
 from ftopt.domains import UNIT
-from ftopt.rules import Rule, Slot, rule_transform
+from ftopt.rule_transform import rule_transform
+from ftopt.rules import Rule, Slot
 
 
 @register_state

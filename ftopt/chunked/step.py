@@ -3,15 +3,17 @@
 ``step(tx, ...)`` is ``tx.update`` then ``apply_updates``. When ``tx`` is a chain of
 elementwise rules (the chains the fused backend lowers, see SPEC §6) and the leaves are on
 the CPU, the eager backend traces every rule body of the chain, the ``skip_zeros`` masks
-and the final ``p + u`` into one :class:`ftopt.eager_chunked.Program` and runs it over cache-sized
-chunks of all leaves (:func:`ftopt.eager_chunked.run_program`): each chunk of g, p and the states
-is read once, and p and the states are written once, straight into new tensors or, with
-``donate=True``, into the donated ones. The ops are those of ``update`` + ``apply_updates``
-on the foreach path, so the results are the same bits.
+and the final ``p + u`` into one :class:`~ftopt.chunked.program.Program` and runs it over
+cache-sized chunks of all leaves (:func:`~ftopt.chunked.run.run_program`): each chunk of g,
+p and the states is read once, and p and the states are written once, straight into new
+tensors or, with ``donate=True``, into the donated ones. The ops are those of ``update`` +
+``apply_updates`` on the foreach path, so the results are the same bits.
 
 Anything else (a transform without a rule, a norm, 8-bit states, autograd, ``torch.func``,
-an accelerator, trees that do not match) returns ``None`` and ``step`` runs ``update`` +
-``apply_updates``, which also raises the errors.
+an accelerator, trees that do not match) is a declared refusal (:class:`Unsupported`, or
+:class:`~ftopt.chunked.program.NotTraceable` from the tracer): ``None``, and ``step`` runs
+``update`` + ``apply_updates``, which also raises the errors of bad inputs. Any other
+exception is a bug and propagates.
 """
 
 from __future__ import annotations
@@ -23,21 +25,20 @@ from typing import Any
 import optree
 import torch
 
-from ftopt import eager, eager_chunked
+from ftopt import eager
 from ftopt._counts import remember_count
+from ftopt.chunked import run
+from ftopt.chunked.program import NotTraceable, Program, TraceOps
+from ftopt.chunked.run import check_aliases
 from ftopt.combine import Chain, SkipZeros, owner
-from ftopt.rules import (
-    RuleTransform,
-    _compute_dtype,
-    _Env,
-    step_scalars,
-)
+from ftopt.rule_transform import RuleTransform
+from ftopt.rules import Env, compute_dtype, step_scalars
 from ftopt.stages import chain_stages
 
-__all__ = ["eager_step"]
+__all__ = ["eager_step", "Unsupported"]
 
 
-class _Unsupported(Exception):
+class Unsupported(Exception):
     """This call takes the generic path."""
 
 
@@ -78,8 +79,7 @@ def eager_step(tx, params, grads, state, donate: bool):
         return None
     try:
         prepared = _prepare(tx, stages, params, grads, state, donate)
-    except (_Unsupported, eager_chunked.NotTraceable, ValueError, TypeError, KeyError, IndexError,
-            AttributeError):
+    except (Unsupported, NotTraceable):
         return None
     return _execute(prepared, donate)
 
@@ -90,26 +90,33 @@ class _Prepared:
 
 def _prepare(tx, stages, params, grads, state, donate: bool) -> _Prepared:
     if eager.functorch_active():
-        raise _Unsupported
+        raise Unsupported
     spec = optree.tree_structure(grads, none_is_leaf=True, namespace="ftopt")
     g_flat = spec.flatten_up_to(grads)
-    p_flat = spec.flatten_up_to(params)
+    p_flat = _matched(spec, params, "params")
     p_leaves, p_spec = optree.tree_flatten(params, none_is_leaf=False, namespace="ftopt")
     present = [p for p in p_flat if p is not None]
     if len(present) != len(p_leaves) or any(a is not b for a, b in zip(present, p_leaves)):
-        raise _Unsupported  # new params are rebuilt in the params' own structure
+        raise Unsupported  # new params are rebuilt in the params' own structure
     stage_states: list = []
-    _stage_states(owner(tx), state, stage_states)
+    try:
+        _stage_states(owner(tx), state, stage_states)
+    except ValueError:  # containers that do not match the chain: update names it
+        raise Unsupported("the state does not match the chain") from None
     if len(stage_states) != len(stages):
-        raise _Unsupported
+        raise Unsupported
     slots: list[dict[str, list]] = []
     for (stage, _), st in zip(stages, stage_states):
         rule = stage.rule
         if (rule.slots or rule.counted) and not isinstance(st, rule.state_class):
-            raise _Unsupported
-        slots.append({s.name: spec.flatten_up_to(getattr(st, s.name)) for s in rule.slots})
+            raise Unsupported
+        slots.append({s.name: _matched(spec, getattr(st, s.name), f"state {s.name}")
+                      for s in rule.slots})
     n = len(g_flat)
-    masks = [stage._leaf_mask(params, n, [""] * n) for stage, _ in stages]
+    try:
+        masks = [stage._leaf_mask(params, n, [""] * n) for stage, _ in stages]
+    except (ValueError, TypeError):  # a mask that does not fit: update names it
+        raise Unsupported("a leaf mask does not fit the params") from None
     columns = [(f"{k}:{name}", leaves) for k, by_name in enumerate(slots)
                for name, leaves in by_name.items()]
     grad_mode = torch.is_grad_enabled()
@@ -129,31 +136,31 @@ def _prepare(tx, stages, params, grads, state, donate: bool) -> _Prepared:
         # else takes the generic path, which raises the errors.
         if not (type(g) is tensor or isinstance(g, tensor)) or not (
                 type(p) is tensor or isinstance(p, tensor)):
-            raise _Unsupported
+            raise Unsupported
         shape = g.shape
         if not (g.is_floating_point() and p.is_floating_point() and p.shape == shape
                 and g.is_cpu and p.is_cpu and g.layout is strided and p.layout is strided):
-            raise _Unsupported
+            raise Unsupported
         if leaf_slots and g.numel() >= quant_min:
-            raise _Unsupported  # 8-bit states (or a 32-bit one where 8-bit is expected)
+            raise Unsupported  # 8-bit states (or a 32-bit one where 8-bit is expected)
         for t in leaf_slots:  # (8-bit states are not tensors: the generic path)
             if not isinstance(t, tensor) or t.shape != shape or not t.is_floating_point() \
                     or not t.is_cpu or t.layout is not strided:
-                raise _Unsupported
+                raise Unsupported
         if grad_mode and (g.requires_grad or p.requires_grad or any(
                 t.requires_grad for t in leaf_slots)):
-            raise _Unsupported  # a differentiable step: autograd needs the loop mode
+            raise Unsupported  # a differentiable step: autograd needs the loop mode
         key = (g.dtype, p.dtype, tuple(m is None or bool(m[i]) for m in masks),
                tuple(t.dtype for t in leaf_slots))
         groups.setdefault(key, []).append(i)
     if donate:
         targets = [t for i in active for t in (p_flat[i], *(c[i] for _, c in columns))]
         if not all(t.is_contiguous() for t in targets):
-            raise _Unsupported
+            raise Unsupported
         spans = [(t.data_ptr(), t.data_ptr() + t.nbytes, True) for t in targets]
         spans += [_span(g_flat[i]) for i in active]
         if _overlapping(spans):
-            raise _Unsupported  # chunked in-place writes would be read back
+            raise Unsupported  # chunked in-place writes would be read back
     # The step counts and the per-step scalars.
     counts = []
     scalars = []
@@ -175,8 +182,17 @@ def _prepare(tx, stages, params, grads, state, donate: bool) -> _Prepared:
     for prog, _ in prep.programs:
         prog.drop_identities()  # (run_program would; done here so the check sees it)
         if donate:
-            eager_chunked.check_aliases(prog, [name for name, _ in prog.outputs])
+            check_aliases(prog, [name for name, _ in prog.outputs])
     return prep
+
+
+def _matched(spec, tree, what: str) -> list:
+    """The leaves of ``tree`` at the gradients' leaves; a tree of another structure is a
+    refusal (``update`` then raises the error that names the leaf)."""
+    try:
+        return spec.flatten_up_to(tree)
+    except (ValueError, TypeError):
+        raise Unsupported(f"the {what} do not match the gradients' tree") from None
 
 
 def _span(t: torch.Tensor) -> tuple[int, int, bool]:
@@ -202,10 +218,10 @@ def _overlapping(spans: list[tuple[int, int, bool]]) -> bool:
     return False
 
 
-def _build(prep: _Prepared, leaf: int, zero_dim: bool) -> eager_chunked.Program:
+def _build(prep: _Prepared, leaf: int, zero_dim: bool) -> Program:
     """The program of one group of leaves (those of ``leaf``'s signature)."""
     g, p = prep.g_flat[leaf], prep.p_flat[leaf]
-    prog = eager_chunked.Program()
+    prog = Program()
     prog.zero_dim_leaves = zero_dim
     gs = prog.input("g", g.dtype)
     ps = prog.input("p", p.dtype)
@@ -222,11 +238,11 @@ def _build(prep: _Prepared, leaf: int, zero_dim: bool) -> eager_chunked.Program:
         compute = _compute_dtype_of(u.dtype)
         env: dict[str, Any] = {"u": prog.convert(u, compute)}
         if rule.uses_params:
-            env["p"] = prog.convert(ps, _compute_dtype(p))
+            env["p"] = prog.convert(ps, compute_dtype(p))
         for name, leaves in by_name.items():
             env[name] = prog.input(f"{k}:{name}", leaves[leaf].dtype)
         env.update(prep.scalars[k])
-        u_out, slots_out = rule.body(eager_chunked.TraceOps(prog), _Env(env))
+        u_out, slots_out = rule.body(TraceOps(prog), Env(env))
         u_new = prog.as_elem(u_out, compute)
         if skip:
             neg_zero = torch.full((), -0.0, dtype=u_new.dtype, device="cpu")
@@ -238,7 +254,7 @@ def _build(prep: _Prepared, leaf: int, zero_dim: bool) -> eager_chunked.Program:
             prog.output(f"{k}:{name}", prog.convert(new, leaves[leaf].dtype))
         u = u_new
     if not u.dtype.is_floating_point:
-        raise _Unsupported  # apply_updates raises
+        raise Unsupported  # apply_updates raises
     if whole_chain_skips:
         neg_zero = torch.full((), -0.0, dtype=u.dtype, device="cpu")
         u = prog.where(mask, neg_zero, u)
@@ -270,7 +286,7 @@ def _execute(prep: _Prepared, donate: bool):
                 outputs[name] = [torch.empty_like(t) if t.is_contiguous() else
                                  torch.empty_like(t, memory_format=torch.contiguous_format)
                                  for t in inputs[name]]
-        eager_chunked.run_program(prog, inputs, outputs, aliases=list(outputs) if donate else ())
+        run.run_program(prog, inputs, outputs, aliases=list(outputs) if donate else ())
         for i, t in zip(leaves, outputs["p"]):
             new_p[i] = t
         for name, _ in prog.outputs:
