@@ -231,6 +231,7 @@ TRANSFORMS: list[Entry] = [
                   "alpha": HP(0.0, 10.0, tensor=False), "eps": EPS},
           options={"warmup": (1, 3, 10)}, states=("m1", "m2", "nu"), counted=True,
           eight_bit=True),
+    Entry("scale_by_sign", ftopt.scale_by_sign, keeps_zero=True),
     Entry("scale_by_lion", ftopt.scale_by_lion, floats={"b1": BETA, "b2": BETA},
           states=("mu",), counted=True, eight_bit=True),
     Entry("trace", ftopt.trace, floats={"decay": DECAY}, options={"nesterov": (False, True)},

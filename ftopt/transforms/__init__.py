@@ -24,7 +24,7 @@ from ftopt.transforms.scaling import (
     scale_by_learning_rate,
     weight_decay,
 )
-from ftopt.transforms.sign import ScaleByLionState, scale_by_lion
+from ftopt.transforms.sign import ScaleByLionState, scale_by_lion, scale_by_sign
 
 __all__ = [
     "ScaleByAdamState",
@@ -45,6 +45,7 @@ __all__ = [
     "scale_by_lion",
     "scale_by_rms",
     "scale_by_rss",
+    "scale_by_sign",
     "scale_by_trust_ratio",
     "trace",
     "weight_decay",

@@ -1,4 +1,4 @@
-"""Sign-based transforms: ``scale_by_lion``."""
+"""Sign-based transforms: ``scale_by_sign``, ``scale_by_lion``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,18 @@ class ScaleByLionState(NamedTuple):
 
     count: torch.Tensor
     mu: Any
+
+
+def _sign_body(o, x):
+    return o.sign(x.u), {}
+
+
+def scale_by_sign() -> GradientTransformation:
+    """The sign of the update: u ← sign(u) (sign(0) = 0), as optax.
+
+    signSGD is ``chain(scale_by_sign(), scale_by_learning_rate(lr))``.
+    """
+    return rule_transform(Rule("scale_by_sign", _sign_body))
 
 
 def _lion_body(o, x):
