@@ -11,8 +11,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import torch
-
 from ftopt import dispatch
 from ftopt import tree as tree_lib
 from ftopt.base import (
@@ -22,6 +20,7 @@ from ftopt.base import (
     register_owner,
     register_state,
 )
+from ftopt.program import skip_updates, zero_mask_of
 from ftopt.rule_transform import RuleTransform
 
 __all__ = [
@@ -42,28 +41,8 @@ def owner(tx: GradientTransformation) -> Any:
     return getattr(tx.update, "__self__", None)
 
 
-def zero_mask_of(updates) -> Any:
-    """``g == 0`` for every leaf (``+0.0`` and ``-0.0``; NaN is not zero).
-
-    A leaf that is not a dense tensor is passed through as it is: the rules' checks then
-    name what is wrong with it (``==`` on a sparse tensor would raise torch's error first).
-    """
-    return tree_lib.map(_zero, updates)
-
-
-def _zero(g):
-    return g == 0 if isinstance(g, torch.Tensor) and g.layout == torch.strided else g
-
-
 def _mask_aware(tx: GradientTransformation) -> bool:
     return isinstance(owner(tx), (RuleTransform, Chain, SkipZeros, Masked))
-
-
-def _apply_zero_mask(updates, zero_mask):
-    def select(u, m):
-        return torch.where(m, torch.full((), -0.0, dtype=u.dtype, device=u.device), u)
-
-    return tree_lib.map(select, updates, zero_mask)
 
 
 class SkipZeros:
@@ -130,7 +109,7 @@ class Chain:
         for t, s in zip(self.transforms, inner):
             updates, s = t.update(updates, s, params, **extra)
             if zero_mask is not None and not _mask_aware(t):
-                updates = _apply_zero_mask(updates, zero_mask)
+                updates = skip_updates(updates, zero_mask)
             new_states.append(s)
         if self.names is None:
             return updates, tuple(new_states)
@@ -241,7 +220,7 @@ class Masked:
         if full_mask is not None:
             # Leaves passed through unchanged: -0.0 where the raw gradient is zero (so
             # p + u keeps p, a -0.0 param too); the inner transform masked its own.
-            new = _apply_zero_mask(new, full_mask)
+            new = skip_updates(new, full_mask)
         return new, MaskedState(inner_state)
 
 

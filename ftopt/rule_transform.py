@@ -15,14 +15,13 @@ from dataclasses import replace
 import optree
 import torch
 
-from ftopt import dispatch, eager
+from ftopt import dispatch, eager, program
 from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
 from ftopt.base import GradientTransformation, register_owner
 from ftopt.domains import check_hparam as _check_hparam
 from ftopt.quant import dequantize_blockwise, dynamic_map, quantize_blockwise
 from ftopt.rules import (
-    Env,
     QuantConfig,
     QuantizedSlot,
     Rule,
@@ -236,35 +235,57 @@ def _passed_through(u_flat: list, mask_flat: list, active: list[int]) -> list:
             continue
         u = u.to(compute_dtype(u))
         if mask_flat[i] is not None:
-            u = torch.where(mask_flat[i], torch.full((), -0.0, dtype=u.dtype), u)
+            u = program.skip_update(u, mask_flat[i])
         out[i] = u
     return out
 
 
 def _run_vec(rule: Rule, mode: str, us, ps, old: dict, masks: list, scalars: dict):
     """The body on :class:`eager.Vec` values over whole leaves: the updates and the new
-    slots (in the compute dtype), zero-gradient elements masked."""
-    env = {"u": eager.elem([u.to(compute_dtype(u)) for u in us], mode)}
-    if rule.uses_params:
-        env["p"] = eager.elem([p.to(compute_dtype(p)) for p in ps], mode)
-    for name, leaves in old.items():
-        env[name] = eager.elem(leaves, mode)
-    for k, v in scalars.items():
-        env[k] = eager.scalar(v, mode)
-    u_out, slots_out = rule.body(eager.EagerOps(mode), Env(env))
-    u_items = _as_elem_items(u_out, us)
-    for j, m in enumerate(masks):
-        if m is not None:
-            u_items[j] = torch.where(m, torch.full((), -0.0, dtype=u_items[j].dtype),
-                                     u_items[j])
-    slot_items = {}
-    for name in old:
-        items = _as_elem_items(slots_out[name], us)
-        for j, m in enumerate(masks):
-            if m is not None:
-                items[j] = torch.where(m, old[name][j], items[j])
-        slot_items[name] = items
-    return u_items, slot_items
+    slots (in the compute dtype), zero-gradient elements masked (the one-stage case of
+    :func:`ftopt.program.trace_chain`)."""
+    algebra = _VecAlgebra(rule, mode, us, ps, old, masks, scalars)
+    g = eager.elem([u.to(compute_dtype(u)) for u in us], mode)
+    u = program.trace_chain([rule], [masks[0] is not None], algebra, g)
+    return _as_elem_items(u, us), algebra.slots
+
+
+class _VecAlgebra:
+    """Tensors per leaf (:class:`eager.Vec`) for :func:`ftopt.program.trace_chain`."""
+
+    def __init__(self, rule: Rule, mode: str, us, ps, old: dict, masks: list, scalars: dict):
+        self.rule, self.mode, self.us, self.ps, self.old = rule, mode, us, ps, old
+        self.masks, self.scalars = masks, scalars
+        self._ops = eager.EagerOps(mode)
+        self.slots: dict[str, list] = {}
+
+    def ops(self):
+        return self._ops
+
+    def zero_mask(self, g):
+        return eager.elem(self.masks, self.mode)
+
+    def neg_zero(self, g):
+        return -0.0
+
+    def select(self, mask, a, b):
+        return self._ops.where(mask, a, b)
+
+    def elem(self, value, like):
+        return eager.elem(_as_elem_items(value, self.us), self.mode)
+
+    def stage_inputs(self, index: int, rule: Rule, u) -> dict:
+        inputs = {name: eager.elem(leaves, self.mode) for name, leaves in self.old.items()}
+        if rule.uses_params:
+            inputs["p"] = eager.elem([p.to(compute_dtype(p)) for p in self.ps], self.mode)
+        inputs.update({k: eager.scalar(v, self.mode) for k, v in self.scalars.items()})
+        return inputs
+
+    def leaf_flag(self, index: int):
+        return None  # (leaves a mask leaves out are not among the active ones)
+
+    def slot_out(self, index: int, name: str, value) -> None:
+        self.slots[name] = _as_elem_items(value, self.us)
 
 
 def _as_elem_items(value, like: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -13,7 +13,8 @@ from ftopt.chunked import run
 from ftopt.chunked.program import NotTraceable, Program, TraceOps
 from ftopt.chunked.run import chunkable
 from ftopt.chunked.step import eager_step as step
-from ftopt.rules import Env, Rule, compute_dtype
+from ftopt.program import trace_chain
+from ftopt.rules import Rule, compute_dtype
 
 __all__ = ["evaluate", "step"]
 
@@ -40,30 +41,14 @@ def evaluate(rule: Rule, us, ps, old: dict, masks: list, scalars: dict):
         prog = Program()
         prog.zero_dim_leaves = any(us[j].ndim == 0 for j in js)
         compute = compute_dtype(us[js[0]])
-        env = {"u": prog.convert(prog.input("u", us[js[0]].dtype), compute)}
         inputs = {"u": [us[j] for j in js]}
-        if rule.uses_params:
-            p = prog.input("p", ps[js[0]].dtype)
-            env["p"] = prog.convert(p, compute_dtype(ps[js[0]]))
-            inputs["p"] = [ps[j] for j in js]
-        for name, leaves in old.items():
-            env[name] = prog.input("s:" + name, leaves[js[0]].dtype)
-            inputs["s:" + name] = [leaves[j] for j in js]
-        env.update(scalars)
+        algebra = ChunkAlgebra(prog, compute, inputs, js, ps, old, masks, scalars)
+        g = prog.convert(prog.input("u", us[js[0]].dtype), compute)
         try:
-            u_out, slots_out = rule.body(TraceOps(prog), Env(env))
-            results = {"u": prog.as_elem(u_out, compute)}
-            results.update({"s:" + name: prog.as_elem(slots_out[name], compute)
-                            for name in old})
+            u = trace_chain([rule], [masked], algebra, g)
+            results = {"u": prog.as_elem(u, compute), **algebra.results}
         except NotTraceable:
             return None
-        if masked:
-            m = prog.input("mask", masks[js[0]].dtype)
-            inputs["mask"] = [masks[j] for j in js]
-            neg_zero = torch.full((), -0.0, dtype=results["u"].dtype, device="cpu")
-            results["u"] = prog.where(m, neg_zero, results["u"])
-            for name in old:
-                results["s:" + name] = prog.where(m, env[name], results["s:" + name])
         outputs = {}
         for name, value in results.items():
             prog.output(name, value)
@@ -78,3 +63,47 @@ def evaluate(rule: Rule, us, ps, old: dict, masks: list, scalars: dict):
     return u_items, slot_items
 
 
+class ChunkAlgebra:
+    """Traced chunk programs for :func:`ftopt.program.trace_chain`, one group of leaves
+    (one dtype signature) at a time: every value is a :class:`Program` symbol; inputs
+    are collected in ``inputs`` (name -> the group's tensors), slots in ``results``."""
+
+    def __init__(self, prog: Program, compute, inputs: dict, js, ps, old: dict, masks,
+                 scalars: dict):
+        self.prog, self.compute, self.inputs, self.js = prog, compute, inputs, js
+        self.ps, self.old, self.masks, self.scalars = ps, old, masks, scalars
+        self._ops = TraceOps(prog)
+        self.results: dict = {}
+
+    def ops(self):
+        return self._ops
+
+    def zero_mask(self, g):
+        self.inputs["mask"] = [self.masks[j] for j in self.js]
+        return self.prog.input("mask", self.masks[self.js[0]].dtype)
+
+    def neg_zero(self, g):
+        return torch.full((), -0.0, dtype=self.compute, device="cpu")
+
+    def select(self, mask, a, b):
+        return self.prog.where(mask, a, b)
+
+    def elem(self, value, like):
+        return self.prog.as_elem(value, self.compute)
+
+    def stage_inputs(self, index: int, rule: Rule, u) -> dict:
+        prog, js, inputs = self.prog, self.js, {}
+        if rule.uses_params:
+            p = prog.input("p", self.ps[js[0]].dtype)
+            inputs["p"] = prog.convert(p, compute_dtype(self.ps[js[0]]))
+            self.inputs["p"] = [self.ps[j] for j in js]
+        for name, leaves in self.old.items():
+            inputs[name] = prog.input("s:" + name, leaves[js[0]].dtype)
+            self.inputs["s:" + name] = [leaves[j] for j in js]
+        return {**inputs, **self.scalars}
+
+    def leaf_flag(self, index: int):
+        return None
+
+    def slot_out(self, index: int, name: str, value) -> None:
+        self.results["s:" + name] = value

@@ -31,8 +31,9 @@ from ftopt.chunked import run
 from ftopt.chunked.program import NotTraceable, Program, TraceOps
 from ftopt.chunked.run import check_aliases
 from ftopt.combine import Chain, SkipZeros, owner
+from ftopt.program import trace_chain
 from ftopt.rule_transform import RuleTransform
-from ftopt.rules import Env, compute_dtype, step_scalars
+from ftopt.rules import compute_dtype, step_scalars
 from ftopt.stages import chain_stages
 
 __all__ = ["eager_step", "Unsupported"]
@@ -219,53 +220,68 @@ def _overlapping(spans: list[tuple[int, int, bool]]) -> bool:
 
 
 def _build(prep: _Prepared, leaf: int, zero_dim: bool) -> Program:
-    """The program of one group of leaves (those of ``leaf``'s signature)."""
+    """The program of one group of leaves (those of ``leaf``'s signature): the chain
+    (:func:`ftopt.program.trace_chain`) and ``p + u``."""
     g, p = prep.g_flat[leaf], prep.p_flat[leaf]
     prog = Program()
     prog.zero_dim_leaves = zero_dim
     gs = prog.input("g", g.dtype)
     ps = prog.input("p", p.dtype)
-    # A skip-aware chain's update is -0.0 wherever the raw gradient is zero, on every
-    # leaf, those its leaf masks pass through included.
-    whole_chain_skips = all(skip for _, skip in prep.stages)
-    mask = prog.binary(operator.eq, gs, 0) if whole_chain_skips or any(
-        skip for (_, skip), f in zip(prep.stages, prep.flags) if f[leaf]) else None
-    u = gs
-    for k, ((stage, skip), by_name) in enumerate(zip(prep.stages, prep.slots)):
-        if not prep.flags[k][leaf]:
-            continue
-        rule = stage.rule
-        compute = _compute_dtype_of(u.dtype)
-        env: dict[str, Any] = {"u": prog.convert(u, compute)}
-        if rule.uses_params:
-            env["p"] = prog.convert(ps, compute_dtype(p))
-        for name, leaves in by_name.items():
-            env[name] = prog.input(f"{k}:{name}", leaves[leaf].dtype)
-        env.update(prep.scalars[k])
-        u_out, slots_out = rule.body(TraceOps(prog), Env(env))
-        u_new = prog.as_elem(u_out, compute)
-        if skip:
-            neg_zero = torch.full((), -0.0, dtype=u_new.dtype, device="cpu")
-            u_new = prog.where(mask, neg_zero, u_new)
-        for name, leaves in by_name.items():
-            new = prog.as_elem(slots_out[name], compute)
-            if skip:
-                new = prog.where(mask, env[name], new)
-            prog.output(f"{k}:{name}", prog.convert(new, leaves[leaf].dtype))
-        u = u_new
+    algebra = _StepAlgebra(prep, prog, leaf, ps)
+    u = trace_chain([stage for stage, _ in prep.stages], [skip for _, skip in prep.stages],
+                    algebra, gs)
     if not u.dtype.is_floating_point:
-        raise Unsupported  # apply_updates raises
-    if whole_chain_skips:
-        neg_zero = torch.full((), -0.0, dtype=u.dtype, device="cpu")
-        u = prog.where(mask, neg_zero, u)
+        raise Unsupported("the update is not floating-point")  # apply_updates raises
     compute = torch.promote_types(torch.promote_types(p.dtype, u.dtype), torch.float32)
     new_p = prog.binary(operator.add, prog.convert(ps, compute), prog.convert(u, compute))
     prog.output("p", prog.convert(new_p, p.dtype))
     return prog
 
 
-def _compute_dtype_of(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
+class _StepAlgebra:
+    """A chunk program of one group of leaves, for :func:`ftopt.program.trace_chain`:
+    stage ``k``'s slots are inputs and outputs ``"k:name"``; a stage whose leaf mask
+    leaves this group out does not run."""
+
+    def __init__(self, prep: _Prepared, prog: Program, leaf: int, ps):
+        self.prep, self.prog, self.leaf, self.ps = prep, prog, leaf, ps
+        self._ops = TraceOps(prog)
+        self.compute = None
+
+    def ops(self):
+        return self._ops
+
+    def zero_mask(self, g):
+        return self.prog.binary(operator.eq, g, 0)
+
+    def neg_zero(self, g):
+        return torch.full((), -0.0, dtype=compute_dtype(self.prep.g_flat[self.leaf]),
+                          device="cpu")
+
+    def select(self, mask, a, b):
+        return self.prog.where(mask, a, b)
+
+    def elem(self, value, like):
+        return self.prog.as_elem(value, self.compute)
+
+    def stage_inputs(self, index: int, rule, u) -> dict | None:
+        if not self.prep.flags[index][self.leaf]:
+            return None
+        prog, leaf = self.prog, self.leaf
+        self.compute = compute_dtype(u)
+        inputs: dict[str, Any] = {"u": prog.convert(u, self.compute)}
+        if rule.uses_params:
+            inputs["p"] = prog.convert(self.ps, compute_dtype(self.prep.p_flat[leaf]))
+        for name, leaves in self.prep.slots[index].items():
+            inputs[name] = prog.input(f"{index}:{name}", leaves[leaf].dtype)
+        return {**inputs, **self.prep.scalars[index]}
+
+    def leaf_flag(self, index: int):
+        return None
+
+    def slot_out(self, index: int, name: str, value) -> None:
+        dtype = self.prep.slots[index][name][self.leaf].dtype
+        self.prog.output(f"{index}:{name}", self.prog.convert(value, dtype))
 
 
 def _execute(prep: _Prepared, donate: bool):

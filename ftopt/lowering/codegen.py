@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ftopt import program
 from ftopt.lowering import quantized
 from ftopt.lowering.symbolic import Graph, Reduction, SymOps
 from ftopt.rule_transform import RuleTransform
-from ftopt.rules import Env, step_scalars
+from ftopt.rules import step_scalars
 
 _TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16",
               torch.bfloat16: "tl.bfloat16"}
@@ -66,32 +67,10 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
         g.add("g != 0.0", ("g",), "elem", name="keep")
     p = g.add("tl.load(p_ptr + offs{LMASK}).to(tl.float32)", ("keep",) if in_place else (),
               "elem", name="p")
-    u = g.sym("g")
     traced = TracedChain(g, stages, list(skips), in_place, output)
-    for i, stage in enumerate(stages):
-        rule = stage.rule
-        zero = zero_node if skips[i] else None
-        env = {"u": u, "p": p}
-        for slot in rule.slots:
-            role = f"st{i}_{slot.name}"
-            traced.slot_roles.append((i, slot.name))
-            env[slot.name] = g.add(f"tl.load({role}_in + offs{{LMASK}})",
-                                   ("keep",) if in_place else (), "elem", name=f"{role}_old")
-        for key in step_scalars(rule, 0, 1):
-            env[key] = g.scalar(i, key)
-        u_out, new_slots = rule.body(SymOps(g), Env(env))
-        ops = SymOps(g)
-        if rule.leaf_mask is not None:
-            u_out = ops.where(g.leaf_value(i, "mask") != 0.0, u_out, u)
-        if zero is not None and not in_place:
-            # (In place, zero-gradient lanes store nothing: no select needed.)
-            u_out = ops.where(zero, neg_zero, u_out)
-        for slot in rule.slots:
-            new = new_slots[slot.name]
-            if zero is not None and not in_place:
-                new = ops.where(zero, env[slot.name], new)
-            traced.stores.append((f"st{i}_{slot.name}_out", _as_name(new, g)))
-        u = u_out
+    algebra = _SymbolicAlgebra(traced, p, zero_node, neg_zero)
+    # (In place, zero-gradient lanes are neither loaded nor stored: no selects.)
+    u = program.trace_chain(stages, skips, algebra, g.sym("g"), selects=not in_place)
     if output == "p":
         traced.stores.append(("p_out", (p + u).name))
     else:
@@ -101,6 +80,52 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
         # Norms (of p, say) need every lane loaded: select old values instead.
         return trace_chain(stages, skips, donate=False, output=output)
     return traced
+
+
+class _SymbolicAlgebra:
+    """Triton symbols for :func:`ftopt.program.trace_chain`: inputs are loads through the
+    address tables, per-step scalars kernel arguments, leaf masks per-leaf values."""
+
+    def __init__(self, traced: TracedChain, p, zero, neg_zero):
+        self.traced, self.graph, self.p = traced, traced.graph, p
+        self.zero, self.negative_zero = zero, neg_zero
+        self._ops = SymOps(self.graph)
+
+    def ops(self):
+        return self._ops
+
+    def zero_mask(self, g):
+        return self.zero
+
+    def neg_zero(self, g):
+        return self.negative_zero
+
+    def select(self, mask, a, b):
+        return self._ops.where(mask, a, b)
+
+    def elem(self, value, like):
+        return value  # symbols broadcast in the kernel; constants become nodes at stores
+
+    def stage_inputs(self, index: int, rule, u) -> dict:
+        inputs = {"p": self.p}
+        in_place = self.traced.in_place
+        for slot in rule.slots:
+            role = f"st{index}_{slot.name}"
+            self.traced.slot_roles.append((index, slot.name))
+            inputs[slot.name] = self.graph.add(
+                f"tl.load({role}_in + offs{{LMASK}})", ("keep",) if in_place else (),
+                "elem", name=f"{role}_old")
+        for key in step_scalars(rule, 0, 1):
+            inputs[key] = self.graph.scalar(index, key)
+        return inputs
+
+    def leaf_flag(self, index: int):
+        if self.traced.stages[index].rule.leaf_mask is None:
+            return None
+        return self.graph.leaf_value(index, "mask") != 0.0
+
+    def slot_out(self, index: int, name: str, value) -> None:
+        self.traced.stores.append((f"st{index}_{name}_out", _as_name(value, self.graph)))
 
 
 def _as_name(value, g: Graph) -> str:
