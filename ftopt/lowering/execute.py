@@ -22,10 +22,9 @@ from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
 from ftopt.lowering import checks, launch, tiles
 from ftopt.lowering.codegen import output_roles
-from ftopt.lowering.plan import ChainPlan, host_step, remember
+from ftopt.lowering.plan import ChainPlan, host_step, planned_states, remember
 from ftopt.quant import dynamic_map
 from ftopt.rules import QuantizedSlot, step_scalars
-from ftopt.stages import state_at
 
 _data_ptr = torch.Tensor.data_ptr
 
@@ -166,14 +165,11 @@ class PreparedStep:
         """The tensors of ``state`` the kernels read and write (step counts, then each
         stage's slots; 8-bit slots as codes and absmax), in table order; ``None`` if the
         state is not shaped as planned."""
+        states = planned_states(self.plan, state)
+        if states is None:
+            return None
         out = []
-        for path, stage in zip(self.plan.state_paths, self.plan.stages):
-            try:
-                st = state_at(state, path)
-            except (KeyError, IndexError, TypeError):
-                return None
-            if not isinstance(st, stage.rule.state_class):
-                return None
+        for stage, st in zip(self.plan.stages, states):
             if stage.rule.counted:
                 out.append(st.count)
             for slot in stage.rule.slots:

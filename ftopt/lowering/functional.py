@@ -30,8 +30,8 @@ from ftopt.lowering.execute import (
     flat_dict_leaves,
     misaligned,
 )
+from ftopt.lowering.plan import planned_states
 from ftopt.rules import QuantizedSlot
-from ftopt.stages import state_at
 
 _requires_grad = operator.attrgetter("requires_grad")
 
@@ -185,19 +185,6 @@ def _leaves(cache: FunctionalCache, tree):
         return None
 
 
-def _stage_states(plan, state):
-    out = []
-    for path, stage in zip(plan.state_paths, plan.stages):
-        try:
-            st = state_at(state, path)
-        except (KeyError, IndexError, TypeError):
-            return None
-        if not isinstance(st, stage.rule.state_class):
-            return None
-        out.append(st)
-    return out
-
-
 def fast_functional(plan, params, grads, state, output: str):
     """A non-donated step (``output="p"``) or an update (``"u"``) through the cached
     tables: ``(new params or updates, new stage states)``, or ``None``."""
@@ -209,7 +196,7 @@ def fast_functional(plan, params, grads, state, output: str):
         return None
     g_flat = _leaves(cache, grads)
     p_flat = _leaves(cache, params) if params is not None else g_flat
-    stage_states = _stage_states(plan, state)
+    stage_states = planned_states(plan, state)
     if g_flat is None or p_flat is None or stage_states is None:
         return None
     slot_flat = []

@@ -209,3 +209,18 @@ def bytes_per_element(plan: ChainPlan, p_dtype: torch.dtype, g_dtype: torch.dtyp
 
 def remember(count_tensor: torch.Tensor, value: int) -> None:
     remember_count(count_tensor, value)
+
+
+def planned_states(plan: ChainPlan, state) -> list | None:
+    """Each stage's state in ``state`` (its own state class at its path), or ``None``
+    where ``state`` is not shaped as planned (the full path then names what is wrong)."""
+    out = []
+    for path, stage in zip(plan.state_paths, plan.stages):
+        try:
+            st = state_at(state, path)
+        except (KeyError, IndexError, TypeError):
+            return None
+        if not isinstance(st, stage.rule.state_class):
+            return None
+        out.append(st)
+    return out
