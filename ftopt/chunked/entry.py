@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from ftopt import program
 from ftopt.chunked import run
 from ftopt.chunked.program import NotTraceable, Program, TraceOps
 from ftopt.chunked.run import chunkable
 from ftopt.chunked.step import eager_step as step
-from ftopt.program import trace_chain
 from ftopt.rules import Rule, compute_dtype
 
 __all__ = ["evaluate", "step"]
@@ -45,7 +45,7 @@ def evaluate(rule: Rule, us, ps, old: dict, masks: list, scalars: dict):
         algebra = ChunkAlgebra(prog, compute, inputs, js, ps, old, masks, scalars)
         g = prog.convert(prog.input("u", us[js[0]].dtype), compute)
         try:
-            u = trace_chain([rule], [masked], algebra, g)
+            u = program.trace_chain([rule], [masked], algebra, g)
             results = {"u": prog.as_elem(u, compute), **algebra.results}
         except NotTraceable:
             return None

@@ -25,13 +25,12 @@ from typing import Any
 import optree
 import torch
 
-from ftopt import eager
+from ftopt import eager, program
 from ftopt._counts import remember_count
 from ftopt.chunked import run
 from ftopt.chunked.program import NotTraceable, Program, TraceOps
 from ftopt.chunked.run import check_aliases
 from ftopt.combine import Chain, SkipZeros, owner
-from ftopt.program import trace_chain
 from ftopt.rule_transform import RuleTransform
 from ftopt.rules import compute_dtype, step_scalars
 from ftopt.stages import chain_stages
@@ -228,7 +227,7 @@ def _build(prep: _Prepared, leaf: int, zero_dim: bool) -> Program:
     gs = prog.input("g", g.dtype)
     ps = prog.input("p", p.dtype)
     algebra = _StepAlgebra(prep, prog, leaf, ps)
-    u = trace_chain([stage for stage, _ in prep.stages], [skip for _, skip in prep.stages],
+    u = program.trace_chain([stage for stage, _ in prep.stages], [skip for _, skip in prep.stages],
                     algebra, gs)
     if not u.dtype.is_floating_point:
         raise Unsupported("the update is not floating-point")  # apply_updates raises
