@@ -171,6 +171,11 @@ class Entry:
         return bool(self.states) or any(BY_NAME[n].stateful for n in self.inner)
 
     @property
+    def needs_params(self) -> bool:
+        """Whether its standalone optimizer reads params (inner ones included)."""
+        return self.uses_params or any(BY_NAME[n].uses_params for n in self.inner)
+
+    @property
     def quantizable(self) -> bool:
         """Whether 8-bit states of its standalone optimizer hold codes (inner ones included)."""
         return self.eight_bit or any(BY_NAME[n].eight_bit for n in self.inner)
