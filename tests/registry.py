@@ -17,7 +17,30 @@ in pytest), and its traits:
   ``"combinator"`` (wraps other transforms; ``make`` takes them as keywords).
 
 Hyperparameters are drawn inside the domains the constructors accept (SPEC §2, §4), at the
-edges some of the time; float ones may be drawn as 0-d tensors.
+edges some of the time; float ones may be drawn as 0-d tensors. For the property suites an
+entry also has ``example`` (hand-picked hyperparameters: :meth:`Entry.defaults` is each
+option's first choice plus these), ``inner`` (a combinator's inner entries) and ``moves``
+(False where the standalone optimizer leaves params as they are); :func:`standalone` builds
+an entry into a whole optimizer (an alias as it is, anything else chained with
+``scale_by_learning_rate``), and :func:`fusible`, :func:`eight_bit`, :func:`stateful`,
+:func:`norms` and :func:`by_trait` select entries.
+
+How to add a transform to the tests
+-----------------------------------
+1. Add one :class:`Entry` to :data:`TRANSFORMS` below: ``make``, the hyperparameter
+   domains (``floats``, ``options``), its traits, and ``example`` values that make a sane
+   optimizer (aliases: at least ``learning_rate``; combinators: ``inner``).
+2. That is all for most suites: purity, pytrees, errors, checkpoint, fused-vs-eager
+   (``fusible``), fused ``tx.update``, 8-bit states (``eight_bit``), skip_zeros around a
+   single transform and the fuzzed contract read this table, and
+   ``tests/test_registry.py::test_suites_cover_the_registry`` fails if one does not.
+3. Some suites need data the registry does not hold; they fail (not skip), naming the table
+   to extend, until it is added: an alias needs a ``Case`` in
+   ``tests/test_skip_zeros.py::CASES`` (its §2 parts, the oracle of §3). A suite may pick
+   other hyperparameters for an entry in its ``OVERRIDES`` (keyed by registry name).
+   The float64 references of ``tests/reference.py`` (``test_aliases_vs_reference.py``) and
+   the measured 8-bit tracking bounds (``test_quantized_states.py::BOUNDS``) are kept per
+   suite and are not drawn from this table.
 """
 
 from __future__ import annotations
