@@ -78,6 +78,27 @@ def test_entries_build_and_traits_hold(name):
             assert codes, f"{name}: quantize_states(bits=8) made no 8-bit state"
 
 
+@pytest.mark.parametrize("name", sorted(BY_NAME))
+def test_standalone_builds_from_the_defaults(name):
+    """``standalone(entry)`` (its ``defaults()``, 0-d tensors where allowed) steps, and the
+    traits the suites rely on hold: ``moves``, ``stateful``, ``quantizable``."""
+    e = BY_NAME[name]
+    params = {"w": torch.randn(64, 80), "b": torch.randn(5)}
+    grads = ftopt.tree.map(torch.randn_like, params)
+    for bits in (32, 8):
+        tx = registry.standalone(e, state_bits=bits, **{
+            k: v for k, v in e.defaults(tensors=True).items() if isinstance(v, torch.Tensor)})
+        state = tx.init(params)
+        new_p, _ = ftopt.step(tx, params, grads, state, backend="eager")
+        assert all(torch.isfinite(t).all() for t in ftopt.tree.leaves(new_p))
+        assert (not torch.equal(new_p["b"], params["b"])) == e.moves, name
+        per_element = [t for t in ftopt.tree.leaves(state) if t.ndim]
+        assert bool(per_element) == e.stateful, name
+        codes = [t for t in ftopt.tree.leaves(state) if t.dtype == torch.uint8]
+        eight = bits == 8 or e.defaults().get("bits") == 8  # quantize_states' own bits
+        assert bool(codes) == (eight and e.quantizable), name
+
+
 def _states(state) -> list:
     """The NamedTuple states inside a state tree."""
     out = []
