@@ -35,12 +35,13 @@ How to add a transform to the tests
    single transform and the fuzzed contract read this table, and
    ``tests/test_registry.py::test_suites_cover_the_registry`` fails if one does not.
 3. Some suites need data the registry does not hold; they fail (not skip), naming the table
-   to extend, until it is added: an alias needs a ``Case`` in
-   ``tests/test_skip_zeros.py::CASES`` (its §2 parts, the oracle of §3). A suite may pick
-   other hyperparameters for an entry in its ``OVERRIDES`` (keyed by registry name).
-   The float64 references of ``tests/reference.py`` (``test_aliases_vs_reference.py``) and
-   the measured 8-bit tracking bounds (``test_quantized_states.py::BOUNDS``) are kept per
-   suite and are not drawn from this table.
+   to extend, until it is added. An alias needs a ``Case`` in
+   ``tests/test_skip_zeros.py::CASES`` (its §2 parts: the oracle of §3) and a float64
+   reference: a class in ``tests/reference.py``, a case in
+   ``tests/test_aliases_vs_reference.py::CASES`` and its name in ``REGISTRY_CASES`` there.
+   A suite may pick other hyperparameters for an entry in its ``OVERRIDES`` (keyed by
+   registry name). The measured 8-bit tracking bounds
+   (``test_quantized_states.py::BOUNDS``) cover a hand-picked list, not every entry.
 """
 
 from __future__ import annotations

@@ -205,6 +205,8 @@ SUITES = [
         "test_all_zero_blocks_never_nan", "test_quantize_states_32_is_a_no_op",
         "test_save_load_continues_bit_identically")],
     ("test_skip_zeros", "test_skip_zeros", "name", {}, lambda: by_trait(kind="alias")),
+    ("test_aliases_vs_reference", "test_every_registry_alias_has_a_reference", "name", {},
+     lambda: by_trait(kind="alias")),
     ("test_skip_zeros", "test_skip_zeros_wraps_a_single_transform", "name", {},
      _skip_singles),
 ]
@@ -225,8 +227,9 @@ def test_suites_cover_the_registry(suite, test, argname, where, relevant):
 
 def test_a_new_entry_reaches_every_suite(monkeypatch):
     """One added ``Entry`` (a copy of an existing transform and of an alias under new names)
-    is picked up by every suite on import; the skip_zeros suite, which needs per-alias
-    oracle data, fails (not skips) for the alias until that data is added."""
+    is picked up by every suite on import; the skip_zeros and reference suites, which need
+    per-alias data (an oracle Case, a float64 reference), fail (not skip) for the alias
+    until that data is added."""
     new = [replace(BY_NAME["scale_by_adam"], name="scale_by_adam[new]"),
            replace(BY_NAME["adamw"], name="adamw[new]")]
     monkeypatch.setattr(registry, "TRANSFORMS", [*TRANSFORMS, *new])
@@ -243,6 +246,9 @@ def test_a_new_entry_reaches_every_suite(monkeypatch):
         skip = _fresh("test_skip_zeros")
         with pytest.raises(pytest.fail.Exception, match=r"'adamw\[new\]'.*CASES"):
             skip._case("adamw[new]")
+        ref = _fresh("test_aliases_vs_reference")
+        with pytest.raises(pytest.fail.Exception, match=r"'adamw\[new\]'.*REGISTRY_CASES"):
+            ref.test_every_registry_alias_has_a_reference("adamw[new]")
     finally:
         for k, v in saved.items():
             if v is None:
