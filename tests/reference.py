@@ -238,18 +238,23 @@ class RefLamb(RefOptimizer):
 
 
 class RefLars(RefOptimizer):
+    """``trust_ratio_mask``: a predicate of the leaf (default: every leaf), as optax's
+    ``masked(scale_by_trust_ratio(...), trust_ratio_mask)``."""
+
     def __init__(self, lr, weight_decay=0.0, trust_coefficient=0.001, eps=0.0, momentum=0.9,
-                 nesterov=False):
+                 nesterov=False, trust_ratio_mask=None):
         super().__init__()
         self.lr, self.wd, self.tc, self.eps = lr, weight_decay, trust_coefficient, eps
         self.momentum, self.nesterov = momentum, nesterov
+        self.trust_ratio_mask = trust_ratio_mask
 
     def init_leaf(self, p):
         return zeros_state(p, "tr")
 
     def leaf_update(self, p, g, st, t):
         u = g + self.wd * p
-        u = u * trust_ratio(u, p, trust_coefficient=self.tc, eps=self.eps)
+        if self.trust_ratio_mask is None or self.trust_ratio_mask(p):
+            u = u * trust_ratio(u, p, trust_coefficient=self.tc, eps=self.eps)
         u = -self.lr * u
         return trace(st, u, self.momentum, self.nesterov)
 

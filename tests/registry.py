@@ -17,7 +17,31 @@ in pytest), and its traits:
   ``"combinator"`` (wraps other transforms; ``make`` takes them as keywords).
 
 Hyperparameters are drawn inside the domains the constructors accept (SPEC §2, §4), at the
-edges some of the time; float ones may be drawn as 0-d tensors.
+edges some of the time; float ones may be drawn as 0-d tensors. For the property suites an
+entry also has ``example`` (hand-picked hyperparameters: :meth:`Entry.defaults` is each
+option's first choice plus these), ``inner`` (a combinator's inner entries) and ``moves``
+(False where the standalone optimizer leaves params as they are); :func:`standalone` builds
+an entry into a whole optimizer (an alias as it is, anything else chained with
+``scale_by_learning_rate``), and :func:`fusible`, :func:`eight_bit`, :func:`stateful`,
+:func:`norms` and :func:`by_trait` select entries.
+
+How to add a transform to the tests
+-----------------------------------
+1. Add one :class:`Entry` to :data:`TRANSFORMS` below: ``make``, the hyperparameter
+   domains (``floats``, ``options``), its traits, and ``example`` values that make a sane
+   optimizer (aliases: at least ``learning_rate``; combinators: ``inner``).
+2. That is all for most suites: purity, pytrees, errors, checkpoint, fused-vs-eager
+   (``fusible``), fused ``tx.update``, 8-bit states (``eight_bit``), skip_zeros around a
+   single transform and the fuzzed contract read this table, and
+   ``tests/test_registry.py::test_suites_cover_the_registry`` fails if one does not.
+3. Some suites need data the registry does not hold; they fail (not skip), naming the table
+   to extend, until it is added. An alias needs a ``Case`` in
+   ``tests/test_skip_zeros.py::CASES`` (its §2 parts: the oracle of §3) and a float64
+   reference: a class in ``tests/reference.py``, a case in
+   ``tests/test_aliases_vs_reference.py::CASES`` and its name in ``REGISTRY_CASES`` there.
+   A suite may pick other hyperparameters for an entry in its ``OVERRIDES`` (keyed by
+   registry name). The measured 8-bit tracking bounds
+   (``test_quantized_states.py::BOUNDS``) cover a hand-picked list, not every entry.
 """
 
 from __future__ import annotations
@@ -121,6 +145,9 @@ class Entry:
     keeps_zero: bool = False
     fusible: bool = True
     eight_bit: bool = False
+    moves: bool = True  # its standalone optimizer changes the params (not set_to_zero)
+    example: dict[str, Any] = field(default_factory=dict)  # hand-picked hyperparameters
+    inner: tuple[str, ...] = ()  # combinators: the registry entries standalone() wraps
 
     @property
     def exported(self) -> str:
@@ -150,14 +177,43 @@ class Entry:
         """All hyperparameters: ``make(**entry.sample(src))`` builds a valid transform."""
         return {**self.draw_options(src), **self.draw_floats(src, **kwargs)}
 
+    def defaults(self, tensors: bool = False) -> dict:
+        """Fixed hyperparameters for the property suites: each option's first choice and
+        the hand-picked ``example`` values (the constructor's defaults for the rest).
+        ``tensors``: floats that may be 0-d tensors come as fresh fp32 tensors."""
+        out = {k: v[0] for k, v in self.options.items()}
+        for k, v in self.example.items():
+            hp = self.floats.get(k)
+            if tensors and hp is not None and hp.tensor and isinstance(v, float):
+                v = torch.tensor(v, dtype=torch.float32)
+            out[k] = v
+        return out
+
+    @property
+    def stateful(self) -> bool:
+        """Whether its standalone optimizer keeps per-element state (inner ones included)."""
+        return bool(self.states) or any(BY_NAME[n].stateful for n in self.inner)
+
+    @property
+    def needs_params(self) -> bool:
+        """Whether its standalone optimizer reads params (inner ones included)."""
+        return self.uses_params or any(BY_NAME[n].uses_params for n in self.inner)
+
+    @property
+    def quantizable(self) -> bool:
+        """Whether 8-bit states of its standalone optimizer hold codes (inner ones included)."""
+        return self.eight_bit or any(BY_NAME[n].eight_bit for n in self.inner)
+
 
 def _ndim_mask(params: Any) -> Any:
-    """A callable mask: matrices (and higher) only, as weight decay masks usually are."""
-    return ftopt.tree.map(lambda p: p.ndim >= 2, params)
+    """A callable mask: matrices (and higher) only, as weight decay masks usually are
+    (a leaf that is no tensor is left out, so that the library, not the mask, rejects it)."""
+    return ftopt.tree.map(lambda p: isinstance(p, torch.Tensor) and p.ndim >= 2, params)
 
 
 def _odd_mask(params: Any) -> Any:
-    return ftopt.tree.map(lambda p: p.numel() % 2 == 1, params)
+    return ftopt.tree.map(lambda p: isinstance(p, torch.Tensor) and p.numel() % 2 == 1,
+                          params)
 
 
 MASKS: dict[str, Callable | None] = {"none": None, "ndim": _ndim_mask, "odd": _odd_mask}
@@ -207,127 +263,161 @@ _ADAM_FLOATS = {"b1": BETA, "b2": BETA, "eps": EPS, "eps_root": EPS_ROOT}
 
 TRANSFORMS: list[Entry] = [
     # ---- chain building blocks (SPEC §2)
-    Entry("scale", ftopt.scale, floats={"step_size": HP(-2.0, 2.0)}, keeps_zero=True),
+    Entry("scale", ftopt.scale, floats={"step_size": HP(-2.0, 2.0)}, keeps_zero=True,
+          example={"step_size": 0.5}),
     Entry("scale_by_learning_rate", ftopt.scale_by_learning_rate,
           floats={"learning_rate": HP(1e-4, 1e-1, log=True)},
-          options={"flip_sign": (True, False)}, keeps_zero=True),
+          options={"flip_sign": (True, False)}, keeps_zero=True,
+          example={"learning_rate": 1e-2}),
     Entry("scale_by_learning_rate[schedule]", _sched_lr, export="scale_by_learning_rate",
           floats={"learning_rate": HP(1e-4, 1e-1, log=True, tensor=False)},
           options={"flip_sign": (True, False), "schedule": ("linear", "cosine", "join")},
-          counted=True, keeps_zero=True),
+          counted=True, keeps_zero=True,
+          example={"learning_rate": 1e-2}),
     Entry("add_decayed_weights", _mask_kw(ftopt.add_decayed_weights),
           floats={"weight_decay": WD}, options={"mask": ("none", "ndim", "odd")},
-          uses_params=True),
+          uses_params=True,
+          example={"weight_decay": 0.1}),
     Entry("weight_decay", _mask_kw(ftopt.weight_decay), floats={"weight_decay": WD},
-          options={"mask": ("none", "ndim")}, uses_params=True),
+          options={"mask": ("none", "ndim")}, uses_params=True,
+          example={"weight_decay": 0.1}),
     Entry("scale_by_adam", ftopt.scale_by_adam, floats=_ADAM_FLOATS,
           options={"nesterov": (False, True)}, states=("mu", "nu"), counted=True,
-          eight_bit=True),
+          eight_bit=True,
+          example={"b1": 0.9, "b2": 0.999, "eps": 1e-8}),
     Entry("scale_by_ademamix", ftopt.scale_by_ademamix,
           floats={**_ADAM_FLOATS, "b3": HP(0.0, 0.9999), "alpha": HP(0.0, 10.0)},
-          states=("m1", "m2", "nu"), counted=True, eight_bit=True),
+          states=("m1", "m2", "nu"), counted=True, eight_bit=True,
+          example={"b1": 0.9, "b2": 0.999, "b3": 0.999, "alpha": 5.0, "eps": 1e-8}),
     Entry("scale_by_ademamix[warmup]", _ademamix_sched, export="scale_by_ademamix",
           floats={"b1": BETA, "b2": BETA, "b3": HP(0.5, 0.9999, tensor=False),
                   "alpha": HP(0.0, 10.0, tensor=False), "eps": EPS},
           options={"warmup": (1, 3, 10)}, states=("m1", "m2", "nu"), counted=True,
-          eight_bit=True),
+          eight_bit=True,
+          example={"b1": 0.9, "b2": 0.999, "b3": 0.999, "alpha": 5.0, "eps": 1e-8}),
     Entry("scale_by_sign", ftopt.scale_by_sign, keeps_zero=True),
     Entry("scale_by_lion", ftopt.scale_by_lion, floats={"b1": BETA, "b2": BETA},
-          states=("mu",), counted=True, eight_bit=True),
+          states=("mu",), counted=True, eight_bit=True,
+          example={"b1": 0.9, "b2": 0.99}),
     Entry("trace", ftopt.trace, floats={"decay": DECAY}, options={"nesterov": (False, True)},
-          states=("trace",), eight_bit=True),
+          states=("trace",), eight_bit=True,
+          example={"decay": 0.9}),
     Entry("scale_by_rms", ftopt.scale_by_rms,
           floats={"decay": DECAY, "eps": EPS, "initial_scale": HP(0.0, 1.0, tensor=False)},
           options={"eps_in_sqrt": (True, False)}, states=("nu",), keeps_zero=True,
-          eight_bit=True),
+          eight_bit=True,
+          example={"decay": 0.9, "eps": 1e-8, "initial_scale": 0.1}),
     Entry("scale_by_rss", ftopt.scale_by_rss,
           floats={"initial_accumulator_value": HP(0.0, 1.0, tensor=False), "eps": EPS},
           options={"eps_in_sqrt": (True, False)}, states=("sum_of_squares",),
-          keeps_zero=True, eight_bit=True),
+          keeps_zero=True, eight_bit=True,
+          example={"initial_accumulator_value": 0.1, "eps": 1e-7}),
     Entry("scale_by_trust_ratio", ftopt.scale_by_trust_ratio,
           floats={"min_norm": HP(0.0, 0.1), "trust_coefficient": HP(1e-3, 1.0, log=True),
                   "eps": HP(0.0, 1e-3)},
-          norms="leaf", uses_params=True, keeps_zero=True),
+          norms="leaf", uses_params=True, keeps_zero=True,
+          example={"trust_coefficient": 0.1}),
     Entry("clip_by_param_norm_ratio", ftopt.clip_by_param_norm_ratio,
           floats={"max_ratio": HP(1e-2, 10.0, log=True)}, norms="leaf", uses_params=True,
-          keeps_zero=True),
+          keeps_zero=True,
+          example={"max_ratio": 0.5}),
     Entry("clip_by_global_norm", ftopt.clip_by_global_norm,
-          floats={"max_norm": HP(0.1, 10.0, log=True)}, norms="global", keeps_zero=True),
+          floats={"max_norm": HP(0.1, 10.0, log=True)}, norms="global", keeps_zero=True,
+          example={"max_norm": 1.0}),
     Entry("identity", ftopt.identity, keeps_zero=True),
     Entry("skip_zeros", ftopt.skip_zeros, kind="marker", keeps_zero=True),
     # ---- utilities without an elementwise rule: they run eagerly
-    Entry("set_to_zero", ftopt.set_to_zero, keeps_zero=True, fusible=False),
+    Entry("set_to_zero", ftopt.set_to_zero, keeps_zero=True, fusible=False,
+          moves=False),
     Entry("stateless", lambda: ftopt.stateless(_halve), keeps_zero=True, fusible=False),
     # ---- combinators: ``make`` takes the inner transforms
-    Entry("chain", lambda inner=(): ftopt.chain(*inner), kind="combinator"),
+    Entry("chain", lambda inner=(): ftopt.chain(*inner), kind="combinator",
+          inner=("scale_by_adam", "add_decayed_weights")),
     Entry("named_chain",
           lambda inner=(): ftopt.named_chain(*[(f"t{i}", t) for i, t in enumerate(inner)]),
-          kind="combinator"),
+          kind="combinator",
+          inner=("scale_by_adam", "add_decayed_weights")),
     Entry("masked", lambda inner=(), mask="ndim": ftopt.masked(inner[0], MASKS[mask]),
-          options={"mask": ("ndim", "odd")}, kind="combinator", fusible=False),
+          options={"mask": ("ndim", "odd")}, kind="combinator", fusible=False,
+          inner=("scale_by_adam",)),
     Entry("partition",
           lambda inner=(), labels="ndim": ftopt.partition(
               {"lab_a": inner[0], "lab_b": inner[1]},
               lambda p: ftopt.tree.map(
                   lambda x: "lab_a" if MASKS[labels](x) else "lab_b", p)),
-          options={"labels": ("ndim", "odd")}, kind="combinator", fusible=False),
+          options={"labels": ("ndim", "odd")}, kind="combinator", fusible=False,
+          inner=("scale_by_adam", "trace")),
     Entry("apply_if_finite",
           lambda inner=(), max_consecutive_errors=2: ftopt.apply_if_finite(
               inner[0], max_consecutive_errors),
-          options={"max_consecutive_errors": (0, 2)}, kind="combinator", fusible=False),
+          options={"max_consecutive_errors": (0, 2)}, kind="combinator", fusible=False,
+          inner=("scale_by_adam",)),
     Entry("quantize_states",
           lambda inner=(), bits=8, min_size=0: ftopt.quantize_states(
               inner[0], bits=bits, min_size=min_size),
-          options={"bits": (8, 32)}, kind="combinator"),
+          options={"bits": (8, 32)}, kind="combinator",
+          inner=("scale_by_adam",)),
     # ---- aliases (SPEC §4): each also takes skip_zeros= and state_bits=
-    Entry("sgd", ftopt.sgd, floats={"learning_rate": LR}, kind="alias", keeps_zero=True),
+    Entry("sgd", ftopt.sgd, floats={"learning_rate": LR}, kind="alias", keeps_zero=True,
+          example={"learning_rate": 0.1}),
     Entry("sgd[momentum]", ftopt.sgd, export="sgd",
           floats={"learning_rate": LR, "momentum": DECAY},
           options={"nesterov": (False, True)}, kind="alias", states=("trace",),
-          eight_bit=True),
+          eight_bit=True,
+          example={"learning_rate": 0.1, "momentum": 0.9}),
     Entry("adam", ftopt.adam, floats={"learning_rate": LR, **_ADAM_FLOATS},
           options={"nesterov": (False, True)}, kind="alias", states=("mu", "nu"),
-          counted=True, eight_bit=True),
+          counted=True, eight_bit=True,
+          example={"learning_rate": 1e-2, "b1": 0.9, "b2": 0.999, "eps": 1e-8}),
     Entry("adamw", _mask_kw(ftopt.adamw),
           floats={"learning_rate": LR, **_ADAM_FLOATS, "weight_decay": WD},
           options={"nesterov": (False, True), "mask": ("none", "ndim")}, kind="alias",
-          states=("mu", "nu"), counted=True, uses_params=True, eight_bit=True),
+          states=("mu", "nu"), counted=True, uses_params=True, eight_bit=True,
+          example={"learning_rate": 1e-2, "weight_decay": 0.1}),
     Entry("lion", _mask_kw(ftopt.lion),
           floats={"learning_rate": LR, "b1": BETA, "b2": BETA, "weight_decay": WD},
           options={"mask": ("none", "odd")}, kind="alias", states=("mu",), counted=True,
-          uses_params=True, eight_bit=True),
+          uses_params=True, eight_bit=True,
+          example={"learning_rate": 1e-3, "b1": 0.9, "weight_decay": 0.1}),
     Entry("rmsprop", ftopt.rmsprop,
           floats={"learning_rate": LR, "decay": DECAY, "eps": EPS,
                   "initial_scale": HP(0.0, 1.0, tensor=False)},
           options={"eps_in_sqrt": (True, False)}, kind="alias", states=("nu",),
-          keeps_zero=True, eight_bit=True),
+          keeps_zero=True, eight_bit=True,
+          example={"learning_rate": 1e-2, "decay": 0.9}),
     Entry("rmsprop[momentum]", ftopt.rmsprop, export="rmsprop",
           floats={"learning_rate": LR, "decay": DECAY, "eps": EPS, "momentum": DECAY},
           options={"eps_in_sqrt": (True, False), "nesterov": (False, True)}, kind="alias",
-          states=("nu", "trace"), eight_bit=True),
+          states=("nu", "trace"), eight_bit=True,
+          example={"learning_rate": 1e-2, "decay": 0.9, "momentum": 0.9}),
     Entry("adagrad", ftopt.adagrad,
           floats={"learning_rate": LR, "initial_accumulator_value": HP(0.0, 1.0, tensor=False),
                   "eps": EPS},
-          kind="alias", states=("sum_of_squares",), keeps_zero=True, eight_bit=True),
+          kind="alias", states=("sum_of_squares",), keeps_zero=True, eight_bit=True,
+          example={"learning_rate": 1e-2, "eps": 1e-7}),
     Entry("lamb", _mask_kw(ftopt.lamb),
           floats={"learning_rate": LR, **_ADAM_FLOATS, "weight_decay": WD},
           options={"mask": ("none", "ndim")}, kind="alias", states=("mu", "nu"),
-          counted=True, norms="leaf", uses_params=True, eight_bit=True),
+          counted=True, norms="leaf", uses_params=True, eight_bit=True,
+          example={"learning_rate": 1e-2, "weight_decay": 0.01}),
     Entry("lars", _lars,
           floats={"learning_rate": LR, "weight_decay": WD,
                   "trust_coefficient": HP(1e-4, 1.0, log=True), "eps": HP(0.0, 1e-3),
                   "momentum": DECAY},
           options={"nesterov": (False, True), "weight_decay_mask": ("all", "ndim")},
-          kind="alias", states=("trace",), norms="leaf", uses_params=True, eight_bit=True),
+          kind="alias", states=("trace",), norms="leaf", uses_params=True, eight_bit=True,
+          example={"learning_rate": 0.1, "weight_decay": 0.01}),
     Entry("lars[masked]", _lars, export="lars",
           floats={"learning_rate": LR, "weight_decay": WD, "momentum": DECAY},
           options={"trust_ratio_mask": ("ndim", "odd")}, kind="alias", states=("trace",),
-          norms="leaf", uses_params=True, fusible=False, eight_bit=True),
+          norms="leaf", uses_params=True, fusible=False, eight_bit=True,
+          example={"learning_rate": 0.1, "weight_decay": 0.01}),
     Entry("ademamix", _mask_kw(ftopt.ademamix),
           floats={"learning_rate": LR, **_ADAM_FLOATS, "b3": HP(0.0, 0.9999),
                   "alpha": HP(0.0, 10.0), "weight_decay": WD},
           options={"mask": ("none", "ndim")}, kind="alias", states=("m1", "m2", "nu"),
-          counted=True, uses_params=True, eight_bit=True),
+          counted=True, uses_params=True, eight_bit=True,
+          example={"learning_rate": 1e-2, "b3": 0.999, "alpha": 5.0, "weight_decay": 0.01}),
 ]
 
 BY_NAME: dict[str, Entry] = {e.name: e for e in TRANSFORMS}
@@ -364,3 +454,64 @@ def by_trait(**traits: Any) -> list[Entry]:
 
 def entry(name: str) -> Entry:
     return BY_NAME[name]
+
+
+STANDALONE_LR = 1e-2
+
+
+def standalone(e: Entry | str, *, skip_zeros: bool = False, state_bits: int = 32,
+               **overrides: Any) -> GradientTransformation:
+    """``e`` as a whole optimizer, with :meth:`Entry.defaults` updated by ``overrides``.
+
+    An alias is built as it is (``skip_zeros=`` and ``state_bits=`` are its keywords);
+    anything else is ``chain(e, scale_by_learning_rate(STANDALONE_LR))`` so that params
+    move (a combinator wraps its ``inner`` entries, built from their defaults), followed
+    by the ``skip_zeros()`` marker when asked and wrapped in ``quantize_states(bits=8)``
+    (min_size 4096, as the aliases' ``state_bits=8``) for 8-bit states.
+    """
+    e = BY_NAME[e] if isinstance(e, str) else e
+    hp = {**e.defaults(), **overrides}
+    if e.kind == "alias":
+        return e.make(**hp, skip_zeros=skip_zeros, state_bits=state_bits)
+    if e.kind == "combinator" and "inner" not in hp:
+        hp["inner"] = [BY_NAME[n].make(**BY_NAME[n].defaults()) for n in e.inner]
+    parts = [e.make(**hp), ftopt.scale_by_learning_rate(STANDALONE_LR)]
+    if skip_zeros:
+        parts.append(ftopt.skip_zeros())
+    tx = ftopt.chain(*parts)
+    return tx if state_bits == 32 else ftopt.quantize_states(tx, bits=state_bits)
+
+
+def names(entries: Sequence[Entry]) -> list[str]:
+    return [e.name for e in entries]
+
+
+def fusible() -> list[Entry]:
+    """Entries whose standalone optimizer fuses (combinators: with fusible inner ones)."""
+    return [e for e in TRANSFORMS if e.fusible and all(BY_NAME[n].fusible for n in e.inner)]
+
+
+def eight_bit() -> list[Entry]:
+    """Entries with per-element float states that ``quantize_states`` stores in 8 bits."""
+    return by_trait(eight_bit=True)
+
+
+def stateful() -> list[Entry]:
+    """Entries whose standalone optimizer keeps per-element state."""
+    return [e for e in TRANSFORMS if e.stateful]
+
+
+def norms() -> list[Entry]:
+    """Entries that read a per-leaf or a global norm."""
+    return [e for e in TRANSFORMS if e.norms]
+
+
+def require(table: dict, name: str, what: str, where: str) -> Any:
+    """``table[name]``, or a failure (not a skip) saying what to add where: for suites that
+    need per-entry data the registry does not hold (a reference formula, a measured bound)."""
+    if name not in table:
+        import pytest
+
+        pytest.fail(f"registry entry {name!r} has no {what}: add one keyed {name!r} to "
+                    f"{where}", pytrace=False)
+    return table[name]

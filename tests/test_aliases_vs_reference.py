@@ -16,6 +16,7 @@ import optree
 import pytest
 import reference as R
 import torch
+from registry import by_trait, names, require
 
 import ftopt
 
@@ -108,6 +109,12 @@ CASES = {
         lambda: ftopt.lars(0.5, weight_decay=0.1, trust_coefficient=0.02, eps=0.01, momentum=0.8),
         lambda: R.RefLars(0.5, weight_decay=0.1, trust_coefficient=0.02, eps=0.01, momentum=0.8),
     ),
+    "lars_masked": (  # the trust ratio on matrices (and higher) only
+        lambda: ftopt.lars(0.5, weight_decay=0.1, trust_coefficient=0.02, momentum=0.8,
+                           trust_ratio_mask=lambda p: ftopt.tree.map(lambda x: x.ndim >= 2, p)),
+        lambda: R.RefLars(0.5, weight_decay=0.1, trust_coefficient=0.02, momentum=0.8,
+                          trust_ratio_mask=lambda p: p.ndim >= 2),
+    ),
     "lars_nesterov": (
         lambda: ftopt.lars(0.5, weight_decay=0.05, trust_coefficient=0.03, momentum=0.7,
                            nesterov=True),
@@ -153,6 +160,15 @@ CASES = {
 }
 
 NAMES = sorted(CASES)
+
+# The reference case of each alias of the test registry (``tests/registry.py``), by registry
+# name: a new alias there fails test_every_registry_alias_has_a_reference until it has one.
+REGISTRY_CASES = {
+    "sgd": "sgd", "sgd[momentum]": "sgd_momentum", "adam": "adam", "adamw": "adamw",
+    "lion": "lion", "rmsprop": "rmsprop", "rmsprop[momentum]": "rmsprop_momentum",
+    "adagrad": "adagrad", "lamb": "lamb", "lars": "lars", "lars[masked]": "lars_masked",
+    "ademamix": "ademamix",
+}
 PATHS = ["update", "step_eager"]
 
 
@@ -250,6 +266,16 @@ def _run_fp32(name, path, make_ref=None):
 # --------------------------------------------------------------------------- fp32 vs reference
 
 
+@pytest.mark.parametrize("name", names(by_trait(kind="alias")))
+def test_every_registry_alias_has_a_reference(name):
+    """Each registry alias is checked against a float64 reference formula (reference.py)."""
+    case = require(REGISTRY_CASES, name, "float64 reference case",
+                   "REGISTRY_CASES (and CASES, with a reference.py class) in "
+                   "tests/test_aliases_vs_reference.py")
+    assert case in CASES, case
+    assert CASES[case][0]().init  # builds
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", NAMES)
 def test_fp32_matches_reference(name, path):
@@ -268,6 +294,9 @@ def test_fp32_matches_reference(name, path):
         ("rmsprop_eps_outside", lambda: R.RefRMSprop(0.01, decay=0.95, eps=1e-3)),
         # the LARS row without its clip (plain SGD momentum with coupled decay)
         ("bnb_lars", lambda: R.RefBnbSGD(0.5, momentum=0.8, weight_decay=0.1)),
+        # the trust ratio on every leaf, not only on the masked ones
+        ("lars_masked", lambda: R.RefLars(0.5, weight_decay=0.1, trust_coefficient=0.02,
+                                          momentum=0.8)),
     ],
 )
 def test_tolerance_catches_small_mistakes(name, wrong_ref):

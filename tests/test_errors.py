@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from registry import TRANSFORMS, by_trait, names, standalone, stateful
 
 import ftopt
 
@@ -28,25 +29,44 @@ def _like(tree, seed):
     return ftopt.tree.map(lambda x: torch.randn(x.shape, generator=gen), tree)
 
 
-TXS = {
-    "sgd": lambda: ftopt.sgd(0.1),
-    "sgd_momentum": lambda: ftopt.sgd(0.1, momentum=0.9),
-    "adam": lambda: ftopt.adam(1e-2),
-    "adamw": lambda: ftopt.adamw(1e-2, weight_decay=0.1),
-    "lamb": lambda: ftopt.lamb(1e-2),
-    "lion": lambda: ftopt.lion(1e-3),
-    "ademamix": lambda: ftopt.ademamix(1e-2),
-    "rmsprop": lambda: ftopt.rmsprop(1e-2),
-    "adagrad": lambda: ftopt.adagrad(1e-2),
-    "lars": lambda: ftopt.lars(0.1),
+# Every registry entry as a standalone optimizer, and chains the registry does not build.
+TXS = {e.name: (lambda e=e: standalone(e)) for e in TRANSFORMS}
+COMPOSITES = {
     "adam_8bit_skip": lambda: ftopt.quantize_states(ftopt.adam(1e-2, skip_zeros=True), bits=8,
                                                     min_size=16),
     "clip_chain": lambda: ftopt.chain(ftopt.clip_by_global_norm(1.0), ftopt.adam(1e-2)),
-    "named_chain": lambda: ftopt.named_chain(("adam", ftopt.scale_by_adam()),
-                                             ("lr", ftopt.scale_by_learning_rate(0.1))),
-    "masked": lambda: ftopt.masked(ftopt.adam(1e-2), lambda p: ftopt.tree.map(
+    "named_chain_adam_lr": lambda: ftopt.named_chain(("adam", ftopt.scale_by_adam()),
+                                                     ("lr", ftopt.scale_by_learning_rate(0.1))),
+    "masked_adam": lambda: ftopt.masked(ftopt.adam(1e-2), lambda p: ftopt.tree.map(
         lambda x: x.ndim == 2, p)),
 }
+assert not set(TXS) & set(COMPOSITES)
+TXS.update(COMPOSITES)
+# Optimizers with per-element state (state trees that can mismatch the params').
+STATEFUL = sorted([*names(stateful()), "adam_8bit_skip"])
+ALIASES = sorted({e.exported for e in by_trait(kind="alias")})
+
+# Known gaps, keyed by (test, registry name): expected failures (strict, so a fix shows).
+KNOWN = {
+    ("test_bad_grad_dtype", "stateless"):
+        "stateless(fn) hands the raw grads to the caller's fn unchecked; integer and bool "
+        "grads come out of fn * 0.5 as floats, so nothing after it rejects them",
+}
+
+
+def _cases(test: str, names: list[str], *rest) -> list:
+    """``pytest.param(name, *rest)`` for each name, marked when ``KNOWN`` lists it."""
+    return [pytest.param(n, *rest, marks=[pytest.mark.xfail(strict=True, reason=KNOWN[test, n])]
+                         if (test, n) in KNOWN else []) for n in names]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: intra-op threads only add overhead (and spin on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _bits(x):
@@ -137,8 +157,7 @@ def test_grads_wrong_container(name):
     _all_entry_points(tx, params, grads, state, ValueError, ["['layer']", "dict", "list"])
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "lamb", "ademamix", "adam_8bit_skip",
-                                  "named_chain", "clip_chain"])
+@pytest.mark.parametrize("name", [*STATEFUL, "named_chain_adam_lr", "clip_chain"])
 def test_state_tree_missing_key(name):
     tx = TXS[name]()
     params = _params()
@@ -148,7 +167,7 @@ def test_state_tree_missing_key(name):
     _all_entry_points(tx, params, grads, state, ValueError, ["['layer']['w']", "missing"])
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "lamb", "ademamix", "adam_8bit_skip"])
+@pytest.mark.parametrize("name", STATEFUL)
 def test_state_tree_extra_leaf(name):
     tx = TXS[name]()
     params = _params()
@@ -158,7 +177,7 @@ def test_state_tree_extra_leaf(name):
     _all_entry_points(tx, params, grads, state, ValueError, ["['out']", "length"])
 
 
-@pytest.mark.parametrize("name", ["adamw", "lamb", "lars"])
+@pytest.mark.parametrize("name", names(by_trait(uses_params=True)))
 def test_params_tree_mismatch(name):
     """Params that do not match the grads: the grads/params disagreement is named."""
     tx = TXS[name]()
@@ -196,8 +215,7 @@ def test_grad_shape_mismatch(name):
     _all_entry_points(tx, params, grads, state, ValueError, ["['layer']['w']", "(4, 5)", "(5, 4)"])
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "lamb", "ademamix", "adagrad",
-                                  "adam_8bit_skip"])
+@pytest.mark.parametrize("name", STATEFUL)
 def test_state_shape_mismatch(name):
     tx = TXS[name]()
     params = _params()
@@ -210,8 +228,12 @@ def test_state_shape_mismatch(name):
 # ---------------------------------------------------------------------- dtypes
 
 
-@pytest.mark.parametrize("name", sorted(TXS))
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+@pytest.mark.parametrize("name,dtype", [
+    *[pytest.param(*p.values, marks=p.marks, id=f"{d}-{p.values[0]}")
+      for d, dtype in [("int64", torch.int64), ("int32", torch.int32), ("bool", torch.bool)]
+      for p in _cases("test_bad_grad_dtype", sorted(TXS), dtype)],
+    *[pytest.param(n, torch.complex64, id=f"complex64-{n}") for n in sorted(TXS)],
+])
 def test_bad_grad_dtype(name, dtype):
     tx = TXS[name]()
     params = _params()
@@ -234,8 +256,10 @@ def test_bad_param_dtype(name, dtype):
                       ["['out'][1]", "floating-point", str(dtype)])
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "lamb", "ademamix", "adam_8bit_skip"])
+@pytest.mark.parametrize("name", [n for n in STATEFUL if n != "masked"])
 def test_init_rejects_non_float_params(name):
+    """(``masked``: its mask leaves vectors out, and a leaf out of the mask gets no state,
+    so ``init`` need not look at it.)"""
     tx = TXS[name]()
     params = _params()
     bad = {**params, "layer": {**params["layer"], "b": torch.ones(4, dtype=torch.int64)}}
@@ -267,7 +291,7 @@ def test_apply_updates_dtype_errors():
             lambda: ftopt.apply_updates(params, bad_u), params, bad_u)
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "ademamix"])
+@pytest.mark.parametrize("name", STATEFUL)
 def test_integer_state_leaf(name):
     tx = TXS[name]()
     params = _params()
@@ -278,7 +302,10 @@ def test_integer_state_leaf(name):
                                state)
     del int_params
     grads = _like(params, 16)
-    _all_entry_points(tx, params, grads, bad_state, TypeError, ["floating-point", "torch.int32"])
+    # 8-bit slots name the dtype their absmax must have.
+    fragments = ["absmax", "torch.float32", "torch.int32"] if name == "quantize_states" else [
+        "floating-point", "torch.int32"]
+    _all_entry_points(tx, params, grads, bad_state, TypeError, fragments)
 
 
 # --------------------------------------------------------------- hyperparameters
@@ -288,8 +315,7 @@ BAD_FLOATS = [math.nan, math.inf, -math.inf]
 
 
 @pytest.mark.parametrize("value", BAD_FLOATS, ids=["nan", "inf", "-inf"])
-@pytest.mark.parametrize("alias", ["sgd", "adam", "adamw", "lion", "rmsprop", "adagrad", "lamb",
-                                   "lars", "ademamix"])
+@pytest.mark.parametrize("alias", ALIASES)
 def test_non_finite_learning_rate(alias, value):
     with pytest.raises(ValueError) as info:
         getattr(ftopt, alias)(value)
@@ -343,7 +369,7 @@ def test_unknown_backend(backend):
                                                  backend=backend), params, grads, state)
 
 
-@pytest.mark.parametrize("name", ["adam", "adamw", "lamb", "sgd_momentum", "clip_chain"])
+@pytest.mark.parametrize("name", ["adam", "adamw", "lamb", "sgd[momentum]", "clip_chain"])
 def test_chain_state_wrong_length(name):
     tx = TXS[name]()
     params = _params()
@@ -358,7 +384,7 @@ def test_chain_state_wrong_length(name):
 
 
 def test_named_chain_wrong_state():
-    tx = TXS["named_chain"]()
+    tx = TXS["named_chain_adam_lr"]()
     params = _params()
     state = tx.init(params)
     grads = _like(params, 19)
@@ -370,7 +396,7 @@ def test_named_chain_wrong_state():
                       ["state"])
 
 
-@pytest.mark.parametrize("src,dst", [("adam", "sgd_momentum"), ("sgd_momentum", "adam"),
+@pytest.mark.parametrize("src,dst", [("adam", "sgd[momentum]"), ("sgd[momentum]", "adam"),
                                      ("adamw", "lion"), ("lion", "ademamix")])
 def test_state_from_another_optimizer(src, dst):
     """The same chain length but another transform's state: the expected state is named."""
@@ -385,7 +411,7 @@ def test_state_from_another_optimizer(src, dst):
 def test_masked_and_partition_wrong_state():
     params = _params()
     grads = _like(params, 21)
-    m = TXS["masked"]()
+    m = TXS["masked_adam"]()
     _all_entry_points(m, params, grads, ftopt.adam(1e-2).init(params), ValueError,
                       ["masked", "MaskedState"])
     labels = {"layer": {"w": "a", "b": "b"}, "out": ["a", "b"]}
@@ -398,8 +424,7 @@ def test_masked_and_partition_wrong_state():
         ftopt.partition({"a": ftopt.sgd(0.1)}, {**labels, "out": ["a", "c"]}).init(params)
 
 
-@pytest.mark.parametrize("alias", ["sgd", "adam", "adamw", "lion", "rmsprop", "adagrad", "lamb",
-                                   "lars", "ademamix"])
+@pytest.mark.parametrize("alias", ALIASES)
 @pytest.mark.parametrize("bits", [4, 16, 0, 7])
 def test_unsupported_state_bits(alias, bits):
     with pytest.raises(ValueError) as info:

@@ -1,33 +1,55 @@
 """The fused backend against the eager one (under TRITON_INTERPRET=1 on the CPU).
 
 Small sizes: every kernel runs in the Triton interpreter here. On a GPU machine the same
-tests run the compiled kernels.
+tests run the compiled kernels. The fp32 comparison covers every fusible entry of the test
+registry (``tests/registry.py``), the 8-bit one every fusible entry with 8-bit states.
 """
 
 from __future__ import annotations
 
 import pytest
+import registry
 import torch
+from registry import standalone
 
 import ftopt
 from ftopt.lowering import codegen
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-CHAINS = {
-    "sgd": lambda: ftopt.sgd(0.05),
-    "sgd_momentum": lambda: ftopt.sgd(0.05, momentum=0.9),
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: intra-op threads only add overhead (and spin on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# Hand-picked hyperparameters for registry entries (keyed by registry name); the others run
+# with their registry defaults.
+OVERRIDES = {
+    "sgd": {"learning_rate": 0.05},
+    "sgd[momentum]": {"learning_rate": 0.05, "momentum": 0.9},
+    "adam": {"learning_rate": 0.01, "b1": 0.8, "b2": 0.95},
+    "adamw": {"learning_rate": 0.01, "weight_decay": 0.1},
+    "lion": {"learning_rate": 0.003, "weight_decay": 0.1},
+    "rmsprop": {"learning_rate": 0.01, "decay": 0.95, "initial_scale": 0.1},
+    "rmsprop[momentum]": {"learning_rate": 0.01, "momentum": 0.9, "eps_in_sqrt": False},
+    "adagrad": {"learning_rate": 0.05},
+    "lamb": {"learning_rate": 0.01, "weight_decay": 0.1},
+    "lars": {"learning_rate": 0.1, "weight_decay": 0.01},
+    "ademamix": {"learning_rate": 0.01, "weight_decay": 0.1, "b3": 0.99, "alpha": 3.0},
+}
+OPTIONS = {"quantize_states": {"bits": 32}}  # 8-bit states: test_fused_8bit_matches_eager
+
+# Every fusible registry entry as a standalone optimizer, and chains of several transforms.
+CHAINS = {e.name: (lambda e=e: standalone(e, **OVERRIDES.get(e.name, {}),
+                                          **OPTIONS.get(e.name, {})))
+          for e in registry.fusible()}
+COMPOSITES = {
     "sgd_nesterov": lambda: ftopt.sgd(0.05, momentum=0.9, nesterov=True),
-    "adam": lambda: ftopt.adam(0.01, b1=0.8, b2=0.95),
     "adam_nesterov": lambda: ftopt.adam(0.01, nesterov=True, eps_root=1e-9),
-    "adamw": lambda: ftopt.adamw(0.01, weight_decay=0.1),
-    "lion": lambda: ftopt.lion(0.003, weight_decay=0.1),
-    "rmsprop": lambda: ftopt.rmsprop(0.01, decay=0.95, initial_scale=0.1),
-    "rmsprop_momentum": lambda: ftopt.rmsprop(0.01, momentum=0.9, eps_in_sqrt=False),
-    "adagrad": lambda: ftopt.adagrad(0.05),
-    "lamb": lambda: ftopt.lamb(0.01, weight_decay=0.1),
-    "lars": lambda: ftopt.lars(0.1, weight_decay=0.01),
-    "ademamix": lambda: ftopt.ademamix(0.01, weight_decay=0.1, b3=0.99, alpha=3.0),
     "bnb_sgd": lambda: ftopt.chain(ftopt.add_decayed_weights(0.01), ftopt.trace(0.9),
                                    ftopt.scale_by_learning_rate(0.05)),
     "bnb_rmsprop": lambda: ftopt.chain(ftopt.add_decayed_weights(0.01),
@@ -49,6 +71,8 @@ CHAINS = {
         0.01, weight_decay=0.1, mask=lambda p: {k: v.ndim > 1 for k, v in p.items()}),
     "scheduled": lambda: ftopt.adam(ftopt.warmup_cosine_decay_schedule(0.0, 0.01, 3, 20)),
 }
+assert not set(CHAINS) & set(COMPOSITES)
+CHAINS.update(COMPOSITES)
 
 # Leaf sizes: 0, 1, odd, not a multiple of the block, more than one block.
 SHAPES = {"empty": (0,), "one": (1,), "scalar": (), "odd": (7, 5), "ragged": (1031,),
@@ -81,18 +105,24 @@ def _run(tx, steps, dtype, backend, donate, seed=0, zero_rows=False, shapes=SHAP
     return history
 
 
+def _fp32_steps(name: str) -> int:
+    """20 steps for the hand-picked chains (OVERRIDES, COMPOSITES); 6 for the other registry
+    entries (the interpreter's cost is per step: add an entry to OVERRIDES for 20)."""
+    return 20 if name in OVERRIDES or name in COMPOSITES else 6
+
+
 @pytest.mark.parametrize("name", sorted(CHAINS))
 def test_fused_matches_eager_fp32(name):
     tx = CHAINS[name]()
-    eager = _run(tx, 20, torch.float32, "eager", False)
-    fused = _run(tx, 20, torch.float32, "fused", False)
+    eager = _run(tx, _fp32_steps(name), torch.float32, "eager", False)
+    fused = _run(tx, _fp32_steps(name), torch.float32, "fused", False)
     for (pe, _), (pf, _) in zip(eager, fused):
         for k in pe:
             assert _rel_err(pf[k], pe[k]) <= 1e-6, (name, k)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name", ["adamw", "lion", "bnb_lamb", "sgd_momentum", "ademamix"])
+@pytest.mark.parametrize("name", ["adamw", "lion", "bnb_lamb", "sgd[momentum]", "ademamix"])
 def test_fused_matches_eager_half(name, dtype):
     """Each step from the same 16-bit params and fp32 state: within one rounding."""
     tx = CHAINS[name]()
@@ -167,22 +197,32 @@ def test_fused_skip_zeros(name, donate):
 
 
 QUANT_SHAPES = {"small": (3, 5), "big": (33, 130), "odd_big": (4099,)}
+# The other registry entries run on fewer blocks and steps (the interpreter and the eager
+# 8-bit steps cost per block and step): min_size 256, a partial last block in each
+# quantized leaf, 2 steps (the second reads the first's 8-bit state).
+QUANT_SMALL = {"small": (3, 5), "big": (12, 130), "odd_big": (517,)}
+QUANT_FULL = {"adamw", "lion", "sgd[momentum]", "rmsprop", "ademamix", "bnb_lamb"}
+
+
+# Every fusible registry entry with 8-bit states, and a chain of several transforms.
+QUANT_NAMES = [*registry.names(e for e in registry.fusible() if e.eight_bit), "bnb_lamb"]
 
 
 @pytest.mark.parametrize("skip", [False, True])
-@pytest.mark.parametrize("name", ["adamw", "lion", "sgd_momentum", "rmsprop", "ademamix",
-                                  "bnb_lamb"])
+@pytest.mark.parametrize("name", QUANT_NAMES)
 def test_fused_8bit_matches_eager(name, skip):
     """8-bit states: the fused step equals the eager one, codes included."""
-    tx = ftopt.quantize_states(CHAINS[name](), bits=8)
+    full = name in QUANT_FULL
+    shapes, min_size, steps = (QUANT_SHAPES, 4096, 3) if full else (QUANT_SMALL, 256, 2)
+    tx = ftopt.quantize_states(CHAINS[name](), bits=8, min_size=min_size)
     if skip:
         tx = ftopt.skip_zeros(tx)
     gen = torch.Generator().manual_seed(9)
-    params = _tree(gen, torch.float32, QUANT_SHAPES)
+    params = _tree(gen, torch.float32, shapes)
     state_e = state_f = tx.init(params)
     params_e = params_f = params
-    for _ in range(3):
-        grads = _tree(gen, torch.float32, QUANT_SHAPES)
+    for _ in range(steps):
+        grads = _tree(gen, torch.float32, shapes)
         grads["big"][:7] = 0.0  # two whole blocks and a few elements of a third
         grads["big"][9, :70] = 0.0
         params_e, state_e = ftopt.step(tx, params_e, grads, state_e, backend="eager")

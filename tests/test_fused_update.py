@@ -1,19 +1,31 @@
 """``tx.update`` on the fused path (one kernel per group writing the updates and the new
-states) against the eager update: every chain, half-precision grads, no params, None
+states) against the eager update: every chain (every fusible registry entry and the
+composites of test_fused.CHAINS), half-precision grads, no params, None
 gradients, skip_zeros bit-identity, 8-bit states, purity and the planner's choice."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from registry import BY_NAME
 
 import ftopt
 from ftopt.chunked import entry as chunked_entry
 from ftopt.lowering import codegen, entry
 from tests.test_fused import CHAINS, DEVICE, QUANT_SHAPES, _bits, _rel_err, _tree
 
-PARAM_FREE = ["sgd", "sgd_momentum", "adam", "rmsprop", "adagrad", "global_clip_adam",
-              "scheduled"]
+# Chains that read no params: the registry's (of test_fused.CHAINS) and two composites.
+PARAM_FREE = [*(n for n in CHAINS if n in BY_NAME and not BY_NAME[n].needs_params),
+              "global_clip_adam", "scheduled"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: intra-op threads only add overhead (and spin on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _snapshot(*trees):

@@ -1,5 +1,8 @@
 """8-bit blockwise optimizer states (SPEC §5).
 
+Every registry entry with 8-bit states (``tests/registry.py``, trait ``eight_bit``) and
+bitsandbytes chains:
+
 * layout: every per-element state of a leaf with >= min_size elements is uint8 codes shaped
   like the param plus fp32 absmax of ceil(n/256) blocks; smaller leaves keep fp32 state;
 * maps: mu/trace/m1/m2 use the signed dynamic map, nu/sum_of_squares the unsigned one
@@ -22,6 +25,7 @@ import zlib
 import optree
 import pytest
 import torch
+from registry import eight_bit, standalone
 
 import ftopt
 from ftopt.quant import create_dynamic_map, dequantize_blockwise
@@ -35,18 +39,31 @@ SIGNED_SLOTS = {"mu", "trace", "m1", "m2"}
 UNSIGNED_SLOTS = {"nu", "sum_of_squares"}
 
 T = ftopt
-OPTIMIZERS = {
-    "adam": lambda bits: T.adam(1e-3, state_bits=bits),
-    "adamw": lambda bits: T.adamw(1e-3, weight_decay=1e-2, state_bits=bits),
+# Hand-picked hyperparameters for registry entries (by registry name; the others run with
+# their registry defaults).
+OVERRIDES = {
+    "adam": {"learning_rate": 1e-3},
+    "adamw": {"learning_rate": 1e-3, "weight_decay": 1e-2},
+    "lion": {"learning_rate": 1e-4, "weight_decay": 1e-2},
+    "sgd[momentum]": {"learning_rate": 1e-2, "momentum": 0.9},
+    "rmsprop": {"learning_rate": 1e-3, "decay": 0.99},
+    "rmsprop[momentum]": {"learning_rate": 1e-3, "momentum": 0.9},
+    "adagrad": {"learning_rate": 1e-2},
+    "ademamix": {"learning_rate": 1e-3, "b3": 0.9999, "weight_decay": 1e-2},
+    "lamb": {"learning_rate": 1e-3, "weight_decay": 1e-2},
+    "lars": {"learning_rate": 1e-1, "weight_decay": 1e-2},
+}
+
+
+def _hp(e) -> dict:
+    return {**e.defaults(), **OVERRIDES.get(e.name, {})}
+
+
+# Every registry entry with 8-bit states as a standalone optimizer, and chains of several.
+OPTIMIZERS = {e.name: (lambda bits, e=e: standalone(e, state_bits=bits, **_hp(e)))
+              for e in eight_bit()}
+COMPOSITES = {
     "adam_nesterov": lambda bits: T.adam(1e-3, nesterov=True, state_bits=bits),
-    "lion": lambda bits: T.lion(1e-4, weight_decay=1e-2, state_bits=bits),
-    "sgd_momentum": lambda bits: T.sgd(1e-2, momentum=0.9, state_bits=bits),
-    "rmsprop": lambda bits: T.rmsprop(1e-3, decay=0.99, state_bits=bits),
-    "rmsprop_momentum": lambda bits: T.rmsprop(1e-3, momentum=0.9, state_bits=bits),
-    "adagrad": lambda bits: T.adagrad(1e-2, state_bits=bits),
-    "ademamix": lambda bits: T.ademamix(1e-3, weight_decay=1e-2, state_bits=bits),
-    "lamb": lambda bits: T.lamb(1e-3, weight_decay=1e-2, state_bits=bits),
-    "lars": lambda bits: T.lars(1e-1, weight_decay=1e-2, state_bits=bits),
     "bnb_rmsprop": lambda bits: T.quantize_states(T.chain(
         T.add_decayed_weights(1e-2), T.scale_by_rms(0.99, 1e-8, eps_in_sqrt=False),
         T.scale_by_learning_rate(1e-3)), bits=bits),
@@ -57,13 +74,13 @@ OPTIMIZERS = {
         T.add_decayed_weights(1e-2), T.trace(0.9), T.clip_by_param_norm_ratio(0.02),
         T.scale_by_learning_rate(1e-1)), bits=bits),
 }
+assert not set(OPTIMIZERS) & set(COMPOSITES)
+OPTIMIZERS.update(COMPOSITES)
 # The slots each optimizer keeps (none may be missing from the 8-bit state).
 SLOTS = {
-    "adam": {"mu", "nu"}, "adamw": {"mu", "nu"}, "adam_nesterov": {"mu", "nu"},
-    "lion": {"mu"}, "sgd_momentum": {"trace"}, "rmsprop": {"nu"},
-    "rmsprop_momentum": {"nu", "trace"}, "adagrad": {"sum_of_squares"},
-    "ademamix": {"m1", "m2", "nu"}, "lamb": {"mu", "nu"}, "lars": {"trace"},
-    "bnb_rmsprop": {"nu"}, "bnb_adagrad": {"sum_of_squares"}, "bnb_lars": {"trace"},
+    **{e.name: set(e.states) for e in eight_bit()},
+    "adam_nesterov": {"mu", "nu"}, "bnb_rmsprop": {"nu"}, "bnb_adagrad": {"sum_of_squares"},
+    "bnb_lars": {"trace"},
 }
 
 
@@ -294,8 +311,10 @@ ZERO_SAFE = {
         T.scale_by_adam(0.9, 0.999, 1e-8), T.clip_by_param_norm_ratio(1.0),
         T.add_decayed_weights(1e-2), T.scale_by_learning_rate(1e-3)), bits=bits),
 }
-NO_DECAY = {"adam", "adam_nesterov", "sgd_momentum", "rmsprop", "rmsprop_momentum",
-            "rmsprop_eps_outside", "adagrad_zero_init"}
+# Optimizers whose update and state stay zero where grads and state are (no weight decay):
+# the registry entries whose hyperparameters decay no weights, and these composites.
+NO_DECAY = {*(e.name for e in eight_bit() if not float(_hp(e).get("weight_decay", 0.0))),
+            "adam_nesterov", "rmsprop_eps_outside", "adagrad_zero_init"}
 
 
 @pytest.mark.parametrize("skip", [False, True], ids=["plain", "skip_zeros"])
@@ -311,6 +330,9 @@ def test_all_zero_blocks_never_nan(name, skip):
                                                                         generator=gen)}
     p0 = params
     state = tx.init(params)
+    # Slots initialised to anything but 0 (adagrad's accumulator, rms' initial_scale).
+    nonzero_init = {where for where, (_, leaf) in slot_leaves(dequantize_state(
+        state[0] if skip else state)).items() if bool((leaf != 0).any())}
     zero = torch.zeros(64 * 80, dtype=torch.bool)
     zero[: 3 * BLOCK] = True  # blocks 0-2 of w
     zero[10 * BLOCK: 11 * BLOCK] = True  # block 10
@@ -322,12 +344,12 @@ def test_all_zero_blocks_never_nan(name, skip):
     for p in params.values():
         assert bool(torch.isfinite(p).all())
     deq = dequantize_state(state[0] if skip else state)
-    for where, (slot, leaf) in slot_leaves(state[0] if skip else state).items():
+    for where, (_, leaf) in slot_leaves(state[0] if skip else state).items():
         assert isinstance(leaf, QuantizedSlot)
         assert bool(torch.isfinite(leaf.absmax).all()), where
         value = slot_leaves(deq)[where][1]
         assert bool(torch.isfinite(value).all()), where
-        if name in NO_DECAY and not (slot == "sum_of_squares" and name == "adagrad"):
+        if name in NO_DECAY and where not in nonzero_init:
             in_zero = zero if where[1] == "w" else torch.ones_like(value, dtype=torch.bool)
             assert bool((value[in_zero] == 0).all()), where
     if name in NO_DECAY:
@@ -352,7 +374,7 @@ def test_all_zero_blocks_never_nan(name, skip):
 # for SGD-momentum, which neither that nor a linear map hurts; the per-step check below
 # pins its codes exactly.
 BOUNDS = {
-    "adam": 0.05, "adamw": 0.05, "ademamix": 0.05, "lion": 0.06, "sgd_momentum": 0.04,
+    "adam": 0.05, "adamw": 0.05, "ademamix": 0.05, "lion": 0.06, "sgd[momentum]": 0.04,
     "rmsprop": 0.025, "adagrad": 0.025,
 }
 TRACK_STEPS = 50
@@ -361,7 +383,7 @@ TRACK = {
     "adamw": lambda bits: T.adamw(1e-3, weight_decay=1e-2, state_bits=bits),
     "ademamix": lambda bits: T.ademamix(1e-3, weight_decay=1e-2, state_bits=bits),
     "lion": lambda bits: T.lion(1e-4, weight_decay=1e-2, state_bits=bits),
-    "sgd_momentum": lambda bits: T.sgd(1e-2, momentum=0.9, state_bits=bits),
+    "sgd[momentum]": lambda bits: T.sgd(1e-2, momentum=0.9, state_bits=bits),
     "rmsprop": lambda bits: T.rmsprop(1e-3, decay=0.99, eps_in_sqrt=False, state_bits=bits),
     "adagrad": lambda bits: T.adagrad(1e-2, state_bits=bits),
 }
@@ -420,7 +442,7 @@ def _check_one_step(tx8, tx32, params, grads, s8):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["adamw", "lion", "ademamix", "rmsprop_momentum", "lars"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_quantize_states_32_is_a_no_op(name):
     gen = gen_for("noop", name)
     tx = OPTIMIZERS[name](32)
@@ -457,12 +479,10 @@ def test_bad_block_and_min_size_raise():
         ftopt.quantize_states(ftopt.adam(1e-3), bits=8, min_size=-1)
 
 
+# Every registry entry with 8-bit states, and three more.
 SAVE = {
-    "adamw": lambda: T.adamw(1e-3, weight_decay=1e-2, state_bits=8),
+    **{e.name: (lambda e=e: standalone(e, state_bits=8, **_hp(e))) for e in eight_bit()},
     "adamw_skip": lambda: T.adamw(1e-3, weight_decay=1e-2, state_bits=8, skip_zeros=True),
-    "lion": lambda: T.lion(1e-4, state_bits=8),
-    "ademamix": lambda: T.ademamix(1e-3, state_bits=8),
-    "adagrad": lambda: T.adagrad(1e-2, state_bits=8),
     "lr_schedule": lambda: T.adam(T.cosine_decay_schedule(1e-3, 20), state_bits=8),
     "bnb_lars": lambda: OPTIMIZERS["bnb_lars"](8),
 }

@@ -8,10 +8,16 @@ its traits match what the built transform does.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import pathlib
 import random
+import sys
 import typing
+from dataclasses import replace
 
 import pytest
+import registry
 import torch
 from fuzz_cases import RandomSource
 from registry import BY_NAME, NOT_TRANSFORMS, TRANSFORMS, by_trait
@@ -72,6 +78,27 @@ def test_entries_build_and_traits_hold(name):
             assert codes, f"{name}: quantize_states(bits=8) made no 8-bit state"
 
 
+@pytest.mark.parametrize("name", sorted(BY_NAME))
+def test_standalone_builds_from_the_defaults(name):
+    """``standalone(entry)`` (its ``defaults()``, 0-d tensors where allowed) steps, and the
+    traits the suites rely on hold: ``moves``, ``stateful``, ``quantizable``."""
+    e = BY_NAME[name]
+    params = {"w": torch.randn(64, 80), "b": torch.randn(5)}
+    grads = ftopt.tree.map(torch.randn_like, params)
+    for bits in (32, 8):
+        tx = registry.standalone(e, state_bits=bits, **{
+            k: v for k, v in e.defaults(tensors=True).items() if isinstance(v, torch.Tensor)})
+        state = tx.init(params)
+        new_p, _ = ftopt.step(tx, params, grads, state, backend="eager")
+        assert all(torch.isfinite(t).all() for t in ftopt.tree.leaves(new_p))
+        assert (not torch.equal(new_p["b"], params["b"])) == e.moves, name
+        per_element = [t for t in ftopt.tree.leaves(state) if t.ndim]
+        assert bool(per_element) == e.stateful, name
+        codes = [t for t in ftopt.tree.leaves(state) if t.dtype == torch.uint8]
+        eight = bits == 8 or e.defaults().get("bits") == 8  # quantize_states' own bits
+        assert bool(codes) == (eight and e.quantizable), name
+
+
 def _states(state) -> list:
     """The NamedTuple states inside a state tree."""
     out = []
@@ -96,3 +123,148 @@ def test_by_trait():
     assert all(e.fusible for e in by_trait(fusible=True))
     assert all(e.states for e in by_trait(states=True))
     assert "scale_by_adam" in {e.name for e in by_trait(eight_bit=True, kind="transform")}
+
+
+# ------------------------------------------------------------------------------------------
+# Coverage: the property suites take their cases from the registry
+# ------------------------------------------------------------------------------------------
+
+
+def _rows(fn, argname: str) -> list[dict]:
+    """The parameter sets of ``fn``'s ``parametrize`` mark that names ``argname``, as dicts."""
+    rows = []
+    for mark in getattr(fn, "pytestmark", []):
+        if mark.name != "parametrize":
+            continue
+        argnames = mark.args[0]
+        argnames = [a.strip() for a in (argnames.split(",") if isinstance(argnames, str)
+                                        else argnames)]
+        if argname not in argnames:
+            continue
+        for value in mark.args[1]:
+            if type(value).__name__ == "ParameterSet":
+                value = value.values
+            elif len(argnames) == 1:
+                value = (value,)
+            rows.append(dict(zip(argnames, value)))
+    assert rows, f"{fn.__name__} has no parametrize mark for {argname!r}"
+    return rows
+
+
+def _covered(module, test: str, argname: str = "name", **where) -> set[str]:
+    """The registry names a suite's test runs with (rows matching ``where`` only)."""
+    rows = _rows(getattr(module, test), argname)
+    return {r[argname] for r in rows if all(r.get(k) == v for k, v in where.items())}
+
+
+def _eight_bit_fusible():
+    return [e for e in registry.fusible() if e.eight_bit]
+
+
+def _fusible_without_params():
+    return [e for e in registry.fusible() if not e.needs_params]
+
+
+def _skip_singles():
+    return [e for e in registry.TRANSFORMS if e.kind in ("transform", "combinator")]
+
+
+def _checkpoint_8bit():
+    return [e for e in registry.TRANSFORMS if e.kind == "alias" or e.quantizable]
+
+
+# (suite module, test, argname, row filter, the entries it must run with). Each migrated
+# suite, each test that runs over all entries of a kind.
+SUITES = [
+    ("test_purity", "test_inputs_never_modified", "name", {}, lambda: registry.TRANSFORMS),
+    *[("test_pytrees", t, "name", {}, lambda: registry.TRANSFORMS) for t in (
+        "test_tree_kinds_equal_flat_list", "test_none_gradient_leaf", "test_all_none_gradients",
+        "test_empty_tree", "test_zero_dim_and_empty_leaves")],
+    *[("test_errors", t, "name", {}, lambda: registry.TRANSFORMS) for t in (
+        "test_grads_missing_key", "test_grads_extra_key", "test_grads_list_length",
+        "test_grads_wrong_container", "test_grad_shape_mismatch", "test_bad_grad_dtype",
+        "test_bad_param_dtype")],
+    *[("test_errors", t, "name", {}, registry.stateful) for t in (
+        "test_state_tree_missing_key", "test_state_tree_extra_leaf", "test_state_shape_mismatch",
+        "test_integer_state_leaf")],
+    ("test_errors", "test_init_rejects_non_float_params", "name", {},
+     lambda: [e for e in registry.stateful() if e.name != "masked"]),
+    ("test_errors", "test_params_tree_mismatch", "name", {},
+     lambda: by_trait(uses_params=True)),
+    ("test_checkpoint", "test_roundtrip_continues_bit_identically", "name", {"bits": 32},
+     lambda: registry.TRANSFORMS),
+    ("test_checkpoint", "test_roundtrip_continues_bit_identically", "name", {"bits": 8},
+     _checkpoint_8bit),
+    ("test_fused", "test_fused_matches_eager_fp32", "name", {}, registry.fusible),
+    ("test_fused", "test_fused_8bit_matches_eager", "name", {}, _eight_bit_fusible),
+    ("test_fused_update", "test_fused_update_matches_eager", "name", {}, registry.fusible),
+    ("test_fused_update", "test_fused_update_without_params", "name", {},
+     _fusible_without_params),
+    *[("test_quantized_states", t, "name", {}, registry.eight_bit) for t in (
+        "test_layout", "test_first_step_codes_use_the_right_map",
+        "test_all_zero_blocks_never_nan", "test_quantize_states_32_is_a_no_op",
+        "test_save_load_continues_bit_identically")],
+    ("test_skip_zeros", "test_skip_zeros", "name", {}, lambda: by_trait(kind="alias")),
+    ("test_aliases_vs_reference", "test_every_registry_alias_has_a_reference", "name", {},
+     lambda: by_trait(kind="alias")),
+    ("test_skip_zeros", "test_skip_zeros_wraps_a_single_transform", "name", {},
+     _skip_singles),
+]
+
+
+@pytest.mark.parametrize("suite,test,argname,where,relevant", SUITES,
+                         ids=[f"{s}::{t}-{'-'.join(map(str, w.values()))}".rstrip("-")
+                              for s, t, _, w, _ in SUITES])
+def test_suites_cover_the_registry(suite, test, argname, where, relevant):
+    """Every relevant registry entry is among the suite's parameters (so a new entry is
+    covered with no edit to the suite)."""
+    module = importlib.import_module(suite)
+    names = {e.name for e in relevant()}
+    assert names, "no relevant entries: the trait filter is wrong"
+    missing = names - _covered(module, test, argname, **where)
+    assert not missing, f"{suite}::{test} does not run registry entries {sorted(missing)}"
+
+
+def test_a_new_entry_reaches_every_suite(monkeypatch):
+    """One added ``Entry`` (a copy of an existing transform and of an alias under new names)
+    is picked up by every suite on import; the skip_zeros and reference suites, which need
+    per-alias data (an oracle Case, a float64 reference), fail (not skip) for the alias
+    until that data is added."""
+    new = [replace(BY_NAME["scale_by_adam"], name="scale_by_adam[new]"),
+           replace(BY_NAME["adamw"], name="adamw[new]")]
+    monkeypatch.setattr(registry, "TRANSFORMS", [*TRANSFORMS, *new])
+    monkeypatch.setattr(registry, "BY_NAME", {e.name: e for e in registry.TRANSFORMS})
+    saved = {k: sys.modules.get(k) for k in ("tests.test_fused",)}
+    try:
+        sys.modules.pop("tests.test_fused", None)
+        for suite, test, argname, where, relevant in SUITES:
+            module = _fresh(suite)
+            want = {e.name for e in relevant()} & {e.name for e in new}
+            assert want, (suite, test)
+            missing = want - _covered(module, test, argname, **where)
+            assert not missing, f"{suite}::{test} misses the new entries {sorted(missing)}"
+        skip = _fresh("test_skip_zeros")
+        with pytest.raises(pytest.fail.Exception, match=r"'adamw\[new\]'.*CASES"):
+            skip._case("adamw[new]")
+        ref = _fresh("test_aliases_vs_reference")
+        with pytest.raises(pytest.fail.Exception, match=r"'adamw\[new\]'.*REGISTRY_CASES"):
+            ref.test_every_registry_alias_has_a_reference("adamw[new]")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+def _fresh(suite: str):
+    """A new module object of ``tests/<suite>.py``, executed against the current registry."""
+    path = pathlib.Path(__file__).with_name(f"{suite}.py")
+    spec = importlib.util.spec_from_file_location(f"_fresh_{suite}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up while it runs)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module

@@ -1,4 +1,5 @@
-"""skip_zeros (SPEC §3) for every alias and bitsandbytes-table chain, 32-bit and 8-bit (§5).
+"""skip_zeros (SPEC §3) for every alias of the test registry (``tests/registry.py``; each
+needs a :class:`Case` below) and bitsandbytes-table chain, 32-bit and 8-bit (§5).
 
 Each test warms a chain up with dense random grads (the skip-aware and the plain chain must
 agree bit for bit while no grad is zero), then takes one step whose grad has exact zeros
@@ -28,9 +29,9 @@ equal the plain run's bytes; the control changes the bytes of all-zero-grad bloc
 Both entry points run: ``tx.update`` + ``ftopt.apply_updates`` and
 ``ftopt.step(..., backend="eager")``; params are fp32, bf16 and fp16 (states fp32 or 8-bit).
 
-Smaller tests: ``skip_zeros(t)`` around each single §2 transform; the marker first, in the
-middle or last of a chain; an all-zero step; ``None`` grad leaves; and the same §3 checks
-on ``step(backend="fused")`` (Triton kernels, through the interpreter on CPU).
+Smaller tests: ``skip_zeros(t)`` around each registry transform and combinator; the marker
+first, in the middle or last of a chain; an all-zero step; ``None`` grad leaves; and the
+same §3 checks on ``step(backend="fused")`` (Triton kernels, through the interpreter on CPU).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from collections.abc import Callable
 import optree
 import pytest
 import torch
+from registry import BY_NAME, TRANSFORMS, by_trait, names, require
 
 import ftopt
 from ftopt.base import EmptyState
@@ -103,7 +105,7 @@ CASES = {
         lambda **kw: T.sgd(0.1, **kw),
         lambda: [T.scale_by_learning_rate(0.1)],
     ),
-    "sgd_momentum": _alias(
+    "sgd[momentum]": _alias(
         lambda **kw: T.sgd(0.1, momentum=0.8, **kw),
         lambda: [T.trace(0.8), T.scale_by_learning_rate(0.1)],
         changes={"params", "trace"},
@@ -140,7 +142,7 @@ CASES = {
         lambda: [T.scale_by_rms(0.8, 1e-3), T.scale_by_learning_rate(1e-2)],
         changes={"nu"},
     ),
-    "rmsprop_momentum": _alias(
+    "rmsprop[momentum]": _alias(
         lambda **kw: T.rmsprop(1e-2, decay=0.8, eps=1e-3, momentum=0.7, nesterov=True, **kw),
         lambda: [T.scale_by_rms(0.8, 1e-3), T.scale_by_learning_rate(1e-2),
                  T.trace(0.7, nesterov=True)],
@@ -170,7 +172,7 @@ CASES = {
                  T.scale_by_learning_rate(1e-2)],
         changes={"params", "m1", "m2", "nu"},
     ),
-    "lars_masked": _alias(  # masked(): decay and trust ratio on some leaves only
+    "lars[masked]": _alias(  # masked(): decay and trust ratio on some leaves only
         lambda **kw: T.lars(5.0, weight_decay=WD, weight_decay_mask=_MASK,
                             trust_coefficient=0.01, trust_ratio_mask=_MASK, momentum=0.8, **kw),
         lambda: [T.add_decayed_weights(WD, mask=_MASK),
@@ -225,7 +227,7 @@ CASES = {
                  T.masked(T.trace(0.8), _MASK), T.scale_by_learning_rate(0.1)],
         changes={"params", "trace"},
     ),
-    "partition": _bnb(
+    "partition_aliases": _bnb(
         lambda: [T.partition({"adam": T.adamw(1e-2, b1=0.8, b2=0.95, weight_decay=WD),
                               "mom": T.sgd(0.1, momentum=0.8)},
                              {"w": "adam", "v": "mom", "b": "adam", "s": "mom"})],
@@ -287,6 +289,8 @@ def map_slots(state, fn, path=()):
     ``fn(path, slot_name, key, leaf)`` (``leaf``: a tensor or a QuantizedSlot)."""
     if isinstance(state, QuantizedSlot):
         raise AssertionError("QuantizedSlot outside a slot field")
+    if isinstance(state, torch.Tensor) and state.ndim == 0:
+        return state  # a scalar outside the slots: apply_if_finite's bookkeeping
     if isinstance(state, tuple) and hasattr(state, "_fields"):
         values = {}
         for f in state._fields:
@@ -522,9 +526,22 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+# Every alias of the test registry (each needs a Case above: its §2 parts for the oracle),
+# then the other cases (other options of an alias, the bitsandbytes chains, norms, masks).
+ALIASES = names(by_trait(kind="alias"))
+COMPOSITES = [n for n in CASES if n not in BY_NAME]
+assert set(CASES) <= set(ALIASES) | set(COMPOSITES), "a Case for a registry non-alias"
+
+
+def _case(name: str) -> Case:
+    return require(CASES, name, "skip_zeros Case (its §2 parts, norm and changes)",
+                   "CASES in tests/test_skip_zeros.py")
+
+
 PARAMS = []
-for _name, _case in CASES.items():
-    for _mode in (("alias", "chain", "wrap") if _case.alias else ("chain", "wrap")):
+for _name in [*ALIASES, *COMPOSITES]:
+    _alias_modes = _name in ALIASES or CASES[_name].alias
+    for _mode in (("alias", "chain", "wrap") if _alias_modes else ("chain", "wrap")):
         PARAMS.append(pytest.param(_name, _mode, id=f"{_name}-{_mode}"))
 
 # Each dtype once, each entry point with a 32- and a 16-bit dtype (the file's time budget).
@@ -539,7 +556,7 @@ DTYPE_ENTRY = [
 @pytest.mark.parametrize("bits", [32, 8])
 @pytest.mark.parametrize("name,mode", PARAMS)
 def test_skip_zeros(name, mode, bits, dtype, entry):
-    case = CASES[name]
+    case = _case(name)
     seed = zlib.crc32(f"{name}-{mode}-{bits}-{dtype}-{entry}".encode())
     gen = torch.Generator().manual_seed(seed)
     tx_skip, to_skip, from_skip = build(case, bits, mode)
@@ -717,25 +734,39 @@ def _check_8bit(case, mode, params, grads, state, mask, nan, new_p, new_s, ctl_p
 # Smaller properties
 # --------------------------------------------------------------------------------------------
 
-SINGLE = {
-    "scale_by_adam": lambda: T.scale_by_adam(0.8, 0.95),
-    "scale_by_ademamix": lambda: T.scale_by_ademamix(0.8, 0.95, 0.99, 3.0),
-    "scale_by_lion": lambda: T.scale_by_lion(0.8, 0.95),
-    "trace": lambda: T.trace(0.8),
-    "scale_by_rms": lambda: T.scale_by_rms(0.8, initial_scale=0.3),
-    "scale_by_rss": lambda: T.scale_by_rss(0.1),
-    "add_decayed_weights": lambda: T.add_decayed_weights(WD),
-    "clip_by_global_norm": lambda: T.clip_by_global_norm(1.0),
-    "clip_by_param_norm_ratio": lambda: T.clip_by_param_norm_ratio(0.01),
-    "scale_by_trust_ratio": lambda: T.scale_by_trust_ratio(trust_coefficient=0.1),
+# Hand-picked hyperparameters for registry entries (by registry name; the others run with
+# their registry defaults).
+SINGLE_HP = {
+    "scale_by_adam": {"b1": 0.8, "b2": 0.95},
+    "scale_by_ademamix": {"b1": 0.8, "b2": 0.95, "b3": 0.99, "alpha": 3.0},
+    "scale_by_lion": {"b1": 0.8, "b2": 0.95},
+    "trace": {"decay": 0.8},
+    "scale_by_rms": {"decay": 0.8, "initial_scale": 0.3},
+    "scale_by_rss": {"initial_accumulator_value": 0.1},
+    "add_decayed_weights": {"weight_decay": WD},
+    "clip_by_global_norm": {"max_norm": 1.0},
+    "clip_by_param_norm_ratio": {"max_ratio": 0.01},
+    "scale_by_trust_ratio": {"trust_coefficient": 0.1},
 }
+
+
+def _single(e):
+    hp = {**e.defaults(), **SINGLE_HP.get(e.name, {})}
+    if e.kind == "combinator":
+        hp["inner"] = [BY_NAME[n].make(**BY_NAME[n].defaults()) for n in e.inner]
+    return lambda: e.make(**hp)
+
+
+# Every registry transform and combinator (with its registry inner transforms).
+SINGLE = {e.name: _single(e) for e in TRANSFORMS if e.kind in ("transform", "combinator")}
 
 
 @pytest.mark.parametrize("bits", [32, 8])
 @pytest.mark.parametrize("name", list(SINGLE))
 def test_skip_zeros_wraps_a_single_transform(name, bits):
-    """``skip_zeros(t)`` on one §2 transform: zero update and kept state at zero grads; the
-    raw grads' norms are unchanged by the masking, so the rest equals ``t`` alone."""
+    """``skip_zeros(t)`` on one §2 transform (or combinator): zero update and kept state at
+    zero grads; the raw grads' norms are unchanged by the masking, so the rest equals ``t``
+    alone."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{name}-{bits}".encode()))
 
     def quantized(tx):
