@@ -19,3 +19,13 @@ def tensor_checks(request, monkeypatch):
 
     monkeypatch.setattr(checks, "USE_GUARDS", request.param == "guards")
     return request.param
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors: intra-op threads only add overhead (and spin on a busy machine).
+    Modules use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -73,13 +73,7 @@ assert not set(TXS) & set(COMPOSITES)
 TXS.update(COMPOSITES)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: intra-op threads only add overhead (and spin on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 STEPS_BEFORE = 2

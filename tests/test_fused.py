@@ -17,13 +17,7 @@ from ftopt.lowering import codegen
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: intra-op threads only add overhead (and spin on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # Hand-picked hyperparameters for registry entries (keyed by registry name); the others run

@@ -19,13 +19,7 @@ PARAM_FREE = [*(n for n in CHAINS if n in BY_NAME and not BY_NAME[n].needs_param
               "global_clip_adam", "scheduled"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: intra-op threads only add overhead (and spin on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _snapshot(*trees):

@@ -78,13 +78,7 @@ assert not set(ALIASES) & set(COMPOSITES)
 ALIASES.update(COMPOSITES)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: intra-op threads only add overhead (and spin on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _chain_sz(parts, skip_zeros, state_bits):

@@ -517,13 +517,7 @@ def code_step_bound(old: torch.Tensor, absmax: torch.Tensor, signed: bool) -> to
 # The test
 # --------------------------------------------------------------------------------------------
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: intra-op threads only add overhead (and spin on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # Every alias of the test registry (each needs a Case above: its §2 parts for the oracle),
