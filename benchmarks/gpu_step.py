@@ -48,7 +48,7 @@ On the GPU machine, from the repo root (see /work/shared/gpu/README.md):
 
 Most of the time is torch.compile of the two GPT-2 trees (~35 s each; --quick skips
 them). ``--sections single,gpt2_fp32`` runs a subset; ``--tiles 512x4,1024x8`` adds ftopt
-variants with other ``ftopt.lowering.launch`` tiles, timed in the same run (see
+variants with other ``ftopt.lowering.tiles`` tiles, timed in the same run (see
 ``parse_tiles``; the environment variables FTOPT_BLOCK / FTOPT_NUM_WARPS /
 FTOPT_IN_PLACE_TILE change ftopt's default instead).
 
@@ -345,7 +345,7 @@ def _clear_lowering_caches() -> None:
 
 
 def tile_hooks(tile) -> tuple[Callable, Callable]:
-    """(enter, exit): set ftopt.lowering.launch's tiles (BLOCK/NUM_WARPS, the in-place
+    """(enter, exit): set ftopt.lowering.tiles' tiles (BLOCK/NUM_WARPS, the in-place
     skip_zeros tile, whether one-leaf groups get their own kernel) to ``tile`` and back.
 
     The lowering caches tables and constants built with them, so both clear those
