@@ -111,6 +111,14 @@ class _Stateless:
 
     def update(self, updates, state, params=None, **extra):
         del extra
+        # ``fn`` may compute anything from what it is given: only floating-point updates
+        # are given (an int or bool gradient would come out of ``0.5 * u`` as floats).
+        paths, leaves, _ = tree_lib.flatten_with_paths(updates)
+        for path, u in zip(paths, leaves):
+            if isinstance(u, torch.Tensor) and not (u.is_floating_point()
+                                                    or u.layout != torch.strided):
+                raise TypeError(f"update at {path}: expected a floating-point tensor, got "
+                                f"{u.dtype}")
         return self.fn(updates, params), state
 
 

@@ -47,11 +47,7 @@ STATEFUL = sorted([*names(stateful()), "adam_8bit_skip"])
 ALIASES = sorted({e.exported for e in by_trait(kind="alias")})
 
 # Known gaps, keyed by (test, registry name): expected failures (strict, so a fix shows).
-KNOWN = {
-    ("test_bad_grad_dtype", "stateless"):
-        "stateless(fn) hands the raw grads to the caller's fn unchecked; integer and bool "
-        "grads come out of fn * 0.5 as floats, so nothing after it rejects them",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _cases(test: str, names: list[str], *rest) -> list:
