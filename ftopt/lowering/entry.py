@@ -16,7 +16,6 @@ import torch
 from ftopt import tree as tree_lib
 from ftopt.combine import owner
 from ftopt.lowering import execute, functional
-from ftopt.lowering.explain import explain
 from ftopt.lowering.plan import (
     SEPARATE_OUTPUTS,
     ChainPlan,
@@ -29,7 +28,7 @@ from ftopt.lowering.plan import (
 from ftopt.stages import check_state_tree, with_state_at
 from ftopt.validate import check_count, check_leaf, check_slots
 
-__all__ = ["step", "update", "explain"]
+__all__ = ["step", "update"]
 
 
 def step(tx, params, grads, state, donate: bool, backend: str):
