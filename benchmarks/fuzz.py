@@ -84,6 +84,24 @@ def work(job: tuple) -> dict:
             "code_diff_elements": fuzz_checks.STATS["code_diff_elements"]}
 
 
+def warm(job: tuple) -> float:
+    """Compile the kernels of every structure once before the examples run: each worker
+    runs a few cases of its share of the pool (structures ``worker, worker + workers,
+    ...``), so the shared on-disk Triton cache holds each kernel once instead of every
+    worker compiling the same ones at the same time. Results are not counted."""
+    seed, worker, workers, pool_size, device, deadline = job
+    torch.set_num_threads(1)
+    pool = structure_pool(seed, pool_size)
+    t0 = time.perf_counter()
+    for k in range(worker, pool_size, workers):
+        for rep in range(3):  # dtypes, tree shapes and 8-bit leaves vary by case
+            if deadline is not None and time.time() > deadline:
+                return time.perf_counter() - t0
+            src = RandomSource(random.Random(f"warm-{seed}-{k}-{rep}"))
+            fuzz_checks.run_all(draw_case(src, pool[k], device))
+    return time.perf_counter() - t0
+
+
 def replay(spec: str, pool_size: int, device: str, workers: int) -> int:
     seed, worker, index = (int(x) for x in spec.split(":"))
     case = example(seed, worker, index, structure_pool(seed, pool_size), device)
@@ -122,6 +140,8 @@ def main() -> int:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     ap.add_argument("--out", default=None, help="output path without suffix")
     ap.add_argument("--replay", default=None, help="SEED:WORKER:INDEX of one example")
+    ap.add_argument("--no-warm", action="store_true",
+                    help="skip the compile warm-up pass over the structures (GPU)")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds after which no new example starts (results are kept)")
     args = ap.parse_args()
@@ -138,11 +158,17 @@ def main() -> int:
     jobs = [(seed, w, workers, n, args.structures, device, deadline) for seed in seeds
             for w in range(workers)]
     t0 = time.perf_counter()
+    warm_jobs = [(seed, w, workers, args.structures, device, deadline) for seed in seeds
+                 for w in range(workers)] if gpu and not args.no_warm else []
     if workers == 1:
+        warm_seconds = [warm(j) for j in warm_jobs]
         results = [work(j) for j in jobs]
     else:
         with mp.get_context("spawn").Pool(workers) as pool:
+            warm_seconds = pool.map(warm, warm_jobs, chunksize=1)
             results = pool.map(work, jobs, chunksize=1)
+    if warm_seconds:
+        print(f"warm-up (kernels compiled once per structure): {max(warm_seconds):.0f} s")
     seconds = time.perf_counter() - t0
     checked, failed = collections.Counter(), collections.Counter()
     for r in results:
