@@ -9,9 +9,10 @@ in ``x`` (``x.u``, ``x.p``, ``x.<slot>``, ``x.<scalar>``) and the ``o`` namespac
 fused backend evaluates it on symbols and prints a Triton kernel (:mod:`ftopt.lowering`).
 
 :class:`ftopt.rule_transform.RuleTransform` turns a rule into a
-``GradientTransformation``: it owns the state layout (32-bit or 8-bit blockwise slots, the
-step count), validation and ``skip_zeros``. This module holds only the types every layer
-shares (the rule, its slots, the 8-bit layout) and the per-step scalars.
+``GradientTransformation`` (the state layout: 32-bit or 8-bit blockwise slots, the step
+count; validation), and :func:`ftopt.program.trace_chain` is what every backend runs a
+chain of rules with (``skip_zeros`` included). This module holds only the types every
+layer shares (the rule, its slots, the 8-bit layout) and the per-step scalars.
 """
 
 from __future__ import annotations
