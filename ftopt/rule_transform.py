@@ -2,10 +2,11 @@
 
 It owns the state layout (32-bit or 8-bit blockwise slots, the step count) and the checks
 of every leaf before anything is written (:mod:`ftopt.validate`); its body runs through
-:func:`ftopt.program.trace_chain` (which applies ``skip_zeros``). Its eager update evaluates the body on :class:`ftopt.eager.Vec` values (``torch``
-ops, foreach over the leaves or a loop under autograd and ``torch.func``), or through the
-chunked CPU evaluator where one is installed (:mod:`ftopt.dispatch`); a user's call of
-``update`` may run fused (the dispatch's fused backend).
+:func:`ftopt.program.trace_chain` (which applies ``skip_zeros``). Its eager update
+evaluates the body on :class:`ftopt.eager.Vec` values (``torch`` ops, foreach over the
+leaves or a loop under autograd and ``torch.func``), or through the chunked CPU evaluator
+where one is installed (:mod:`ftopt.dispatch`); a user's call of ``update`` may run fused
+(the dispatch's fused backend).
 """
 
 from __future__ import annotations
