@@ -13,10 +13,10 @@ in two gradient scenarios: the same gradient tensors every step (``zero_grad`` k
 the buffers, or a persistent gradient tree), and new gradient tensors every step (cycling
 through ``--grad-sets`` pre-made trees, as ``zero_grad(set_to_none=True)`` or a
 ``torch.func.grad`` loop give). For ftopt it also times the step with Triton's generic
-``JITFunction`` launch instead of the cached launcher, with new tensors checked from
-Python instead of torch's C++ guards, the non-donated step of a functional loop and
-``tx.update``, and prints a cProfile of the host path. Writes ``host_step.json`` and
-``host_step.md`` to ``--out``.
+``JITFunction`` launch instead of the cached launcher, with tensors checked by torch's
+guards plus Python pointer reads or from Python alone instead of the native check, the
+non-donated step of a functional loop and ``tx.update``, and prints a cProfile of the
+host path. Writes ``host_step.json`` and ``host_step.md`` to ``--out``.
 
 On the GPU machine (see benchmarks/gpu_step.py for the set-up line):
 
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import gpt2_shapes, random_tree  # noqa: E402
 
 import ftopt  # noqa: E402
-from ftopt.lowering import checks, launch  # noqa: E402
+from ftopt.lowering import checks, launch, native  # noqa: E402
 
 
 def _sync():
@@ -94,15 +94,23 @@ def generic_launch():
 
 
 @contextlib.contextmanager
-def python_checks():
-    """New tensors checked property by property from Python, not by torch's C++ guards
-    (the choice is made when the tables are built: the warm-up runs under it too)."""
-    saved = checks.USE_GUARDS
-    checks.USE_GUARDS = False
+def tensor_checks(native: bool, guards: bool):
+    """How cached steps check their tensors (see ftopt/lowering/checks.py); the choice is
+    made when the tables are built: the warm-up runs under it too."""
+    saved = checks.USE_NATIVE, checks.USE_GUARDS
+    checks.USE_NATIVE, checks.USE_GUARDS = native, guards
     try:
         yield
     finally:
-        checks.USE_GUARDS = saved
+        checks.USE_NATIVE, checks.USE_GUARDS = saved
+
+
+def guard_checks():
+    return tensor_checks(native=False, guards=True)
+
+
+def python_checks():
+    return tensor_checks(native=False, guards=False)
 
 
 def ftopt_runner(params, grad_sets, tx, mode: str = "donate"):
@@ -160,6 +168,9 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-sets", type=int, default=4)
     args = ap.parse_args(argv)
     device = torch.device("cuda")
+    t0 = time.perf_counter()
+    native.module(wait=True)  # built once per torch version, then cached on disk
+    print(f"native check: {native.status()} ({time.perf_counter() - t0:.1f} s)", flush=True)
     shapes = gpt2_shapes(50257, 768, 1024, 12)
     params = random_tree(shapes, torch.float32, device, 0, 0.02)
     grad_sets = [random_tree(shapes, torch.float32, device, 1 + j, 1e-3)
@@ -174,6 +185,10 @@ def main(argv=None) -> int:
         ("torch Adam fused, new grad tensors each step", torch_runner(params, new), none),
         ("ftopt fused, same grads, generic Triton launch",
          ftopt_runner(params, same, ftopt.adam(1e-3)), generic_launch),
+        ("ftopt fused, same grads, torch guards + Python pointers (no native check)",
+         ftopt_runner(params, same, ftopt.adam(1e-3)), guard_checks),
+        ("ftopt fused, new grads, torch guards + Python pointers (no native check)",
+         ftopt_runner(params, new, ftopt.adam(1e-3)), guard_checks),
         ("ftopt fused, new grads, checks in Python",
          ftopt_runner(params, new, ftopt.adam(1e-3)), python_checks),
         ("ftopt fused donate=False (functional loop), new grads",
@@ -208,11 +223,13 @@ def main(argv=None) -> int:
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
             "device": torch.cuda.get_device_name(), "iters": args.iters,
             "grad_sets": args.grad_sets, "leaves": len(shapes),
+            "native_check": native.status()[:500],
             "command": "python3 benchmarks/host_step.py --out DIR"}
     (args.out / "host_step.json").write_text(json.dumps({"meta": meta, "rows": rows,
                                                          "profiles": profiles}, indent=1))
     md = [f"# host cost of one step, GPT-2-small tree ({len(shapes)} leaves), fp32 Adam", "",
           f"- date: {meta['date']}; device: {meta['device']}; torch {meta['torch']}", "",
+          f"- native tensor check: {meta['native_check']}", "",
           f"- {args.rounds} interleaved rounds, {rows[0]['n']} calls per variant, gc off "
           "while timing", "",
           "| variant | host us (median) | p10 | p90 | host us, GPU busy (median / p90)"

@@ -11,12 +11,30 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
-@pytest.fixture(params=["guards", "python"])
+@pytest.fixture(scope="session")
+def native_checks():
+    """The native tensor check (:mod:`ftopt.lowering.native`), built on first use into the
+    user's cache (~12 s once per torch version). Without a C++ compiler the tests that
+    need it are skipped, saying so: ftopt then runs the other checks."""
+    from ftopt.lowering import native
+
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler: the native tensor check cannot be built here")
+    module = native.module(wait=True)
+    assert module is not None, native.status()
+    return module
+
+
+@pytest.fixture(params=["native", "guards", "python"])
 def tensor_checks(request, monkeypatch):
-    """Runs a test with both ways the fused paths check new tensors against their
-    cached tables: torch's C++ guards and the per-property Python passes."""
+    """Runs a test with each way the fused paths check new tensors against their cached
+    tables: the native one-call check, torch's C++ guards plus Python pointer reads, and
+    the per-property Python passes."""
     from ftopt.lowering import checks
 
+    if request.param == "native":
+        request.getfixturevalue("native_checks")
+    monkeypatch.setattr(checks, "USE_NATIVE", request.param == "native")
     monkeypatch.setattr(checks, "USE_GUARDS", request.param == "guards")
     return request.param
 

@@ -17,11 +17,60 @@ def _tensors(gen):
         torch.empty(0, 3, device=DEVICE)]
 
 
-def test_this_torch_checks_in_one_call():
-    """The one-call C++ check is what runs on the supported torch versions (the Python
-    passes cost ~4x more host time per step with new gradient tensors)."""
+def test_this_torch_checks_in_one_call(monkeypatch):
+    """torch's C++ guards are what runs on the supported torch versions where the native
+    check is not built (the Python passes cost ~4x more host time per step with new
+    gradient tensors)."""
+    monkeypatch.setattr(checks, "USE_NATIVE", False)
     check = checks.TensorCheck(_tensors(torch.Generator().manual_seed(0)), DEVICE)
-    assert check.guard is not None
+    assert check.guard is not None and check.table is None
+
+
+def test_native_check_is_used_once_built(native_checks):
+    check = checks.TensorCheck(_tensors(torch.Generator().manual_seed(0)), DEVICE)
+    assert check.table is not None and check.guard is None
+
+
+@pytest.mark.usefixtures("tensor_checks")
+def test_pointers_and_fit():
+    """``pointers`` reads every pointer of tensors that fit; ``fit`` (donated steps) holds
+    the first ``n_fixed`` to the recorded memory and reports new trailing pointers only
+    until they are recorded."""
+    gen = torch.Generator().manual_seed(3)
+    fixed, grads = _tensors(gen), _tensors(gen)
+    check = checks.TensorCheck(fixed + grads, DEVICE, n_fixed=len(fixed))
+    assert check.fit(fixed + grads) is True
+    assert check.fit(tuple(fixed + grads)) is True
+    new = _tensors(gen)
+    found = check.fit(fixed + new)
+    assert found == [t.data_ptr() for t in new]
+    assert check.fit(fixed + new) == found  # not recorded yet
+    check.record(found)
+    assert check.fit(fixed + new) is True
+    assert check.fit(fixed + grads) == [t.data_ptr() for t in grads]
+    moved = [fixed[0].clone(), *fixed[1:]]  # same layout, other memory
+    assert check.fit(moved + new) is None
+    assert check.fit(fixed + new[:-1]) is None
+    assert check.fit(fixed + [*new[:-1], None]) is None
+    assert check.fit([*fixed[:-1], torch.randn(7, device=DEVICE)] + new) is None
+    plain = checks.TensorCheck(grads, DEVICE)
+    assert plain.pointers(new) == [t.data_ptr() for t in new]
+    assert plain.pointers([new[1], *new[1:]]) is None
+
+
+def test_fused_step_upgrades_to_the_native_check_once_built(native_checks, monkeypatch):
+    """A check built before the native module loaded moves to it at its next fit."""
+    monkeypatch.setattr(checks, "_native_table", lambda *a, start: None)
+    gen = torch.Generator().manual_seed(4)
+    fixed, grads = _tensors(gen), _tensors(gen)
+    check = checks.TensorCheck(fixed + grads, DEVICE, n_fixed=len(fixed))
+    assert check.table is None
+    monkeypatch.undo()
+    new = _tensors(gen)
+    assert check.fit(fixed + new) == [t.data_ptr() for t in new]
+    assert check.table is not None and check.guard is None
+    assert check.fit(fixed + grads) is True  # the recorded pointers carried over
+    assert check.fit(fixed + new) == [t.data_ptr() for t in new]
 
 
 @pytest.mark.usefixtures("tensor_checks")
@@ -56,11 +105,11 @@ def test_strict_where_the_guard_runs(tensor_checks):
     fresh = _tensors(gen)
     fresh[1].requires_grad_()
     assert check.check(fresh) is (tensor_checks == "python")
-    assert check.grad_free is (tensor_checks == "guards")
+    assert check.grad_free is (tensor_checks != "python")
 
 
 def test_built_from_non_contiguous_tensors_wants_contiguous_ones():
     t = torch.randn(4, 6, device=DEVICE).t()
     check = checks.TensorCheck([t], DEVICE)
-    assert check.guard is None
+    assert check.guard is None and check.table is None
     assert not check.check([t]) and check.check([t.contiguous()])

@@ -471,14 +471,15 @@ def test_steps_do_not_keep_gradients_alive(donate):
     assert all(r() is None for r in refs)
 
 
+@pytest.mark.usefixtures("tensor_checks")
 def test_every_donated_step_checks_the_storage_of_every_tensor(monkeypatch):
     """Kept or new gradient tensors, every cached donated step checks all its tensors
     (params, states, gradients) in one call, and every step stays correct."""
     from ftopt.lowering import checks
 
     calls = []
-    real = checks.TensorCheck.check
-    monkeypatch.setattr(checks.TensorCheck, "check",
+    real = checks.TensorCheck.fit
+    monkeypatch.setattr(checks.TensorCheck, "fit",
                         lambda self, ts: calls.append(len(ts)) or real(self, ts))
     gen = torch.Generator().manual_seed(16)
     tx = ftopt.adam(0.01)

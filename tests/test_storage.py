@@ -48,6 +48,7 @@ def _close(a, b):
 
 @pytest.mark.parametrize("donate", [True, False])
 @pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.usefixtures("tensor_checks")
 def test_a_param_whose_storage_was_replaced_is_updated_there(donate, bits):
     gen = torch.Generator().manual_seed(1)
     tx = ftopt.adamw(1e-2, weight_decay=0.1, state_bits=bits)
@@ -71,6 +72,7 @@ def test_a_param_whose_storage_was_replaced_is_updated_there(donate, bits):
 
 
 @pytest.mark.parametrize("donate", [True, False])
+@pytest.mark.usefixtures("tensor_checks")
 def test_a_state_whose_storage_was_replaced_is_read_there(donate):
     gen = torch.Generator().manual_seed(2)
     tx = ftopt.adam(1e-2)
@@ -86,6 +88,7 @@ def test_a_state_whose_storage_was_replaced_is_read_there(donate):
         assert _close(state[0].nu[k], ref_state[0].nu[k]), k
 
 
+@pytest.mark.usefixtures("tensor_checks")
 def test_a_state_leaf_swapped_in_its_dict_is_used():
     gen = torch.Generator().manual_seed(3)
     tx = ftopt.adam(1e-2)
@@ -102,6 +105,7 @@ def test_a_state_leaf_swapped_in_its_dict_is_used():
 
 
 @pytest.mark.parametrize("donate", [True, False])
+@pytest.mark.usefixtures("tensor_checks")
 def test_a_gradient_whose_storage_was_replaced_is_read_there(donate):
     gen = torch.Generator().manual_seed(4)
     tx = ftopt.adam(1e-2)
@@ -120,6 +124,7 @@ def test_a_gradient_whose_storage_was_replaced_is_read_there(donate):
 
 @pytest.mark.parametrize("donate", [True, False])
 @pytest.mark.parametrize("bad", [(8, 64), (3,)])
+@pytest.mark.usefixtures("tensor_checks")
 def test_a_gradient_reshaped_in_place_is_an_error_naming_it(donate, bad):
     gen = torch.Generator().manual_seed(5)
     tx = ftopt.adam(1e-2)

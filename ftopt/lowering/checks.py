@@ -1,12 +1,19 @@
-"""Whether new tensors fit tables built for earlier ones, in as few C calls as possible.
+"""Whether new tensors fit tables built for earlier ones, in one C call where possible.
 
-A fused step over new gradient tensors (``zero_grad(set_to_none=True)``, a
-``torch.func.grad`` loop) must check each one's shape, dtype, device and layout before
-the kernel reads it through a raw address. Property by property from Python that is five
-passes over the leaves (~0.1 us per tensor and property). torch's compiled-graph guards
-(``torch._C._dynamo.guards.TensorGuards``) check dtype, device, sizes, strides,
-``requires_grad`` and dispatch keys of a whole list in one C++ call; they are used where
-this torch has them in the form probed here, and the Python passes otherwise.
+A cached fused step must check, for every param, state and gradient tensor it was
+planned for, that the tensor it is given now has the same shape, strides, dtype and
+device (and, for params and states, the same memory) before a kernel reads or writes it
+through a raw address. In order of preference:
+
+* the native check (:mod:`ftopt.lowering.native`): pointers and layout of the whole list
+  in one C++ pass (~7 ns a tensor); built on first use on an accelerator;
+* torch's compiled-graph guards (``torch._C._dynamo.guards.TensorGuards``: dtype, device,
+  sizes, strides, ``requires_grad`` and dispatch keys in one call) plus one Python call
+  per tensor for its pointer (~55 ns each);
+* property-by-property Python passes (~0.1 us per tensor and property).
+
+All three give the same answers on what they all check; the first two are stricter
+(``requires_grad``), which only sends a caller to its full path, which decides.
 """
 
 from __future__ import annotations
@@ -15,17 +22,21 @@ import operator
 
 import torch
 
+from ftopt.lowering import native
+
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
 _is_contiguous = torch.Tensor.is_contiguous
+_data_ptr = torch.Tensor.data_ptr
 
 try:
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except ImportError:  # pragma: no cover - every supported torch has it
     _TensorGuards = None
 
-USE_GUARDS = True  # False: always the Python passes (tests run both)
+USE_NATIVE = True  # False: never the native check (tests run every way)
+USE_GUARDS = True  # False: the Python passes where the native check is not used
 
 
 def _guard(tensors: list):
@@ -48,26 +59,45 @@ def _guard(tensors: list):
 
 
 class TensorCheck:
-    """Built from contiguous tensors; ``check(tensors)`` is True when ``tensors`` (a
-    sequence of as many) have the same shapes, dtypes and devices, and are contiguous.
-    The C++ check is stricter (also strides, ``requires_grad`` and dispatch keys): a
-    False only sends the caller to its full path, which decides."""
+    """The layout of a list of contiguous tensors, and their data pointers.
 
-    __slots__ = ("n", "guard", "meta", "grad_free")
+    * ``check(tensors)``: as many tensors, with the same shapes, dtypes and devices,
+      contiguous;
+    * ``pointers(tensors)`` (where ``n_fixed`` is 0): their data pointers if they pass
+      ``check``, else ``None``;
+    * ``fit(tensors)``, for a donated step, whose first ``n_fixed`` tensors (params and
+      states) must be the memory recorded: ``None`` if the check fails or one of those
+      moved; ``True`` if every pointer is the recorded one; else the pointers after
+      ``n_fixed`` (new gradients), which :meth:`record` makes the recorded ones once the
+      caller has accepted them.
+    """
 
-    def __init__(self, tensors: list, device: torch.device | None = None):
+    __slots__ = ("n", "n_fixed", "guard", "meta", "grad_free", "table", "fixed",
+                 "trailing", "contiguous")
+
+    def __init__(self, tensors: list, device: torch.device | None = None, *,
+                 n_fixed: int = 0):
         del device  # each tensor's own device is recorded
         self.n = len(tensors)
+        self.n_fixed = n_fixed
         self.meta = (list(map(_shape, tensors)), list(map(_dtype, tensors)),
                      list(map(_device, tensors)))
-        contiguous = all(map(_is_contiguous, tensors))
-        self.guard = _guard(tensors) if contiguous else None
-        # The C++ check compares requires_grad too: built from tensors that need no
-        # grad, it refuses any that do.
-        self.grad_free = self.guard is not None and not any(
+        self.contiguous = all(map(_is_contiguous, tensors))
+        pointers = list(map(_data_ptr, tensors))
+        self.fixed, self.trailing = pointers[:n_fixed], pointers[n_fixed:]
+        self.table = None
+        self.guard = None
+        if self.contiguous:
+            accelerator = any(d.type != "cpu" for d in self.meta[2])
+            self.table = _native_table(tensors, n_fixed, start=accelerator)
+            if self.table is None:
+                self.guard = _guard(tensors)
+        # The C++ checks compare requires_grad too: built from tensors that need no grad,
+        # they refuse any that do.
+        self.grad_free = (self.table is not None or self.guard is not None) and not any(
             t.requires_grad for t in tensors)
 
-    def check(self, tensors) -> bool:
+    def _layout_fits(self, tensors) -> bool:
         if len(tensors) != self.n:
             return False
         if self.guard is not None:
@@ -78,3 +108,52 @@ class TensorCheck:
                     and all(map(_is_contiguous, tensors)))
         except (AttributeError, TypeError, RuntimeError):  # not a (dense) tensor
             return False
+
+    def check(self, tensors) -> bool:
+        if self.table is not None:
+            return _NATIVE[0].fit(self.table, tensors, True) is not None
+        return self._layout_fits(tensors)
+
+    def pointers(self, tensors) -> list[int] | None:
+        if self.table is not None:
+            return _NATIVE[0].fit(self.table, tensors, True)
+        if not self._layout_fits(tensors):
+            return None
+        return list(map(_data_ptr, tensors))
+
+    def fit(self, tensors) -> list[int] | bool | None:
+        if self.table is not None:
+            return _NATIVE[0].fit(self.table, tensors, False)
+        if not self._layout_fits(tensors):
+            return None
+        pointers = list(map(_data_ptr, tensors))
+        n = self.n_fixed
+        if pointers[:n] != self.fixed:
+            return None
+        if self.contiguous and native.module(start=False) is not None:
+            # Built since this check was: use it from now on (same layout as recorded).
+            self.table = _native_table(tensors, n, start=False)
+            if self.table is not None:
+                _NATIVE[0].record(self.table, self.trailing)
+                self.guard = None
+        trailing = pointers[n:]
+        return True if trailing == self.trailing else trailing
+
+    def record(self, pointers: list[int]) -> None:
+        self.trailing = pointers
+        if self.table is not None:
+            _NATIVE[0].record(self.table, pointers)
+
+
+# The loaded native module, once (a list: read on every check without a function call).
+_NATIVE: list = [None]
+
+
+def _native_table(tensors, n_fixed: int, start: bool):
+    if not USE_NATIVE:
+        return None
+    module = native.module(start=start)
+    if module is None:
+        return None
+    _NATIVE[0] = module
+    return module.make(tensors, n_fixed)

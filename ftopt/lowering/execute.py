@@ -147,9 +147,7 @@ class PreparedStep:
             group.pick = operator.itemgetter(*[position[i] for i in group.leaves])
             group.grad_addresses = list(map(_data_ptr, _as_tuple(group.pick(
                 self._active(g_flat)))))
-        self.n_fixed = 0
-        self.pointers: list[int] = []
-        self.check = None
+        self.check: checks.TensorCheck | None = None
 
     def _active(self, g_flat) -> tuple:
         return tuple(g_flat) if self.active_of is None else _as_tuple(self.active_of(g_flat))
@@ -157,9 +155,7 @@ class PreparedStep:
     def watch(self, p_flat, s_flat, g_flat) -> None:
         """Record what the tables point at: every param, state and gradient tensor."""
         tensors = [*p_flat, *s_flat, *self._active(g_flat)]
-        self.n_fixed = len(p_flat) + len(s_flat)
-        self.pointers = list(map(_data_ptr, tensors))
-        self.check = checks.TensorCheck(tensors)
+        self.check = checks.TensorCheck(tensors, n_fixed=len(p_flat) + len(s_flat))
 
     def state_tensors(self, state) -> list | None:
         """The tensors of ``state`` the kernels read and write (step counts, then each
@@ -197,19 +193,11 @@ class PreparedStep:
             return False
         if self.inactive and any([g_flat[i] is not None for i in self.inactive]):
             return False
-        tensors = (*p_flat, *s_flat, *self._active(g_flat))
-        try:
-            pointers = list(map(_data_ptr, tensors))
-        except TypeError:  # None, or not a tensor: the full path names it
-            return False
-        if not self.check.check(tensors):
-            return False
-        if pointers == self.pointers:
+        grad_pointers = self.check.fit((*p_flat, *s_flat, *self._active(g_flat)))
+        if grad_pointers is None:
+            return False  # a tensor's layout differs, or a param or state moved
+        if grad_pointers is True:
             return True
-        n = self.n_fixed
-        if pointers[:n] != self.pointers[:n]:
-            return False  # a param or state is not the memory planned for
-        grad_pointers = pointers[n:]
         uploads = []
         for group in self.groups:
             addresses = list(_as_tuple(group.pick(grad_pointers)))
@@ -221,7 +209,7 @@ class PreparedStep:
         for group, addresses in uploads:
             group.addresses["g"] = launch.to_device(addresses, self.device)
             group.grad_addresses = addresses
-        self.pointers = pointers
+        self.check.record(grad_pointers)
         return True
 
     def launch(self, scalars, count_pairs) -> None:

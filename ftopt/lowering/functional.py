@@ -23,7 +23,6 @@ from ftopt.lowering import checks, codegen, launch
 from ftopt.lowering.execute import (
     PreparedStep,
     _advance_counts,
-    _data_ptr,
     _scalars,
     _uses_tensors,
     flat_dict_getter,
@@ -220,12 +219,12 @@ def fast_functional(plan, params, grads, state, output: str):
             addresses = {}
             for role, tensors in roles.items():
                 check = in_check[role]
-                if not check.check(tensors):
+                found = check.pointers(tensors)
+                if found is None:
                     return None
                 if (grad_mode and (role == "p" or (role == "g" and output == "u"))
                         and not check.grad_free and any(map(_requires_grad, tensors))):
                     return None
-                found = list(map(_data_ptr, tensors))
                 if (group.aligned and found != returned.get(role)
                         and misaligned(found)):
                     return None
