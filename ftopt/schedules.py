@@ -1,8 +1,10 @@
 """Schedules: plain callables ``schedule(count) -> value``, with optax's names and semantics.
 
 An ``int`` count gives a ``float`` (float64 host math, for kernel scalars); a 0-d integer
-tensor count gives a 0-d float32 tensor on its device, from torch ops only (no ``.item()``,
-no host sync: CUDA-graph capturable and traceable). The two agree up to float32 rounding.
+tensor count gives a 0-d float32 tensor on its device (float64 for
+:func:`ademamix_b3_warmup`, whose 1 − β3 float32 cannot hold), from torch ops only (no
+``.item()``, no host sync: CUDA-graph capturable and traceable). The two agree up to
+float32 rounding.
 Integer work on the count comes before any float conversion, so large counts stay exact.
 
 Every schedule checks its arguments when it is built, so a bad value fails there and not
@@ -334,6 +336,9 @@ def ademamix_b3_warmup(b1: float, b3: float, warmup_steps: int) -> Schedule:
     """AdEMAMix beta3 warmup (bitsandbytes ``t_beta3``), ``s = t/T``, ``b3`` for ``t >= T``:
     ``β3_t = min(exp(ln b1·ln b3 / ((1 - s)·ln b3 + s·ln b1)), b3)`` (``t < 0`` counts as 0).
 
+    On a tensor count the value is a float64 tensor (on CPU and CUDA/ROCm devices): what
+    the update reads is ``1 − β3``, which float32 would leave up to ~1e-3 off.
+
     Args: b1, b3: the fast decay and the final slow decay, in ``(0, 1)`` (else
         ``ValueError``: the formula divides by their logs); warmup_steps ``T``, an int
         (``<= 0``: no warmup, constant ``b3``).
@@ -348,7 +353,10 @@ def ademamix_b3_warmup(b1: float, b3: float, warmup_steps: int) -> Schedule:
 
     def schedule(count: Count) -> Value:
         if _is_tensor(count):
-            s = count.clamp(0, warmup_steps).float() / warmup_steps
+            # In float64 where the device has it: the update reads 1 − β3, and β3 is
+            # often within 1e-4 of 1 (float32 would leave 1 − β3 ~1e-3 off).
+            dtype = torch.float64 if count.device.type in ("cpu", "cuda") else torch.float32
+            s = count.clamp(0, warmup_steps).to(dtype) / warmup_steps
             beta = torch.exp(ln1 * ln3 / (ln3 + s * (ln1 - ln3))).clamp(max=b3)
             return torch.where(count >= warmup_steps, b3, beta)
         if count >= warmup_steps:
