@@ -40,7 +40,8 @@ def test_pointers_and_fit():
     fixed, grads = _tensors(gen), _tensors(gen)
     check = checks.TensorCheck(fixed + grads, DEVICE, n_fixed=len(fixed))
     assert check.fit(fixed + grads) is True
-    assert check.fit(tuple(fixed + grads)) is True
+    assert check.fit(tuple(fixed), grads) is True
+    assert check.fit(fixed[:2], tuple(fixed[2:] + grads[:1]), grads[1:]) is True
     new = _tensors(gen)
     found = check.fit(fixed + new)
     assert found == [t.data_ptr() for t in new]
@@ -52,6 +53,7 @@ def test_pointers_and_fit():
     assert check.fit(moved + new) is None
     assert check.fit(fixed + new[:-1]) is None
     assert check.fit(fixed + [*new[:-1], None]) is None
+    assert check.fit(fixed, new[:-1], [None]) is None
     assert check.fit([*fixed[:-1], torch.randn(7, device=DEVICE)] + new) is None
     plain = checks.TensorCheck(grads, DEVICE)
     assert plain.pointers(new) == [t.data_ptr() for t in new]

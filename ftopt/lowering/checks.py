@@ -65,11 +65,11 @@ class TensorCheck:
       contiguous;
     * ``pointers(tensors)`` (where ``n_fixed`` is 0): their data pointers if they pass
       ``check``, else ``None``;
-    * ``fit(tensors)``, for a donated step, whose first ``n_fixed`` tensors (params and
-      states) must be the memory recorded: ``None`` if the check fails or one of those
-      moved; ``True`` if every pointer is the recorded one; else the pointers after
-      ``n_fixed`` (new gradients), which :meth:`record` makes the recorded ones once the
-      caller has accepted them.
+    * ``fit(*parts)``, for a donated step over the tensors of ``parts`` (tuples or lists)
+      in order, whose first ``n_fixed`` (params and states) must be the memory recorded:
+      ``None`` if the check fails or one of those moved; ``True`` if every pointer is the
+      recorded one; else the pointers after ``n_fixed`` (new gradients), which
+      :meth:`record` makes the recorded ones once the caller has accepted them.
     """
 
     __slots__ = ("n", "n_fixed", "guard", "meta", "grad_free", "table", "fixed",
@@ -111,19 +111,21 @@ class TensorCheck:
 
     def check(self, tensors) -> bool:
         if self.table is not None:
-            return _NATIVE[0].fit(self.table, tensors, True) is not None
+            return _NATIVE[0].fit(self.table, (tensors,), True) is not None
         return self._layout_fits(tensors)
 
     def pointers(self, tensors) -> list[int] | None:
         if self.table is not None:
-            return _NATIVE[0].fit(self.table, tensors, True)
+            return _NATIVE[0].fit(self.table, (tensors,), True)
         if not self._layout_fits(tensors):
             return None
         return list(map(_data_ptr, tensors))
 
-    def fit(self, tensors) -> list[int] | bool | None:
+    def fit(self, *parts) -> list[int] | bool | None:
+        """``parts``: tuples or lists of tensors, checked as their concatenation."""
         if self.table is not None:
-            return _NATIVE[0].fit(self.table, tensors, False)
+            return _NATIVE[0].fit(self.table, parts, False)
+        tensors = [t for part in parts for t in part]
         if not self._layout_fits(tensors):
             return None
         pointers = list(map(_data_ptr, tensors))

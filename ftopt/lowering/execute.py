@@ -79,18 +79,53 @@ def _increment(pairs) -> None:
             torch.add(old, 1, out=new)
 
 
+def _constant_hparams(plan: ChainPlan) -> list | None:
+    """Per stage, its hyperparameters when none is a schedule or a tensor (they are the
+    same every step: computed once), else ``None``."""
+    if plan.constant_hparams is None:
+        out = []
+        for stage in plan.stages:
+            h = stage.rule.hparams
+            out.append(None if any(callable(v) or isinstance(v, torch.Tensor)
+                                   for v in h.values()) else dict(h))
+        plan.constant_hparams = out
+    return plan.constant_hparams
+
+
+def _host_scalars(plan: ChainPlan, traced, steps) -> list | None:
+    """The kernel's scalars as host floats where every hyperparameter is constant and every
+    count a host int (the usual step: no dicts of schedules to evaluate), else ``None``."""
+    constant = _constant_hparams(plan)
+    if any(h is None for h in constant):
+        return None
+    per_stage = []
+    for stage, h, (_, t) in zip(plan.stages, constant, steps):
+        scalars = stage.rule.scalars
+        if scalars is None:
+            per_stage.append(h)
+        elif t is None or isinstance(t, int):
+            per_stage.append({**h, **scalars(t, h)})
+        else:
+            return None
+    return [float(per_stage[i][name]) for i, name in traced.graph.scalars]
+
+
 def _scalars(plan: ChainPlan, traced, steps, device) -> list[float] | torch.Tensor:
     """Per-step scalars: kernel arguments when all are host numbers, else a device buffer
     computed with torch ops (no host synchronisation; capturable in a CUDA graph)."""
-    per_stage = [step_scalars(stage.rule, *step) for stage, step in zip(plan.stages, steps)]
-    values = [per_stage[i][name] for i, name in traced.graph.scalars]
-    if any(isinstance(v, torch.Tensor) for v in values):
-        # No host-to-device copies here: this path may be captured in a CUDA graph.
-        return torch.stack([
-            v.to(device=device, dtype=torch.float32).reshape(()) if isinstance(v, torch.Tensor)
-            else torch.full((), float(v), dtype=torch.float32, device=device)
-            for v in values])
-    floats = [float(v) for v in values]
+    floats = _host_scalars(plan, traced, steps)
+    if floats is None:
+        per_stage = [step_scalars(stage.rule, *step) for stage, step in zip(plan.stages,
+                                                                               steps)]
+        values = [per_stage[i][name] for i, name in traced.graph.scalars]
+        if any(isinstance(v, torch.Tensor) for v in values):
+            # No host-to-device copies here: this path may be captured in a CUDA graph.
+            return torch.stack([
+                v.to(device=device, dtype=torch.float32).reshape(())
+                if isinstance(v, torch.Tensor)
+                else torch.full((), float(v), dtype=torch.float32, device=device)
+                for v in values])
+        floats = [float(v) for v in values]
     if any([0.0 < abs(v) < _FP32_TINY for v in floats]):
         # Triton types a Python float below fp32's smallest normal as an fp64 argument (a
         # kernel of another signature, whose fp32 math then fails to compile): such
@@ -193,7 +228,7 @@ class PreparedStep:
             return False
         if self.inactive and any([g_flat[i] is not None for i in self.inactive]):
             return False
-        grad_pointers = self.check.fit((*p_flat, *s_flat, *self._active(g_flat)))
+        grad_pointers = self.check.fit(p_flat, s_flat, self._active(g_flat))
         if grad_pointers is None:
             return False  # a tensor's layout differs, or a param or state moved
         if grad_pointers is True:

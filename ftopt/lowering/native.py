@@ -111,55 +111,62 @@ PyObject* make(PyObject*, PyObject* args) {
   return PyCapsule_New(table, kName, free_table);
 }
 
-// fit(table, tensors, always_list) -> None | True | list of the pointers after n_fixed.
-// None: a length, type or layout differs, or a fixed pointer moved. True: every pointer
-// is the recorded one (unless always_list).
+// fit(table, parts, always_list) -> None | True | list of the pointers after n_fixed, for
+// the tensors of `parts` (a tuple of tuples or lists of tensors) taken in order. None: a
+// length, type or layout differs, or a fixed pointer moved. True: every pointer is the
+// recorded one (unless always_list).
 PyObject* fit(PyObject*, PyObject* args) {
-  PyObject *capsule, *seq;
+  PyObject *capsule, *parts;
   int always_list;
-  if (!PyArg_ParseTuple(args, "OOp", &capsule, &seq, &always_list)) return nullptr;
+  if (!PyArg_ParseTuple(args, "OO!p", &capsule, &PyTuple_Type, &parts, &always_list))
+    return nullptr;
   Table* table = table_of(capsule);
   if (!table) return nullptr;
-  if (!PyTuple_Check(seq) && !PyList_Check(seq)) {
-    PyErr_SetString(PyExc_TypeError, "expected a tuple or list of tensors");
-    return nullptr;
+  const Py_ssize_t n_parts = PyTuple_GET_SIZE(parts);
+  Py_ssize_t n = 0;
+  for (Py_ssize_t j = 0; j < n_parts; ++j) {
+    PyObject* part = PyTuple_GET_ITEM(parts, j);
+    if (!PyTuple_Check(part) && !PyList_Check(part)) Py_RETURN_NONE;
+    n += PySequence_Fast_GET_SIZE(part);
   }
-  PyObject* fast = PySequence_Fast(seq, "");
-  if (!fast) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  PyObject** items = PySequence_Fast_ITEMS(fast);
-  bool same = true, ok = n == table->n;
+  if (n != table->n) Py_RETURN_NONE;
+  bool same = true, ok = true;
   std::vector<std::uintptr_t> moved;
+  Py_ssize_t i = 0;
   try {
-    for (Py_ssize_t i = 0; ok && i < n; ++i) {
-      const at::Tensor* t;
-      std::uintptr_t ptr;
-      if (!unpack(items[i], &t, &ptr)) { ok = false; break; }
-      const int64_t* m = &table->meta[5 * i];
-      const auto device = t->device();
-      if (static_cast<int64_t>(t->scalar_type()) != m[0] ||
-          static_cast<int64_t>(device.type()) != m[1] ||
-          static_cast<int64_t>(device.index()) != m[2] ||
-          (t->requires_grad() ? 1 : 0) != m[3] || t->dim() != m[4]) {
-        ok = false;
-        break;
+    for (Py_ssize_t j = 0; ok && j < n_parts; ++j) {
+      PyObject* part = PyTuple_GET_ITEM(parts, j);
+      const Py_ssize_t size = PySequence_Fast_GET_SIZE(part);
+      PyObject** items = PySequence_Fast_ITEMS(part);
+      for (Py_ssize_t k = 0; k < size; ++k, ++i) {
+        const at::Tensor* t;
+        std::uintptr_t ptr;
+        if (!unpack(items[k], &t, &ptr)) { ok = false; break; }
+        const int64_t* m = &table->meta[5 * i];
+        const auto device = t->device();
+        if (static_cast<int64_t>(t->scalar_type()) != m[0] ||
+            static_cast<int64_t>(device.type()) != m[1] ||
+            static_cast<int64_t>(device.index()) != m[2] ||
+            (t->requires_grad() ? 1 : 0) != m[3] || t->dim() != m[4]) {
+          ok = false;
+          break;
+        }
+        const int64_t* d = &table->dims[table->offsets[i]];
+        const auto sizes = t->sizes();
+        const auto strides = t->strides();
+        for (int64_t r = 0; ok && r < m[4]; ++r)
+          ok = sizes[r] == d[r] && strides[r] == d[m[4] + r];
+        if (!ok) break;
+        if (ptr != table->ptrs[i]) {
+          if (i < table->n_fixed) { ok = false; break; }
+          same = false;
+        }
+        if (i >= table->n_fixed) moved.push_back(ptr);
       }
-      const int64_t* d = &table->dims[table->offsets[i]];
-      const auto sizes = t->sizes();
-      const auto strides = t->strides();
-      for (int64_t k = 0; ok && k < m[4]; ++k)
-        ok = sizes[k] == d[k] && strides[k] == d[m[4] + k];
-      if (!ok) break;
-      if (ptr != table->ptrs[i]) {
-        if (i < table->n_fixed) { ok = false; break; }
-        same = false;
-      }
-      if (i >= table->n_fixed) moved.push_back(ptr);
     }
   } catch (const std::exception&) {
     ok = false;
   }
-  Py_DECREF(fast);
   if (!ok) Py_RETURN_NONE;
   if (same && !always_list) Py_RETURN_TRUE;
   PyObject* out = PyList_New(static_cast<Py_ssize_t>(moved.size()));
@@ -199,7 +206,7 @@ PyObject* record(PyObject*, PyObject* args) {
 
 PyMethodDef methods[] = {
     {"make", make, METH_VARARGS, "make(tensors, n_fixed) -> table"},
-    {"fit", fit, METH_VARARGS, "fit(table, tensors, always_list) -> None | True | list"},
+    {"fit", fit, METH_VARARGS, "fit(table, parts, always_list) -> None | True | list"},
     {"record", record, METH_VARARGS, "record(table, pointers)"},
     {nullptr, nullptr, 0, nullptr}};
 

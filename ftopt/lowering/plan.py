@@ -38,6 +38,7 @@ class ChainPlan:
     reason: str | None = None
     prepared: object = None  # the last donated step's tables (see execute.PreparedStep)
     tensor_hparams: bool | None = None  # a hyperparameter is a tensor (known once asked)
+    constant_hparams: list | None = None  # per stage: its hparams if constant (see execute)
     functional: dict = field(default_factory=dict)  # see lowering.functional
     _traced: dict = field(default_factory=dict)
 
