@@ -42,7 +42,11 @@ def owner(tx: GradientTransformation) -> Any:
 
 
 def _mask_aware(tx: GradientTransformation) -> bool:
-    return isinstance(owner(tx), (RuleTransform, Chain, SkipZeros, Masked))
+    """Whether ``tx`` applies the chain's ``skip_zeros`` mask itself (a transform may say
+    so with a ``mask_aware`` attribute)."""
+    obj = owner(tx)
+    return isinstance(obj, (RuleTransform, Chain, SkipZeros, Masked)) or bool(
+        getattr(obj, "mask_aware", False))
 
 
 class SkipZeros:

@@ -59,9 +59,13 @@ class Algebra(Protocol):
 
 
 def trace_chain(stages: Sequence[Any], skips: Sequence[bool], algebra: Algebra, g: Any,
-                *, selects: bool = True) -> Any:
+                *, selects: bool = True, zero_from: Any = None) -> Any:
     """Runs the chain's rules on ``algebra``'s values from the raw gradient ``g``; the
     slots go out through ``algebra.slot_out``; returns the chain's update.
+
+    ``zero_from``: the raw gradient where ``g`` is not it (a segment of a chain after a
+    matrix stage: ``g`` is that stage's output, and ``skip_zeros`` still follows the raw
+    gradient).
 
     ``stages``: rules, or objects with a ``rule``; ``skips[i]``: stage ``i`` is
     skip-aware.
@@ -69,8 +73,9 @@ def trace_chain(stages: Sequence[Any], skips: Sequence[bool], algebra: Algebra, 
     neither loads nor stores them), so no skip selects are traced.
     """
     skipping = selects and any(skips)
-    zero = algebra.zero_mask(g) if skipping else None
-    neg_zero = algebra.neg_zero(g) if skipping else None
+    raw = g if zero_from is None else zero_from
+    zero = algebra.zero_mask(raw) if skipping else None
+    neg_zero = algebra.neg_zero(raw) if skipping else None
     u = g
     for index, (stage, skip) in enumerate(zip(stages, skips)):
         rule = stage if isinstance(stage, Rule) else stage.rule

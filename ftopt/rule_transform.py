@@ -140,18 +140,7 @@ class RuleTransform:
                 raise ValueError(f"{self.rule.name} needs params: call update(updates, "
                                  "state, params)")
             return [None] * spec.num_leaves
-        try:
-            return spec.flatten_up_to(params)
-        except (ValueError, TypeError):
-            pass
-        # The trees differ. The params are the reference: name what is wrong with the
-        # updates (gradients) first, then what is wrong with the params.
-        p_paths, _, p_spec = tree_lib.flatten_with_paths(params)
-        for path, u in zip(p_paths, tree_lib.flatten_like(p_spec, updates, "updates", p_paths)):
-            if u is not None and not isinstance(u, torch.Tensor):
-                raise TypeError(f"update at {path}: expected a tensor or None, got "
-                                f"{type(u).__name__}")
-        return tree_lib.flatten_like(spec, params, "params", paths, against="updates")
+        return flatten_params_like(spec, params, paths, updates)
 
     def _active_leaves(self, u_flat, p_flat, slots_flat, paths, params) -> list[int]:
         leaf_mask = self._leaf_mask(params, len(u_flat), paths)
@@ -222,6 +211,22 @@ class RuleTransform:
             for j, i in enumerate(active):
                 new_slots[slot.name][i] = self._write_slot(
                     slot, slots_flat[slot.name][i], slot_items[slot.name][j], masks[j])
+
+
+def flatten_params_like(spec, params, paths, updates) -> list:
+    """The leaves of ``params`` at the leaves of the updates' ``spec`` (``None`` leaves
+    included). Where the trees differ, the params are the reference: the error names what
+    is wrong with the updates (gradients) first, then what is wrong with the params."""
+    try:
+        return spec.flatten_up_to(params)
+    except (ValueError, TypeError):
+        pass
+    p_paths, _, p_spec = tree_lib.flatten_with_paths(params)
+    for path, u in zip(p_paths, tree_lib.flatten_like(p_spec, updates, "updates", p_paths)):
+        if u is not None and not isinstance(u, torch.Tensor):
+            raise TypeError(f"update at {path}: expected a tensor or None, got "
+                            f"{type(u).__name__}")
+    return tree_lib.flatten_like(spec, params, "params", paths, against="updates")
 
 
 def _passed_through(u_flat: list, mask_flat: list, active: list[int]) -> list:

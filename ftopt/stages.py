@@ -25,12 +25,19 @@ class Stages:
 
     ``state_paths[i]`` indexes stage ``i``'s state in the transform's state (tuple indices
     and named_chain names); ``skips[i]`` says whether a ``skip_zeros`` mask applies to it.
+
+    ``matrix``: the chain's matrix stages (:mod:`ftopt.matrix`) as ``(position, stage,
+    skip)``, ``position`` the number of rules before it. A chain with matrix stages also
+    has a ``reason`` (for a backend that runs a chain as one program); the fused backend
+    splits it into elementwise segments there instead.
     """
 
     stages: tuple[RuleTransform, ...] = ()
     state_paths: tuple[tuple, ...] = ()
     skips: tuple[bool, ...] = ()
     reason: str | None = None
+    matrix: tuple[tuple[int, Any, bool], ...] = ()
+    segmented: bool = False  # the reason is only the matrix stages
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -43,9 +50,14 @@ def chain_stages(tx) -> Stages:
         return Stages(reason=f"{_describe(tx)} is not an ftopt transform")
     found = _CACHE.get(obj)
     if found is None:
-        stages, paths, skips = [], [], []
-        reason = _walk(tx, (), False, True, stages, paths, skips)
-        found = Stages(tuple(stages), tuple(paths), tuple(skips), reason)
+        stages, paths, skips, matrix = [], [], [], []
+        reason = _walk(tx, (), False, True, stages, paths, skips, matrix)
+        segmented = reason is None and bool(matrix)
+        if segmented:
+            reason = (f"{matrix[0][1].name} is a matrix stage (the fused backend runs the "
+                      "chain in segments)")
+        found = Stages(tuple(stages), tuple(paths), tuple(skips), reason, tuple(matrix),
+                       segmented)
         _CACHE[obj] = found
     return found
 
@@ -56,23 +68,26 @@ def _describe(tx) -> str:
 
 
 def _walk(tx, path: tuple, skip: bool, at_input: bool, stages: list, paths: list,
-          skips: list) -> str | None:
+          skips: list, matrix: list) -> str | None:
     obj = owner(tx)
     if isinstance(obj, RuleTransform):
         stages.append(obj)
         paths.append(path)
         skips.append(skip)
         return None
+    if getattr(obj, "matrix_stage", False):
+        matrix.append((len(stages), obj, skip))
+        return None
     if isinstance(obj, SkipZeros):
         return None
     if isinstance(obj, Chain):
-        if obj.skip_zeros and not skip and not (at_input and not stages):
+        if obj.skip_zeros and not skip and not (at_input and not stages and not matrix):
             return "skip_zeros in a nested chain that does not receive the raw gradient"
         inner_skip = skip or obj.skip_zeros
         for i, child in enumerate(obj.transforms):
             key = obj.names[i] if obj.names is not None else i
             reason = _walk(child, (*path, key), inner_skip, at_input and i == 0, stages,
-                           paths, skips)
+                           paths, skips, matrix)
             if reason:
                 return reason
         return None

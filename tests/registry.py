@@ -296,6 +296,9 @@ TRANSFORMS: list[Entry] = [
           eight_bit=True,
           example={"b1": 0.9, "b2": 0.999, "b3": 0.999, "alpha": 5.0, "eps": 1e-8}),
     Entry("scale_by_sign", ftopt.scale_by_sign, keeps_zero=True),
+    # A matrix stage (ftopt.matrix): the elementwise stages around it fuse in segments.
+    Entry("scale_by_row_norm", ftopt.scale_by_row_norm, floats={"eps": HP(0.0, 1e-3)},
+          keeps_zero=True, example={"eps": 1e-8}),
     Entry("scale_by_lion", ftopt.scale_by_lion, floats={"b1": BETA, "b2": BETA},
           states=("mu",), counted=True, eight_bit=True,
           example={"b1": 0.9, "b2": 0.99}),

@@ -35,6 +35,8 @@ class TracedChain:
     lanes are neither loaded nor stored (their old values stay in memory).
     ``output``: ``"p"`` (a step: writes the new params) or ``"u"`` (an update: writes
     the chain's update in fp32 and reads params only where a rule uses them).
+    ``seeded``: a segment after a matrix stage: the first stage's ``u`` is read from the
+    ``x`` role (fp32), and ``g``, the raw gradient, only decides ``skip_zeros``.
     """
 
     graph: Graph
@@ -45,10 +47,11 @@ class TracedChain:
     slot_roles: list[tuple[int, str]] = field(default_factory=list)  # (stage, slot name)
     stores: list[tuple[str, str]] = field(default_factory=list)  # (role, node)
     levels: int = 0
+    seeded: bool = False
 
 
 def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
-                output: str = "p") -> TracedChain:
+                output: str = "p", seeded: bool = False) -> TracedChain:
     """Runs every stage's body on symbols, feeding each stage's ``u`` to the next.
 
     ``skips[i]``: stage ``i`` is inside a skip_zeros chain; its update is zero and its
@@ -67,10 +70,15 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
         g.add("g != 0.0", ("g",), "elem", name="keep")
     p = g.add("tl.load(p_ptr + offs{LMASK}).to(tl.float32)", ("keep",) if in_place else (),
               "elem", name="p")
-    traced = TracedChain(g, stages, list(skips), in_place, output)
+    traced = TracedChain(g, stages, list(skips), in_place, output, seeded=seeded)
     algebra = _SymbolicAlgebra(traced, p, zero_node, neg_zero)
+    first = g.sym("g")
+    if seeded:
+        first = g.add("tl.load(x_ptr + offs{LMASK})", ("keep",) if in_place else (), "elem",
+                      name="x")
     # (In place, zero-gradient lanes are neither loaded nor stored: no selects.)
-    u = program.trace_chain(stages, skips, algebra, g.sym("g"), selects=not in_place)
+    u = program.trace_chain(stages, skips, algebra, first, selects=not in_place,
+                            zero_from=g.sym("g"))
     if output == "p":
         traced.stores.append(("p_out", (p + u).name))
     else:
@@ -78,7 +86,7 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     traced.levels = max((r.level for r in g.reductions), default=0)
     if in_place and g.reductions:
         # Norms (of p, say) need every lane loaded: select old values instead.
-        return trace_chain(stages, skips, donate=False, output=output)
+        return trace_chain(stages, skips, donate=False, output=output, seeded=seeded)
     return traced
 
 
@@ -164,7 +172,7 @@ def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list
 
 
 def _pointer_var(role: str) -> str:
-    return {"g": "g_ptr", "p": "p_ptr"}.get(role, role)
+    return {"g": "g_ptr", "p": "p_ptr", "x": "x_ptr"}.get(role, role)
 
 
 def _signature(roles: list[str], extra: list[str], n_scalars: int, variant: Variant,
@@ -201,7 +209,8 @@ def _count_lines(traced: TracedChain) -> tuple[list[str], list[str]]:
 
 def _role_dtypes(traced: TracedChain, variant: Variant) -> dict:
     p_name, g_name = _TL_DTYPES[variant.p_dtype], _TL_DTYPES[variant.g_dtype]
-    dtypes = {"g": g_name, "p": p_name, "p_out": p_name, "u_out": "tl.float32"}
+    dtypes = {"g": g_name, "p": p_name, "p_out": p_name, "u_out": "tl.float32",
+              "x": "tl.float32"}
     state = "tl.uint8" if variant.quant_block else "tl.float32"
     for i, name in traced.slot_roles:
         for io in ("in", "out"):
@@ -211,7 +220,8 @@ def _role_dtypes(traced: TracedChain, variant: Variant) -> dict:
 
 
 def input_roles(traced: TracedChain, quantized: bool = False) -> list[str]:
-    roles = ["g", "p"] + [f"st{i}_{n}_in" for i, n in traced.slot_roles]
+    roles = ["g", "p"] + (["x"] if traced.seeded else [])
+    roles += [f"st{i}_{n}_in" for i, n in traced.slot_roles]
     if quantized:
         roles += [f"st{i}_{n}_amax_in" for i, n in traced.slot_roles]
     return roles

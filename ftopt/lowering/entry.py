@@ -15,18 +15,15 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.combine import owner
-from ftopt.lowering import execute, functional
+from ftopt.lowering import execute, functional, segments
+from ftopt.lowering.calls import checked_call, launch_call, with_stage_states
 from ftopt.lowering.plan import (
     SEPARATE_OUTPUTS,
     ChainPlan,
-    call_reason,
     fast_path_allowed,
-    get_checked,
     plan_chain,
-    slot_reason,
 )
-from ftopt.stages import check_state_tree, with_state_at
-from ftopt.validate import check_count, check_leaf, check_slots
+from ftopt.stages import check_state_tree
 
 __all__ = ["step", "update"]
 
@@ -58,42 +55,16 @@ def _full_call(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, back
     transform, whose state containers are checked as its eager update checks them."""
     if tx is not None:
         check_state_tree(owner(tx), state)
-    stage_states = [get_checked(state, path, stage) for path, stage in
-                    zip(plan.state_paths, plan.stages)]
-    slot_flat = [
-        {s.name: tree_lib.flatten_like(spec, getattr(st, s.name), f"state {s.name}", paths)
-         for s in stage.rule.slots}
-        for stage, st in zip(plan.stages, stage_states)
-    ]
-    active = [i for i, g in enumerate(g_flat) if g is not None]
-    # The checks of the eager path (the same functions), before anything is written.
-    for i in active:
-        p = p_flat[i] if params is not None else None
-        check_leaf(paths[i], g_flat[i], p, params is not None)
-        for stage, slots in zip(plan.stages, slot_flat):
-            check_slots(stage, paths[i], g_flat[i], p, {k: v[i] for k, v in slots.items()})
-    for stage, st in zip(plan.stages, stage_states):
-        if stage.rule.counted:
-            check_count(stage.rule.name, st.count)
-    reason = call_reason(plan, p_flat, g_flat, active, backend, grads_too=output == "u",
-                         donate=donate, paths=paths)
-    if reason is None:
-        reason = slot_reason(plan, slot_flat, active, paths)
+    if plan.segments is not None:
+        return segments.run(plan, params, state, spec, paths, p_flat, g_flat, backend,
+                            donate, output)
+    checked, reason = checked_call(plan, params, state, paths, p_flat, g_flat, backend,
+                                   donate, output, spec)
     if reason is not None:
         return None, reason
-    new, new_stage_states, prepared = execute.execute(
-        plan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active, params, state,
-        donate, output)
-    if not donate and prepared is not None:
-        functional.remember(plan, output, prepared, spec, params, g_flat, slot_flat, p_flat)
-    new_state = _with_stage_states(plan, state, new_stage_states)
+    new, new_state = launch_call(plan, checked, params, state, spec, paths, p_flat, g_flat,
+                                 donate, output)
     return (new, new_state), None
-
-
-def _with_stage_states(plan: ChainPlan, state, stage_states):
-    for path, st in zip(plan.state_paths, stage_states):
-        state = with_state_at(state, path, st)
-    return state
 
 
 def _functional(plan: ChainPlan, params, grads, state, output: str, backend: str):
@@ -106,7 +77,7 @@ def _functional(plan: ChainPlan, params, grads, state, output: str, backend: str
     if got is None:
         return None
     new, stage_states = got
-    return new, _with_stage_states(plan, state, stage_states)
+    return new, with_stage_states(plan, state, stage_states)
 
 
 def update(tx, updates, state, params, backend: str):

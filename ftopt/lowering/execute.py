@@ -142,7 +142,7 @@ class PreparedStep:
     """Groups and tables for one set of (params, grads, states) tensors."""
 
     def __init__(self, plan: ChainPlan, paths, p_flat, g_flat, slot_flat, p_out, slot_out,
-                 active, params, donate: bool, output: str = "p"):
+                 active, params, donate: bool, output: str = "p", x_flat=None):
         traced = plan.traced(donate, output)
         self.traced = traced
         self.plan = plan
@@ -166,7 +166,8 @@ class PreparedStep:
             group.quant_block = quant_block
             if quant_block:
                 group.qmaps = (dynamic_map(True, self.device), dynamic_map(False, self.device))
-            roles = _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out)
+            roles = _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
+                                 x_flat)
             group.addresses = {r: _addresses(ts, self.device) for r, ts in roles.items()}
             group.aligned = all(t.data_ptr() % 16 == 0 for ts in roles.values() for t in ts)
             rows = [[1.0 if masks[i] is None or masks[i][leaf] else 0.0
@@ -265,10 +266,13 @@ def _quant_block(plan: ChainPlan, slot_flat, i: int) -> int:
     return 0
 
 
-def _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out) -> dict:
+def _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
+                 x_flat=None) -> dict:
     """Role -> the tensors of the group's leaves (8-bit slots: codes and absmax)."""
     roles = {"g": [g_flat[i] for i in leaves], "p": [p_flat[i] for i in leaves],
              f"{traced.output}_out": [p_out[i] for i in leaves]}
+    if traced.seeded:
+        roles["x"] = [x_flat[i] for i in leaves]
     for stage_i, name in traced.slot_roles:
         for io, source in (("in", slot_flat), ("out", slot_out)):
             items = [source[stage_i][name][i] for i in leaves]
@@ -341,12 +345,14 @@ def fast_step(plan: ChainPlan, params, grads, state):
 
 
 def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active,
-            params, state, donate: bool, output: str = "p"):
+            params, state, donate: bool, output: str = "p", x_flat=None):
     """The full step: builds (and, donated, caches) the prepared tables, then launches.
 
-    ``output="u"``: an update (never donated): returns the updates (fp32; ``None`` where
-    the gradient is ``None``) in place of the new params. ``p_flat`` then holds the
-    params, or the gradients as stand-ins when the chain reads no params.
+    ``output="u"``: an update: returns the updates (fp32; ``None`` where the gradient is
+    ``None``) in place of the new params (donated: the states are written in place, as a
+    segment before a matrix stage does). ``p_flat`` then holds the params, or the
+    gradients as stand-ins when the chain reads no params. ``x_flat``: a seeded segment's
+    input (see :mod:`ftopt.lowering.segments`).
     """
     if donate:
         check_disjoint(paths, p_flat)
@@ -357,19 +363,20 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
                                                device)
     p_out = list(p_flat) if output == "p" else [None] * len(p_flat)
     slot_out = [{name: list(leaves) for name, leaves in slots.items()} for slots in slot_flat]
+    for i in active if output == "u" or not donate else ():
+        p_out[i] = (torch.empty_like(p_flat[i]) if output == "p" else
+                    torch.empty(g_flat[i].shape, dtype=torch.float32, device=device))
     if not donate:
         for i in active:
-            p_out[i] = (torch.empty_like(p_flat[i]) if output == "p" else
-                        torch.empty(g_flat[i].shape, dtype=torch.float32, device=device))
             for slots in slot_out:
                 for leaves in slots.values():
                     leaves[i] = _empty_like(leaves[i])
     prepared = None
     if active:
         prepared = PreparedStep(plan, paths, p_flat, g_flat, slot_flat, p_out, slot_out,
-                                active, params, donate, output)
+                                active, params, donate, output, x_flat)
         prepared.launch(_scalars(plan, prepared.traced, steps, device), pairs)
-        if donate:
+        if donate and output == "p" and not plan.seeded:
             prepared.spec = spec
             prepared.flat_getter = flat_dict_getter(params)
             prepared.flat_len = len(params) if prepared.flat_getter else 0

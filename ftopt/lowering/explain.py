@@ -8,6 +8,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, check_transform
+from ftopt.lowering import segments
 from ftopt.lowering.codegen import level_reductions
 from ftopt.lowering.plan import _DTYPE_BYTES, call_reason, plan_chain
 from ftopt.validate import check_leaf
@@ -48,6 +49,8 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     lines = [f"ftopt plan: {len(plan.stages)} elementwise stages"
              + (f" ({', '.join(s.rule.name for s in plan.stages)})" if plan.stages else "")
              + (", skip_zeros" if any(plan.skips) else "")]
+    if plan.segments is not None:
+        lines.append(f"segments: {segments.describe(plan)}")
     quant = next((s.quant for s in plan.stages if s.quant is not None and s.rule.slots), None)
     groups: dict[tuple, list[int]] = {}
     for i in active:
@@ -63,26 +66,39 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
         if reason is not None:
             lines.append(f"  path: eager ({reason})")
             continue
-        traced = plan.traced(donate=False)
         p_bytes = _DTYPE_BYTES[p_dtype]
         g_bytes = _DTYPE_BYTES[g_dtype]
         slot_bytes = 1 + 4 / quant.block_size if eight_bit else 4
-        slots = len(traced.slot_roles)
-        read = round(g_bytes + p_bytes + slot_bytes * slots, 3)
-        written = round(p_bytes + slot_bytes * slots, 3)
-        extra = sum(_reduction_reads(traced, lv, p_bytes, g_bytes)
-                    for lv in range(1, traced.levels + 1))
-        launches = 1 + 2 * traced.levels
-        lines.append("  path: fused (one Triton kernel over all leaves of the group)")
+        parts = plan.segments if plan.segments is not None else [plan]
+        kernels = [part for part in parts if not isinstance(part, tuple)]
+        read = written = extra = levels = 0.0
+        for k, part in enumerate(kernels):
+            traced = part.traced(donate=False, output="p" if k == len(kernels) - 1 else "u")
+            slots = len(traced.slot_roles)
+            read += g_bytes + p_bytes + slot_bytes * slots + (4 if traced.seeded else 0)
+            written += (p_bytes if traced.output == "p" else 4) + slot_bytes * slots
+            extra += sum(_reduction_reads(traced, lv, p_bytes, g_bytes)
+                         for lv in range(1, traced.levels + 1))
+            levels += traced.levels
+        launches = len(kernels) + 2 * int(levels)
+        lines.append("  path: fused (one Triton kernel over all leaves of the group"
+                     + (" per segment)" if plan.segments is not None else ")"))
         lines.append(f"  kernel launches per step: {launches} "
-                     f"({traced.levels} norm pass(es) + 1 main)")
-        lines.append(f"  bytes per element: main kernel reads {read}, writes {written}"
-                     + (f"; norm passes read {extra} more" if extra else ""))
+                     f"({int(levels)} norm pass(es) + {len(kernels)} main)")
+        main = ("main kernel reads {}, writes {}" if len(kernels) == 1 else
+                "main kernels read {}, write {}").format(_num(read), _num(written))
+        lines.append(f"  bytes per element: {main}"
+                     + (f"; norm passes read {_num(extra)} more" if extra else ""))
     if not groups:
         lines.append("no leaf has a gradient: nothing to do")
     text = "\n".join(lines)
     print(text, file=file)
     return text
+
+
+def _num(x: float) -> float | int:
+    x = round(x, 3)
+    return int(x) if x == int(x) else x
 
 
 def _name(dtype: torch.dtype) -> str:

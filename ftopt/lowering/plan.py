@@ -40,6 +40,10 @@ class ChainPlan:
     tensor_hparams: bool | None = None  # a hyperparameter is a tensor (known once asked)
     constant_hparams: list | None = None  # per stage: its hparams if constant (see execute)
     functional: dict = field(default_factory=dict)  # see lowering.functional
+    # A chain with matrix stages: its parts in order, each a ChainPlan of the rules
+    # between two matrix stages or a (matrix stage, skip) pair (see lowering.segments).
+    segments: list | None = None
+    seeded: bool = False  # a segment after a matrix stage: its input is not the gradient
     _traced: dict = field(default_factory=dict)
 
     def traced(self, donate: bool = False, output: str = "p"):
@@ -47,7 +51,8 @@ class ChainPlan:
         step (``output="p"``) or an update (``"u"``)."""
         key = (donate, output)
         if key not in self._traced:
-            self._traced[key] = trace_chain(self.stages, self.skips, donate, output)
+            self._traced[key] = trace_chain(self.stages, self.skips, donate, output,
+                                            self.seeded)
         return self._traced[key]
 
 
@@ -66,9 +71,29 @@ def plan_chain(tx) -> ChainPlan:
     if plan is None:
         plan = ChainPlan(list(found.stages), list(found.state_paths), list(found.skips),
                          found.reason)
+        if found.segmented:
+            plan.segments = _segments(found)
+            plan.reason = None
         if obj is not None:
             _PLANS[obj] = plan
     return plan
+
+
+def _segments(found) -> list:
+    """The rules between matrix stages as sub-plans, with the matrix stages between."""
+    out: list = []
+    start = 0
+    bounds = [(position, (stage, skip)) for position, stage, skip in found.matrix]
+    for end, matrix in [*bounds, (len(found.stages), None)]:
+        if end > start or matrix is None:
+            part = ChainPlan(list(found.stages[start:end]),
+                             list(found.state_paths[start:end]), list(found.skips[start:end]))
+            part.seeded = bool(out)
+            out.append(part)
+        if matrix is not None:
+            out.append(matrix)
+        start = end
+    return out
 
 
 def triton_missing() -> str | None:

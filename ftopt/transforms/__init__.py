@@ -15,6 +15,7 @@ from ftopt.transforms.clipping import (
     clip_by_param_norm_ratio,
     scale_by_trust_ratio,
 )
+from ftopt.transforms.matrix_stages import scale_by_row_norm
 from ftopt.transforms.momentum import TraceState, trace
 from ftopt.transforms.scaling import (
     ScaleByScheduleState,
@@ -44,6 +45,7 @@ __all__ = [
     "scale_by_learning_rate",
     "scale_by_lion",
     "scale_by_rms",
+    "scale_by_row_norm",
     "scale_by_rss",
     "scale_by_sign",
     "scale_by_trust_ratio",

@@ -1,0 +1,62 @@
+"""One fused call of a plan, in two parts: the checks (before anything is written) and
+the kernels. :mod:`ftopt.lowering.entry` runs them back to back; a chain with matrix stages
+(:mod:`ftopt.lowering.segments`) checks every segment before it runs the first."""
+
+from __future__ import annotations
+
+from ftopt import tree as tree_lib
+from ftopt.lowering import execute, functional
+from ftopt.lowering.plan import ChainPlan, call_reason, get_checked, slot_reason
+from ftopt.stages import with_state_at
+from ftopt.validate import check_count, check_leaf, check_slots
+
+__all__ = ["checked_call", "launch_call", "with_stage_states"]
+
+
+def checked_call(plan: ChainPlan, params, state, paths, p_flat, g_flat, backend: str,
+                 donate: bool, output: str, spec):
+    """The eager path's checks of a call (the same functions, before anything is
+    written) and the fused path's conditions: ``((stage states, slots, active), None)``,
+    or ``(None, reason)``."""
+    stage_states = [get_checked(state, path, stage) for path, stage in
+                    zip(plan.state_paths, plan.stages)]
+    slot_flat = [
+        {s.name: tree_lib.flatten_like(spec, getattr(st, s.name), f"state {s.name}", paths)
+         for s in stage.rule.slots}
+        for stage, st in zip(plan.stages, stage_states)
+    ]
+    active = [i for i, g in enumerate(g_flat) if g is not None]
+    for i in active:
+        p = p_flat[i] if params is not None else None
+        check_leaf(paths[i], g_flat[i], p, params is not None)
+        for stage, slots in zip(plan.stages, slot_flat):
+            check_slots(stage, paths[i], g_flat[i], p, {k: v[i] for k, v in slots.items()})
+    for stage, st in zip(plan.stages, stage_states):
+        if stage.rule.counted:
+            check_count(stage.rule.name, st.count)
+    reason = call_reason(plan, p_flat, g_flat, active, backend, grads_too=output == "u",
+                         donate=donate, paths=paths)
+    if reason is None:
+        reason = slot_reason(plan, slot_flat, active, paths)
+    if reason is not None:
+        return None, reason
+    return (stage_states, slot_flat, active), None
+
+
+def launch_call(plan: ChainPlan, checked, params, state, spec, paths, p_flat, g_flat,
+                donate: bool, output: str, x_flat=None, remember: bool = True):
+    """The kernels of a checked call: ``(new params or updates, new state)``.
+    ``remember``: keep the tables for the next non-donated call (a whole chain's)."""
+    stage_states, slot_flat, active = checked
+    new, new_stage_states, prepared = execute.execute(
+        plan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active, params, state,
+        donate, output, x_flat)
+    if remember and not donate and prepared is not None:
+        functional.remember(plan, output, prepared, spec, params, g_flat, slot_flat, p_flat)
+    return new, with_stage_states(plan, state, new_stage_states)
+
+
+def with_stage_states(plan: ChainPlan, state, stage_states):
+    for path, st in zip(plan.state_paths, stage_states):
+        state = with_state_at(state, path, st)
+    return state

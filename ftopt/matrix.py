@@ -1,0 +1,111 @@
+"""Matrix stages: transforms whose math reads a whole leaf (rows, columns, matrix products).
+
+An elementwise rule (:mod:`ftopt.rules`) sees one element at a time; a matrix stage sees
+whole leaves. :class:`MatrixTransform` is one: ``fn`` maps a batch of equal-shaped leaves
+(a ``(B, *shape)`` tensor, in the compute dtype) to the batch of their new updates, and
+leaves it does not apply to (``applies(leaf)`` false: by default any leaf that is not
+2-D) pass through. Leaves of one shape, dtype and device are stacked into one call, so a
+model's dozens of equal-shaped matrices cost one batched torch call, not one each.
+
+In a chain, the fused backend runs the elementwise stages around a matrix stage as fused
+kernels (one segment before it, one after, see :mod:`ftopt.lowering.segments`) and the
+matrix stage between them with torch ops on the segment's output. ``skip_zeros`` is the
+same on both backends (SPEC §3): the mask is the raw gradient's, and the stage's update
+is ``-0.0`` where it is zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from ftopt import tree as tree_lib
+from ftopt.base import EmptyState, GradientTransformation, register_owner
+from ftopt.program import skip_update
+from ftopt.rule_transform import flatten_params_like
+from ftopt.rules import compute_dtype
+from ftopt.validate import check_leaf
+
+__all__ = ["MatrixTransform", "matrix_transform", "is_matrix_2d"]
+
+
+def is_matrix_2d(leaf: torch.Tensor) -> bool:
+    """The default ``applies``: 2-D leaves with no empty dimension."""
+    return leaf.dim() == 2 and leaf.numel() > 0
+
+
+class MatrixTransform:
+    """A stateless matrix stage (see the module docstring).
+
+    ``fn(batch) -> batch``: a ``(B, *shape)`` float tensor (fp32 or wider) in, the same
+    shape out. ``mask_aware``: the chain's ``skip_zeros`` mask reaches :meth:`update`,
+    which applies it to this stage's output itself.
+    """
+
+    matrix_stage = True
+    mask_aware = True
+
+    def __init__(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor],
+                 applies: Callable[[torch.Tensor], bool] = is_matrix_2d):
+        self.name, self.fn, self.applies = name, fn, applies
+        register_owner(self)
+
+    def init(self, params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def apply_flat(self, u_flat: Sequence[Any], zero_flat: Sequence[Any] | None = None
+                   ) -> list:
+        """The stage on a list of leaves (``None`` stays ``None``), batched by shape, dtype
+        and device; ``zero_flat``: per leaf, where the raw gradient is zero (the update
+        there becomes ``-0.0``)."""
+        out = list(u_flat)
+        groups: dict[tuple, list[int]] = {}
+        for i, u in enumerate(u_flat):
+            if u is None:
+                continue
+            if not isinstance(u, torch.Tensor):
+                raise TypeError(f"{self.name}: expected tensors, got {type(u).__name__}")
+            dtype = compute_dtype(u)
+            if self.applies(u):
+                groups.setdefault((tuple(u.shape), dtype, u.device), []).append(i)
+            else:
+                out[i] = u.to(dtype)
+        for (_, dtype, _), leaves in groups.items():
+            batch = torch.stack([u_flat[i].to(dtype) for i in leaves])
+            result = self.fn(batch)
+            if result.shape != batch.shape:
+                raise ValueError(f"{self.name}: the stage returned shape "
+                                 f"{tuple(result.shape)} for a batch of {tuple(batch.shape)}")
+            for j, i in enumerate(leaves):
+                out[i] = result[j]
+        if zero_flat is not None:
+            out = [u if u is None or z is None else skip_update(u, z)
+                   for u, z in zip(out, zero_flat)]
+        return out
+
+    def update(self, updates, state, params=None, **extra):
+        spec = optree.tree_structure(updates, none_is_leaf=True, namespace="ftopt")
+        paths = [tree_lib.path_str(p) for p in optree.tree_paths(
+            updates, none_is_leaf=True, namespace="ftopt")]
+        leaves = spec.flatten_up_to(updates)
+        p_flat = (flatten_params_like(spec, params, paths, updates) if params is not None
+                  else [None] * len(leaves))
+        for path, u, p in zip(paths, leaves, p_flat):
+            if u is not None:
+                check_leaf(path, u, p, params is not None)
+        zero = extra.get("zero_mask")
+        zero_flat = (tree_lib.flatten_like(spec, zero, "zero_mask", paths)
+                     if zero is not None else None)
+        return tree_lib.unflatten(spec, self.apply_flat(leaves, zero_flat)), state
+
+
+def matrix_transform(name: str, fn: Callable[[torch.Tensor], torch.Tensor],
+                     applies: Callable[[torch.Tensor], bool] = is_matrix_2d
+                     ) -> GradientTransformation:
+    """A :class:`MatrixTransform` as a ``GradientTransformation``."""
+    obj = MatrixTransform(name, fn, applies)
+    return GradientTransformation(obj.init, obj.update)
