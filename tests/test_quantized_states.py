@@ -35,8 +35,8 @@ BLOCK = 256
 MIN_SIZE = 4096
 SIGNED = create_dynamic_map(signed=True)
 UNSIGNED = create_dynamic_map(signed=False)
-SIGNED_SLOTS = {"mu", "trace", "m1", "m2"}
-UNSIGNED_SLOTS = {"nu", "sum_of_squares"}
+SIGNED_SLOTS = {"mu", "trace", "m1", "m2", "m", "ema", "previous_gradient"}
+UNSIGNED_SLOTS = {"nu", "sum_of_squares", "nu_max", "n", "e_g", "e_x"}
 
 T = ftopt
 # Hand-picked hyperparameters for registry entries (by registry name; the others run with
