@@ -18,6 +18,7 @@ import torch
 
 from ftopt.alias import adam, adamw, check_state_bits, finish
 from ftopt.base import GradientTransformation
+from ftopt.domains import UNIT, check_hparam
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.transforms import (
     add_decayed_weights,
@@ -96,7 +97,8 @@ def amsgrad(
     them). See :func:`ftopt.scale_by_amsgrad` for how torch's ``amsgrad=True`` differs.
     """
     check_state_bits("amsgrad", state_bits)
-    parts = [scale_by_amsgrad(b1, b2, eps, eps_root, bias_correction_mu, bias_correction_nu),
+    parts = [scale_by_amsgrad(b1, b2, eps, eps_root, bias_correction_mu=bias_correction_mu,
+                              bias_correction_nu=bias_correction_nu),
              scale_by_learning_rate(learning_rate)]
     return finish(parts, skip_zeros, state_bits)
 
@@ -248,6 +250,7 @@ def signum(
 ) -> GradientTransformation:
     """Signum (signSGD with momentum): ``chain(ema(beta, debias=False), scale_by_sign(),
     scale_by_learning_rate(lr))``: m ← beta·m + (1−beta)·g; p ← p − lr·sign(m)."""
+    check_hparam("signum", "beta", beta, UNIT)  # named as the caller wrote it, not ema's decay
     check_state_bits("signum", state_bits)
     parts = [ema(beta, debias=False), scale_by_sign(), scale_by_learning_rate(learning_rate)]
     return finish(parts, skip_zeros, state_bits)

@@ -100,6 +100,7 @@ def scale_by_amsgrad(
     b2: Float = 0.999,
     eps: Float = 1e-8,
     eps_root: Float = 0.0,
+    *,
     bias_correction_mu: bool = True,
     bias_correction_nu: bool = True,
 ) -> GradientTransformation:
@@ -109,7 +110,8 @@ def scale_by_amsgrad(
     mu ← b1·mu + (1−b1)·u; nu ← b2·nu + (1−b2)·u²;
     nu_max ← max(nu_max, nu/(1−b2ᵗ)); u ← m̂/(√(nu_max+eps_root)+eps), m̂ = mu/(1−b1ᵗ).
     ``bias_correction_mu=False`` uses m̂ = mu, ``bias_correction_nu=False`` takes the
-    maximum of the uncorrected nu (the original paper: both False).
+    maximum of the uncorrected nu (the original paper: both False). The switches are
+    keyword-only (optax takes ``mu_dtype`` before them).
 
     torch.optim.Adam(amsgrad=True) differs: it keeps the maximum of the *uncorrected* nu and
     divides that by the current 1−b2ᵗ (``max(nu)/(1−b2ᵗ)`` rather than
