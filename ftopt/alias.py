@@ -42,7 +42,8 @@ def _check_momentum(alias: str, momentum: Any) -> None:
         check_hparam(alias, "momentum (the decay of trace)", momentum, NONNEG)
 
 
-def _check_state_bits(alias: str, state_bits: Any) -> None:
+def check_state_bits(alias: str, state_bits: Any) -> None:
+    """Raise unless ``state_bits`` (an alias' keyword) is 8 or 32."""
     if not isinstance(state_bits, int) or isinstance(state_bits, bool):
         raise TypeError(f"{alias}: state_bits must be 8 or 32, got "
                         f"{type(state_bits).__name__} {state_bits!r}")
@@ -50,7 +51,9 @@ def _check_state_bits(alias: str, state_bits: Any) -> None:
         raise ValueError(f"{alias}: state_bits must be 8 or 32, got {state_bits}")
 
 
-def _finish(parts: list, skip_zeros: bool, state_bits: int) -> GradientTransformation:
+def finish(parts: list, skip_zeros: bool, state_bits: int) -> GradientTransformation:
+    """An alias' chain of ``parts``: skip-aware with ``skip_zeros``, 8-bit states with
+    ``state_bits=8``."""
     if skip_zeros:
         parts.append(skip_zeros_marker())
     tx = chain(*parts)
@@ -69,9 +72,9 @@ def sgd(
 ) -> GradientTransformation:
     """SGD, with optional (Nesterov) momentum: ``chain(trace(momentum), lr)``."""
     _check_momentum("sgd", momentum)
-    _check_state_bits("sgd", state_bits)
+    check_state_bits("sgd", state_bits)
     parts = [] if momentum is None else [trace(momentum, nesterov)]
-    return _finish([*parts, scale_by_learning_rate(learning_rate)], skip_zeros, state_bits)
+    return finish([*parts, scale_by_learning_rate(learning_rate)], skip_zeros, state_bits)
 
 
 def adam(
@@ -86,10 +89,10 @@ def adam(
     state_bits: int = 32,
 ) -> GradientTransformation:
     """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr))``."""
-    _check_state_bits("adam", state_bits)
+    check_state_bits("adam", state_bits)
     parts = [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
              scale_by_learning_rate(learning_rate)]
-    return _finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits)
 
 
 def adamw(
@@ -110,11 +113,11 @@ def adamw(
     The decay is multiplied by the learning rate: p ← p − lr·(m̂/(√v̂+eps) + wd·p), which
     is torch.optim.AdamW and bitsandbytes' Adam/AdamW.
     """
-    _check_state_bits("adamw", state_bits)
+    check_state_bits("adamw", state_bits)
     parts = [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
              add_decayed_weights(weight_decay, mask),
              scale_by_learning_rate(learning_rate)]
-    return _finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits)
 
 
 def lion(
@@ -128,10 +131,10 @@ def lion(
     state_bits: int = 32,
 ) -> GradientTransformation:
     """Lion: ``chain(scale_by_lion(b1, b2), add_decayed_weights(wd, mask), lr)``."""
-    _check_state_bits("lion", state_bits)
+    check_state_bits("lion", state_bits)
     parts = [scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask),
              scale_by_learning_rate(learning_rate)]
-    return _finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits)
 
 
 def rmsprop(
@@ -148,12 +151,12 @@ def rmsprop(
 ) -> GradientTransformation:
     """RMSprop: ``chain(scale_by_rms(...), lr, trace(momentum))`` (optax's order)."""
     _check_momentum("rmsprop", momentum)
-    _check_state_bits("rmsprop", state_bits)
+    check_state_bits("rmsprop", state_bits)
     parts = [scale_by_rms(decay, eps, initial_scale, eps_in_sqrt=eps_in_sqrt),
              scale_by_learning_rate(learning_rate)]
     if momentum is not None:
         parts.append(trace(momentum, nesterov))
-    return _finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits)
 
 
 def adagrad(
@@ -165,10 +168,10 @@ def adagrad(
     state_bits: int = 32,
 ) -> GradientTransformation:
     """Adagrad: ``chain(scale_by_rss(initial_accumulator_value, eps), lr)``."""
-    _check_state_bits("adagrad", state_bits)
+    check_state_bits("adagrad", state_bits)
     parts = [scale_by_rss(initial_accumulator_value, eps),
              scale_by_learning_rate(learning_rate)]
-    return _finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits)
 
 
 def lamb(
@@ -184,10 +187,10 @@ def lamb(
     state_bits: int = 32,
 ) -> GradientTransformation:
     """LAMB: ``chain(scale_by_adam, add_decayed_weights, scale_by_trust_ratio, lr)``."""
-    _check_state_bits("lamb", state_bits)
+    check_state_bits("lamb", state_bits)
     parts = [scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
              scale_by_trust_ratio(), scale_by_learning_rate(learning_rate)]
-    return _finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits)
 
 
 def lars(
@@ -206,7 +209,7 @@ def lars(
     """LARS (optax order): ``chain(add_decayed_weights, masked(scale_by_trust_ratio),
     lr, trace(momentum))``."""
     _check_momentum("lars", momentum)
-    _check_state_bits("lars", state_bits)
+    check_state_bits("lars", state_bits)
     parts = [
         add_decayed_weights(weight_decay, mask=_all_or(weight_decay_mask)),
         _maybe_masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps),
@@ -214,7 +217,7 @@ def lars(
         scale_by_learning_rate(learning_rate),
         trace(momentum, nesterov),
     ]
-    return _finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits)
 
 
 def _all_or(mask: Any) -> Any:
@@ -240,7 +243,7 @@ def ademamix(
     state_bits: int = 32,
 ) -> GradientTransformation:
     """AdEMAMix (as optax.contrib): ``chain(scale_by_ademamix, add_decayed_weights, lr)``."""
-    _check_state_bits("ademamix", state_bits)
+    check_state_bits("ademamix", state_bits)
     parts = [scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root),
              add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]
-    return _finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits)

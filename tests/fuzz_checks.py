@@ -33,7 +33,7 @@ from ftopt.quant import dequantize_blockwise, dynamic_map, encode_with_absmax, e
 from ftopt.rules import QuantizedSlot
 
 STATS: collections.Counter = collections.Counter()
-SIGNED = {"mu", "trace", "m1", "m2"}
+SIGNED = {"mu", "trace", "m1", "m2", "m", "ema", "previous_gradient"}
 BLOCK = 256
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

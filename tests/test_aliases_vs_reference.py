@@ -15,6 +15,7 @@ from __future__ import annotations
 import optree
 import pytest
 import reference as R
+import reference_variants as RV
 import torch
 from registry import by_trait, names, require
 
@@ -127,6 +128,85 @@ CASES = {
         lambda: R.RefAdEMAMix(0.01, b1=0.8, b2=0.95, b3=0.99, alpha=3.0, eps=1e-3,
                               eps_root=1e-5, weight_decay=0.1),
     ),
+    # ---- ftopt.alias_variants (reference_variants.py)
+    "adamax": (
+        lambda: ftopt.adamax(0.01, b1=0.8, b2=0.95, eps=1e-3),
+        lambda: RV.RefAdamax(0.01, b1=0.8, b2=0.95, eps=1e-3),
+    ),
+    "adamaxw": (
+        lambda: ftopt.adamaxw(0.01, b1=0.85, b2=0.99, eps=1e-4, weight_decay=0.1),
+        lambda: RV.RefAdamax(0.01, b1=0.85, b2=0.99, eps=1e-4, weight_decay=0.1),
+    ),
+    "amsgrad": (
+        lambda: ftopt.amsgrad(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-5),
+        lambda: RV.RefAmsgrad(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-5),
+    ),
+    "amsgrad_uncorrected": (  # the original paper: no bias corrections
+        lambda: ftopt.amsgrad(0.01, b1=0.8, b2=0.9, eps=1e-3, bias_correction_mu=False,
+                              bias_correction_nu=False),
+        lambda: RV.RefAmsgrad(0.01, b1=0.8, b2=0.9, eps=1e-3, bias_correction_mu=False,
+                              bias_correction_nu=False),
+    ),
+    "nadam": (
+        lambda: ftopt.nadam(0.01, b1=0.85, b2=0.97, eps=1e-4, eps_root=1e-5),
+        lambda: RV.RefNAdamW(0.01, b1=0.85, b2=0.97, eps=1e-4, eps_root=1e-5),
+    ),
+    "nadamw": (
+        lambda: ftopt.nadamw(0.01, b1=0.8, b2=0.95, eps=1e-3, weight_decay=0.2),
+        lambda: RV.RefNAdamW(0.01, b1=0.8, b2=0.95, eps=1e-3, weight_decay=0.2),
+    ),
+    "radam": (  # b2 = 0.95: ro >= 5 from step 6 on, both branches run
+        lambda: ftopt.radam(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-5),
+        lambda: RV.RefRAdam(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-5),
+    ),
+    "radam_nesterov": (
+        lambda: ftopt.radam(0.01, b1=0.85, b2=0.9, eps=1e-4, threshold=4.5, nesterov=True),
+        lambda: RV.RefRAdam(0.01, b1=0.85, b2=0.9, eps=1e-4, threshold=4.5, nesterov=True),
+    ),
+    "adabelief": (
+        lambda: ftopt.adabelief(0.01, b1=0.8, b2=0.95, eps=1e-4, eps_root=1e-6,
+                                weight_decay=0.1),
+        lambda: RV.RefAdaBelief(0.01, b1=0.8, b2=0.95, eps=1e-4, eps_root=1e-6,
+                                weight_decay=0.1),
+    ),
+    "adabelief_nesterov": (
+        lambda: ftopt.adabelief(0.01, b1=0.85, b2=0.99, eps=1e-3, nesterov=True),
+        lambda: RV.RefAdaBelief(0.01, b1=0.85, b2=0.99, eps=1e-3, nesterov=True),
+    ),
+    "yogi": (
+        lambda: ftopt.yogi(0.01, b1=0.8, b2=0.95, eps=1e-3),
+        lambda: RV.RefYogi(0.01, b1=0.8, b2=0.95, eps=1e-3),
+    ),
+    "adadelta": (
+        lambda: ftopt.adadelta(1.0, rho=0.8, eps=1e-3, weight_decay=0.1),
+        lambda: RV.RefAdadelta(1.0, rho=0.8, eps=1e-3, weight_decay=0.1),
+    ),
+    "adadelta_default_lr": (  # learning_rate=None: 1.0, a descent
+        lambda: ftopt.adadelta(rho=0.9, eps=1e-2),
+        lambda: RV.RefAdadelta(1.0, rho=0.9, eps=1e-2),
+    ),
+    "sign_sgd": (lambda: ftopt.sign_sgd(0.01), lambda: RV.RefSignSGD(0.01)),
+    "signum": (lambda: ftopt.signum(0.01, beta=0.8), lambda: RV.RefSignum(0.01, beta=0.8)),
+    "optimistic_gradient_descent": (
+        lambda: ftopt.optimistic_gradient_descent(0.05, alpha=0.7, beta=0.4),
+        lambda: RV.RefOptimisticGD(0.05, alpha=0.7, beta=0.4),
+    ),
+    "adopt": (
+        lambda: ftopt.adopt(0.01, b1=0.8, b2=0.95, eps=1e-3),
+        lambda: RV.RefAdopt(0.01, b1=0.8, b2=0.95, eps=1e-3),
+    ),
+    "adopt_nesterov_unclipped": (
+        lambda: ftopt.adopt(0.01, b1=0.85, b2=0.99, eps=1e-2, nesterov=True,
+                            use_clipping=False),
+        lambda: RV.RefAdopt(0.01, b1=0.85, b2=0.99, eps=1e-2, nesterov=True,
+                            use_clipping=False),
+    ),
+    "simplified_ademamix": (
+        lambda: ftopt.simplified_ademamix(0.002, b1=0.9, b2=0.95, alpha=2.0, eps=1e-3,
+                                          eps_root=1e-5, weight_decay=0.1),
+        lambda: RV.RefSimplifiedAdEMAMix(0.002, b1=0.9, b2=0.95, alpha=2.0, eps=1e-3,
+                                         eps_root=1e-5, weight_decay=0.1),
+    ),
     # ---- bitsandbytes rows of SPEC §4 (Adam/AdamW, AdEMAMix, Lion rows are the aliases above)
     "bnb_sgd": (
         lambda: sc.chain(sc.add_decayed_weights(0.05), sc.trace(decay=0.7),
@@ -160,6 +240,8 @@ CASES = {
 }
 
 NAMES = sorted(CASES)
+# ADOPT's first step only measures the second moment: its update is exactly zero.
+FIRST_STEP_MOVES_NOTHING = {"adopt", "adopt_nesterov_unclipped"}
 
 # The reference case of each alias of the test registry (``tests/registry.py``), by registry
 # name: a new alias there fails test_every_registry_alias_has_a_reference until it has one.
@@ -168,6 +250,11 @@ REGISTRY_CASES = {
     "lion": "lion", "rmsprop": "rmsprop", "rmsprop[momentum]": "rmsprop_momentum",
     "adagrad": "adagrad", "lamb": "lamb", "lars": "lars", "lars[masked]": "lars_masked",
     "ademamix": "ademamix",
+    "adamax": "adamax", "adamaxw": "adamaxw", "amsgrad": "amsgrad", "nadam": "nadam",
+    "nadamw": "nadamw", "radam": "radam", "adabelief": "adabelief", "yogi": "yogi",
+    "adadelta": "adadelta", "sign_sgd": "sign_sgd", "signum": "signum",
+    "optimistic_gradient_descent": "optimistic_gradient_descent", "adopt": "adopt",
+    "simplified_ademamix": "simplified_ademamix",
 }
 PATHS = ["update", "step_eager"]
 
@@ -214,6 +301,9 @@ def _update_err(updates, ref_updates):
     but not relative to its own size.
     """
     scale = max(float(ur.abs().max()) for ur in ref_updates.values() if ur.numel())
+    if scale == 0.0:  # a step that moves nothing (ADOPT's first): exactly zero updates
+        zero = all(not bool(updates[k].detach().ne(0).any()) for k in ref_updates)
+        return 0.0 if zero else float("inf")
     worst = 0.0
     for k, ur in ref_updates.items():
         u = updates[k].detach().to(torch.float64)
@@ -282,6 +372,8 @@ def test_fp32_matches_reference(name, path):
     ref = _run_fp32(name, path)
     if name in ("bnb_lamb", "bnb_lars"):  # both branches of clip_by_param_norm_ratio were taken
         assert any(ref.clip_log) and not all(ref.clip_log), ref.clip_log
+    if name.startswith("radam"):  # both branches: the momentum alone, then rectified
+        assert any(ref.rectified) and not all(ref.rectified), ref.rectified
 
 
 @pytest.mark.parametrize(
@@ -294,6 +386,14 @@ def test_fp32_matches_reference(name, path):
         ("rmsprop_eps_outside", lambda: R.RefRMSprop(0.01, decay=0.95, eps=1e-3)),
         # the LARS row without its clip (plain SGD momentum with coupled decay)
         ("bnb_lars", lambda: R.RefBnbSGD(0.5, momentum=0.8, weight_decay=0.1)),
+        # RAdam rectifying from ro >= 4.5 instead of 5 (one step earlier)
+        ("radam", lambda: RV.RefRAdam(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-5,
+                                      threshold=4.5)),
+        # ADOPT without its clipping
+        ("adopt", lambda: RV.RefAdopt(0.01, b1=0.8, b2=0.95, eps=1e-3, use_clipping=False)),
+        # AMSGrad's maximum of the uncorrected nu (torch's amsgrad=True keeps that one)
+        ("amsgrad", lambda: RV.RefAmsgrad(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-5,
+                                          bias_correction_nu=False)),
         # the trust ratio on every leaf, not only on the masked ones
         ("lars_masked", lambda: R.RefLars(0.5, weight_decay=0.1, trust_coefficient=0.02,
                                           momentum=0.8)),
@@ -327,7 +427,10 @@ def test_16bit_one_step_rounds_once(name, dtype, path):
     assert all(x.dtype == torch.float32 for x in float_states)  # fp32 state (sgd: none)
     expected = {k: v.to(dtype) for k, v in ref.step(params, grads).items()}
     assert _max_ulp(new, expected) <= 1
-    assert any(not torch.equal(new[k], params[k]) for k in params)  # the step did something
+    if name in FIRST_STEP_MOVES_NOTHING:
+        assert all(torch.equal(new[k], params[k]) for k in params)
+    else:
+        assert any(not torch.equal(new[k], params[k]) for k in params)  # the step did something
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -384,6 +487,25 @@ TORCH_CASES = {
         lambda: sc.chain(sc.add_decayed_weights(0.05), sc.trace(decay=0.7),
                          sc.scale_by_learning_rate(0.05)),
         lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.7, weight_decay=0.05),
+    ),
+    "adamax": (
+        lambda: ftopt.adamax(0.01, b1=0.8, b2=0.95, eps=1e-3),
+        lambda ps: torch.optim.Adamax(ps, lr=0.01, betas=(0.8, 0.95), eps=1e-3),
+    ),
+    "adamax_coupled_decay": (  # torch's weight_decay is an L2 term added to the gradient
+        lambda: sc.chain(sc.add_decayed_weights(0.1),
+                         sc.scale_by_adamax(b1=0.85, b2=0.99, eps=1e-4),
+                         sc.scale_by_learning_rate(0.01)),
+        lambda ps: torch.optim.Adamax(ps, lr=0.01, betas=(0.85, 0.99), eps=1e-4,
+                                      weight_decay=0.1),
+    ),
+    "radam": (  # eps small against sqrt(v_hat): torch's eps placement differs below 1e-5
+        lambda: ftopt.radam(0.01, b1=0.8, b2=0.95, eps=1e-8),
+        lambda ps: torch.optim.RAdam(ps, lr=0.01, betas=(0.8, 0.95), eps=1e-8),
+    ),
+    "adadelta": (
+        lambda: ftopt.adadelta(1.0, rho=0.8, eps=1e-3, weight_decay=0.1),
+        lambda ps: torch.optim.Adadelta(ps, lr=1.0, rho=0.8, eps=1e-3, weight_decay=0.1),
     ),
     "bnb_rmsprop": (
         lambda: sc.chain(sc.add_decayed_weights(0.1),

@@ -59,8 +59,8 @@ SHAPES = {
 }
 QUANTIZED = ("w", "v")
 WARMUP = 3
-SIGNED_SLOTS = {"mu", "trace", "m1", "m2"}
-UNSIGNED_SLOTS = {"nu", "sum_of_squares"}
+SIGNED_SLOTS = {"mu", "trace", "m1", "m2", "m", "ema", "previous_gradient"}
+UNSIGNED_SLOTS = {"nu", "sum_of_squares", "nu_max", "n", "e_g", "e_x"}
 QMAP = {True: create_dynamic_map(signed=True), False: create_dynamic_map(signed=False)}
 NAN_AT = {"w": 2000, "s": 40}  # flat indices; block 7 of "w" has no zero grads
 
@@ -180,6 +180,82 @@ CASES = {
                  T.scale_by_learning_rate(5.0), T.trace(0.8)],
         norm="leaf",
         changes={"params", "trace"},
+    ),
+    # ---- ftopt.alias_variants
+    "adamax": _alias(
+        lambda **kw: T.adamax(1e-2, b1=0.8, b2=0.95, **kw),
+        lambda: [T.scale_by_adamax(0.8, 0.95), T.scale_by_learning_rate(1e-2)],
+        changes={"params", "mu", "nu"},
+    ),
+    "adamaxw": _alias(
+        lambda **kw: T.adamaxw(1e-2, b1=0.8, b2=0.95, weight_decay=WD, **kw),
+        lambda: [T.scale_by_adamax(0.8, 0.95), T.add_decayed_weights(WD),
+                 T.scale_by_learning_rate(1e-2)],
+        changes={"params", "mu", "nu"},
+    ),
+    "amsgrad": _alias(  # nu/(1−b2ᵗ) shrinks at a zero grad: the maximum stays
+        lambda **kw: T.amsgrad(1e-2, b1=0.8, b2=0.95, **kw),
+        lambda: [T.scale_by_amsgrad(0.8, 0.95), T.scale_by_learning_rate(1e-2)],
+        changes={"params", "mu", "nu"},
+    ),
+    "nadam": _alias(
+        lambda **kw: T.nadam(1e-2, b1=0.8, b2=0.95, **kw),
+        lambda: [T.scale_by_adam(0.8, 0.95, nesterov=True), T.scale_by_learning_rate(1e-2)],
+        changes={"params", "mu", "nu"},
+    ),
+    "nadamw": _alias(
+        lambda **kw: T.nadamw(1e-2, b1=0.8, b2=0.95, weight_decay=WD, **kw),
+        lambda: [T.scale_by_adam(0.8, 0.95, nesterov=True), T.add_decayed_weights(WD),
+                 T.scale_by_learning_rate(1e-2)],
+        changes={"params", "mu", "nu"},
+    ),
+    "radam": _alias(  # the zero-grad step (t = 4, ro < 4) is the momentum branch
+        lambda **kw: T.radam(1e-2, b1=0.8, b2=0.95, **kw),
+        lambda: [T.scale_by_radam(0.8, 0.95), T.scale_by_learning_rate(1e-2)],
+        changes={"params", "mu", "nu"},
+    ),
+    "adabelief": _alias(
+        lambda **kw: T.adabelief(1e-2, b1=0.8, b2=0.95, eps=1e-6, weight_decay=WD, **kw),
+        lambda: [T.scale_by_belief(0.8, 0.95, 1e-6), T.add_decayed_weights(WD),
+                 T.scale_by_learning_rate(1e-2)],
+        changes={"params", "mu", "nu"},
+    ),
+    "yogi": _alias(  # nu − (1−b2)·sign(nu)·0 = nu: only mu moves
+        lambda **kw: T.yogi(1e-2, b1=0.8, b2=0.95, **kw),
+        lambda: [T.scale_by_yogi(0.8, 0.95, 1e-3), T.scale_by_learning_rate(1e-2)],
+        changes={"params", "mu"},
+    ),
+    "adadelta": _alias(
+        lambda **kw: T.adadelta(1.0, rho=0.8, eps=1e-4, weight_decay=WD, **kw),
+        lambda: [T.add_decayed_weights(WD), T.scale_by_adadelta(0.8, 1e-4),
+                 T.scale_by_learning_rate(1.0)],
+        changes={"params", "e_g", "e_x"},
+    ),
+    "sign_sgd": _alias(  # sign(0) = 0: skip_zeros changes nothing here
+        lambda **kw: T.sign_sgd(1e-2, **kw),
+        lambda: [T.scale_by_sign(), T.scale_by_learning_rate(1e-2)],
+    ),
+    "signum": _alias(
+        lambda **kw: T.signum(1e-2, beta=0.8, **kw),
+        lambda: [T.ema(0.8, debias=False), T.scale_by_sign(), T.scale_by_learning_rate(1e-2)],
+        changes={"params", "ema"},
+    ),
+    "optimistic_gradient_descent": _alias(  # the previous gradient becomes 0
+        lambda **kw: T.optimistic_gradient_descent(1e-2, alpha=0.7, beta=0.4, **kw),
+        lambda: [T.scale_by_optimistic_gradient(0.7, 0.4), T.scale_by_learning_rate(1e-2)],
+        changes={"params", "previous_gradient"},
+    ),
+    "adopt": _alias(
+        lambda **kw: T.adopt(1e-2, b1=0.8, b2=0.95, **kw),
+        lambda: [T.scale_by_adopt(0.8, 0.95), T.scale_by_learning_rate(1e-2)],
+        changes={"params", "mu", "nu"},
+    ),
+    "simplified_ademamix": _alias(
+        lambda **kw: T.simplified_ademamix(1e-3, b1=0.9, b2=0.95, alpha=2.0, weight_decay=WD,
+                                           **kw),
+        lambda: [T.scale_by_simplified_ademamix(0.9, 0.95, 2.0), T.add_decayed_weights(WD),
+                 T.scale_by_learning_rate(1e-3)],
+        changes={"params", "m", "n"},
     ),
     # ---- the bitsandbytes table of SPEC §4
     "bnb_sgd": _bnb(

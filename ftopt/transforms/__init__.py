@@ -1,14 +1,27 @@
 """Every transform of ftopt, one module per family."""
 
+from ftopt.transforms.adam_family import (
+    ScaleByAmsgradState,
+    ScaleByBeliefState,
+    scale_by_adamax,
+    scale_by_amsgrad,
+    scale_by_belief,
+    scale_by_yogi,
+)
+from ftopt.transforms.adam_rectified import quarter_power, scale_by_adopt, scale_by_radam
 from ftopt.transforms.adaptive import (
+    ScaleByAdaDeltaState,
     ScaleByAdamState,
     ScaleByAdemamixState,
     ScaleByRmsState,
     ScaleByRssState,
+    ScaleBySimplifiedAdEMAMixState,
+    scale_by_adadelta,
     scale_by_adam,
     scale_by_ademamix,
     scale_by_rms,
     scale_by_rss,
+    scale_by_simplified_ademamix,
 )
 from ftopt.transforms.clipping import (
     clip_by_global_norm,
@@ -16,7 +29,14 @@ from ftopt.transforms.clipping import (
     scale_by_trust_ratio,
 )
 from ftopt.transforms.matrix_stages import scale_by_row_norm
-from ftopt.transforms.momentum import TraceState, trace
+from ftopt.transforms.momentum import (
+    EmaState,
+    ScaleByOptimisticGradientState,
+    TraceState,
+    ema,
+    scale_by_optimistic_gradient,
+    trace,
+)
 from ftopt.transforms.scaling import (
     ScaleByScheduleState,
     add_decayed_weights,
@@ -28,27 +48,44 @@ from ftopt.transforms.scaling import (
 from ftopt.transforms.sign import ScaleByLionState, scale_by_lion, scale_by_sign
 
 __all__ = [
+    "EmaState",
+    "ScaleByAdaDeltaState",
     "ScaleByAdamState",
     "ScaleByAdemamixState",
+    "ScaleByAmsgradState",
+    "ScaleByBeliefState",
     "ScaleByLionState",
+    "ScaleByOptimisticGradientState",
     "ScaleByRmsState",
     "ScaleByRssState",
     "ScaleByScheduleState",
+    "ScaleBySimplifiedAdEMAMixState",
     "TraceState",
     "add_decayed_weights",
     "clip_by_global_norm",
     "clip_by_param_norm_ratio",
+    "ema",
     "identity",
+    "quarter_power",
     "scale",
+    "scale_by_adadelta",
     "scale_by_adam",
+    "scale_by_adamax",
     "scale_by_ademamix",
+    "scale_by_adopt",
+    "scale_by_amsgrad",
+    "scale_by_belief",
     "scale_by_learning_rate",
     "scale_by_lion",
+    "scale_by_optimistic_gradient",
+    "scale_by_radam",
     "scale_by_rms",
     "scale_by_row_norm",
     "scale_by_rss",
     "scale_by_sign",
+    "scale_by_simplified_ademamix",
     "scale_by_trust_ratio",
+    "scale_by_yogi",
     "trace",
     "weight_decay",
 ]

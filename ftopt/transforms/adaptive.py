@@ -1,5 +1,5 @@
 """Adaptive scaling: ``scale_by_adam``, ``scale_by_ademamix``, ``scale_by_rms``,
-``scale_by_rss``."""
+``scale_by_rss``, ``scale_by_adadelta``, ``scale_by_simplified_ademamix``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ftopt.base import GradientTransformation, register_state
-from ftopt.domains import NONNEG, UNIT, UNIT_OPEN
+from ftopt.domains import NONNEG, POSITIVE, UNIT, UNIT_OPEN
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule, Slot
 from ftopt.schedules import ScalarOrSchedule
@@ -231,5 +231,97 @@ def scale_by_rss(
         hparams={"initial_accumulator_value": _host_float(initial_accumulator_value),
                  "eps": eps},
         domains={"initial_accumulator_value": NONNEG, "eps": NONNEG},
+    )
+    return rule_transform(rule)
+
+
+@register_state
+class ScaleByAdaDeltaState(NamedTuple):
+    """Adadelta's running means of squared updates in and out."""
+
+    e_g: Any
+    e_x: Any
+
+
+def _adadelta_body(o, x):
+    e_g = o.lerp(x.e_g, x.u * x.u, x.one_minus_rho)  # rho·e_g + (1−rho)·u²
+    update = o.sqrt(x.e_x + x.eps) / o.sqrt(e_g + x.eps) * x.u
+    e_x = o.lerp(x.e_x, update * update, x.one_minus_rho)
+    return update, {"e_g": e_g, "e_x": e_x}
+
+
+def scale_by_adadelta(
+    rho: float | torch.Tensor = 0.9,
+    eps: float | torch.Tensor = 1e-6,
+) -> GradientTransformation:
+    """Adadelta's preconditioning, as optax.
+
+    e_g ← rho·e_g + (1−rho)·u²; u ← √(e_x + eps)/√(e_g + eps)·u (e_x of the previous
+    step); e_x ← rho·e_x + (1−rho)·u². This is torch.optim.Adadelta's math.
+
+    Args:
+        rho: decay of both running means, in [0, 1] (default: 0.9).
+        eps: added inside both square roots, > 0 (default: 1e-6): with 0, the first step's
+            update is 0 and stays 0.
+    """
+    rule = Rule(
+        "scale_by_adadelta",
+        _adadelta_body,
+        state_class=ScaleByAdaDeltaState,
+        slots=(Slot("e_g", signed=False), Slot("e_x", signed=False)),
+        hparams={"rho": rho, "eps": eps},
+        domains={"rho": UNIT, "eps": POSITIVE},
+        scalars=lambda t, h: {"one_minus_rho": 1 - h["rho"]},
+    )
+    return rule_transform(rule)
+
+
+@register_state
+class ScaleBySimplifiedAdEMAMixState(NamedTuple):
+    """Simplified AdEMAMix's step count (optax calls it ``t``), accumulated momentum and
+    second moment."""
+
+    count: torch.Tensor
+    m: Any
+    n: Any
+
+
+def _simplified_ademamix_body(o, x):
+    m = x.b1 * x.m + x.u  # an accumulation, not an EMA: no (1−b1) factor
+    n = o.lerp(x.n, x.u * x.u, x.one_minus_b2)
+    update = (m + x.alpha * x.u) / (o.sqrt(n / x.bc2 + x.eps_root) + x.eps)
+    return update, {"m": m, "n": n}
+
+
+def scale_by_simplified_ademamix(
+    b1: float | torch.Tensor = 0.99,
+    b2: float | torch.Tensor = 0.95,
+    alpha: ScalarOrSchedule = 0.0,
+    eps: float | torch.Tensor = 1e-8,
+    eps_root: float | torch.Tensor = 0.0,
+) -> GradientTransformation:
+    """Simplified AdEMAMix's preconditioning (as optax.contrib): one momentum, mixed with
+    the current update.
+
+    m ← b1·m + u; n ← b2·n + (1−b2)·u²; u ← (m + α·u)/(√(n/(1−b2ᵗ)+eps_root)+eps).
+    m is neither an average nor bias-corrected.
+
+    Args:
+        b1: decay of the momentum, in [0, 1) (default: 0.99).
+        b2: decay of the second moment, in [0, 1) (default: 0.95).
+        alpha: weight of the current update, >= 0; a float or a schedule of the step count
+            before this step (0 on the first step), as optax (default: 0.0).
+        eps, eps_root: as in :func:`scale_by_adam`.
+    """
+    rule = Rule(
+        "scale_by_simplified_ademamix",
+        _simplified_ademamix_body,
+        state_class=ScaleBySimplifiedAdEMAMixState,
+        slots=(Slot("m", signed=True), Slot("n", signed=False)),
+        hparams={"b1": b1, "b2": b2, "alpha": alpha, "eps": eps, "eps_root": eps_root},
+        domains={"b1": UNIT_OPEN, "b2": UNIT_OPEN, "alpha": NONNEG, "eps": NONNEG,
+                 "eps_root": NONNEG},
+        scalars=lambda t, h: {"one_minus_b2": 1 - h["b2"], "bc2": 1 - h["b2"] ** t},
+        counted=True,
     )
     return rule_transform(rule)

@@ -1,4 +1,4 @@
-"""Momentum: ``trace``."""
+"""Momentum and averages: ``trace``, ``ema``, ``scale_by_optimistic_gradient``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ftopt.base import GradientTransformation, register_state
-from ftopt.domains import NONNEG
+from ftopt.domains import NONNEG, UNIT, UNIT_OPEN
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule, Slot
 
@@ -38,5 +38,95 @@ def trace(decay: float | torch.Tensor, nesterov: bool = False) -> GradientTransf
         slots=(Slot("trace"),),
         hparams={"decay": decay},
         domains={"decay": NONNEG},  # torch.optim.SGD's rule for momentum
+    )
+    return rule_transform(rule)
+
+
+@register_state
+class EmaState(NamedTuple):
+    """The step count and the exponential moving average (optax's layout)."""
+
+    count: torch.Tensor
+    ema: Any
+
+
+def ema(decay: float | torch.Tensor, debias: bool = True) -> GradientTransformation:
+    """An exponential moving average of the updates, as optax.
+
+    ema ← decay·ema + (1−decay)·u; u ← ema/(1−decayᵗ), or u ← ema with ``debias=False``.
+    (:func:`trace` accumulates instead: tr ← u + decay·tr.)
+
+    Args:
+        decay: the decay of the average, in [0, 1]; with ``debias``, in [0, 1) (the
+            correction divides by 1 − decayᵗ).
+        debias: divide by 1 − decayᵗ (default: True).
+    """
+
+    def body(o, x):
+        average = o.lerp(x.ema, x.u, x.one_minus_decay)  # decay·ema + (1−decay)·u
+        return (average / x.bc if debias else average), {"ema": average}
+
+    def scalars(t, h):
+        s = {"one_minus_decay": 1 - h["decay"]}
+        if debias:
+            s["bc"] = 1 - h["decay"] ** t
+        return s
+
+    rule = Rule(
+        "ema",
+        body,
+        state_class=EmaState,
+        slots=(Slot("ema"),),
+        hparams={"decay": decay},
+        domains={"decay": UNIT_OPEN if debias else UNIT},
+        scalars=scalars,
+        counted=True,
+    )
+    return rule_transform(rule)
+
+
+@register_state
+class ScaleByOptimisticGradientState(NamedTuple):
+    """The step count (optax keeps a flag ``is_initial_step``) and the previous update."""
+
+    count: torch.Tensor
+    previous_gradient: Any
+
+
+def _optimistic_body(o, x):
+    # On the first step there is no previous gradient: optax uses the current one.
+    previous = o.where(x.first > 0.5, x.u, x.previous_gradient)
+    return x.alpha_plus_beta * x.u - x.beta * previous, {"previous_gradient": x.u}
+
+
+def _optimistic_scalars(t, h):
+    first = t <= 1
+    if isinstance(first, torch.Tensor):
+        first = first.to(torch.float64)
+    return {"first": float(first) if isinstance(first, bool) else first,
+            "alpha_plus_beta": h["alpha"] + h["beta"]}
+
+
+def scale_by_optimistic_gradient(
+    alpha: float | torch.Tensor = 1.0, beta: float | torch.Tensor = 1.0
+) -> GradientTransformation:
+    """Generalized optimistic gradient, as optax: u ← (alpha + beta)·u − beta·u_prev,
+    where u_prev is the previous step's incoming update (the current one on the first
+    step, so the first update is alpha·u).
+
+    The state holds a step count where optax holds a boolean ``is_initial_step``.
+
+    Args:
+        alpha: the weight of the current update, any finite value (default: 1.0).
+        beta: the weight of the negative momentum, any finite value (default: 1.0).
+    """
+    rule = Rule(
+        "scale_by_optimistic_gradient",
+        _optimistic_body,
+        state_class=ScaleByOptimisticGradientState,
+        slots=(Slot("previous_gradient"),),
+        hparams={"alpha": alpha, "beta": beta},
+        scalars=_optimistic_scalars,
+        counted=True,
     )
     return rule_transform(rule)

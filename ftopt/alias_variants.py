@@ -1,0 +1,313 @@
+"""More of optax's elementwise optimizers, each a short chain of transforms (optax
+signatures and defaults): Adam's variants (``adamax``, ``adamaxw``, ``amsgrad``, ``nadam``,
+``nadamw``, ``radam``, ``adabelief``, ``yogi``, ``adopt``, ``simplified_ademamix``),
+``adadelta``, the sign methods (``sign_sgd``, ``signum``) and
+``optimistic_gradient_descent``.
+
+As in :mod:`ftopt.alias`, every alias takes keyword-only ``skip_zeros`` and ``state_bits``.
+optax's ``mu_dtype``/``accumulator_dtype`` arguments are not taken: states are fp32 (or
+8-bit with ``state_bits=8``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ftopt.alias import adam, adamw, check_state_bits, finish
+from ftopt.base import GradientTransformation
+from ftopt.domains import UNIT, check_hparam
+from ftopt.schedules import ScalarOrSchedule
+from ftopt.transforms import (
+    add_decayed_weights,
+    ema,
+    quarter_power,
+    scale_by_adadelta,
+    scale_by_adamax,
+    scale_by_adopt,
+    scale_by_amsgrad,
+    scale_by_belief,
+    scale_by_learning_rate,
+    scale_by_optimistic_gradient,
+    scale_by_radam,
+    scale_by_sign,
+    scale_by_simplified_ademamix,
+    scale_by_yogi,
+)
+
+__all__ = ["adabelief", "adadelta", "adamax", "adamaxw", "adopt", "amsgrad", "nadam",
+           "nadamw", "optimistic_gradient_descent", "radam", "sign_sgd", "signum",
+           "simplified_ademamix", "yogi"]
+
+Float = float | torch.Tensor
+
+
+def adamax(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-8,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """Adamax: ``chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(lr))``
+    (torch.optim.Adamax without weight decay)."""
+    check_state_bits("adamax", state_bits)
+    parts = [scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate)]
+    return finish(parts, skip_zeros, state_bits)
+
+
+def adamaxw(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-8,
+    weight_decay: Float = 1e-4,
+    mask: Any = None,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """Adamax with decoupled weight decay: ``chain(scale_by_adamax,
+    add_decayed_weights(wd, mask), scale_by_learning_rate)``: p ← p − lr·(û + wd·p)."""
+    check_state_bits("adamaxw", state_bits)
+    parts = [scale_by_adamax(b1, b2, eps), add_decayed_weights(weight_decay, mask),
+             scale_by_learning_rate(learning_rate)]
+    return finish(parts, skip_zeros, state_bits)
+
+
+def amsgrad(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-8,
+    eps_root: Float = 0.0,
+    *,
+    bias_correction_mu: bool = True,
+    bias_correction_nu: bool = True,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """AMSGrad: ``chain(scale_by_amsgrad(...), scale_by_learning_rate(lr))``.
+
+    The bias-correction switches are keyword-only here (optax takes ``mu_dtype`` before
+    them). See :func:`ftopt.scale_by_amsgrad` for how torch's ``amsgrad=True`` differs.
+    """
+    check_state_bits("amsgrad", state_bits)
+    parts = [scale_by_amsgrad(b1, b2, eps, eps_root, bias_correction_mu=bias_correction_mu,
+                              bias_correction_nu=bias_correction_nu),
+             scale_by_learning_rate(learning_rate)]
+    return finish(parts, skip_zeros, state_bits)
+
+
+def nadam(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-8,
+    eps_root: Float = 0.0,
+    *,
+    nesterov: bool = True,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """NAdam as optax defines it: ``adam(..., nesterov=True)``.
+
+    m̂ = b1·mu/(1−b1ᵗ⁺¹) + (1−b1)·u/(1−b1ᵗ). torch.optim.NAdam differs: it warms the
+    momentum up (b1·(1 − 0.5·0.96^(0.004·t)), ``momentum_decay``) and bias-corrects with
+    the product of those coefficients.
+    """
+    check_state_bits("nadam", state_bits)
+    return adam(learning_rate, b1, b2, eps, eps_root, nesterov=nesterov,
+                skip_zeros=skip_zeros, state_bits=state_bits)
+
+
+def nadamw(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-8,
+    eps_root: Float = 0.0,
+    weight_decay: Float = 1e-4,
+    mask: Any = None,
+    *,
+    nesterov: bool = True,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """NAdamW as optax defines it: ``adamw(..., nesterov=True)`` (decoupled decay,
+    multiplied by the learning rate; see :func:`nadam` for torch's NAdam)."""
+    check_state_bits("nadamw", state_bits)
+    return adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mask,
+                 nesterov=nesterov, skip_zeros=skip_zeros, state_bits=state_bits)
+
+
+def radam(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-8,
+    eps_root: Float = 0.0,
+    threshold: Float = 5.0,
+    *,
+    nesterov: bool = False,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """Rectified Adam: ``chain(scale_by_radam(...), scale_by_learning_rate(lr))``
+    (see :func:`ftopt.scale_by_radam` for torch.optim.RAdam)."""
+    check_state_bits("radam", state_bits)
+    parts = [scale_by_radam(b1, b2, eps, eps_root, threshold, nesterov=nesterov),
+             scale_by_learning_rate(learning_rate)]
+    return finish(parts, skip_zeros, state_bits)
+
+
+def adabelief(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-16,
+    eps_root: Float = 1e-16,
+    weight_decay: Float | None = None,
+    weight_decay_mask: Any = None,
+    *,
+    nesterov: bool = False,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """AdaBelief: ``chain(scale_by_belief(...), [add_decayed_weights(wd, mask)],
+    scale_by_learning_rate(lr))``; the decay only when ``weight_decay`` is not None."""
+    check_state_bits("adabelief", state_bits)
+    parts = [scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov)]
+    if weight_decay is not None:
+        parts.append(add_decayed_weights(weight_decay, weight_decay_mask))
+    parts.append(scale_by_learning_rate(learning_rate))
+    return finish(parts, skip_zeros, state_bits)
+
+
+def yogi(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-3,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """Yogi: ``chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(lr))`` (mu and nu
+    start at 1e-6, as optax)."""
+    check_state_bits("yogi", state_bits)
+    parts = [scale_by_yogi(b1, b2, eps), scale_by_learning_rate(learning_rate)]
+    return finish(parts, skip_zeros, state_bits)
+
+
+def adadelta(
+    learning_rate: ScalarOrSchedule | None = None,
+    rho: Float = 0.9,
+    eps: Float = 1e-6,
+    weight_decay: Float = 0.0,
+    weight_decay_mask: Any = None,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """Adadelta: ``chain(add_decayed_weights(wd, mask), scale_by_adadelta(rho, eps),
+    scale_by_learning_rate(lr))``, which is torch.optim.Adadelta (its weight decay is
+    this coupled one).
+
+    ``learning_rate=None`` means 1.0 (the descent of optax's documented formula and
+    torch's default); optax's code then leaves out the learning rate step, and with it
+    the sign flip, so that its updates ascend.
+    """
+    check_state_bits("adadelta", state_bits)
+    parts = [add_decayed_weights(weight_decay, weight_decay_mask),
+             scale_by_adadelta(rho, eps),
+             scale_by_learning_rate(1.0 if learning_rate is None else learning_rate)]
+    return finish(parts, skip_zeros, state_bits)
+
+
+def sign_sgd(
+    learning_rate: ScalarOrSchedule,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """signSGD: ``chain(scale_by_sign(), scale_by_learning_rate(lr))``: p ← p − lr·sign(g)."""
+    check_state_bits("sign_sgd", state_bits)
+    return finish([scale_by_sign(), scale_by_learning_rate(learning_rate)], skip_zeros,
+                  state_bits)
+
+
+def signum(
+    learning_rate: ScalarOrSchedule,
+    beta: Float = 0.9,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """Signum (signSGD with momentum): ``chain(ema(beta, debias=False), scale_by_sign(),
+    scale_by_learning_rate(lr))``: m ← beta·m + (1−beta)·g; p ← p − lr·sign(m)."""
+    check_hparam("signum", "beta", beta, UNIT)  # named as the caller wrote it, not ema's decay
+    check_state_bits("signum", state_bits)
+    parts = [ema(beta, debias=False), scale_by_sign(), scale_by_learning_rate(learning_rate)]
+    return finish(parts, skip_zeros, state_bits)
+
+
+def optimistic_gradient_descent(
+    learning_rate: ScalarOrSchedule,
+    alpha: Float = 1.0,
+    beta: Float = 1.0,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """Optimistic gradient descent: ``chain(scale_by_optimistic_gradient(alpha, beta),
+    scale_by_learning_rate(lr))``: p ← p − lr·((alpha+beta)·gₜ − beta·gₜ₋₁)."""
+    check_state_bits("optimistic_gradient_descent", state_bits)
+    parts = [scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(learning_rate)]
+    return finish(parts, skip_zeros, state_bits)
+
+
+def adopt(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.9999,
+    eps: Float = 1e-6,
+    *,
+    nesterov: bool = False,
+    use_clipping: bool = True,
+    clip_value_fn: Callable[[Any], Any] = quarter_power,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """ADOPT (as optax.contrib): ``chain(scale_by_adopt(...), scale_by_learning_rate(lr))``.
+    The first step only measures the second moment (its update is 0)."""
+    check_state_bits("adopt", state_bits)
+    parts = [scale_by_adopt(b1, b2, eps, nesterov=nesterov, use_clipping=use_clipping,
+                            clip_value_fn=clip_value_fn),
+             scale_by_learning_rate(learning_rate)]
+    return finish(parts, skip_zeros, state_bits)
+
+
+def simplified_ademamix(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.99,
+    b2: Float = 0.95,
+    alpha: ScalarOrSchedule = 0.0,
+    eps: Float = 1e-8,
+    eps_root: Float = 0.0,
+    weight_decay: Float = 0.0,
+    mask: Any = None,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+) -> GradientTransformation:
+    """Simplified AdEMAMix (as optax.contrib): ``chain(scale_by_simplified_ademamix(...),
+    add_decayed_weights(wd, mask), scale_by_learning_rate(lr))``."""
+    check_state_bits("simplified_ademamix", state_bits)
+    parts = [scale_by_simplified_ademamix(b1, b2, alpha, eps, eps_root),
+             add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]
+    return finish(parts, skip_zeros, state_bits)

@@ -1,0 +1,252 @@
+"""Float64 references of the optimizers of ``ftopt.alias_variants`` (nothing here imports ftopt).
+
+Written from optax's code (optax/_src/transform.py, optax/_src/alias.py,
+optax/transforms/_accumulation.py, optax/contrib/_adopt.py, optax/contrib/_ademamix.py) and
+the papers; conventions as in ``reference.py`` (per-leaf float64 state, ``t`` from 1,
+``p_new = p + last_update``).
+
+====================  ==========================================================================
+adamax / adamaxw      mu <- b1 mu + (1-b1) g; nu <- max(b2 nu, |g| + eps); d = mu/(1-b1^t)/nu
+                      [-> + wd p] -> -lr
+amsgrad               adam moments; nu_max <- max(nu_max, nu/(1-b2^t)); d = m_hat/(sqrt(nu_max +
+                      eps_root) + eps) -> -lr (bias corrections switchable)
+nadam / nadamw        adam with nesterov (reference.adam_direction) [-> + wd p] -> -lr
+radam                 ro_inf = 2/(1-b2) - 1, ro = ro_inf - 2 t b2^t/(1-b2^t);
+                      d = r m_hat/(sqrt(v_hat + eps_root) + eps) if ro >= threshold else m_hat
+adabelief             mu; nu <- b2 nu + (1-b2)(g - mu)^2 + eps_root; d = m_hat/(sqrt(nu/(1-b2^t))
+                      + eps) [-> + wd p] -> -lr
+yogi                  mu, nu from 1e-6; nu <- nu - (1-b2) sign(nu - g^2) g^2; d as adam -> -lr
+adadelta              u = g + wd p; e_g <- rho e_g + (1-rho) u^2;
+                      d = sqrt(e_x + eps)/sqrt(e_g + eps) u; e_x <- rho e_x + (1-rho) d^2 -> -lr
+sign_sgd / signum     d = sign(g) / sign(m), m <- beta m + (1-beta) g -> -lr
+optimistic GD         d = (alpha + beta) g - beta g_prev (g_prev = g on the first step) -> -lr
+adopt                 t = 1: nu <- g^2, d = 0. Later: v = clip(g/max(sqrt(nu_prev), eps), c) with
+                      c = (t-1)^0.25; nu <- b2 nu + (1-b2) g^2; mu <- b1 mu + (1-b1) v; d = mu
+                      (nesterov: b1 mu + (1-b1) v) -> -lr
+simplified_ademamix   m <- b1 m + g; n <- b2 n + (1-b2) g^2; d = (m + alpha g)/(sqrt(n/(1-b2^t) +
+                      eps_root) + eps) -> + wd p -> -lr
+====================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from reference import F64, RefOptimizer, adam_direction, zeros_state
+
+
+def _m_hat(st, g, t, b1, nesterov):
+    if nesterov:
+        return b1 * st["mu"] / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1**t)
+    return st["mu"] / (1 - b1**t)
+
+
+class RefAdamax(RefOptimizer):
+    def __init__(self, lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0):
+        super().__init__()
+        self.lr, self.b1, self.b2, self.eps, self.wd = lr, b1, b2, eps, weight_decay
+
+    def init_leaf(self, p):
+        return zeros_state(p, "mu", "nu")
+
+    def leaf_update(self, p, g, st, t):
+        st["mu"] = self.b1 * st["mu"] + (1 - self.b1) * g
+        st["nu"] = torch.maximum(self.b2 * st["nu"], g.abs() + self.eps)
+        d = st["mu"] / (1 - self.b1**t) / st["nu"]
+        return -self.lr * (d + self.wd * p)
+
+
+class RefAmsgrad(RefOptimizer):
+    def __init__(self, lr, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
+                 bias_correction_mu=True, bias_correction_nu=True):
+        super().__init__()
+        self.lr, self.b1, self.b2, self.eps, self.eps_root = lr, b1, b2, eps, eps_root
+        self.bc_mu, self.bc_nu = bias_correction_mu, bias_correction_nu
+
+    def init_leaf(self, p):
+        return zeros_state(p, "mu", "nu", "nu_max")
+
+    def leaf_update(self, p, g, st, t):
+        st["mu"] = self.b1 * st["mu"] + (1 - self.b1) * g
+        st["nu"] = self.b2 * st["nu"] + (1 - self.b2) * g * g
+        m_hat = st["mu"] / (1 - self.b1**t) if self.bc_mu else st["mu"]
+        nu = st["nu"] / (1 - self.b2**t) if self.bc_nu else st["nu"]
+        st["nu_max"] = torch.maximum(st["nu_max"], nu)
+        return -self.lr * m_hat / (torch.sqrt(st["nu_max"] + self.eps_root) + self.eps)
+
+
+class RefNAdamW(RefOptimizer):
+    def __init__(self, lr, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.0):
+        super().__init__()
+        self.lr, self.b1, self.b2, self.eps, self.eps_root = lr, b1, b2, eps, eps_root
+        self.wd = weight_decay
+
+    def init_leaf(self, p):
+        return zeros_state(p, "mu", "nu")
+
+    def leaf_update(self, p, g, st, t):
+        d = adam_direction(st, g, t, self.b1, self.b2, self.eps, self.eps_root, nesterov=True)
+        return -self.lr * (d + self.wd * p)
+
+
+class RefRAdam(RefOptimizer):
+    def __init__(self, lr, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0,
+                 nesterov=False):
+        super().__init__()
+        self.lr, self.b1, self.b2, self.eps, self.eps_root = lr, b1, b2, eps, eps_root
+        self.threshold, self.nesterov = threshold, nesterov
+        self.rectified: list[bool] = []  # per step: whether the rectified branch ran
+
+    def init_leaf(self, p):
+        return zeros_state(p, "mu", "nu")
+
+    def step(self, params, grads):
+        out = super().step(params, grads)
+        self.rectified.append(self._ro(self.t) >= self.threshold)
+        return out
+
+    def _ro(self, t):
+        ro_inf = 2 / (1 - self.b2) - 1
+        return ro_inf - 2 * t * self.b2**t / (1 - self.b2**t)
+
+    def leaf_update(self, p, g, st, t):
+        st["mu"] = self.b1 * st["mu"] + (1 - self.b1) * g
+        st["nu"] = self.b2 * st["nu"] + (1 - self.b2) * g * g
+        m_hat = _m_hat(st, g, t, self.b1, self.nesterov)
+        ro_inf, ro = 2 / (1 - self.b2) - 1, self._ro(t)
+        if ro < self.threshold:
+            return -self.lr * m_hat
+        r = math.sqrt((ro - 4) * (ro - 2) * ro_inf / ((ro_inf - 4) * (ro_inf - 2) * ro))
+        v_hat = st["nu"] / (1 - self.b2**t)
+        return -self.lr * r * m_hat / (torch.sqrt(v_hat + self.eps_root) + self.eps)
+
+
+class RefAdaBelief(RefOptimizer):
+    def __init__(self, lr, b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, weight_decay=None,
+                 nesterov=False):
+        super().__init__()
+        self.lr, self.b1, self.b2, self.eps, self.eps_root = lr, b1, b2, eps, eps_root
+        self.wd, self.nesterov = weight_decay or 0.0, nesterov
+
+    def init_leaf(self, p):
+        return zeros_state(p, "mu", "nu")
+
+    def leaf_update(self, p, g, st, t):
+        st["mu"] = self.b1 * st["mu"] + (1 - self.b1) * g
+        err = g - st["mu"]
+        st["nu"] = self.b2 * st["nu"] + (1 - self.b2) * err * err + self.eps_root
+        m_hat = _m_hat(st, g, t, self.b1, self.nesterov)
+        d = m_hat / (torch.sqrt(st["nu"] / (1 - self.b2**t)) + self.eps)
+        return -self.lr * (d + self.wd * p)
+
+
+class RefYogi(RefOptimizer):
+    def __init__(self, lr, b1=0.9, b2=0.999, eps=1e-3, initial_accumulator_value=1e-6):
+        super().__init__()
+        self.lr, self.b1, self.b2, self.eps = lr, b1, b2, eps
+        self.init_value = initial_accumulator_value
+
+    def init_leaf(self, p):
+        return {n: torch.full_like(p, self.init_value, dtype=F64) for n in ("mu", "nu")}
+
+    def leaf_update(self, p, g, st, t):
+        st["mu"] = self.b1 * st["mu"] + (1 - self.b1) * g
+        g2 = g * g
+        st["nu"] = st["nu"] - (1 - self.b2) * torch.sign(st["nu"] - g2) * g2
+        m_hat = st["mu"] / (1 - self.b1**t)
+        v_hat = st["nu"] / (1 - self.b2**t)
+        return -self.lr * m_hat / (torch.sqrt(v_hat) + self.eps)
+
+
+class RefAdadelta(RefOptimizer):
+    def __init__(self, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0):
+        super().__init__()
+        self.lr, self.rho, self.eps, self.wd = lr, rho, eps, weight_decay
+
+    def init_leaf(self, p):
+        return zeros_state(p, "e_g", "e_x")
+
+    def leaf_update(self, p, g, st, t):
+        u = g + self.wd * p
+        st["e_g"] = self.rho * st["e_g"] + (1 - self.rho) * u * u
+        d = torch.sqrt(st["e_x"] + self.eps) / torch.sqrt(st["e_g"] + self.eps) * u
+        st["e_x"] = self.rho * st["e_x"] + (1 - self.rho) * d * d
+        return -self.lr * d
+
+
+class RefSignSGD(RefOptimizer):
+    def __init__(self, lr):
+        super().__init__()
+        self.lr = lr
+
+    def leaf_update(self, p, g, st, t):
+        return -self.lr * torch.sign(g)
+
+
+class RefSignum(RefOptimizer):
+    def __init__(self, lr, beta=0.9):
+        super().__init__()
+        self.lr, self.beta = lr, beta
+
+    def init_leaf(self, p):
+        return zeros_state(p, "m")
+
+    def leaf_update(self, p, g, st, t):
+        st["m"] = self.beta * st["m"] + (1 - self.beta) * g
+        return -self.lr * torch.sign(st["m"])
+
+
+class RefOptimisticGD(RefOptimizer):
+    def __init__(self, lr, alpha=1.0, beta=1.0):
+        super().__init__()
+        self.lr, self.alpha, self.beta = lr, alpha, beta
+
+    def init_leaf(self, p):
+        return {"prev": None}
+
+    def leaf_update(self, p, g, st, t):
+        prev = g if st["prev"] is None else st["prev"]
+        st["prev"] = g
+        return -self.lr * ((self.alpha + self.beta) * g - self.beta * prev)
+
+
+class RefAdopt(RefOptimizer):
+    def __init__(self, lr, b1=0.9, b2=0.9999, eps=1e-6, nesterov=False, use_clipping=True):
+        super().__init__()
+        self.lr, self.b1, self.b2, self.eps = lr, b1, b2, eps
+        self.nesterov, self.use_clipping = nesterov, use_clipping
+
+    def init_leaf(self, p):
+        return zeros_state(p, "mu", "nu")
+
+    def leaf_update(self, p, g, st, t):
+        if t == 1:  # the first step only measures the second moment
+            st["nu"] = g * g
+            return torch.zeros_like(g)
+        v = g / torch.clamp(torch.sqrt(st["nu"]), min=self.eps)
+        if self.use_clipping:
+            c = (t - 1) ** 0.25
+            v = torch.clamp(v, -c, c)
+        st["nu"] = self.b2 * st["nu"] + (1 - self.b2) * g * g
+        st["mu"] = self.b1 * st["mu"] + (1 - self.b1) * v
+        d = self.b1 * st["mu"] + (1 - self.b1) * v if self.nesterov else st["mu"]
+        return -self.lr * d
+
+
+class RefSimplifiedAdEMAMix(RefOptimizer):
+    def __init__(self, lr, b1=0.99, b2=0.95, alpha=0.0, eps=1e-8, eps_root=0.0,
+                 weight_decay=0.0):
+        super().__init__()
+        self.lr, self.b1, self.b2, self.alpha = lr, b1, b2, alpha
+        self.eps, self.eps_root, self.wd = eps, eps_root, weight_decay
+
+    def init_leaf(self, p):
+        return zeros_state(p, "m", "n")
+
+    def leaf_update(self, p, g, st, t):
+        st["m"] = self.b1 * st["m"] + g
+        st["n"] = self.b2 * st["n"] + (1 - self.b2) * g * g
+        n_hat = st["n"] / (1 - self.b2**t)
+        d = (st["m"] + self.alpha * g) / (torch.sqrt(n_hat + self.eps_root) + self.eps)
+        return -self.lr * (d + self.wd * p)
