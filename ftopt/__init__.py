@@ -14,6 +14,7 @@ from ftopt.combine import (
 )
 from ftopt.finite import ApplyIfFiniteState, apply_if_finite
 from ftopt.lowering.explain import explain
+from ftopt.optim import Optimizer
 from ftopt.quantize import quantize_states
 from ftopt.schedules import (
     ademamix_alpha_warmup,
@@ -68,6 +69,7 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "MaskedState",
+    "Optimizer",
     "PartitionState",
     "ScaleByAdamState",
     "ScaleByAdemamixState",
