@@ -29,6 +29,7 @@ from ftopt.schedules import (
     warmup_constant_schedule,
     warmup_cosine_decay_schedule,
 )
+from ftopt.torch_port import from_torch_state_dict, to_torch_state_dict
 from ftopt.transforms import (
     ScaleByAdamState,
     ScaleByAdemamixState,
@@ -94,6 +95,7 @@ __all__ = [
     "cosine_decay_schedule",
     "explain",
     "exponential_decay",
+    "from_torch_state_dict",
     "identity",
     "join_schedules",
     "lamb",
@@ -122,6 +124,7 @@ __all__ = [
     "skip_zeros",
     "stateless",
     "step",
+    "to_torch_state_dict",
     "trace",
     "tree",
     "warmup_constant_schedule",
