@@ -112,7 +112,8 @@ class Optimizer(torch.optim.Optimizer):
 
     Live hyperparameters: every float hyperparameter of a group (``lr``, ``betas``,
     ``weight_decay``, ...) is handed to the factory as a 0-d tensor on the group's
-    device, and each step copies the group's current value into it. A torch LR scheduler
+    device (the CPU where its params span several), and each step copies the group's
+    current value into it. A torch LR scheduler
     (``LambdaLR``, ``CosineAnnealingLR``, ``OneCycleLR`` with its ``betas``) that writes
     ``group["lr"]`` thus changes the next step without rebuilding the transform or
     recompiling a kernel. The tensors are float64 (float32 on MPS): the per-step scalars
@@ -211,8 +212,9 @@ class Optimizer(torch.optim.Optimizer):
         if self._factory is None:
             run.tx = self._tx
             return
-        params = group["params"]
-        device = params[0].device if params else torch.device("cpu")
+        devices = {p.device for p in group["params"]}
+        # Params on several devices: CPU scalars, which ops on any device accept.
+        device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         dtype = torch.float32 if device.type == "mps" else torch.float64
         live, fixed, kwargs, copied = {}, {}, {}, {}
         for key in run.keys:
