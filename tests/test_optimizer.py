@@ -349,3 +349,18 @@ def test_explain_reports_the_donated_step():
     opt = ftopt.Optimizer(twin.named_parameters(), ftopt.adam, lr=0.01, backend="fused")
     _train(twin, opt, _batches(15, 1))
     assert not torch.equal(twin[0].weight, model[0].weight)
+
+
+def test_a_bad_gradient_names_the_group_and_param_and_changes_nothing():
+    model = _model(15)
+    opt = ftopt.Optimizer(model.named_parameters(), ftopt.adam, lr=0.1)
+    _train(model, opt, _batches(16, 1))
+    kept = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in opt.state[model[0].bias].items()}
+    x, y = _batches(17, 1)[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    model[2].weight.grad = model[2].weight.grad.to_sparse()
+    with pytest.raises(TypeError, match=r"param group 0: grad at \['2.weight'\]: a sparse"):
+        opt.step()
+    assert all(torch.equal(p, k) for p, k in zip(model.parameters(), kept))
+    assert all(torch.equal(opt.state[model[0].bias][k], v) for k, v in state.items())
