@@ -430,6 +430,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ScaleByAdamState", "ScaleByAdemamixState", "ScaleByLionState", "ScaleByRmsState",
     "ScaleByRssState", "ScaleByScheduleState", "TraceState",
     "apply_updates", "step", "explain", "schedules", "tree",
+    "Optimizer", "from_torch_state_dict", "to_torch_state_dict",
     "ademamix_alpha_warmup", "ademamix_b3_warmup", "constant_schedule",
     "cosine_decay_schedule", "exponential_decay", "join_schedules", "linear_schedule",
     "piecewise_constant_schedule", "polynomial_schedule", "warmup_constant_schedule",
