@@ -30,6 +30,7 @@ from ftopt.combine import (
 )
 from ftopt.finite import ApplyIfFiniteState, apply_if_finite
 from ftopt.lowering.explain import explain
+from ftopt.optim import Optimizer
 from ftopt.quantize import quantize_states
 from ftopt.schedules import (
     ademamix_alpha_warmup,
@@ -44,6 +45,7 @@ from ftopt.schedules import (
     warmup_constant_schedule,
     warmup_cosine_decay_schedule,
 )
+from ftopt.torch_port import from_torch_state_dict, to_torch_state_dict
 from ftopt.transforms import (
     EmaState,
     ScaleByAdaDeltaState,
@@ -102,6 +104,7 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "MaskedState",
+    "Optimizer",
     "PartitionState",
     "ScaleByAdaDeltaState",
     "ScaleByAdamState",
@@ -138,6 +141,7 @@ __all__ = [
     "ema",
     "explain",
     "exponential_decay",
+    "from_torch_state_dict",
     "identity",
     "join_schedules",
     "lamb",
@@ -183,6 +187,7 @@ __all__ = [
     "skip_zeros",
     "stateless",
     "step",
+    "to_torch_state_dict",
     "trace",
     "tree",
     "warmup_constant_schedule",

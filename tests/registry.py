@@ -543,6 +543,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ScaleByAmsgradState", "ScaleByBeliefState", "ScaleByAdaDeltaState",
     "ScaleBySimplifiedAdEMAMixState", "EmaState", "ScaleByOptimisticGradientState",
     "apply_updates", "step", "explain", "schedules", "tree",
+    "Optimizer", "from_torch_state_dict", "to_torch_state_dict",
     "ademamix_alpha_warmup", "ademamix_b3_warmup", "constant_schedule",
     "cosine_decay_schedule", "exponential_decay", "join_schedules", "linear_schedule",
     "piecewise_constant_schedule", "polynomial_schedule", "warmup_constant_schedule",

@@ -27,12 +27,16 @@ def _reduction_reads(traced, level: int, p_bytes: int, g_bytes: int) -> int:
 
 
 def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
-            backend: str = "auto", file: Any = None) -> str:
-    """Prints (and returns) the plan of ``ftopt.step(tx, params, grads, ...)``.
+            donate: bool = False, backend: str = "auto", file: Any = None) -> str:
+    """Prints (and returns) the plan of ``ftopt.step(tx, params, grads, state,
+    donate=donate, backend=backend)``.
 
     Per group of leaves sharing (device, param dtype, grad dtype): the path (fused or
     eager) and the reason, kernel launches per step, and bytes read and written per
-    element. ``grads`` defaults to gradients shaped and typed like the params.
+    element. ``grads`` defaults to gradients shaped and typed like the params. Pass the
+    ``donate`` of the step you mean: a donated step writes in place and is never
+    differentiable, so params that require grad (``dict(model.named_parameters())``)
+    fuse with ``donate=True`` (as :class:`ftopt.Optimizer` steps) but not without.
     """
     check_transform(tx, "explain: argument tx")
     if backend not in _BACKENDS:
@@ -44,9 +48,11 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     for i in active:  # what step would raise, named the same way
         check_leaf(paths[i], g_flat[i], p_flat[i])
     plan = plan_chain(tx)
-    reason = call_reason(plan, p_flat, g_flat, active, backend, paths=paths) \
-        if backend != "eager" else "backend='eager' was asked for"
-    lines = [f"ftopt plan: {len(plan.stages)} elementwise stages"
+    reason = call_reason(plan, p_flat, g_flat, active, backend, donate=bool(donate),
+                         paths=paths) if backend != "eager" \
+        else "backend='eager' was asked for"
+    lines = [("ftopt plan (donated step)" if donate else "ftopt plan")
+             + f": {len(plan.stages)} elementwise stages"
              + (f" ({', '.join(s.rule.name for s in plan.stages)})" if plan.stages else "")
              + (", skip_zeros" if any(plan.skips) else "")]
     if plan.segments is not None:

@@ -1,0 +1,437 @@
+"""``ftopt.Optimizer``: an ftopt transform behind the ``torch.optim.Optimizer`` interface."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import optree
+import torch
+
+from ftopt.base import GradientTransformation, check_transform
+from ftopt.param_state import param_views, plan_load
+from ftopt.update import step as ftopt_step
+
+__all__ = ["Optimizer"]
+
+# Hyperparameters that must be real numbers >= 0 when a group holds them (torch's and
+# ftopt's names); checked before each step, since LR schedulers write them between steps.
+_NONNEG = frozenset({"lr", "weight_decay", "eps", "eps_root", "momentum", "decay", "alpha",
+                     "b3", "initial_scale", "initial_accumulator_value"})
+_NUMERIC = _NONNEG | {"betas"}
+_GROUP_KEYS = ("params", "param_names")
+_BACKENDS = ("auto", "fused", "eager")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _live(key: str, v: Any) -> bool:
+    """Held as a tensor that the transform reads: float hyperparameters (and numbers under
+    a known float name, ``lr=1``), and ``betas`` of numbers."""
+    if key == "betas":
+        return isinstance(v, (tuple, list)) and len(v) in (2, 3) and all(map(_is_number, v))
+    return isinstance(v, float) or (key in _NUMERIC and _is_number(v))
+
+
+def _to_torch_names(hparams: dict, betas_default: tuple | None) -> dict:
+    """``learning_rate`` -> ``lr``; ``b1``/``b2`` -> ``betas`` where the factory has both."""
+    out = dict(hparams)
+    if "learning_rate" in out:
+        if "lr" in out:
+            raise ValueError("give lr or learning_rate, not both")
+        out["lr"] = out.pop("learning_rate")
+    if betas_default is not None and ("b1" in out or "b2" in out):
+        if "betas" in out:
+            raise ValueError("give betas or b1/b2, not both")
+        b1, b2 = betas_default[:2]
+        out["betas"] = (out.pop("b1", b1), out.pop("b2", b2))
+    return out
+
+
+def _factory_defaults(factory: Callable) -> tuple[dict, tuple | None]:
+    """The factory's defaults of simple type, in torch names; and its default betas."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return {}, None
+    found = {name: p.default for name, p in signature.parameters.items()
+             if p.default is not inspect.Parameter.empty
+             and (p.default is None or isinstance(p.default, (bool, int, float, str)))}
+    betas = None
+    if "b1" in signature.parameters and "b2" in signature.parameters:
+        betas = (found.pop("b1", 0.9), found.pop("b2", 0.999))
+        found["betas"] = betas
+    return found, betas
+
+
+class _GroupRun:
+    """What a param group steps with: its transform, the live hyperparameter tensors it
+    was built with, its state tree (``None`` before the first step) and the non-live
+    hyperparameters it was built from (a change rebuilds the transform)."""
+
+    def __init__(self, keys: tuple[str, ...]):
+        self.keys = keys  # the group's hyperparameters, handed to the factory
+        self.tx: GradientTransformation | None = None
+        self.live: dict[str, Any] = {}
+        self.fixed: dict[str, Any] = {}
+        self.copied: dict[tuple, Any] = {}  # the values last copied into ``live``
+        self.state: Any = None
+
+
+class Optimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` that steps with an ftopt transform.
+
+    Each step runs one donated :func:`ftopt.step` per param group: in place, as one
+    fused Triton kernel per (device, dtype) group on a GPU (``backend="auto"``), eagerly
+    on the CPU.
+
+    Example::
+
+        opt = ftopt.Optimizer(model.parameters(), ftopt.adamw, lr=1e-3,
+                              weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+        loss.backward(); opt.step(); opt.zero_grad(); sched.step()
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``: the
+            transform then sees a dict by name, which masks may use), or param-group
+            dicts, as for any torch optimizer.
+        tx: a ``GradientTransformation`` (used as is by every group: its hyperparameters
+            are fixed, and the groups hold no ``lr``), or a factory such as
+            ``ftopt.adamw`` called once per group with the group's hyperparameters.
+        backend: as for :func:`ftopt.step` (default: ``"auto"``).
+        **hyperparameters: the defaults of every group (factory only), in torch's names
+            or ftopt's: ``lr`` is the factory's ``learning_rate``, ``betas=(b1, b2)`` its
+            ``b1``, ``b2`` (a third beta is ``b3``); any other name (``weight_decay``,
+            ``eps``, ``momentum``, ``decay``, ``state_bits``, ...) is passed as is. The
+            factory's own defaults of simple type fill the rest, so groups show them.
+
+    Live hyperparameters: every float hyperparameter of a group (``lr``, ``betas``,
+    ``weight_decay``, ...) is handed to the factory as a 0-d tensor on the group's
+    device (the CPU where its params span several), and each step copies the group's
+    current value into it. A torch LR scheduler
+    (``LambdaLR``, ``CosineAnnealingLR``, ``OneCycleLR`` with its ``betas``) that writes
+    ``group["lr"]`` thus changes the next step without rebuilding the transform or
+    recompiling a kernel. The tensors are float64 (float32 on MPS): the per-step scalars
+    (1 − b2, the bias corrections) are then computed as from Python floats, and a
+    live hyperparameter gives the same result as a fixed one. A change of any other
+    hyperparameter (``nesterov``, ``state_bits``) rebuilds the group's transform; its
+    state must fit the new one.
+
+    Differences from torch's optimizers: a param whose ``grad`` is ``None`` is skipped
+    (its params and state are left as they are), but ftopt keeps one step count per
+    param group (per transform), which counts the steps where any param of the group had
+    a gradient; every param of a group gets state at its first step. ``step`` takes no
+    ``grad_scaler``: under ``torch.amp.GradScaler`` the scaler unscales the gradients and
+    skips steps with infinite ones itself.
+
+    ``state_dict()`` is torch's format: ``{"state": {index: {slot: tensor}},
+    "param_groups": [...]}`` (slot names: :mod:`ftopt.param_state`; 8-bit slots as
+    ``<slot>.codes`` and ``<slot>.absmax``). ``load_state_dict`` copies the states onto
+    each param's device, checks every entry first (a mismatch raises, naming the param
+    index and slot, and changes nothing) and resumes bit-exactly.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        tx: GradientTransformation | Callable[..., GradientTransformation],
+        *,
+        backend: str = "auto",
+        **hyperparameters: Any,
+    ) -> None:
+        if backend not in _BACKENDS:
+            raise ValueError(f"ftopt.Optimizer: backend must be one of {_BACKENDS}, got "
+                             f"{backend!r}")
+        if isinstance(tx, GradientTransformation):
+            check_transform(tx, "ftopt.Optimizer: argument tx")
+            if hyperparameters:
+                raise TypeError(
+                    f"ftopt.Optimizer: hyperparameters {sorted(hyperparameters)} need a "
+                    "factory (ftopt.Optimizer(params, ftopt.adamw, lr=...)); a built "
+                    "transform keeps its own")
+            self._factory, self._betas_default, defaults = None, None, {}
+        elif callable(tx):
+            self._factory = tx
+            defaults, self._betas_default = _factory_defaults(tx)
+            defaults.update(self._rename(hyperparameters, "ftopt.Optimizer"))
+        else:
+            check_transform(tx, "ftopt.Optimizer: argument tx")
+        self._tx = tx
+        self._backend = backend
+        self._runs: list[_GroupRun] = []
+        super().__init__(params, defaults)
+
+    def _rename(self, hparams: dict, where: str) -> dict:
+        try:
+            return _to_torch_names(hparams, self._betas_default)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+
+    # -- groups ------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (as torch), with its own transform and state."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        where = f"ftopt.Optimizer: param group {len(self.param_groups)}"
+        extra = {k: v for k, v in param_group.items() if k not in _GROUP_KEYS}
+        if self._factory is None and extra:
+            raise TypeError(f"{where}: hyperparameters {sorted(extra)} need a factory as tx")
+        group = {k: v for k, v in param_group.items() if k in _GROUP_KEYS}
+        group.update(self._rename(extra, where))
+        super().add_param_group(group)
+        names = group.get("param_names")
+        if names is not None and len(set(names)) != len(names):
+            self.param_groups.pop()
+            raise ValueError(f"{where}: param names are not unique")
+        for i, p in enumerate(group["params"]):
+            if not p.is_floating_point():
+                self.param_groups.pop()
+                raise TypeError(f"{where}: param {i} is {p.dtype}; expected a "
+                                "floating-point tensor")
+        run = _GroupRun(tuple(k for k in group if k not in _GROUP_KEYS))
+        try:
+            self._build(run, group, where)
+        except Exception:
+            self.param_groups.pop()
+            raise
+        self._runs.append(run)
+
+    def _tree(self, group: dict) -> Any:
+        """The params as the transform sees them: a dict by name, or a list."""
+        names = group.get("param_names")
+        return dict(zip(names, group["params"])) if names is not None else list(group["params"])
+
+    def _build(self, run: _GroupRun, group: dict, where: str) -> None:
+        """(Re)build ``run``'s transform from the group's hyperparameters."""
+        if self._factory is None:
+            run.tx = self._tx
+            return
+        devices = {p.device for p in group["params"]}
+        # Params on several devices: CPU scalars, which ops on any device accept.
+        device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        live, fixed, kwargs, copied = {}, {}, {}, {}
+        for key in run.keys:
+            value = group[key]
+            if _live(key, value):
+                _check_number(where, key, value)
+                copied.update({(key, i): v for i, v in
+                               enumerate(value if key == "betas" else (value,))})
+                live[key] = (tuple(torch.tensor(float(v), dtype=dtype, device=device)
+                                   for v in value) if key == "betas"
+                             else torch.tensor(float(value), dtype=dtype, device=device))
+                value = live[key]
+            else:
+                fixed[key] = value
+            if key == "lr":
+                kwargs["learning_rate"] = value
+            elif key == "betas":
+                kwargs.update(zip(("b1", "b2", "b3"), value))
+            else:
+                kwargs[key] = value
+        try:
+            tx = self._factory(**kwargs)
+        except (TypeError, ValueError) as err:
+            renamed = ", ".join(n for k, n in (("lr", "lr as learning_rate"),
+                                               ("betas", "betas as b1, b2"))
+                                if k in run.keys)
+            raise type(err)(f"{where}: the factory {_name(self._factory)} rejected the "
+                            f"group's hyperparameters {sorted(run.keys)} (passed as "
+                            f"keywords{', ' + renamed if renamed else ''}): {err}") from err
+        check_transform(tx, f"{where}: the factory {_name(self._factory)} returned")
+        run.tx, run.live, run.fixed, run.copied = tx, live, fixed, copied
+
+    def _refresh(self, index: int) -> bool:
+        """Check the group's hyperparameters; rebuild its transform if a fixed one (or the
+        kind of a live one) changed. True if the live values must be copied in."""
+        run, group = self._runs[index], self.param_groups[index]
+        where = f"ftopt.Optimizer.step: param group {index}"
+        if self._factory is None:
+            return False
+        changed = any(not _same(group[k], v) for k, v in run.fixed.items()) or any(
+            not _fits(k, group[k], held) for k, held in run.live.items())
+        if changed:
+            self._build(run, group, where)
+            return False
+        for key in run.live:
+            value = group[key]
+            if key == "betas" or not isinstance(value, torch.Tensor):
+                _check_number(where, key, value)
+        return True
+
+    # -- step --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One step of every param group (params with ``grad=None`` are skipped).
+
+        Args:
+            closure: re-evaluates the model and returns the loss; called under
+                ``torch.enable_grad()`` before the step.
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Every group's hyperparameters are checked before any group steps.
+        copy_in = [self._refresh(i) for i in range(len(self.param_groups))]
+        for index, group in enumerate(self.param_groups):
+            grads = [p.grad for p in group["params"]]
+            if all(g is None for g in grads):
+                continue
+            run = self._runs[index]
+            if copy_in[index]:
+                _copy_live(run, group)
+            params = self._tree(group)
+            names = group.get("param_names")
+            grad_tree = dict(zip(names, grads)) if names is not None else grads
+            fresh = run.state is None
+            state = run.tx.init(params) if fresh else run.state
+            try:
+                _, state = ftopt_step(run.tx, params, grad_tree, state, donate=True,
+                                      backend=self._backend)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise type(err)(f"ftopt.Optimizer.step: param group {index}: {err}") \
+                    from err
+            run.state = state
+            if fresh:
+                self._show_state(index)
+        return loss
+
+    def _show_state(self, index: int) -> None:
+        """Point ``self.state[p]`` at the group's state tensors (see :mod:`param_state`)."""
+        group, run = self.param_groups[index], self._runs[index]
+        views, _ = param_views(run.state, self._tree(group))
+        by_index = dict(zip(_leaf_order(self._tree(group)), views))
+        for i, p in enumerate(group["params"]):
+            self.state[p] = by_index[i]
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` (torch's format): hyperparameters and states.
+
+        Every state is checked (names, shapes, dtypes, one step count per group) before
+        anything is written, and copied onto its param's device in the dtype the
+        transform keeps (fp32 states, uint8 codes, integer counts).
+        """
+        state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not isinstance(state_dict, dict) or {"state", "param_groups"} - set(state_dict):
+            raise ValueError("ftopt.Optimizer.load_state_dict: expected a dict with 'state' "
+                             "and 'param_groups'")
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"ftopt.Optimizer.load_state_dict: {len(saved_groups)} param "
+                             f"groups saved, the optimizer has {len(self.param_groups)}")
+        groups, runs, copies = [], [], []
+        for index, (mine, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            where = f"ftopt.Optimizer.load_state_dict: param group {index}"
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError(f"{where}: {len(saved['params'])} params saved, the group "
+                                 f"has {len(mine['params'])}")
+            group = {**{k: v for k, v in saved.items() if k not in _GROUP_KEYS},
+                     "params": mine["params"]}
+            if "param_names" in mine:
+                group["param_names"] = mine["param_names"]
+            run = _GroupRun(self._runs[index].keys)
+            if missing := [k for k in run.keys if k not in group]:
+                raise ValueError(f"{where}: the checkpoint lacks hyperparameters {missing}")
+            self._build(run, group, where)
+            entries = [saved_state.get(i) for i in saved["params"]]
+            if any(e for e in entries):
+                params = self._tree(group)
+                with torch.no_grad():
+                    run.state = run.tx.init(params)
+                views, shared = param_views(run.state, params)
+                order = _leaf_order(params)
+                copies += plan_load(views, shared, [entries[i] for i in order],
+                                    [saved["params"][i] for i in order])
+            groups.append(group)
+            runs.append(run)
+        with torch.no_grad():
+            for dst, src in copies:
+                dst.copy_(src)
+        self.param_groups[:] = groups
+        self._runs[:] = runs
+        self.state.clear()
+        for index, run in enumerate(runs):
+            if run.state is not None:
+                self._show_state(index)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+
+def _leaf_order(params: Any) -> list[int]:
+    """The index in the group of each leaf of the params tree (a dict is sorted by name)."""
+    if isinstance(params, dict):
+        position = {name: i for i, name in enumerate(params)}
+        return [position[path[0]] for path in
+                optree.tree_paths(params, none_is_leaf=False, namespace="ftopt")]
+    return list(range(len(params)))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # a value without a plain equality (a mask tree of tensors)
+        return False
+
+
+def _is_scalar_tensor(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()
+
+
+def _fits(key: str, value: Any, held: Any) -> bool:
+    """``value`` can be copied into the live tensor(s) ``held``."""
+    if key == "betas":
+        return (isinstance(value, (tuple, list)) and len(value) == len(held)
+                and all(_is_number(v) or _is_scalar_tensor(v) for v in value))
+    return _is_number(value) or _is_scalar_tensor(value)
+
+
+def _check_number(where: str, key: str, value: Any) -> None:
+    values = value if key == "betas" else (value,)
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            continue  # the caller's tensor: not read here (no device synchronisation)
+        if not _is_number(v) or not math.isfinite(v):
+            raise ValueError(f"{where}: {key} must be a finite number, got {value!r}")
+        if key in _NUMERIC and v < 0:
+            raise ValueError(f"{where}: {key} must be >= 0, got {value!r}")
+    if key == "betas" and any(_is_number(b) and b >= 1 for b in values[:2]):
+        raise ValueError(f"{where}: betas[0] and betas[1] must be < 1, got {value!r}")
+
+
+def _copy_live(run: _GroupRun, group: dict) -> None:
+    """The group's current values into the live tensors (skipped where unchanged)."""
+    for key, held in run.live.items():
+        value = group[key]
+        pairs = zip(held, value) if key == "betas" else ((held, value),)
+        for i, (t, v) in enumerate(pairs):
+            if isinstance(v, torch.Tensor):
+                t.copy_(v)
+                run.copied.pop((key, i), None)
+            elif run.copied.get((key, i)) != v:
+                t.fill_(v)
+                run.copied[(key, i)] = v
+
+
+def _name(factory: Callable) -> str:
+    return getattr(factory, "__qualname__", None) or repr(factory)
