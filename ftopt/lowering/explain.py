@@ -8,9 +8,8 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, check_transform
-from ftopt.lowering import segments
 from ftopt.lowering.codegen import level_reductions
-from ftopt.lowering.plan import _DTYPE_BYTES, call_reason, plan_chain
+from ftopt.lowering.plan import _DTYPE_BYTES, call_reason, describe_segments, plan_chain
 from ftopt.validate import check_leaf
 
 _BACKENDS = ("auto", "fused", "eager")
@@ -56,7 +55,7 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
              + (f" ({', '.join(s.rule.name for s in plan.stages)})" if plan.stages else "")
              + (", skip_zeros" if any(plan.skips) else "")]
     if plan.segments is not None:
-        lines.append(f"segments: {segments.describe(plan)}")
+        lines.append(f"segments: {describe_segments(plan)}")
     quant = next((s.quant for s in plan.stages if s.quant is not None and s.rule.slots), None)
     groups: dict[tuple, list[int]] = {}
     for i in active:

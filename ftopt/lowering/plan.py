@@ -96,6 +96,18 @@ def _segments(found) -> list:
     return out
 
 
+def describe_segments(plan: ChainPlan) -> str:
+    """The segments in order, e.g. ``[trace] fused -> scale_by_row_norm (matrix) -> ...``."""
+    items = []
+    for part in plan.segments:
+        if isinstance(part, ChainPlan):
+            names = ", ".join(s.rule.name for s in part.stages)
+            items.append(f"[{names}] fused" if names else "[p + u] fused")
+        else:
+            items.append(f"{part[0].name} (matrix stage: torch, leaves batched by shape)")
+    return " -> ".join(items)
+
+
 def triton_missing() -> str | None:
     """Why Triton cannot be used here (``None`` if it can)."""
     try:

@@ -17,7 +17,7 @@ from ftopt import tree as tree_lib
 from ftopt.lowering.calls import checked_call, launch_call
 from ftopt.lowering.plan import ChainPlan
 
-__all__ = ["run", "describe"]
+__all__ = ["run"]
 
 
 def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: str,
@@ -52,15 +52,3 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
         if not last:
             u_flat = tree_lib.flatten_like(spec, new, "updates", paths)
     return (new, state), None
-
-
-def describe(plan: ChainPlan) -> str:
-    """The segments in order, e.g. ``[trace] fused -> scale_by_row_norm (matrix) -> ...``."""
-    items = []
-    for part in plan.segments:
-        if isinstance(part, ChainPlan):
-            names = ", ".join(s.rule.name for s in part.stages)
-            items.append(f"[{names}] fused" if names else "[p + u] fused")
-        else:
-            items.append(f"{part[0].name} (matrix stage: torch, leaves batched by shape)")
-    return " -> ".join(items)
