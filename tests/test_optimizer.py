@@ -20,17 +20,21 @@ from ftopt.lowering import codegen
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# On a GPU machine the fused cases run the compiled kernels (the CPU runs them in the
+# Triton interpreter); checkpoints are still loaded with map_location="cpu".
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def _model(seed: int, width: int = 16) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(),
-                               torch.nn.Linear(width, 1))
+                               torch.nn.Linear(width, 1)).to(DEVICE)
 
 
 def _batches(seed: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(32, 8, generator=gen), torch.randn(32, 1, generator=gen))
-            for _ in range(n)]
+    return [(torch.randn(32, 8, generator=gen).to(DEVICE),
+             torch.randn(32, 1, generator=gen).to(DEVICE)) for _ in range(n)]
 
 
 def _train(model, opt, batches, scheduler=None):
@@ -94,7 +98,8 @@ def test_live_hyperparameters_equal_fixed_ones_bit_for_bit(backend):
     """A scheduler's values reach the step exactly as float hyperparameters would, with
     one transform for the whole run and, fused, no kernel compiled after the first."""
     gen = torch.Generator().manual_seed(11)
-    params = [torch.randn(40, 3, generator=gen), torch.randn(7, generator=gen)]
+    params = [torch.randn(40, 3, generator=gen).to(DEVICE),
+              torch.randn(7, generator=gen).to(DEVICE)]
     grads = [[torch.randn_like(p) for p in params] for _ in range(5)]
     lrs = [0.1, 0.05, 0.02, 0.3, 0.0]
     b1s = [0.9, 0.8, 0.95, 0.5, 0.9]
@@ -269,13 +274,15 @@ def test_add_param_group_steps_the_new_group_with_its_own_hyperparameters():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grad_scaler_skips_infinite_steps(dtype):
+    if DEVICE.type == "cuda" and dtype == torch.bfloat16:
+        dtype = torch.float16  # CUDA's unscale kernel takes fp16 and fp32 gradients
     model = _model(11).to(dtype)
     opt = ftopt.Optimizer(model.parameters(), ftopt.adam, lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0 ** 10)
     steps = 0
     for i, (x, y) in enumerate(_batches(12, 4)):
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             loss = torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
         scaler.scale(loss).backward()
         if i == 2:
@@ -295,7 +302,8 @@ def test_grad_scaler_skips_infinite_steps(dtype):
 def test_bad_hyperparameters_raise_before_anything_is_written():
     model = _model(12)
     opt = ftopt.Optimizer(model.parameters(), ftopt.adam, lr=0.01)
-    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "lr": 0.1})
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, device=DEVICE))],
+                         "lr": 0.1})
     _train(model, opt, _batches(12, 1))
     kept = [p.detach().clone() for p in model.parameters()]
     opt.param_groups[1]["lr"] = -1.0
