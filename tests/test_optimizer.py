@@ -274,8 +274,9 @@ def test_add_param_group_steps_the_new_group_with_its_own_hyperparameters():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grad_scaler_skips_infinite_steps(dtype):
-    if DEVICE.type == "cuda" and dtype == torch.bfloat16:
-        dtype = torch.float16  # CUDA's unscale kernel takes fp16 and fp32 gradients
+    if DEVICE.type == "cuda" and dtype != torch.float32:
+        pytest.skip("torch's CUDA GradScaler refuses low-precision gradients "
+                    "('Attempting to unscale FP16 gradients'); fp32 params run here")
     model = _model(11).to(dtype)
     opt = ftopt.Optimizer(model.parameters(), ftopt.adam, lr=0.01)
     scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0 ** 10)
