@@ -140,8 +140,9 @@ def main() -> int:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     ap.add_argument("--out", default=None, help="output path without suffix")
     ap.add_argument("--replay", default=None, help="SEED:WORKER:INDEX of one example")
-    ap.add_argument("--no-warm", action="store_true",
-                    help="skip the compile warm-up pass over the structures (GPU)")
+    ap.add_argument("--warm", action="store_true",
+                    help="a compile warm-up pass over the structures first (GPU; on the H200 "
+                         "it took 420 s for 60 structures: worth it only for long runs)")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds after which no new example starts (results are kept)")
     args = ap.parse_args()
@@ -159,7 +160,7 @@ def main() -> int:
             for w in range(workers)]
     t0 = time.perf_counter()
     warm_jobs = [(seed, w, workers, args.structures, device, deadline) for seed in seeds
-                 for w in range(workers)] if gpu and not args.no_warm else []
+                 for w in range(workers)] if gpu and args.warm else []
     if workers == 1:
         warm_seconds = [warm(j) for j in warm_jobs]
         results = [work(j) for j in jobs]
