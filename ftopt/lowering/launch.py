@@ -95,6 +95,7 @@ class GroupLaunch:
     aligned: bool = False
     quant_block: int = 0  # 8-bit slots with this many elements per absmax (0: fp32 slots)
     qmaps: tuple = ()
+    slot_dtypes: tuple = ()  # (slot, dtype) of each 16-bit slot (codegen.Variant)
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
 
@@ -107,7 +108,7 @@ class GroupLaunch:
 
     def variant(self, scalars) -> codegen.Variant:
         return _variant(self.p_dtype, self.g_dtype, self.aligned, isinstance(scalars, list),
-                        self.quant_block)
+                        self.quant_block, self.slot_dtypes)
 
 
 @lru_cache(maxsize=256)
@@ -132,8 +133,8 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tu
 
 @lru_cache(maxsize=256)
 def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool,
-             quant_block: int) -> codegen.Variant:
-    return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block)
+             quant_block: int, slot_dtypes: tuple = ()) -> codegen.Variant:
+    return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block, slot_dtypes)
 
 
 @lru_cache(maxsize=256)
