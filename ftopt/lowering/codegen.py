@@ -148,6 +148,9 @@ class Variant:
     quant_block: int = 0  # elements per absmax of 8-bit slots (0: fp32 slots)
     # ``(slot, dtype)`` of each 16-bit slot (``st{i}_{name}``); the others are fp32.
     slot_dtypes: tuple = ()
+    # A donated 8-bit step of a skip_zeros chain: a program whose gradients are all zero
+    # returns at once (its params and 8-bit blocks stay as they are, byte for byte).
+    skip_tiles: bool = False
 
 
 def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list[str]:
@@ -286,7 +289,11 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     bodies = [_body_and_stores(traced, nodes, _masks(traced, tail), variant, dtypes, tail)
               for tail in (False, True)]
     count_args, count_lines = _count_lines(traced)
-    lines = _prelude(roles, dtypes, variant) + count_lines + _split_blocks(*bodies)
+    body = _split_blocks(*bodies)
+    if variant.skip_tiles:
+        body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0) != 0.0)"
+                ".to(tl.int32)) > 0:"] + ["    " + x for x in body]
+    lines = _prelude(roles, dtypes, variant) + count_lines + body
     sig = _signature(roles, count_args, len(traced.graph.scalars), variant, ("COUNT",))
     return _kernel("ftopt_main", sig, lines)
 

@@ -131,6 +131,10 @@ class PreparedStep:
             group.traced = group_traced
             group.quant_block = quant_block
             group.slot_dtypes = slot_dtypes
+            # Donated, every stage skip-aware: an all-zero tile changes nothing (8-bit:
+            # its blocks keep their bytes), so its program may return at once.
+            group.skip_tiles = bool(quant_block and donate and output == "p"
+                                    and traced.skips and all(traced.skips))
             if quant_block:
                 group.qmaps = (dynamic_map(True, self.device), dynamic_map(False, self.device))
             roles = _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out)
