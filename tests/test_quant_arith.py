@@ -126,10 +126,5 @@ def test_kernel_encodes_like_eager(name, encoder, monkeypatch):
 def test_generated_source_has_two_gathers_per_encode():
     """The arithmetic encoder loads the map twice per element; the search ten times."""
     for encoder, loads in (("arithmetic", 2), ("search", 10)):
-        old = quantized.ENCODER
-        quantized.ENCODER = encoder
-        try:
-            lines = quantized.store_lines("st0_mu", "st0_mu_old", "x", True, None, False)
-        finally:
-            quantized.ENCODER = old
+        lines = quantized.store_lines("st0_mu", "st0_mu_old", "x", True, None, False, encoder)
         assert sum(line.count("tl.load(qmap_signed_ptr") for line in lines) == loads

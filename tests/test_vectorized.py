@@ -68,8 +68,6 @@ CASES = [(dtype, donate) for dtype in ("float32", "bfloat16") for donate in (Fal
 
 def dump_ptx(path: str) -> None:
     """Writes the PTX of every case to ``path`` (JSON); run in the subprocess."""
-    from ftopt.lowering import quantized
-
     out = {}
     for dtype_name, donate in CASES:
         dtype = getattr(torch, dtype_name)
@@ -85,8 +83,8 @@ def dump_ptx(path: str) -> None:
     CONSTEXPRS.update({"QBLOCK": 256, "BLOCK": 1024})
     traced = plan_chain(ftopt.adam(1e-3, state_bits=8)).traced(False, "p")
     for encoder in ("arithmetic", "search"):
-        quantized.ENCODER = encoder
-        source = codegen.main_source(traced, codegen.Variant(f32, f32, True, True, 256))
+        variant = codegen.Variant(f32, f32, True, True, 256, encoder=encoder)
+        source = codegen.main_source(traced, variant)
         out[f"8bit-{encoder}"] = _ptx(source)
     with open(path, "w") as f:
         json.dump(out, f)

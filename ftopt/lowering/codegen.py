@@ -151,6 +151,7 @@ class Variant:
     # A donated 8-bit step of a skip_zeros chain: a program whose gradients are all zero
     # returns at once (its params and 8-bit blocks stay as they are, byte for byte).
     skip_tiles: bool = False
+    encoder: str = "arithmetic"  # of 8-bit slots (quantized.ENCODER)
 
 
 def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list[str]:
@@ -311,7 +312,7 @@ def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
             stage = int(slot[2:].split("_", 1)[0])
             zero = "zero" if traced.skips[stage] else None
             lines += quantized.store_lines(slot, f"{slot}_old", value, signs[slot], zero,
-                                           tail)
+                                           tail, variant.encoder)
             continue
         if dict(variant.slot_dtypes).get(slot) == torch.bfloat16:
             lines += _bf16_store_lines(role, slot, value, masks["SMASK"])

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftopt.lowering import codegen, tiles
+from ftopt.lowering import codegen, quantized, tiles
 
 
 @triton.jit
@@ -114,7 +114,8 @@ class GroupLaunch:
 
     def variant(self, scalars) -> codegen.Variant:
         return _variant(self.p_dtype, self.g_dtype, self.aligned, isinstance(scalars, list),
-                        self.quant_block, self.slot_dtypes, self.skip_tiles and SKIP_TILES)
+                        self.quant_block, self.slot_dtypes, self.skip_tiles and SKIP_TILES,
+                        quantized.ENCODER if self.quant_block else "arithmetic")
 
 
 @lru_cache(maxsize=256)
@@ -139,9 +140,10 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tu
 
 @lru_cache(maxsize=256)
 def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool, quant_block: int,
-             slot_dtypes: tuple = (), skip_tiles: bool = False) -> codegen.Variant:
+             slot_dtypes: tuple = (), skip_tiles: bool = False,
+             encoder: str = "arithmetic") -> codegen.Variant:
     return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block, slot_dtypes,
-                           skip_tiles)
+                           skip_tiles, encoder)
 
 
 @lru_cache(maxsize=256)

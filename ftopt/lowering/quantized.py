@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import torch
 
-# "arithmetic" or "search" (the binary search, kept to time one against the other).
-# Read when a kernel's source is generated; both give the same codes.
+# "arithmetic" or "search" (the binary search, kept to time one against the other): the
+# encoder of the kernels launched from now on (part of their variant, so switching it
+# compiles the other kernel). Both give the same codes.
 ENCODER = "arithmetic"
 
 # |v| >= _THRESHOLDS[k - 1] puts v in decade k or above.
@@ -128,7 +129,7 @@ def load_lines(name: str, role: str, signed: bool, load_mask: str) -> list[str]:
 
 
 def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
-                tail: bool) -> list[str]:
+                tail: bool, encoder: str = "arithmetic") -> list[str]:
     """Quantize ``value`` (fp32, one per lane) into slot ``role``'s codes and absmax."""
     q = f"q_{role}"
     qmap = qmap_var(signed)
@@ -143,7 +144,7 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
         f"{q}_v = tl.where({q}_v == {q}_v, {q}_v, 0.0)",
         f"{q}_v = tl.minimum(tl.maximum({q}_v, -1.0), 1.0)",
     ]
-    if ENCODER == "search":
+    if encoder == "search":
         lines += _search_lines(q, qmap, shape)
     else:
         lines += _arithmetic_lines(q, qmap, signed, shape)
