@@ -354,10 +354,10 @@ TRANSFORMS: list[Entry] = [
           options={"max_consecutive_errors": (0, 2)}, kind="combinator", fusible=False,
           inner=("scale_by_adam",)),
     Entry("quantize_states",
-          lambda inner=(), bits=8, min_size=0: ftopt.quantize_states(
-              inner[0], bits=bits, min_size=min_size),
-          options={"bits": (8, 32)}, kind="combinator",
-          inner=("scale_by_adam",)),
+          lambda inner=(), bits=8, min_size=0, state_dtype=None: ftopt.quantize_states(
+              inner[0], bits=bits, min_size=min_size, state_dtype=state_dtype),
+          options={"bits": (8, 32), "state_dtype": (None, torch.bfloat16, torch.float16)},
+          kind="combinator", inner=("scale_by_adam",)),
     # ---- aliases (SPEC §4): each also takes skip_zeros= and state_bits=
     Entry("sgd", ftopt.sgd, floats={"learning_rate": LR}, kind="alias", keeps_zero=True,
           example={"learning_rate": 0.1}),
