@@ -1,7 +1,10 @@
 """Optimizers as short chains of transforms (optax signatures and defaults).
 
-Every alias takes keyword-only ``skip_zeros`` (see :func:`ftopt.skip_zeros`) and
-``state_bits`` (32, or 8 for 8-bit blockwise states, see :func:`quantize_states`).
+Every alias takes keyword-only ``skip_zeros`` (see :func:`ftopt.skip_zeros`),
+``state_bits`` (32, or 8 for 8-bit blockwise states, see :func:`quantize_states`) and
+``state_dtype`` (``torch.bfloat16`` or ``torch.float16``: per-element float states that
+are not 8-bit stored in 16 bits, math in fp32, one rounding to nearest per store; see
+:func:`quantize_states`).
 
 Hyperparameters passed through to a transform are checked by it at construction (see
 :mod:`ftopt.domains`); the alias checks its own: ``momentum`` (the decay of ``trace``,
@@ -18,7 +21,7 @@ from ftopt.base import GradientTransformation
 from ftopt.combine import chain, masked
 from ftopt.combine import skip_zeros as skip_zeros_marker
 from ftopt.domains import NONNEG, check_hparam
-from ftopt.quantize import quantize_states
+from ftopt.quantize import check_state_dtype, quantize_states
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.transforms import (
     add_decayed_weights,
@@ -51,15 +54,16 @@ def check_state_bits(alias: str, state_bits: Any) -> None:
         raise ValueError(f"{alias}: state_bits must be 8 or 32, got {state_bits}")
 
 
-def finish(parts: list, skip_zeros: bool, state_bits: int) -> GradientTransformation:
+def finish(parts: list, skip_zeros: bool, state_bits: int,
+           state_dtype: torch.dtype | None = None) -> GradientTransformation:
     """An alias' chain of ``parts``: skip-aware with ``skip_zeros``, 8-bit states with
-    ``state_bits=8``."""
+    ``state_bits=8``, 16-bit state storage with ``state_dtype``."""
     if skip_zeros:
         parts.append(skip_zeros_marker())
     tx = chain(*parts)
-    if state_bits == 32:
+    if state_bits == 32 and state_dtype is None:
         return tx
-    return quantize_states(tx, bits=state_bits)
+    return quantize_states(tx, bits=state_bits, state_dtype=state_dtype)
 
 
 def sgd(
@@ -69,12 +73,15 @@ def sgd(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """SGD, with optional (Nesterov) momentum: ``chain(trace(momentum), lr)``."""
     _check_momentum("sgd", momentum)
     check_state_bits("sgd", state_bits)
+    check_state_dtype("sgd", state_dtype)
     parts = [] if momentum is None else [trace(momentum, nesterov)]
-    return finish([*parts, scale_by_learning_rate(learning_rate)], skip_zeros, state_bits)
+    return finish([*parts, scale_by_learning_rate(learning_rate)], skip_zeros, state_bits,
+                   state_dtype)
 
 
 def adam(
@@ -87,12 +94,15 @@ def adam(
     nesterov: bool = False,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr))``."""
     check_state_bits("adam", state_bits)
+    check_state_dtype("adam", state_dtype)
     parts = [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
              scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits,
+                   state_dtype)
 
 
 def adamw(
@@ -107,6 +117,7 @@ def adamw(
     nesterov: bool = False,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """AdamW: ``chain(scale_by_adam, add_decayed_weights(wd, mask), scale_by_learning_rate)``.
 
@@ -114,10 +125,12 @@ def adamw(
     is torch.optim.AdamW and bitsandbytes' Adam/AdamW.
     """
     check_state_bits("adamw", state_bits)
+    check_state_dtype("adamw", state_dtype)
     parts = [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
              add_decayed_weights(weight_decay, mask),
              scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits,
+                   state_dtype)
 
 
 def lion(
@@ -129,12 +142,15 @@ def lion(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Lion: ``chain(scale_by_lion(b1, b2), add_decayed_weights(wd, mask), lr)``."""
     check_state_bits("lion", state_bits)
+    check_state_dtype("lion", state_dtype)
     parts = [scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask),
              scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits,
+                   state_dtype)
 
 
 def rmsprop(
@@ -148,15 +164,18 @@ def rmsprop(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """RMSprop: ``chain(scale_by_rms(...), lr, trace(momentum))`` (optax's order)."""
     _check_momentum("rmsprop", momentum)
     check_state_bits("rmsprop", state_bits)
+    check_state_dtype("rmsprop", state_dtype)
     parts = [scale_by_rms(decay, eps, initial_scale, eps_in_sqrt=eps_in_sqrt),
              scale_by_learning_rate(learning_rate)]
     if momentum is not None:
         parts.append(trace(momentum, nesterov))
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits,
+                   state_dtype)
 
 
 def adagrad(
@@ -166,12 +185,15 @@ def adagrad(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Adagrad: ``chain(scale_by_rss(initial_accumulator_value, eps), lr)``."""
     check_state_bits("adagrad", state_bits)
+    check_state_dtype("adagrad", state_dtype)
     parts = [scale_by_rss(initial_accumulator_value, eps),
              scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits,
+                   state_dtype)
 
 
 def lamb(
@@ -185,12 +207,15 @@ def lamb(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """LAMB: ``chain(scale_by_adam, add_decayed_weights, scale_by_trust_ratio, lr)``."""
     check_state_bits("lamb", state_bits)
+    check_state_dtype("lamb", state_dtype)
     parts = [scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
              scale_by_trust_ratio(), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits,
+                   state_dtype)
 
 
 def lars(
@@ -205,11 +230,13 @@ def lars(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """LARS (optax order): ``chain(add_decayed_weights, masked(scale_by_trust_ratio),
     lr, trace(momentum))``."""
     _check_momentum("lars", momentum)
     check_state_bits("lars", state_bits)
+    check_state_dtype("lars", state_dtype)
     parts = [
         add_decayed_weights(weight_decay, mask=_all_or(weight_decay_mask)),
         _maybe_masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps),
@@ -217,7 +244,8 @@ def lars(
         scale_by_learning_rate(learning_rate),
         trace(momentum, nesterov),
     ]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits,
+                   state_dtype)
 
 
 def _all_or(mask: Any) -> Any:
@@ -241,9 +269,12 @@ def ademamix(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """AdEMAMix (as optax.contrib): ``chain(scale_by_ademamix, add_decayed_weights, lr)``."""
     check_state_bits("ademamix", state_bits)
+    check_state_dtype("ademamix", state_dtype)
     parts = [scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root),
              add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits,
+                   state_dtype)

@@ -1,6 +1,11 @@
-"""``quantize_states``: 8-bit blockwise storage for every per-element state of a chain."""
+"""``quantize_states``: 8-bit blockwise (or 16-bit float) storage for every per-element
+state of a chain."""
 
 from __future__ import annotations
+
+from typing import Any
+
+import torch
 
 from ftopt.base import GradientTransformation, check_transform
 from ftopt.domains import check_int
@@ -10,20 +15,38 @@ from ftopt.rules import QuantConfig
 __all__ = ["quantize_states"]
 
 
-def _rebuild(tx: GradientTransformation, quant: QuantConfig | None) -> GradientTransformation:
+#: The dtypes ``state_dtype`` accepts (``None``: the params' compute dtype).
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rebuild(tx: GradientTransformation, quant: QuantConfig | None,
+             store: torch.dtype | None) -> GradientTransformation:
     obj = getattr(tx.update, "__self__", None)
     if isinstance(obj, RuleTransform):
-        return obj.with_quant(quant).as_transform()
+        return obj.with_quant(quant, store).as_transform()
     children = getattr(obj, "transforms", None)
     if children is not None and hasattr(obj, "rebuild"):
-        return obj.rebuild([_rebuild(t, quant) for t in children])
+        return obj.rebuild([_rebuild(t, quant, store) for t in children])
     return tx
 
 
+def check_state_dtype(where: str, state_dtype: Any) -> torch.dtype | None:
+    """``state_dtype`` if it is ``None`` or one of :data:`STATE_DTYPES`, else raises."""
+    if state_dtype is None or state_dtype in STATE_DTYPES:
+        return state_dtype
+    if not isinstance(state_dtype, torch.dtype):
+        raise TypeError(f"{where}: state_dtype must be a torch.dtype or None, got "
+                        f"{type(state_dtype).__name__} {state_dtype!r}")
+    raise ValueError(f"{where}: state_dtype must be torch.float32, torch.bfloat16 or "
+                     f"torch.float16, got {state_dtype}")
+
+
 def quantize_states(
-    tx: GradientTransformation, bits: int = 8, block_size: int = 256, min_size: int = 4096
+    tx: GradientTransformation, bits: int = 8, block_size: int = 256, min_size: int = 4096,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
-    """Stores the per-element float states of ``tx`` as 8-bit blockwise codes.
+    """Stores the per-element float states of ``tx`` as 8-bit blockwise codes, or in a
+    16-bit float dtype.
 
     Every state slot of a leaf with at least ``min_size`` elements becomes uint8 codes
     into bitsandbytes' dynamic map (signed for mu/trace/m1/m2, unsigned for nu/rms/rss)
@@ -38,10 +61,19 @@ def quantize_states(
             also need it to divide their tile; another size runs eagerly (see
             :func:`ftopt.explain`).
         min_size: smallest leaf with 8-bit state, an int >= 0 (default: 4096).
+        state_dtype: the dtype of every per-element float state that is not 8-bit (all of
+            them with ``bits=32``, the leaves below ``min_size`` with ``bits=8``):
+            ``torch.bfloat16`` or ``torch.float16`` store it in 16 bits (the math stays
+            fp32: each state is read exactly, updated in fp32 and rounded to nearest once
+            per store), ``torch.float32`` in 32; ``None`` (default): the params' compute
+            dtype (fp32, or fp64 for fp64 params). Steps with bf16/fp16 states run fused
+            as well as eagerly.
 
     Raises:
-        TypeError: an argument that is not an int (``bool`` and floats included).
-        ValueError: ``bits`` not 8 or 32, ``block_size`` < 1 or ``min_size`` < 0.
+        TypeError: an argument that is not an int (``bool`` and floats included), a
+            ``state_dtype`` that is not a ``torch.dtype``.
+        ValueError: ``bits`` not 8 or 32, ``block_size`` < 1 or ``min_size`` < 0, a
+            ``state_dtype`` other than fp32, bf16 and fp16.
     """
     check_transform(tx, "quantize_states: argument tx")
     bits = check_int("quantize_states", "bits", bits)
@@ -49,5 +81,6 @@ def quantize_states(
         raise ValueError(f"quantize_states: bits must be 8 or 32, got {bits}")
     block_size = check_int("quantize_states", "block_size", block_size, minimum=1)
     min_size = check_int("quantize_states", "min_size", min_size, minimum=0)
+    store = check_state_dtype("quantize_states", state_dtype)
     quant = None if bits == 32 else QuantConfig(bits, block_size, min_size)
-    return _rebuild(tx, quant)
+    return _rebuild(tx, quant, store)

@@ -40,20 +40,26 @@ __all__ = ["RuleTransform", "rule_transform"]
 class RuleTransform:
     """A ``GradientTransformation`` made from a :class:`Rule`."""
 
-    def __init__(self, rule: Rule, quant: QuantConfig | None = None):
+    def __init__(self, rule: Rule, quant: QuantConfig | None = None,
+                 store: torch.dtype | None = None):
         # Every hyperparameter is checked here, once, against ``rule.domains``: a bad value
         # fails at construction, not as NaN params later (see :mod:`ftopt.domains`).
         for k, v in rule.hparams.items():
             _check_hparam(rule.name, k, v, rule.domains.get(k))
         self.rule = rule
         self.quant = quant
+        # The dtype of per-element float states that are not 8-bit (``None``: the
+        # params' compute dtype, fp32 for 16-bit params).
+        self.store = store
         register_owner(self)
 
-    def with_quant(self, quant: QuantConfig | None) -> RuleTransform:
-        return RuleTransform(self.rule, quant if self.rule.slots else None)
+    def with_quant(self, quant: QuantConfig | None,
+                   store: torch.dtype | None = None) -> RuleTransform:
+        slots = bool(self.rule.slots)
+        return RuleTransform(self.rule, quant if slots else None, store if slots else None)
 
     def with_rule(self, **changes) -> RuleTransform:
-        return RuleTransform(replace(self.rule, **changes), self.quant)
+        return RuleTransform(replace(self.rule, **changes), self.quant, self.store)
 
     def as_transform(self) -> GradientTransformation:
         return GradientTransformation(self.init, self.update)
@@ -65,6 +71,8 @@ class RuleTransform:
     def _init_slot(self, slot: Slot, p: torch.Tensor):
         value = 0.0 if slot.init is None else self.rule.hparams[slot.init]
         x = torch.full_like(p, float(value), dtype=state_dtype(p))
+        if self.store is not None and not self.quantized(p):
+            return x.to(self.store)
         if self.quantized(p):
             qmap = dynamic_map(slot.signed, p.device)
             return QuantizedSlot(*quantize_blockwise(x.float(), qmap, self.quant.block_size))
@@ -88,11 +96,13 @@ class RuleTransform:
         if isinstance(leaf, QuantizedSlot):
             qmap = dynamic_map(slot.signed, leaf.codes.device)
             return dequantize_blockwise(leaf.codes, leaf.absmax, qmap, self.quant.block_size)
+        if leaf.dtype in (torch.float16, torch.bfloat16):  # read in the compute dtype
+            return leaf.to(compute_dtype(p_like))
         return leaf
 
     def _write_slot(self, slot: Slot, old_leaf, new: torch.Tensor, mask):
         if not isinstance(old_leaf, QuantizedSlot):
-            return new.to(old_leaf.dtype)
+            return new.to(old_leaf.dtype)  # one rounding (to nearest) per store
         qmap = dynamic_map(slot.signed, new.device)
         codes, absmax = quantize_blockwise(new.float(), qmap, self.quant.block_size)
         if mask is not None:

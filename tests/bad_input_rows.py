@@ -242,10 +242,11 @@ def _():
     return tx, params, {**grads, "b": grads["b"].double()}, state, {}
 
 
-@fused_only("fp16_state", RuntimeError, ["state mu at ['w']: dtype torch.float16 is not fp32"])
+@fused_only("fp64_state", RuntimeError,
+            ["state mu at ['w']: dtype torch.float64 is not fp32, bf16 or fp16"])
 def _():
-    tx, params, grads, state = adam_case("fp16_state", device=DEVICE)
-    return tx, params, grads, with_mu(state, w=state[0].mu["w"].half()), {}
+    tx, params, grads, state = adam_case("fp64_state", device=DEVICE)
+    return tx, params, grads, with_mu(state, w=state[0].mu["w"].double()), {}
 
 
 @fused_only("param_requires_grad", RuntimeError, ["param requires grad at ['w']"],

@@ -88,7 +88,9 @@ class Structure:
     ``skip``: "off", "marker" (``skip_zeros()`` at index ``skip_at`` of the top chain),
     "wrap" (``skip_zeros(tx)``) or "keyword" (the alias' ``skip_zeros=True``). ``quant``:
     "wrapper" (``quantize_states(tx, 8, min_size=min_size)``) or "keyword" (the alias'
-    ``state_bits=8``, min_size 4096).
+    ``state_bits=8``, min_size 4096). ``state_dtype``: "" or "bfloat16"/"float16", the
+    storage of the float states that are not 8-bit (the alias' keyword with "keyword", else
+    passed to ``quantize_states``).
     """
 
     parts: tuple[Part, ...]
@@ -97,6 +99,7 @@ class Structure:
     bits: int = 32
     quant: str = "wrapper"
     min_size: int = 0
+    state_dtype: str = ""
     tensors: bool = False
     schedules: bool = False
     named: bool = False
@@ -132,6 +135,7 @@ class Structure:
             return f"{p.name}{'[' + opts + ']' if opts else ''}{inner}"
         bits = f"bits={self.bits}/{self.quant}/min_size={self.min_size}" if self.bits == 8 \
             else "bits=32"
+        bits += f" state_dtype={self.state_dtype}" if self.state_dtype else ""
         return (f"{' -> '.join(part(p) for p in self.parts)} | skip={self.skip}@"
                 f"{self.skip_at} {bits} tensors={self.tensors} schedules={self.schedules} "
                 f"named={self.named}")
@@ -181,7 +185,10 @@ def draw_structure(src: Source, fusible: bool = False, skip: bool = False) -> St
     if any(p.entry.eight_bit for top in parts for p in top.flat()) and src.boolean(0.35):
         quant = "keyword" if s.alias is not None and src.boolean(0.15) else "wrapper"
         s = replace(s, bits=8, quant=quant, min_size=src.choice([0, 1, 64, 200]))
-    return replace(s, tensors=src.boolean(0.3), schedules=src.boolean(0.2))
+    s = replace(s, tensors=src.boolean(0.3), schedules=src.boolean(0.2))
+    if any(p.entry.eight_bit for top in parts for p in top.flat()) and src.boolean(0.2):
+        s = replace(s, state_dtype=src.choice(["bfloat16", "float16"]))
+    return s
 
 
 # ------------------------------------------------------------------------------------------
@@ -216,6 +223,8 @@ def build(s: Structure, hps: list, skip: bool = True) -> GradientTransformation:
             kw["skip_zeros"] = skip_mode == "keyword"
             if s.bits == 8 and s.quant == "keyword":
                 kw["state_bits"] = 8
+                if s.state_dtype:
+                    kw["state_dtype"] = getattr(torch, s.state_dtype)
         txs.append(_make(p, h, **kw))
     if skip_mode == "marker":
         txs.insert(min(s.skip_at, len(txs)), ftopt.skip_zeros())
@@ -227,8 +236,11 @@ def build(s: Structure, hps: list, skip: bool = True) -> GradientTransformation:
         tx = ftopt.chain(*txs)
     if skip_mode == "wrap":
         tx = ftopt.skip_zeros(tx)
+    state_dtype = getattr(torch, s.state_dtype) if s.state_dtype else None
     if s.bits == 8 and s.quant == "wrapper":
-        tx = ftopt.quantize_states(tx, bits=8, min_size=s.min_size)
+        tx = ftopt.quantize_states(tx, bits=8, min_size=s.min_size, state_dtype=state_dtype)
+    elif s.bits == 32 and state_dtype is not None:
+        tx = ftopt.quantize_states(tx, bits=32, state_dtype=state_dtype)
     return tx
 
 

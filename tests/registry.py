@@ -12,7 +12,8 @@ in pytest), and its traits:
 * ``uses_params``; ``keeps_zero``: a zero incoming update stays zero (so a norm after it
   sees the same value with or without ``skip_zeros``);
 * ``fusible``: it has an elementwise rule, so a chain of only fusible entries fuses;
-* ``eight_bit``: it has per-element float states that ``quantize_states`` stores in 8 bits;
+* ``eight_bit``: it has per-element float states that ``quantize_states`` stores in 8 bits
+  (or, with ``state_dtype``, in bf16/fp16: ``tests/test_state_dtype.py``);
 * ``kind``: ``"transform"`` (a chain building block), ``"alias"`` (a whole optimizer) or
   ``"combinator"`` (wraps other transforms; ``make`` takes them as keywords).
 
@@ -398,10 +399,10 @@ TRANSFORMS: list[Entry] = [
           options={"max_consecutive_errors": (0, 2)}, kind="combinator", fusible=False,
           inner=("scale_by_adam",)),
     Entry("quantize_states",
-          lambda inner=(), bits=8, min_size=0: ftopt.quantize_states(
-              inner[0], bits=bits, min_size=min_size),
-          options={"bits": (8, 32)}, kind="combinator",
-          inner=("scale_by_adam",)),
+          lambda inner=(), bits=8, min_size=0, state_dtype=None: ftopt.quantize_states(
+              inner[0], bits=bits, min_size=min_size, state_dtype=state_dtype),
+          options={"bits": (8, 32), "state_dtype": (None, torch.bfloat16, torch.float16)},
+          kind="combinator", inner=("scale_by_adam",)),
     # ---- aliases (SPEC §4): each also takes skip_zeros= and state_bits=
     Entry("sgd", ftopt.sgd, floats={"learning_rate": LR}, kind="alias", keeps_zero=True,
           example={"learning_rate": 0.1}),
@@ -574,6 +575,7 @@ STANDALONE_LR = 1e-2
 
 
 def standalone(e: Entry | str, *, skip_zeros: bool = False, state_bits: int = 32,
+               state_dtype: torch.dtype | None = None,
                **overrides: Any) -> GradientTransformation:
     """``e`` as a whole optimizer, with :meth:`Entry.defaults` updated by ``overrides``.
 
@@ -581,11 +583,15 @@ def standalone(e: Entry | str, *, skip_zeros: bool = False, state_bits: int = 32
     anything else is ``chain(e, scale_by_learning_rate(STANDALONE_LR))`` so that params
     move (a combinator wraps its ``inner`` entries, built from their defaults), followed
     by the ``skip_zeros()`` marker when asked and wrapped in ``quantize_states(bits=8)``
-    (min_size 4096, as the aliases' ``state_bits=8``) for 8-bit states.
+    (min_size 4096, as the aliases' ``state_bits=8``) for 8-bit states; ``state_dtype``
+    (bf16/fp16 storage of the float states) is an alias's keyword or passed to
+    ``quantize_states``.
     """
     e = BY_NAME[e] if isinstance(e, str) else e
     hp = {**e.defaults(), **overrides}
     if e.kind == "alias":
+        if state_dtype is not None:
+            hp["state_dtype"] = state_dtype
         return e.make(**hp, skip_zeros=skip_zeros, state_bits=state_bits)
     if e.kind == "combinator" and "inner" not in hp:
         hp["inner"] = [BY_NAME[n].make(**BY_NAME[n].defaults()) for n in e.inner]
@@ -593,7 +599,9 @@ def standalone(e: Entry | str, *, skip_zeros: bool = False, state_bits: int = 32
     if skip_zeros:
         parts.append(ftopt.skip_zeros())
     tx = ftopt.chain(*parts)
-    return tx if state_bits == 32 else ftopt.quantize_states(tx, bits=state_bits)
+    if state_bits == 32 and state_dtype is None:
+        return tx
+    return ftopt.quantize_states(tx, bits=state_bits, state_dtype=state_dtype)
 
 
 def names(entries: Sequence[Entry]) -> list[str]:

@@ -208,6 +208,12 @@ SUITES = [
         "test_layout", "test_first_step_codes_use_the_right_map",
         "test_all_zero_blocks_never_nan", "test_quantize_states_32_is_a_no_op",
         "test_save_load_continues_bit_identically")],
+    *[("test_state_dtype", t, "name", {}, registry.eight_bit) for t in (
+        "test_layout", "test_skip_zeros_is_exact")],
+    ("test_state_dtype", "test_fused_matches_eager", "name", {}, _eight_bit_fusible),
+    *[("test_state_dtype", t, "name", {},
+       lambda: [e for e in registry.eight_bit() if e.kind == "alias"]) for t in (
+        "test_checkpoint_round_trip", "test_tracks_float64_reference_within_rounding")],
     ("test_skip_zeros", "test_skip_zeros", "name", {}, lambda: by_trait(kind="alias")),
     ("test_aliases_vs_reference", "test_every_registry_alias_has_a_reference", "name", {},
      lambda: by_trait(kind="alias")),

@@ -3,7 +3,8 @@
 Compiled for sm_90 (Hopper) without a GPU: Triton lowers the generated source to PTX on
 the host. Without 16-byte vector accesses the kernels still give the right numbers but
 lose bandwidth (on an H200: 0.445 -> 0.453 ms on a 64M fp32 Adam step), which no
-correctness test would notice.
+correctness test would notice. The same compilation checks the kernels with bf16 states
+(vectorized too) and with 8-bit states (the arithmetic encoder's load count).
 
 The cross-compilation runs in a subprocess with ``TRITON_INTERPRET`` unset and a cache
 directory of its own. In this process the other tests run kernels in Triton's
@@ -73,6 +74,18 @@ def dump_ptx(path: str) -> None:
         traced = plan_chain(ftopt.adam(1e-3)).traced(donate, "p")
         source = codegen.main_source(traced, codegen.Variant(dtype, dtype, True, True, 0))
         out[f"{dtype_name}-{donate}"] = _ptx(source)
+    f32, bf16 = torch.float32, torch.bfloat16
+    # 16-bit states: bf16 stored as its bits, rounded by integer arithmetic.
+    traced = plan_chain(ftopt.adam(1e-3, state_dtype=bf16)).traced(False, "p")
+    variant = codegen.Variant(f32, f32, True, True, 0, (("st0_mu", bf16), ("st0_nu", bf16)))
+    out["bf16-states"] = _ptx(codegen.main_source(traced, variant))
+    # 8-bit states, both encoders (QBLOCK 256, the 8-bit tile of 1024 elements).
+    CONSTEXPRS.update({"QBLOCK": 256, "BLOCK": 1024})
+    traced = plan_chain(ftopt.adam(1e-3, state_bits=8)).traced(False, "p")
+    for encoder in ("arithmetic", "search"):
+        variant = codegen.Variant(f32, f32, True, True, 256, encoder=encoder)
+        source = codegen.main_source(traced, variant)
+        out[f"8bit-{encoder}"] = _ptx(source)
     with open(path, "w") as f:
         json.dump(out, f)
 
@@ -105,3 +118,19 @@ def test_adam_kernel_accesses_are_16_byte_vectors(ptx_of, dtype_name, donate):
     wide, narrow = (4, 0) if dtype_name == "float32" else (2, 2)
     assert count("ld", 4) >= wide and count("ld", 2) >= narrow, ptx.count("ld.global")
     assert count("st", 4) >= wide - 1 and count("st", 2) >= narrow - 1, ptx.count("st.")
+
+
+def test_bf16_states_are_8_byte_vectors(ptx_of):
+    """The full-block path reads and writes mu and nu, 4 bf16 per thread, as 8 bytes."""
+    ptx = ptx_of["bf16-states"]
+    assert len(re.findall(r"ld\.global(?:\.\w+)*\.v2\.b32", ptx)) >= 2
+    assert len(re.findall(r"st\.global(?:\.\w+)*\.v2\.b32", ptx)) >= 2
+
+
+def test_arithmetic_8bit_encoder_loads_far_less(ptx_of):
+    """Compiled for sm_90, the 8-bit kernel with the arithmetic encoder issues less than
+    half the global loads of the binary search (2 map loads per element and state to
+    encode instead of 10)."""
+    loads = {e: len(re.findall(r"ld\.global", ptx_of[f"8bit-{e}"]))
+             for e in ("arithmetic", "search")}
+    assert 0 < 2 * loads["arithmetic"] < loads["search"], loads

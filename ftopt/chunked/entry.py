@@ -98,7 +98,10 @@ class ChunkAlgebra:
             inputs["p"] = prog.convert(p, compute_dtype(self.ps[js[0]]))
             self.inputs["p"] = [self.ps[j] for j in js]
         for name, leaves in self.old.items():
-            inputs[name] = prog.input("s:" + name, leaves[js[0]].dtype)
+            dtype = leaves[js[0]].dtype
+            inputs[name] = prog.input("s:" + name, dtype)
+            if dtype in (torch.float16, torch.bfloat16):  # 16-bit storage: fp32 math
+                inputs[name] = prog.convert(inputs[name], self.compute)
             self.inputs["s:" + name] = [leaves[j] for j in js]
         return {**inputs, **self.scalars}
 

@@ -272,7 +272,10 @@ class _StepAlgebra:
         if rule.uses_params:
             inputs["p"] = prog.convert(self.ps, compute_dtype(self.prep.p_flat[leaf]))
         for name, leaves in self.prep.slots[index].items():
-            inputs[name] = prog.input(f"{index}:{name}", leaves[leaf].dtype)
+            dtype = leaves[leaf].dtype
+            inputs[name] = prog.input(f"{index}:{name}", dtype)
+            if dtype in (torch.float16, torch.bfloat16):  # 16-bit storage: fp32 math
+                inputs[name] = prog.convert(inputs[name], self.compute)
         return {**inputs, **self.prep.scalars[index]}
 
     def leaf_flag(self, index: int):

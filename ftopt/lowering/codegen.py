@@ -25,6 +25,9 @@ from ftopt.rules import step_scalars
 
 _TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16",
               torch.bfloat16: "tl.bfloat16"}
+# 16-bit slots as stored: bf16 as its bits, converted by hand (the interpreter's fp32 ->
+# bf16 cast truncates; the bit arithmetic rounds to nearest even on every backend).
+_STORED = {torch.float16: "tl.float16", torch.bfloat16: "tl.uint16"}
 
 
 @dataclass(eq=False)
@@ -151,6 +154,12 @@ class Variant:
     aligned: bool  # every address of the group is 16-byte aligned
     scalar_args: bool  # per-step scalars are kernel arguments (else loaded from a buffer)
     quant_block: int = 0  # elements per absmax of 8-bit slots (0: fp32 slots)
+    # ``(slot, dtype)`` of each 16-bit slot (``st{i}_{name}``); the others are fp32.
+    slot_dtypes: tuple = ()
+    # A donated 8-bit step of a skip_zeros chain: a program whose gradients are all zero
+    # returns at once (its params and 8-bit blocks stay as they are, byte for byte).
+    skip_tiles: bool = False
+    encoder: str = "arithmetic"  # of 8-bit slots (quantized.ENCODER)
 
 
 def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list[str]:
@@ -212,9 +221,10 @@ def _role_dtypes(traced: TracedChain, variant: Variant) -> dict:
     dtypes = {"g": g_name, "p": p_name, "p_out": p_name, "u_out": "tl.float32",
               "x": "tl.float32"}
     state = "tl.uint8" if variant.quant_block else "tl.float32"
+    half = dict(variant.slot_dtypes)
     for i, name in traced.slot_roles:
         for io in ("in", "out"):
-            dtypes[f"st{i}_{name}_{io}"] = state
+            dtypes[f"st{i}_{name}_{io}"] = _STORED.get(half.get(f"st{i}_{name}"), state)
             dtypes[f"st{i}_{name}_amax_{io}"] = "tl.float32"
     return dtypes
 
@@ -255,12 +265,19 @@ def _masks(traced: TracedChain, tail: bool) -> dict[str, str]:
 def _body_lines(traced: TracedChain, nodes, masks: dict[str, str],
                 variant: Variant) -> list[str]:
     signs = _slot_signs(traced) if variant.quant_block else {}
+    half = dict(variant.slot_dtypes)
     lines = []
     for node in nodes:
         expr = node.expr.replace("{GMASK}", masks["GMASK"]).replace("{LMASK}", masks["LMASK"])
         role = node.name[: -len("_old")] if node.name.endswith("_old") else None
         if role in signs:
             lines += quantized.load_lines(node.name, role, signs[role], masks["LMASK"])
+            continue
+        if role in half:  # 16-bit storage: read exactly into fp32
+            load = f"tl.load({role}_in + offs{masks['LMASK']})"
+            lines.append(f"{node.name} = " + (
+                f"({load}.to(tl.uint32) << 16).to(tl.float32, bitcast=True)"
+                if half[role] == torch.bfloat16 else f"{load}.to(tl.float32)"))
             continue
         if variant.scalar_args and node.name.startswith("s") and expr.startswith(
                 "tl.load(scalars_ptr"):
@@ -283,7 +300,11 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     bodies = [_body_and_stores(traced, nodes, _masks(traced, tail), variant, dtypes, tail)
               for tail in (False, True)]
     count_args, count_lines = _count_lines(traced)
-    lines = _prelude(roles, dtypes, variant) + count_lines + _split_blocks(*bodies)
+    body = _split_blocks(*bodies)
+    if variant.skip_tiles:
+        body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0) != 0.0)"
+                ".to(tl.int32)) > 0:"] + ["    " + x for x in body]
+    lines = _prelude(roles, dtypes, variant) + count_lines + body
     sig = _signature(roles, count_args, len(traced.graph.scalars), variant, ("COUNT",))
     return _kernel("ftopt_main", sig, lines)
 
@@ -301,11 +322,27 @@ def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
             stage = int(slot[2:].split("_", 1)[0])
             zero = "zero" if traced.skips[stage] else None
             lines += quantized.store_lines(slot, f"{slot}_old", value, signs[slot], zero,
-                                           tail)
+                                           tail, variant.encoder)
+            continue
+        if dict(variant.slot_dtypes).get(slot) == torch.bfloat16:
+            lines += _bf16_store_lines(role, slot, value, masks["SMASK"])
             continue
         lines.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]})"
                      f"{masks['SMASK']})")
     return lines
+
+
+def _bf16_store_lines(role: str, slot: str, value: str, mask: str) -> list[str]:
+    """Stores fp32 ``value`` as bf16 bits, rounded to nearest even (NaN: 0x7FC0), as
+    torch's ``.to(torch.bfloat16)`` rounds."""
+    b = f"b_{slot}"
+    return [
+        f"{b}_x = {value} + tl.zeros([BLOCK], tl.float32)",
+        f"{b}_u = {b}_x.to(tl.uint32, bitcast=True)",
+        f"{b}_u = ({b}_u + 32767 + (({b}_u >> 16) & 1)) >> 16",
+        f"{b}_u = tl.where({b}_x == {b}_x, {b}_u, 32704)",
+        f"tl.store({role} + offs, {b}_u.to(tl.uint16){mask})",
+    ]
 
 
 def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:

@@ -152,11 +152,12 @@ class PreparedStep:
         self.groups: list[launch.GroupLaunch] = []
         by_key: dict[tuple, list[int]] = {}
         for i in active:
-            quant_block = _quant_block(plan, slot_flat, i)
-            by_key.setdefault((p_flat[i].dtype, g_flat[i].dtype, quant_block), []).append(i)
+            key = (p_flat[i].dtype, g_flat[i].dtype, _quant_block(plan, slot_flat, i),
+                   _slot_dtypes(traced, slot_flat, i))
+            by_key.setdefault(key, []).append(i)
         masks = {i: plan.stages[i]._leaf_mask(params, len(p_flat), paths)
                  for i, _ in traced.graph.leaf_values}
-        for (p_dtype, g_dtype, quant_block), leaves in by_key.items():
+        for (p_dtype, g_dtype, quant_block, slot_dtypes), leaves in by_key.items():
             # 8-bit slots need every lane of a block: no skipped loads.
             group_traced = plan.traced(donate and not quant_block, output)
             work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
@@ -164,6 +165,11 @@ class PreparedStep:
             group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work)
             group.traced = group_traced
             group.quant_block = quant_block
+            group.slot_dtypes = slot_dtypes
+            # Donated, every stage skip-aware: an all-zero tile changes nothing (8-bit:
+            # its blocks keep their bytes), so its program may return at once.
+            group.skip_tiles = bool(quant_block and donate and output == "p"
+                                    and traced.skips and all(traced.skips))
             if quant_block:
                 group.qmaps = (dynamic_map(True, self.device), dynamic_map(False, self.device))
             roles = _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
@@ -264,6 +270,16 @@ def _quant_block(plan: ChainPlan, slot_flat, i: int) -> int:
             if isinstance(leaves[i], QuantizedSlot):
                 return stage.quant.block_size
     return 0
+
+
+def _slot_dtypes(traced, slot_flat, i: int) -> tuple:
+    """``(slot, dtype)`` of leaf ``i``'s 16-bit slots, in the traced order."""
+    out = []
+    for stage_i, name in traced.slot_roles:
+        dtype = getattr(slot_flat[stage_i][name][i], "dtype", None)
+        if dtype in (torch.bfloat16, torch.float16):
+            out.append((f"st{stage_i}_{name}", dtype))
+    return tuple(out)
 
 
 def _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,

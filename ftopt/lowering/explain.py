@@ -64,7 +64,11 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
         groups.setdefault(key, []).append(i)
     for (device, p_dtype, g_dtype, eight_bit), leaves in groups.items():
         numel = sum(p_flat[i].numel() for i in leaves)
-        layout = f"8-bit states (block {quant.block_size})" if eight_bit else "32-bit states"
+        store = next((s.store for s in plan.stages if s.store is not None and s.rule.slots),
+                     None)
+        state_bytes = 2 if store in (torch.bfloat16, torch.float16) else 4
+        layout = (f"8-bit states (block {quant.block_size})" if eight_bit else
+                  f"{_name(store)} states" if state_bytes == 2 else "32-bit states")
         head = (f"group device={device} param={_name(p_dtype)} grad={_name(g_dtype)} "
                 f"{layout}: {len(leaves)} leaves, {numel} elements")
         lines.append(head)
@@ -73,7 +77,7 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
             continue
         p_bytes = _DTYPE_BYTES[p_dtype]
         g_bytes = _DTYPE_BYTES[g_dtype]
-        slot_bytes = 1 + 4 / quant.block_size if eight_bit else 4
+        slot_bytes = 1 + 4 / quant.block_size if eight_bit else state_bytes
         parts = plan.segments if plan.segments is not None else [plan]
         kernels = [part for part in parts if not isinstance(part, tuple)]
         read = written = extra = levels = 0.0

@@ -157,8 +157,9 @@ def remember(plan, output: str, prepared: PreparedStep, spec, params, g_flat, sl
                                for r, ts in roles.items()})
         shapes = [g_flat[i].shape for i in leaves]
         layouts = {}
+        half = dict(group.slot_dtypes)
         for role in codegen.output_roles(group.traced):
-            dtype = group.p_dtype if role == "p_out" else torch.float32
+            dtype = group.p_dtype if role == "p_out" else half.get(role[:-4], torch.float32)
             layouts[role] = output_layout(shapes, dtype)
         cache.out_layout.append(layouts)
         cache.returned.append({})

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftopt.lowering import codegen, tiles
+from ftopt.lowering import codegen, quantized, tiles
 
 
 @triton.jit
@@ -81,6 +81,11 @@ def work_table(numels: tuple[int, ...], device: torch.device, block: int) -> Wor
                      move(first), move(counts), total, len(numels))
 
 
+# Donated 8-bit skip_zeros steps: programs whose gradients are all zero return at once
+# (False: they run the full body, to time one against the other).
+SKIP_TILES = True
+
+
 @dataclass
 class GroupLaunch:
     """Everything one group's kernels need, except per-step scalars."""
@@ -95,6 +100,8 @@ class GroupLaunch:
     aligned: bool = False
     quant_block: int = 0  # 8-bit slots with this many elements per absmax (0: fp32 slots)
     qmaps: tuple = ()
+    slot_dtypes: tuple = ()  # (slot, dtype) of each 16-bit slot (codegen.Variant)
+    skip_tiles: bool = False  # all-zero-gradient programs return at once (codegen.Variant)
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
 
@@ -107,7 +114,8 @@ class GroupLaunch:
 
     def variant(self, scalars) -> codegen.Variant:
         return _variant(self.p_dtype, self.g_dtype, self.aligned, isinstance(scalars, list),
-                        self.quant_block)
+                        self.quant_block, self.slot_dtypes, self.skip_tiles and SKIP_TILES,
+                        quantized.ENCODER if self.quant_block else "arithmetic")
 
 
 @lru_cache(maxsize=256)
@@ -131,9 +139,11 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tu
 
 
 @lru_cache(maxsize=256)
-def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool,
-             quant_block: int) -> codegen.Variant:
-    return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block)
+def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool, quant_block: int,
+             slot_dtypes: tuple = (), skip_tiles: bool = False,
+             encoder: str = "arithmetic") -> codegen.Variant:
+    return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block, slot_dtypes,
+                           skip_tiles, encoder)
 
 
 @lru_cache(maxsize=256)

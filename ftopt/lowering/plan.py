@@ -214,8 +214,9 @@ def slot_reason(plan: ChainPlan, slot_flat, active, paths: list[str]) -> str | N
                 else:
                     layouts.add("32-bit")
                     tensors = (leaf,)
-                    if leaf.dtype != torch.float32:
-                        return f"state {name} at {paths[i]}: dtype {leaf.dtype} is not fp32"
+                    if leaf.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                        return (f"state {name} at {paths[i]}: dtype {leaf.dtype} is not "
+                                "fp32, bf16 or fp16")
                 if not all(t.is_contiguous() for t in tensors):
                     return f"state {name} at {paths[i]} is not contiguous"
         if len(layouts) > 1:

@@ -1,13 +1,118 @@
 """Triton source for 8-bit blockwise state slots (SPEC §5), used by :mod:`codegen`.
 
 A quantized slot is read as ``qmap[code] * absmax[block]`` and written by taking each
-256-element block's new absmax, normalising, and picking the nearest code with an 8-step
-binary search over the sorted 256-entry map (the rule of :func:`ftopt.quant.nearest_code`:
-the upper neighbour only if strictly nearer). A block whose gradients are all zero keeps
-its codes and absmax.
+256-element block's new absmax, normalising (``v = x / absmax``, NaN -> 0, clamped to
+[-1, 1]) and picking the nearest code by the rule of :func:`ftopt.quant.nearest_code`
+(the upper neighbour only if strictly nearer in float32). A block whose gradients are all
+zero keeps its codes and absmax.
+
+Arithmetic encoding (the default). The dynamic maps are a decade exponent plus a linear
+fraction: decade ``d = 0..6`` covers ``[10**(d-7), 10**(d-6))`` with ``n`` equal bins
+(``n = 2**d`` signed, ``2**(d+1)`` unsigned) whose midpoints are the codes. So with
+``a = |v|`` (``max(v, 0)`` for the unsigned map), ``d`` = the number of the thresholds
+``1e-6 .. 1e-1`` that ``a`` reaches (six compares) and two per-decade float32 constants,
+``lo = trunc(a * A[d] - C[d])`` is the index of the code at or below ``a`` up to a
+rounding of the guess (mirrored to ``253 - lo`` for negative ``v`` in the signed map).
+The true nearest code is always ``lo`` or ``lo + 1``: the guess may err by a quarter of
+a code in either direction (checked by ``tests/test_quant_arith.py``, which moves it by
+that much; every float32 in [-1, 1] (signed map) and in [0, 1] (unsigned) was also
+checked once against the table search). That is far beyond float32 rounding, and the
+kernels are compiled without fma contraction, so the GPU rounds the guess as
+:func:`arithmetic_codes` does anyway. ONE comparison of the two gathered neighbours,
+``qmap[lo+1] - v < v - qmap[lo]``, the same float32 operations as the table search, then
+gives bit-identical codes, ties included.
+
+Gathers per element and quantized slot (all from the 1 KiB map, so L1 hits):
+  arithmetic: 1 to decode + 2 to encode = 3 (Adam, two slots: 6);
+  search (``ENCODER = "search"``, the former 8-step binary search plus the two
+  neighbours): 1 + 10 = 11 (Adam: 22).
 """
 
 from __future__ import annotations
+
+import torch
+
+# "arithmetic" or "search" (the binary search, kept to time one against the other): the
+# encoder of the kernels launched from now on (part of their variant, so switching it
+# compiles the other kernel). Both give the same codes.
+ENCODER = "arithmetic"
+
+# |v| >= _THRESHOLDS[k - 1] puts v in decade k or above.
+_THRESHOLDS = [10.0 ** (k - 7) for k in range(1, 7)]
+
+
+def _f32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def _guess_constants(signed: bool) -> tuple[list[float], list[float], list[float]]:
+    """Float32 thresholds and per-decade ``A``, ``C`` of the first guess.
+
+    In decade ``d`` (scale ``s = 10**(d-6)``, ``n`` bins of width ``0.9 s / n``) code ``k``
+    of the decade sits at position ``t = (a / s - 0.1) * n / 0.9 - 0.5 = k``, and the
+    decade's codes start after ``base`` (the index of the last code below it):
+    ``lo = base + floor(t) + 1 = trunc(a * A - C)`` as ``t + 1 > 0``.
+    """
+    a_consts, c_consts = [], []
+    for d in range(7):
+        n = 2 ** d if signed else 2 ** (d + 1)
+        base = 126 + n if signed else n - 2
+        a_consts.append(_f32(10.0 ** (6 - d) * n / 0.9))
+        c_consts.append(_f32(0.1 * n / 0.9 - 0.5 - base))
+    return [_f32(t) for t in _THRESHOLDS], a_consts, c_consts
+
+
+def arithmetic_codes(v: torch.Tensor, qmap: torch.Tensor, signed: bool,
+                     slack: float = 0.0) -> torch.Tensor:
+    """The kernel's arithmetic encoder in torch, operation for operation (float32).
+
+    ``v``: normalised values (finite, in [-1, 1]); ``qmap``: the default dynamic map of
+    ``signed``. Returns int64 codes. ``slack`` moves the guess ``a * A - C`` (tests only:
+    the codes must not depend on it for ``|slack| <= 0.25``).
+    """
+    v = v.to(torch.float32)
+    a = v.abs() if signed else torch.clamp_min(v, 0.0)
+    thresholds, a_consts, c_consts = _guess_constants(signed)
+    big, off = torch.full_like(a, a_consts[0]), torch.full_like(a, c_consts[0])
+    for threshold, big_d, off_d in zip(thresholds, a_consts[1:], c_consts[1:]):
+        reached = a >= threshold
+        big = torch.where(reached, big_d, big)
+        off = torch.where(reached, off_d, off)
+    lo = (a * big - off + slack).to(torch.int32)
+    if signed:
+        lo = torch.where(v < 0.0, torch.clamp_min(253 - lo, 0), lo)
+    lo = lo.long()
+    take_hi = (qmap[lo + 1] - v) < (v - qmap[lo])
+    return torch.where(take_hi, lo + 1, lo)
+
+
+def _arithmetic_lines(q: str, qmap: str, signed: bool, shape: str) -> list[str]:
+    thresholds, a_consts, c_consts = _guess_constants(signed)
+    a = f"tl.abs({q}_v)" if signed else f"tl.maximum({q}_v, 0.0)"
+    lines = [f"{q}_a = {a}",
+             f"{q}_big = tl.full({shape}, {a_consts[0]!r}, tl.float32)",
+             f"{q}_off = tl.full({shape}, {c_consts[0]!r}, tl.float32)"]
+    for threshold, big_d, off_d in zip(thresholds, a_consts[1:], c_consts[1:]):
+        lines += [f"{q}_big = tl.where({q}_a >= {threshold!r}, {big_d!r}, {q}_big)",
+                  f"{q}_off = tl.where({q}_a >= {threshold!r}, {off_d!r}, {q}_off)"]
+    lines.append(f"{q}_lo = ({q}_a * {q}_big - {q}_off).to(tl.int32)")
+    if signed:
+        lines.append(f"{q}_lo = tl.where({q}_v < 0.0, tl.maximum(253 - {q}_lo, 0), {q}_lo)")
+    lines.append(f"{q}_code = tl.where(tl.load({qmap} + {q}_lo + 1) - {q}_v < "
+                 f"{q}_v - tl.load({qmap} + {q}_lo), {q}_lo + 1, {q}_lo)")
+    return lines
+
+
+def _search_lines(q: str, qmap: str, shape: str) -> list[str]:
+    lines = [f"{q}_pos = tl.zeros({shape}, tl.int32)"]
+    for step in (128, 64, 32, 16, 8, 4, 2, 1):
+        lines.append(f"{q}_pos = tl.where(tl.load({qmap} + {q}_pos + {step - 1}) < {q}_v, "
+                     f"{q}_pos + {step}, {q}_pos)")
+    return lines + [
+        f"{q}_hi = tl.minimum(tl.maximum({q}_pos, 1), 255)",
+        f"{q}_code = tl.where(tl.load({qmap} + {q}_hi) - {q}_v < "
+        f"{q}_v - tl.load({qmap} + {q}_hi - 1), {q}_hi, {q}_hi - 1)",
+    ]
 
 
 def qmap_var(signed: bool) -> str:
@@ -24,7 +129,7 @@ def load_lines(name: str, role: str, signed: bool, load_mask: str) -> list[str]:
 
 
 def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
-                tail: bool) -> list[str]:
+                tail: bool, encoder: str = "arithmetic") -> list[str]:
     """Quantize ``value`` (fp32, one per lane) into slot ``role``'s codes and absmax."""
     q = f"q_{role}"
     qmap = qmap_var(signed)
@@ -38,17 +143,12 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
         f"{q}_v = tl.div_rn({q}_x, tl.where({q}_amax > 0.0, {q}_amax, 1.0)[:, None])",
         f"{q}_v = tl.where({q}_v == {q}_v, {q}_v, 0.0)",
         f"{q}_v = tl.minimum(tl.maximum({q}_v, -1.0), 1.0)",
-        f"{q}_pos = tl.zeros({shape}, tl.int32)",
     ]
-    for step in (128, 64, 32, 16, 8, 4, 2, 1):
-        lines.append(f"{q}_pos = tl.where(tl.load({qmap} + {q}_pos + {step - 1}) < {q}_v, "
-                     f"{q}_pos + {step}, {q}_pos)")
-    lines += [
-        f"{q}_hi = tl.minimum(tl.maximum({q}_pos, 1), 255)",
-        f"{q}_code = tl.where(tl.load({qmap} + {q}_hi) - {q}_v < "
-        f"{q}_v - tl.load({qmap} + {q}_hi - 1), {q}_hi, {q}_hi - 1)",
-        f"{q}_block = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK)",
-    ]
+    if encoder == "search":
+        lines += _search_lines(q, qmap, shape)
+    else:
+        lines += _arithmetic_lines(q, qmap, signed, shape)
+    lines.append(f"{q}_block = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK)")
     block_mask = f", mask={q}_block * QBLOCK < n" if tail else ""
     if zero is not None:
         skipped = f"tl.where(in_range, {zero}, True)" if tail else zero

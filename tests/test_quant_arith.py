@@ -1,0 +1,130 @@
+"""The fused kernel's arithmetic 8-bit encoder gives the table search's codes, bit for bit.
+
+``ftopt.lowering.quantized.arithmetic_codes`` mirrors the generated Triton operation for
+operation; it is checked against :func:`ftopt.quant.nearest_code` (``searchsorted`` plus
+the float32 neighbour comparison) on both maps, exhaustively over every bf16-representable
+value in [-1, 1], every code value, every midpoint between neighbouring codes and its two
+float32 neighbours, +-0, denormals and +-1, plus fresh random float32 bit patterns. The
+first guess may be moved by a quarter of a code either way without changing any code
+(the margin that makes a GPU's rounding of the guess irrelevant). Then the generated
+kernel itself (through a chain whose new state is the gradient, or its square) is checked
+against the eager encoder on the same values, and the former binary search still agrees.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftopt
+from ftopt.lowering import quantized
+from ftopt.quant import create_dynamic_map, nearest_code, quantize_blockwise
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MAPS = {"signed": True, "unsigned": False}
+
+
+def _bf16_grid() -> torch.Tensor:
+    """Every bf16 value in [-1, 1] (as float32), +-0 and the denormals included."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = x.view(torch.bfloat16).float()
+    return x[x.abs() <= 1.0]
+
+
+def _hard_values(qmap: torch.Tensor) -> torch.Tensor:
+    mids = (qmap[1:] + qmap[:-1]) / 2
+    up, down = torch.tensor(2.0), torch.tensor(-2.0)
+    specials = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 1.1754942e-38,
+                             -1.1754942e-38, 1.1754944e-38, 3e-39, 1e-7, -1e-7])
+    values = [qmap, torch.nextafter(qmap, up), torch.nextafter(qmap, down), mids,
+              torch.nextafter(mids, up), torch.nextafter(mids, down), specials]
+    # The decade thresholds and their neighbours.
+    decades = torch.tensor([10.0 ** k for k in range(-7, 0)])
+    for d in (decades, -decades):
+        values += [d, torch.nextafter(d, up), torch.nextafter(d, down)]
+    return torch.cat(values).clamp(-1.0, 1.0)
+
+
+def _random_floats(n: int) -> torch.Tensor:
+    bits = torch.randint(-(2**31), 2**31, (n,), dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    return x[x.abs() <= 1.0]  # NaN and |x| > 1 never reach the encoder
+
+
+@pytest.mark.parametrize("slack", [0.0, 0.25, -0.25])
+@pytest.mark.parametrize("name", list(MAPS))
+def test_arithmetic_equals_table_search(name, slack):
+    signed = MAPS[name]
+    qmap = create_dynamic_map(signed)
+    v = torch.cat([_bf16_grid(), _hard_values(qmap), _random_floats(200_000)])
+    want = nearest_code(v, qmap).long()
+    got = quantized.arithmetic_codes(v, qmap, signed, slack)
+    bad = (got != want).nonzero().flatten()[:5]
+    assert bad.numel() == 0, [(v[i].item(), got[i].item(), want[i].item()) for i in bad]
+    # Every code is hit (the values exercise the whole map).
+    assert want.unique().numel() == 256
+
+
+@pytest.mark.parametrize("name", list(MAPS))
+def test_the_margin_is_finite(name):
+    """The check above can fail: a guess moved by nearly half a code breaks codes near the
+    decade boundaries."""
+    signed = MAPS[name]
+    qmap = create_dynamic_map(signed)
+    v = _hard_values(qmap)
+    want = nearest_code(v, qmap).long()
+    assert (quantized.arithmetic_codes(v, qmap, signed, 0.45) != want).any()
+
+
+def _fused_codes(values: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fused codes, eager codes) of a state that one step sets to ``values``.
+
+    Signed: ``trace(0)`` stores the gradient. Unsigned: ``scale_by_rms(0)`` stores its square,
+    so the gradient is ``sqrt(values)`` and the eager side encodes ``g * g``.
+    """
+    if signed:
+        tx, grads = ftopt.trace(0.0), values
+    else:
+        tx, grads = ftopt.scale_by_rms(0.0), values.sqrt()
+    tx = ftopt.quantize_states(tx, bits=8, min_size=0)
+    params = {"w": torch.zeros_like(grads)}
+    _, state = ftopt.step(tx, params, {"w": grads}, tx.init(params), backend="fused")
+    slot = state.trace["w"] if signed else state.nu["w"]
+    stored = grads if signed else grads * grads
+    eager, _ = quantize_blockwise(stored, create_dynamic_map(signed).to(DEVICE))
+    return slot.codes, eager
+
+
+def _kernel_values(signed: bool) -> torch.Tensor:
+    """The hard values, bf16 grid and random floats, 1.0 leading each 256-block so that
+    every block's absmax is 1 and the kernel encodes the values themselves."""
+    qmap = create_dynamic_map(signed)
+    v = torch.cat([_hard_values(qmap), _bf16_grid(), _random_floats(20_000)])
+    if not signed:
+        v = v.abs()
+    v = v[torch.randperm(v.numel())]
+    blocks = -(-v.numel() // 255)
+    body = torch.zeros(blocks * 255)
+    body[: v.numel()] = v
+    out = torch.cat([torch.ones(blocks, 1), body.view(blocks, 255)], dim=1)
+    return out.view(-1)[: v.numel() + blocks].to(DEVICE)
+
+
+@pytest.mark.parametrize("encoder", ["arithmetic", "search"])
+@pytest.mark.parametrize("name", list(MAPS))
+def test_kernel_encodes_like_eager(name, encoder, monkeypatch):
+    monkeypatch.setattr(quantized, "ENCODER", encoder)
+    signed = MAPS[name]
+    values = _kernel_values(signed)
+    if encoder == "search":
+        values = values[:4096]  # the former encoder: a smaller check
+    fused, eager = _fused_codes(values, signed)
+    assert torch.equal(fused, eager)
+    assert fused.unique().numel() > 200 if encoder == "arithmetic" else True
+
+
+def test_generated_source_has_two_gathers_per_encode():
+    """The arithmetic encoder loads the map twice per element; the search ten times."""
+    for encoder, loads in (("arithmetic", 2), ("search", 10)):
+        lines = quantized.store_lines("st0_mu", "st0_mu_old", "x", True, None, False, encoder)
+        assert sum(line.count("tl.load(qmap_signed_ptr") for line in lines) == loads

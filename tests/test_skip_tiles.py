@@ -1,0 +1,72 @@
+"""Donated 8-bit skip_zeros steps: a program whose gradients are all zero returns at once.
+
+Its params and 8-bit blocks are then left as they are in memory, which is what the step
+must produce (SPEC §5: a block whose gradients are all zero is byte-identical), so a
+donated step equals the same step not donated (which writes every tile), and the kernel
+with the early return equals the one without (``launch.SKIP_TILES = False``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftopt
+from ftopt.lowering import codegen, launch, tiles
+from ftopt.lowering.plan import plan_chain
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TILE = tiles.QUANT_TILE[0]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def _same(a, b) -> bool:
+    la, lb = ftopt.tree.leaves(a), ftopt.tree.leaves(b)
+    return len(la) == len(lb) and all(torch.equal(_bits(x), _bits(y)) for x, y in zip(la, lb))
+
+
+def _clone(tree):
+    return ftopt.tree.map(lambda t: t.clone(), tree)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "ademamix"])
+def test_donated_step_with_zero_tiles_equals_the_full_step(name, monkeypatch):
+    make = getattr(ftopt, name)
+    tx = make(1e-2, state_bits=8, skip_zeros=True)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    n = 3 * TILE + 300  # three full tiles and a partial one
+    params = {"w": torch.randn(n, generator=gen).to(DEVICE),
+              "b": torch.randn(5000, generator=gen).to(DEVICE)}
+    state = tx.init(params)
+    params, state = ftopt.step(tx, params, {k: torch.randn_like(v) for k, v in
+                                            params.items()}, state, backend="fused")
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    grads["w"][TILE:2 * TILE] = 0.0  # a whole tile
+    grads["w"][3 * TILE:] = 0.0  # the partial last tile
+    grads["w"][10:700] = 0.0  # part of a tile: it runs
+    grads["b"][:] = 0.0  # a whole leaf
+    full = ftopt.step(tx, params, grads, state, backend="fused")
+    donated = ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused",
+                         donate=True)
+    assert _same(donated, full)
+    groups = plan_chain(tx).prepared.groups
+    assert [g.skip_tiles for g in groups] == [True] * len(groups)
+    monkeypatch.setattr(launch, "SKIP_TILES", False)
+    without = ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused",
+                         donate=True)
+    assert _same(without, full)
+    # The step did move the tiles with gradients (the comparison is not vacuous).
+    assert not torch.equal(full[0]["w"][:TILE], params["w"][:TILE])
+    assert torch.equal(full[0]["w"][TILE:2 * TILE], params["w"][TILE:2 * TILE])
+
+
+def test_only_donated_skip_aware_8bit_kernels_return_early():
+    traced = plan_chain(ftopt.adam(1e-2, skip_zeros=True)).traced(False)
+    variant = codegen.Variant(torch.float32, torch.float32, False, True, 256)
+    guard = "if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0) != 0.0)"
+    assert guard not in codegen.main_source(traced, variant)
+    early = codegen.Variant(torch.float32, torch.float32, False, True, 256, skip_tiles=True)
+    assert guard in codegen.main_source(traced, early)

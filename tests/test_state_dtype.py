@@ -1,0 +1,368 @@
+"""bf16/fp16 storage of per-element float states (``state_dtype=``).
+
+Every registry entry with per-element float states (trait ``eight_bit``,
+``tests/registry.py``), with ``state_dtype`` bf16 and fp16:
+
+* layout: every float state leaf has the dtype (8-bit states where ``state_bits=8`` makes
+  them, the dtype for the leaves below ``min_size``);
+* fused == eager: from the same inputs, one step gives bit-identical states and params
+  (math in fp32, one rounding to nearest per store on both);
+* skip_zeros: params and states bit-identical where the gradient is zero, on both
+  backends; the control: without skip_zeros they change;
+* ``torch.save`` / ``torch.load(weights_only=True)`` round-trips and continues bit-identically;
+* against a float64 reference (``tests/reference.py``) whose state is rounded to the
+  storage dtype after every step: within that rounding over 20 steps.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import registry
+import torch
+from registry import standalone
+
+import ftopt
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+NAMES = registry.names(registry.eight_bit())
+FUSIBLE = registry.names(e for e in registry.eight_bit() if e in registry.fusible())
+ALIASES = registry.names(e for e in registry.eight_bit() if e.kind == "alias")
+
+
+def _backends(names: list[str]) -> list[tuple[str, str]]:
+    """(name, backend): eager for every name, fused for the fusible ones."""
+    return [(n, "eager") for n in names] + [(n, "fused") for n in names if n in FUSIBLE]
+SHAPES = {"w": (9, 70), "b": (70,), "s": (3,)}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _tree(gen: torch.Generator, shapes=SHAPES, dtype=torch.float32) -> dict:
+    return {k: torch.randn(s, generator=gen).to(dtype).to(DEVICE) for k, s in shapes.items()}
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return x.view(torch.int16)
+    if x.dtype == torch.float32:
+        return x.view(torch.int32)
+    return x
+
+
+def _leaves(tree) -> list:
+    return [x for x in ftopt.tree.leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _float_states(state) -> list[torch.Tensor]:
+    return [x for x in _leaves(state) if x.is_floating_point() and x.ndim > 0]
+
+
+def _same(a, b) -> bool:
+    la, lb = _leaves(a), _leaves(b)
+    return len(la) == len(lb) and all(
+        x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)) for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("name", NAMES)
+def test_layout(name, dtype):
+    dt = DTYPES[dtype]
+    params = _tree(torch.Generator().manual_seed(0))
+    state = standalone(name, state_dtype=dt).init(params)
+    floats = _float_states(state)
+    assert floats and all(x.dtype == dt for x in floats)
+    # With 8-bit states: 8-bit for the big leaf, the dtype for the small ones.
+    tx = ftopt.quantize_states(standalone(name), bits=8, min_size=512, state_dtype=dt)
+    leaves = _leaves(tx.init(params))
+    assert any(x.dtype == torch.uint8 for x in leaves)  # 8-bit codes
+    # The rest: fp32 absmax (one per 256-block of the big leaf) and the dtype.
+    assert {x.dtype for x in leaves if x.is_floating_point() and x.ndim} == {
+        torch.float32, dt}
+
+
+def test_default_and_bad_state_dtypes():
+    params = {"w": torch.randn(4, 5, dtype=torch.float64)}
+    assert _float_states(ftopt.adam(1e-3).init(params))[0].dtype == torch.float64
+    state = ftopt.adam(1e-3, state_dtype=torch.float32).init(params)
+    assert _float_states(state)[0].dtype == torch.float32
+    with pytest.raises(ValueError, match="adamw: state_dtype"):
+        ftopt.adamw(1e-3, state_dtype=torch.int8)
+    with pytest.raises(TypeError, match="quantize_states: state_dtype"):
+        ftopt.quantize_states(ftopt.adam(1e-3), state_dtype="bf16")
+
+
+def _step(tx, params, grads, state, backend, donate=False):
+    if donate:
+        params = {k: v.clone() for k, v in params.items()}
+        state = ftopt.tree.map(lambda x: x.clone(), state)
+    return ftopt.step(tx, params, grads, state, backend=backend, donate=donate)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to the largest magnitude (as test_fused.py)."""
+    a, b = a.double(), b.double()
+    if a.numel() == 0:
+        return 0.0
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _check_close(a, b, step) -> dict:
+    """16-bit states: identical but where the fp32 values of the two backends (which may
+    differ in their last bit) straddle a rounding boundary of the storage dtype: then one
+    ulp apart, for at most 2 + 1 in 200 of the elements. Returns, by leaf shape, where
+    they differ."""
+    la, lb = _leaves(a), _leaves(b)
+    assert len(la) == len(lb)
+    apart_at: dict = {}
+    total = count = 0
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            assert torch.equal(_bits(x), _bits(y)), step
+            continue
+        apart = (_bits(x).int() - _bits(y).int()).abs()
+        assert apart.max() <= 1, step
+        total, count = total + x.numel(), count + int((apart > 0).sum())
+        apart_at[x.shape] = apart_at.get(x.shape, False) | (apart > 0)
+    assert count <= 2 + total // 200, (step, count, total)
+    return apart_at
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("name", FUSIBLE)
+def test_fused_matches_eager(name, dtype, skip):
+    """Each step from the same params and 16-bit state: bit-identical on both backends
+    (the chain's fp32 math is the same; each state is rounded once, to nearest)."""
+    tx = standalone(name, state_dtype=DTYPES[dtype], skip_zeros=skip)
+    gen = torch.Generator().manual_seed(hash((name, dtype, skip)) % 2**31)
+    params = _tree(gen)
+    state = tx.init(params)
+    for step in range(3):
+        grads = _tree(gen)
+        grads["w"][:2] = 0.0
+        pe, se = _step(tx, params, grads, state, "eager")
+        pf, sf = _step(tx, params, grads, state, "fused", donate=step == 2)
+        apart = _check_close(sf, se, step)
+        for k in pe:
+            # As fp32 (test_fused.py): the backends may round the fp32 math differently
+            # in the last bit (torch.lerp's multiply-add on the CPU); an element whose
+            # state is one 16-bit ulp apart moves by up to that ulp of its update.
+            same = ~apart.get(pe[k].shape, torch.zeros_like(pe[k], dtype=torch.bool))
+            assert _rel_err(pf[k][same], pe[k][same]) <= 1e-6, (step, k)
+        params, state = pe, se
+    assert all(x.dtype == DTYPES[dtype] for x in _float_states(state))
+
+
+def _rounding_cases() -> torch.Tensor:
+    """fp32 values whose bf16/fp16 rounding is delicate: exact ties (to an even and to an
+    odd neighbour), one fp32 ulp either side of them, overflow, denormals, NaN, Inf."""
+    base = torch.randn(2000, dtype=torch.float64).mul(10.0 ** torch.randint(-8, 5, (2000,)))
+    out = [base.float()]
+    for dt in DTYPES.values():
+        lo = base.to(dt)
+        hi = torch.nextafter(lo.float(), torch.tensor(float("inf"))).to(dt)
+        hi = torch.where(hi == lo, torch.nextafter(lo, torch.tensor(float("inf"), dtype=dt)),
+                         hi)
+        tie = (lo.double() + hi.double()) / 2  # exact in fp32 for these dtypes
+        tie = tie[torch.isfinite(tie)].float()
+        out += [tie, torch.nextafter(tie, torch.tensor(1e38)),
+                torch.nextafter(tie, torch.tensor(-1e38))]
+    fmax = torch.finfo(torch.float32).max
+    out.append(torch.tensor([0.0, -0.0, 1e-45, -3e-39, 1e-40, fmax, -fmax, 3.3961e38,
+                             65504.0, 65520.0, 65519.0, float("inf"), float("-inf"),
+                             float("nan"), 6e-8, 3e-8, 1e-10]))
+    return torch.cat(out)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # (the interpreter)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_one_rounding_to_nearest_per_store(dtype):
+    """``trace(0)`` stores the gradient itself: the stored 16-bit state is torch's
+    round-to-nearest-even of it on both backends (NaN, Inf, overflow and ties included)."""
+    dt = DTYPES[dtype]
+    g = _rounding_cases()
+    tx = ftopt.quantize_states(ftopt.trace(0.0), bits=32, state_dtype=dt)
+    params = {"w": torch.zeros_like(g).to(DEVICE)}
+    want = (g + 0.0).to(dt)  # (u + 0 * 0: -0.0 becomes +0.0)
+    for backend in ("eager", "fused"):
+        _, state = ftopt.step(tx, params, {"w": g.to(DEVICE)}, tx.init(params),
+                              backend=backend)
+        got = state.trace["w"].cpu()
+        assert got.dtype == dt
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan), backend
+        assert torch.equal(_bits(got[~nan]), _bits(want[~nan])), backend
+    # The control: truncating (the interpreter's own fp32 -> bf16 cast) differs on ties.
+    trunc = (g.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+    assert not torch.equal(_bits(trunc[~g.isnan()]), _bits(g.to(torch.bfloat16)[~g.isnan()]))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_every_entry_point_agrees(dtype):
+    """``tx.update`` (fused: new states written to one buffer per role) and donated steps
+    (written in place) store the same 16-bit states as a step on the same backend."""
+    tx = ftopt.adamw(1e-2, weight_decay=0.1, state_dtype=DTYPES[dtype], skip_zeros=True)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = _tree(gen)
+    state = tx.init(params)
+    params, state = ftopt.step(tx, params, _tree(gen), state, backend="eager")
+    grads = _tree(gen)
+    grads["w"][:3] = 0.0
+    for backend in ("eager", "fused"):
+        _, want = ftopt.step(tx, params, grads, state, backend=backend)
+        for _ in range(2):  # the second fused update reuses the first one's tables
+            _, got = tx.update(grads, state, params, backend=backend)
+            assert _same(got, want), backend
+        _, got = _step(tx, params, grads, state, backend, donate=True)
+        assert _same(got, want), backend
+
+
+# -- skip_zeros ------------------------------------------------------------------------
+
+CONTROL = {"adam", "adamw", "lion", "sgd[momentum]", "rmsprop", "ademamix", "scale_by_adam"}
+
+
+def _at(tree_state, shape, where) -> list[torch.Tensor]:
+    """The elements at ``where`` of every 16-bit state leaf shaped ``shape``."""
+    return [_bits(x)[where].clone() for x in _leaves(tree_state)
+            if x.shape == shape and x.dtype in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("name,backend", _backends(NAMES))
+def test_skip_zeros_is_exact(name, backend):
+    """Where the gradient is zero, params and 16-bit states are bit-identical; the
+    control: without skip_zeros the same elements change."""
+    dt = torch.bfloat16 if backend == "eager" else torch.float16
+    gen = torch.Generator().manual_seed(hash((name, backend)) % 2**31)
+    params0 = _tree(gen)
+    grads = [_tree(gen) for _ in range(3)]
+    zero = torch.zeros(SHAPES["w"], dtype=torch.bool, device=DEVICE)
+    zero[2:5] = True
+    zero[:, ::7] = True
+    for g in grads[1:]:
+        g["w"][zero] = 0.0
+    changed = False
+    for skip in (True, False):
+        tx = standalone(name, state_dtype=dt, skip_zeros=skip)
+        params, state = params0, tx.init(params0)
+        params, state = ftopt.step(tx, params, grads[0], state, backend=backend)
+        for g in grads[1:]:
+            before_p, before_s = params["w"].clone(), _at(state, zero.shape, zero)
+            params, state = ftopt.step(tx, params, g, state, backend=backend)
+            same_p = torch.equal(_bits(params["w"][zero]), _bits(before_p[zero]))
+            now_s = _at(state, zero.shape, zero)
+            same_s = all(torch.equal(a, b) for a, b in zip(now_s, before_s))
+            if skip:
+                assert before_s and same_p and same_s
+            else:
+                changed |= not (same_p and same_s)
+    assert changed or name not in CONTROL
+
+
+# -- checkpoints -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("name,backend", _backends(ALIASES))
+def test_checkpoint_round_trip(name, dtype, backend):
+    dt = DTYPES[dtype]
+    tx = standalone(name, state_dtype=dt, skip_zeros=True)
+    gen = torch.Generator().manual_seed(hash((name, dtype, backend)) % 2**31)
+    params = _tree(gen)
+    state = tx.init(params)
+    grads = [_tree(gen) for _ in range(5)]
+    for g in grads[:2]:
+        g["w"][:3] = 0.0
+        params, state = ftopt.step(tx, params, g, state, backend=backend)
+    buf = io.BytesIO()
+    torch.save({"params": params, "state": state}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert type(loaded["state"]) is type(state) and _same(loaded["state"], state)
+    assert all(x.dtype == dt for x in _float_states(loaded["state"]))
+    pa, sa, pb, sb = params, state, loaded["params"], loaded["state"]
+    for g in grads[2:]:
+        pa, sa = ftopt.step(tx, pa, g, sa, backend=backend)
+        pb, sb = ftopt.step(tx, pb, g, sb, backend=backend)
+        assert _same(pa, pb) and _same(sa, sb)
+
+
+# -- against float64 -------------------------------------------------------------------
+
+REF_NAMES = {"tr": "trace", "s": "sum_of_squares"}  # reference.py state -> ftopt slot
+
+
+def _slots(state, out=None) -> dict:
+    """ftopt slot name -> {leaf key: tensor}, from every stage state in ``state``."""
+    out = {} if out is None else out
+    if hasattr(state, "_fields"):
+        for field in state._fields:
+            value = getattr(state, field)
+            if isinstance(value, dict):
+                out[field] = value
+            elif isinstance(value, tuple):
+                _slots(value, out)
+    elif isinstance(state, (tuple, list)):
+        for x in state:
+            _slots(x, out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("name,backend", _backends(ALIASES))
+def test_tracks_float64_reference_within_rounding(name, dtype, backend):
+    """20 steps against the float64 reference (``tests/reference.py``) whose states are
+    rounded to the storage dtype after each step (the semantics: exact reads, one rounding
+    per store). Both round at the same places, so states agree bit for bit except where the
+    fp32 and fp64 values of a step straddle a rounding boundary (then about one ulp at the
+    element's peak magnitude, for at most 1% of the elements), and params agree to fp32
+    rounding (relative 1e-6 of max(|p|, 1), as the fp32 reference suite) wherever the states
+    always agreed."""
+    import test_aliases_vs_reference as A
+
+    dt = DTYPES[dtype]
+    case = registry.require(A.REGISTRY_CASES, name, "float64 reference case",
+                            "tests/test_aliases_vs_reference.py::REGISTRY_CASES")
+    make_tx, make_ref = A.CASES[case]
+    tx = ftopt.quantize_states(make_tx(), bits=32, state_dtype=dt)
+    ref = make_ref()
+    gen = torch.Generator().manual_seed(hash((name, dtype, backend)) % 2**31)
+    params = {k: v.to(DEVICE) for k, v in A._params(gen, torch.float32).items()}
+    state = tx.init(params)
+    ref_params = {k: v.double() for k, v in params.items()}
+    for k, p in ref_params.items():  # the initial states are stored (rounded) too
+        ref.state[k] = {n: v.to(dt).to(torch.float64) for n, v in ref.init_leaf(p).items()}
+    diverged = {k: torch.zeros(v.shape, dtype=torch.bool, device=DEVICE)
+                for k, v in params.items()}
+    apart = total = 0
+    peak: dict = {}
+    finfo = torch.finfo(dt)
+    for step in range(20):
+        grads = {k: v.to(DEVICE) for k, v in A._grads(gen, torch.float32).items()}
+        params, state = ftopt.step(tx, params, grads, state, backend=backend)
+        ref_params = ref.step(ref_params, grads)
+        slots = _slots(state)
+        for k, st in ref.state.items():
+            for n, value in st.items():
+                st[n] = value.to(dt).to(torch.float64)  # the reference's one rounding
+                if n == "tr" and n not in slots and "trace" not in slots:
+                    continue  # (RefRMSprop keeps an unused trace without momentum)
+                ours = slots[REF_NAMES.get(n, n)][k]
+                assert ours.dtype == dt
+                # One rounding apart at the element's largest magnitude so far (a value
+                # that then shrinks keeps that absolute difference, or less).
+                peak[k, n] = torch.maximum(peak.get((k, n), st[n].abs()), st[n].abs())
+                gap = (ours.double() - st[n]).abs()
+                assert (gap <= 2 * finfo.eps * peak[k, n] + 2 * finfo.smallest_normal *
+                        finfo.eps).all(), (step, k, n)
+                diverged[k] |= gap > 0
+                apart, total = apart + int((gap > 0).sum()), total + gap.numel()
+        for k, p in params.items():
+            ok = ~diverged[k]
+            err = (p.double() - ref_params[k])[ok].abs()
+            assert (err <= 1e-6 * ref_params[k][ok].abs().clamp_min(1.0)).all(), (step, k)
+    assert apart <= 2 + total // 100, (apart, total)
