@@ -4,7 +4,8 @@ signatures and defaults): Adam's variants (``adamax``, ``adamaxw``, ``amsgrad``,
 ``adadelta``, the sign methods (``sign_sgd``, ``signum``) and
 ``optimistic_gradient_descent``.
 
-As in :mod:`ftopt.alias`, every alias takes keyword-only ``skip_zeros`` and ``state_bits``.
+As in :mod:`ftopt.alias`, every alias takes keyword-only ``skip_zeros``, ``state_bits`` and
+``state_dtype``.
 optax's ``mu_dtype``/``accumulator_dtype`` arguments are not taken: states are fp32 (or
 8-bit with ``state_bits=8``).
 """
@@ -19,6 +20,7 @@ import torch
 from ftopt.alias import adam, adamw, check_state_bits, finish
 from ftopt.base import GradientTransformation
 from ftopt.domains import UNIT, check_hparam
+from ftopt.quantize import check_state_dtype
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.transforms import (
     add_decayed_weights,
@@ -52,12 +54,14 @@ def adamax(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Adamax: ``chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(lr))``
     (torch.optim.Adamax without weight decay)."""
     check_state_bits("adamax", state_bits)
+    check_state_dtype("adamax", state_dtype)
     parts = [scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def adamaxw(
@@ -70,13 +74,15 @@ def adamaxw(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Adamax with decoupled weight decay: ``chain(scale_by_adamax,
     add_decayed_weights(wd, mask), scale_by_learning_rate)``: p ← p − lr·(û + wd·p)."""
     check_state_bits("adamaxw", state_bits)
+    check_state_dtype("adamaxw", state_dtype)
     parts = [scale_by_adamax(b1, b2, eps), add_decayed_weights(weight_decay, mask),
              scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def amsgrad(
@@ -90,6 +96,7 @@ def amsgrad(
     bias_correction_nu: bool = True,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """AMSGrad: ``chain(scale_by_amsgrad(...), scale_by_learning_rate(lr))``.
 
@@ -97,10 +104,11 @@ def amsgrad(
     them). See :func:`ftopt.scale_by_amsgrad` for how torch's ``amsgrad=True`` differs.
     """
     check_state_bits("amsgrad", state_bits)
+    check_state_dtype("amsgrad", state_dtype)
     parts = [scale_by_amsgrad(b1, b2, eps, eps_root, bias_correction_mu=bias_correction_mu,
                               bias_correction_nu=bias_correction_nu),
              scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def nadam(
@@ -113,6 +121,7 @@ def nadam(
     nesterov: bool = True,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """NAdam as optax defines it: ``adam(..., nesterov=True)``.
 
@@ -121,8 +130,10 @@ def nadam(
     the product of those coefficients.
     """
     check_state_bits("nadam", state_bits)
+    check_state_dtype("nadam", state_dtype)
     return adam(learning_rate, b1, b2, eps, eps_root, nesterov=nesterov,
-                skip_zeros=skip_zeros, state_bits=state_bits)
+                skip_zeros=skip_zeros, state_bits=state_bits,
+                state_dtype=state_dtype)
 
 
 def nadamw(
@@ -137,12 +148,15 @@ def nadamw(
     nesterov: bool = True,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """NAdamW as optax defines it: ``adamw(..., nesterov=True)`` (decoupled decay,
     multiplied by the learning rate; see :func:`nadam` for torch's NAdam)."""
     check_state_bits("nadamw", state_bits)
+    check_state_dtype("nadamw", state_dtype)
     return adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mask,
-                 nesterov=nesterov, skip_zeros=skip_zeros, state_bits=state_bits)
+                 nesterov=nesterov, skip_zeros=skip_zeros, state_bits=state_bits,
+                state_dtype=state_dtype)
 
 
 def radam(
@@ -156,13 +170,15 @@ def radam(
     nesterov: bool = False,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Rectified Adam: ``chain(scale_by_radam(...), scale_by_learning_rate(lr))``
     (see :func:`ftopt.scale_by_radam` for torch.optim.RAdam)."""
     check_state_bits("radam", state_bits)
+    check_state_dtype("radam", state_dtype)
     parts = [scale_by_radam(b1, b2, eps, eps_root, threshold, nesterov=nesterov),
              scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def adabelief(
@@ -177,15 +193,17 @@ def adabelief(
     nesterov: bool = False,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """AdaBelief: ``chain(scale_by_belief(...), [add_decayed_weights(wd, mask)],
     scale_by_learning_rate(lr))``; the decay only when ``weight_decay`` is not None."""
     check_state_bits("adabelief", state_bits)
+    check_state_dtype("adabelief", state_dtype)
     parts = [scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov)]
     if weight_decay is not None:
         parts.append(add_decayed_weights(weight_decay, weight_decay_mask))
     parts.append(scale_by_learning_rate(learning_rate))
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def yogi(
@@ -196,12 +214,14 @@ def yogi(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Yogi: ``chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(lr))`` (mu and nu
     start at 1e-6, as optax)."""
     check_state_bits("yogi", state_bits)
+    check_state_dtype("yogi", state_dtype)
     parts = [scale_by_yogi(b1, b2, eps), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def adadelta(
@@ -213,6 +233,7 @@ def adadelta(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Adadelta: ``chain(add_decayed_weights(wd, mask), scale_by_adadelta(rho, eps),
     scale_by_learning_rate(lr))``, which is torch.optim.Adadelta (its weight decay is
@@ -223,10 +244,11 @@ def adadelta(
     the sign flip, so that its updates ascend.
     """
     check_state_bits("adadelta", state_bits)
+    check_state_dtype("adadelta", state_dtype)
     parts = [add_decayed_weights(weight_decay, weight_decay_mask),
              scale_by_adadelta(rho, eps),
              scale_by_learning_rate(1.0 if learning_rate is None else learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def sign_sgd(
@@ -234,11 +256,13 @@ def sign_sgd(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """signSGD: ``chain(scale_by_sign(), scale_by_learning_rate(lr))``: p ← p − lr·sign(g)."""
     check_state_bits("sign_sgd", state_bits)
+    check_state_dtype("sign_sgd", state_dtype)
     return finish([scale_by_sign(), scale_by_learning_rate(learning_rate)], skip_zeros,
-                  state_bits)
+                  state_bits, state_dtype)
 
 
 def signum(
@@ -247,13 +271,15 @@ def signum(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Signum (signSGD with momentum): ``chain(ema(beta, debias=False), scale_by_sign(),
     scale_by_learning_rate(lr))``: m ← beta·m + (1−beta)·g; p ← p − lr·sign(m)."""
     check_hparam("signum", "beta", beta, UNIT)  # named as the caller wrote it, not ema's decay
     check_state_bits("signum", state_bits)
+    check_state_dtype("signum", state_dtype)
     parts = [ema(beta, debias=False), scale_by_sign(), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def optimistic_gradient_descent(
@@ -263,12 +289,14 @@ def optimistic_gradient_descent(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Optimistic gradient descent: ``chain(scale_by_optimistic_gradient(alpha, beta),
     scale_by_learning_rate(lr))``: p ← p − lr·((alpha+beta)·gₜ − beta·gₜ₋₁)."""
     check_state_bits("optimistic_gradient_descent", state_bits)
+    check_state_dtype("optimistic_gradient_descent", state_dtype)
     parts = [scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def adopt(
@@ -282,14 +310,16 @@ def adopt(
     clip_value_fn: Callable[[Any], Any] = quarter_power,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """ADOPT (as optax.contrib): ``chain(scale_by_adopt(...), scale_by_learning_rate(lr))``.
     The first step only measures the second moment (its update is 0)."""
     check_state_bits("adopt", state_bits)
+    check_state_dtype("adopt", state_dtype)
     parts = [scale_by_adopt(b1, b2, eps, nesterov=nesterov, use_clipping=use_clipping,
                             clip_value_fn=clip_value_fn),
              scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def simplified_ademamix(
@@ -304,10 +334,12 @@ def simplified_ademamix(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Simplified AdEMAMix (as optax.contrib): ``chain(scale_by_simplified_ademamix(...),
     add_decayed_weights(wd, mask), scale_by_learning_rate(lr))``."""
     check_state_bits("simplified_ademamix", state_bits)
+    check_state_dtype("simplified_ademamix", state_dtype)
     parts = [scale_by_simplified_ademamix(b1, b2, alpha, eps, eps_root),
              add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
