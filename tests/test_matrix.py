@@ -19,10 +19,12 @@ from ftopt.matrix import matrix_transform
 from ftopt.quantize import quantize_states
 
 SHAPES = {"w": (6, 9), "u": (6, 9), "v": (5, 300), "b": (9,), "s": ()}
+# The compiled kernels on a GPU machine, the Triton interpreter on a CPU one.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _tree(gen, zeros: bool = False):
-    tree = {k: torch.randn(shape, generator=gen) for k, shape in SHAPES.items()}
+    tree = {k: torch.randn(shape, generator=gen).to(DEVICE) for k, shape in SHAPES.items()}
     if zeros:
         tree["w"][1, 2] = 0.0
         tree["w"][3] = -0.0  # a whole row
@@ -38,7 +40,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_row_norm_matches_float64_reference():
     gen = torch.Generator().manual_seed(0)
     u = _tree(gen)
-    u["z"] = torch.zeros(3, 4)
+    u["z"] = torch.zeros(3, 4, device=DEVICE)
     out, _ = ftopt.scale_by_row_norm(eps=1e-3).update(u, ftopt.EmptyState())
     for k, x in u.items():
         if x.dim() == 2:
@@ -47,7 +49,7 @@ def test_row_norm_matches_float64_reference():
         else:
             want = x.double()
         assert torch.allclose(out[k].double(), want, rtol=1e-6, atol=1e-7), k
-    assert torch.equal(out["z"], torch.zeros(3, 4))
+    assert torch.equal(out["z"], torch.zeros(3, 4, device=DEVICE))
     out0, _ = ftopt.scale_by_row_norm(eps=0.0).update({"z": torch.zeros(2, 3)},
                                                       ftopt.EmptyState())
     assert torch.equal(out0["z"], torch.zeros(2, 3))  # 0/0 rows stay 0
@@ -207,7 +209,7 @@ def test_a_refusal_in_a_later_segment_writes_nothing():
     gen = torch.Generator().manual_seed(11)
     params = _tree(gen)
     state = tx2.init(params)
-    bad = state[2]._replace(trace={**state[2].trace, "w": torch.zeros(3, 3)})
+    bad = state[2]._replace(trace={**state[2].trace, "w": torch.zeros(3, 3, device=DEVICE)})
     state = (state[0], state[1], bad, state[3])
     snapshot = ({k: v.clone() for k, v in params.items()},
                 {k: v.clone() for k, v in state[0].trace.items()})
