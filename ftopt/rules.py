@@ -93,8 +93,17 @@ def step_scalars(rule: Rule, count: Any, t: Any) -> dict:
         # tensor: ``b ** t`` on it would be float32, so 1 - b2**t would lose ~1e-5 relative
         # to the host path. Compute the per-step scalars in float64, as the host does.
         t_scalar = t.to(torch.float64) if isinstance(t, torch.Tensor) else t
-        h = {**h, **rule.scalars(t_scalar, h)}
+        # Tensor hyperparameters likewise: b1 ** t on an fp32 b1 = 0.999 leaves
+        # 1 - b1 ** t ~1e-4 off (float64 where the device has it).
+        h = {**h, **rule.scalars(t_scalar, {k: _wide(v) for k, v in h.items()})}
     return h
+
+
+def _wide(v: Any) -> Any:
+    if (isinstance(v, torch.Tensor) and v.dtype == torch.float32
+            and v.device.type in ("cpu", "cuda")):
+        return v.to(torch.float64)
+    return v
 
 
 class Env:

@@ -114,6 +114,20 @@ class Reference:
     def __init__(self, tx, p, g, s):
         self.args = (tx, p, g, s)
         self.result = None
+        self.updates = None
+
+    def update(self, spec, j: int) -> torch.Tensor:
+        """``tx.update``'s update of leaf ``j`` in float64 (every float input widened:
+        an update is fp32 whatever the param dtype)."""
+        if self.updates is None:
+            tx, p, g, s = self.args
+            is_q = lambda x: isinstance(x, QuantizedSlot)  # noqa: E731
+            up = lambda t: (t if is_q(t) or not isinstance(t, torch.Tensor)  # noqa: E731
+                            or not t.is_floating_point() else t.double())
+            wide = [optree.tree_map(up, x, is_leaf=is_q, none_is_leaf=False,
+                                    namespace="ftopt") for x in (p, g, s)]
+            self.updates = tx.update(wide[1], wide[2], wide[0], backend="eager")[0]
+        return spec.flatten_up_to(self.updates)[j]
 
     def param(self, spec, j: int) -> torch.Tensor:
         return spec.flatten_up_to(self.get()[0])[j]
@@ -220,12 +234,17 @@ def fused_vs_eager(case: Case) -> None:
             ue, sue = pure_update(case, tx, p, g, s, "eager")
             uf, suf = pure_update(case, tx, p, g, s, "fused")
             lu_f, lu_e = spec.flatten_up_to(uf), spec.flatten_up_to(ue)
-            for path, a, b in zip(paths, lu_f, lu_e):
+            for j, (path, a, b) in enumerate(zip(paths, lu_f, lu_e)):
                 assert (a is None) == (b is None), f"update {k} at {path}: None on one side"
                 if a is not None:
                     assert a.dtype == b.dtype, f"update {k} at {path}: {a.dtype} vs {b.dtype}"
                     err = _rel(a, b)
-                    assert err <= 1e-6, f"update {k} at {path}: relative error {err:.3g}"
+                    if err > 1e-6 and _as_accurate(a, b, ref.update(spec, j)):
+                        continue  # ill-conditioned: fused about as accurate as eager
+                    r = ref.update(spec, j)
+                    assert err <= 1e-6, (f"update {k} at {path}: relative error {err:.3g} "
+                                         f"(against float64: fused {_rel(a, r):.3g}, eager "
+                                         f"{_rel(b, r):.3g})")
             _close_states(suf, sue, f"update {k}, state")
         p, s = pe, se
 
