@@ -14,12 +14,14 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def native_checks():
     """The native tensor check (:mod:`ftopt.lowering.native`), built on first use into the
-    user's cache (~12 s once per torch version). Without a C++ compiler the tests that
-    need it are skipped, saying so: ftopt then runs the other checks."""
+    user's cache (~12 s once per torch version). Without a C++ compiler or Python's
+    headers the tests that need it are skipped, saying so: ftopt then runs the other
+    checks."""
     from ftopt.lowering import native
 
-    if native.compiler() is None:
-        pytest.skip("no C++ compiler: the native tensor check cannot be built here")
+    lacking = native.missing()
+    if lacking is not None:
+        pytest.skip(f"the native tensor check cannot be built here: {lacking}")
     module = native.module(wait=True)
     assert module is not None, native.status()
     return module

@@ -248,6 +248,18 @@ def _path() -> str:
                                                 or ".so"))
 
 
+def missing() -> str | None:
+    """What this machine lacks to build the extension (``None``: nothing)."""
+    if compiler() is None:
+        return "no C++ compiler (set CXX)"
+    header = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    if not os.path.exists(header):
+        return f"no Python headers ({header}; install the python3-dev package)"
+    if not os.path.isdir(os.path.join(os.path.dirname(torch.__file__), "include")):
+        return "this torch ships no C++ headers"
+    return None
+
+
 def compiler() -> str | None:
     """The C++ compiler the build would use (``$CXX`` first), or ``None``."""
     for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
