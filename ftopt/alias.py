@@ -45,13 +45,15 @@ def _check_momentum(alias: str, momentum: Any) -> None:
         check_hparam(alias, "momentum (the decay of trace)", momentum, NONNEG)
 
 
-def check_state_bits(alias: str, state_bits: Any) -> None:
-    """Raise unless ``state_bits`` (an alias' keyword) is 8 or 32."""
+def check_state_options(alias: str, state_bits: Any, state_dtype: Any = None) -> None:
+    """Raise unless ``state_bits`` (an alias' keyword) is 8 or 32 and ``state_dtype`` is
+    ``None`` or a storage dtype :func:`ftopt.quantize_states` takes."""
     if not isinstance(state_bits, int) or isinstance(state_bits, bool):
         raise TypeError(f"{alias}: state_bits must be 8 or 32, got "
                         f"{type(state_bits).__name__} {state_bits!r}")
     if state_bits not in (8, 32):
         raise ValueError(f"{alias}: state_bits must be 8 or 32, got {state_bits}")
+    check_state_dtype(alias, state_dtype)
 
 
 def finish(parts: list, skip_zeros: bool, state_bits: int,
@@ -77,8 +79,7 @@ def sgd(
 ) -> GradientTransformation:
     """SGD, with optional (Nesterov) momentum: ``chain(trace(momentum), lr)``."""
     _check_momentum("sgd", momentum)
-    check_state_bits("sgd", state_bits)
-    check_state_dtype("sgd", state_dtype)
+    check_state_options("sgd", state_bits, state_dtype)
     parts = [] if momentum is None else [trace(momentum, nesterov)]
     return finish([*parts, scale_by_learning_rate(learning_rate)], skip_zeros, state_bits,
                    state_dtype)
@@ -97,12 +98,10 @@ def adam(
     state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr))``."""
-    check_state_bits("adam", state_bits)
-    check_state_dtype("adam", state_dtype)
+    check_state_options("adam", state_bits, state_dtype)
     parts = [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
              scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits,
-                   state_dtype)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def adamw(
@@ -124,13 +123,11 @@ def adamw(
     The decay is multiplied by the learning rate: p ← p − lr·(m̂/(√v̂+eps) + wd·p), which
     is torch.optim.AdamW and bitsandbytes' Adam/AdamW.
     """
-    check_state_bits("adamw", state_bits)
-    check_state_dtype("adamw", state_dtype)
+    check_state_options("adamw", state_bits, state_dtype)
     parts = [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
              add_decayed_weights(weight_decay, mask),
              scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits,
-                   state_dtype)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def lion(
@@ -145,12 +142,10 @@ def lion(
     state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Lion: ``chain(scale_by_lion(b1, b2), add_decayed_weights(wd, mask), lr)``."""
-    check_state_bits("lion", state_bits)
-    check_state_dtype("lion", state_dtype)
+    check_state_options("lion", state_bits, state_dtype)
     parts = [scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask),
              scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits,
-                   state_dtype)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def rmsprop(
@@ -168,14 +163,12 @@ def rmsprop(
 ) -> GradientTransformation:
     """RMSprop: ``chain(scale_by_rms(...), lr, trace(momentum))`` (optax's order)."""
     _check_momentum("rmsprop", momentum)
-    check_state_bits("rmsprop", state_bits)
-    check_state_dtype("rmsprop", state_dtype)
+    check_state_options("rmsprop", state_bits, state_dtype)
     parts = [scale_by_rms(decay, eps, initial_scale, eps_in_sqrt=eps_in_sqrt),
              scale_by_learning_rate(learning_rate)]
     if momentum is not None:
         parts.append(trace(momentum, nesterov))
-    return finish(parts, skip_zeros, state_bits,
-                   state_dtype)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def adagrad(
@@ -188,12 +181,10 @@ def adagrad(
     state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Adagrad: ``chain(scale_by_rss(initial_accumulator_value, eps), lr)``."""
-    check_state_bits("adagrad", state_bits)
-    check_state_dtype("adagrad", state_dtype)
+    check_state_options("adagrad", state_bits, state_dtype)
     parts = [scale_by_rss(initial_accumulator_value, eps),
              scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits,
-                   state_dtype)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def lamb(
@@ -210,12 +201,10 @@ def lamb(
     state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """LAMB: ``chain(scale_by_adam, add_decayed_weights, scale_by_trust_ratio, lr)``."""
-    check_state_bits("lamb", state_bits)
-    check_state_dtype("lamb", state_dtype)
+    check_state_options("lamb", state_bits, state_dtype)
     parts = [scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
              scale_by_trust_ratio(), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits,
-                   state_dtype)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def lars(
@@ -235,8 +224,7 @@ def lars(
     """LARS (optax order): ``chain(add_decayed_weights, masked(scale_by_trust_ratio),
     lr, trace(momentum))``."""
     _check_momentum("lars", momentum)
-    check_state_bits("lars", state_bits)
-    check_state_dtype("lars", state_dtype)
+    check_state_options("lars", state_bits, state_dtype)
     parts = [
         add_decayed_weights(weight_decay, mask=_all_or(weight_decay_mask)),
         _maybe_masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps),
@@ -244,8 +232,7 @@ def lars(
         scale_by_learning_rate(learning_rate),
         trace(momentum, nesterov),
     ]
-    return finish(parts, skip_zeros, state_bits,
-                   state_dtype)
+    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def _all_or(mask: Any) -> Any:
@@ -272,9 +259,7 @@ def ademamix(
     state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """AdEMAMix (as optax.contrib): ``chain(scale_by_ademamix, add_decayed_weights, lr)``."""
-    check_state_bits("ademamix", state_bits)
-    check_state_dtype("ademamix", state_dtype)
+    check_state_options("ademamix", state_bits, state_dtype)
     parts = [scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root),
              add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits,
-                   state_dtype)
+    return finish(parts, skip_zeros, state_bits, state_dtype)

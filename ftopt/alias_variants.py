@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-from ftopt.alias import adam, adamw, check_state_bits, finish
+from ftopt.alias import adam, adamw, check_state_options, finish
 from ftopt.base import GradientTransformation
 from ftopt.domains import UNIT, check_hparam
-from ftopt.quantize import check_state_dtype
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.transforms import (
     add_decayed_weights,
@@ -58,8 +57,7 @@ def adamax(
 ) -> GradientTransformation:
     """Adamax: ``chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(lr))``
     (torch.optim.Adamax without weight decay)."""
-    check_state_bits("adamax", state_bits)
-    check_state_dtype("adamax", state_dtype)
+    check_state_options("adamax", state_bits, state_dtype)
     parts = [scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate)]
     return finish(parts, skip_zeros, state_bits, state_dtype)
 
@@ -78,8 +76,7 @@ def adamaxw(
 ) -> GradientTransformation:
     """Adamax with decoupled weight decay: ``chain(scale_by_adamax,
     add_decayed_weights(wd, mask), scale_by_learning_rate)``: p ← p − lr·(û + wd·p)."""
-    check_state_bits("adamaxw", state_bits)
-    check_state_dtype("adamaxw", state_dtype)
+    check_state_options("adamaxw", state_bits, state_dtype)
     parts = [scale_by_adamax(b1, b2, eps), add_decayed_weights(weight_decay, mask),
              scale_by_learning_rate(learning_rate)]
     return finish(parts, skip_zeros, state_bits, state_dtype)
@@ -103,8 +100,7 @@ def amsgrad(
     The bias-correction switches are keyword-only here (optax takes ``mu_dtype`` before
     them). See :func:`ftopt.scale_by_amsgrad` for how torch's ``amsgrad=True`` differs.
     """
-    check_state_bits("amsgrad", state_bits)
-    check_state_dtype("amsgrad", state_dtype)
+    check_state_options("amsgrad", state_bits, state_dtype)
     parts = [scale_by_amsgrad(b1, b2, eps, eps_root, bias_correction_mu=bias_correction_mu,
                               bias_correction_nu=bias_correction_nu),
              scale_by_learning_rate(learning_rate)]
@@ -129,8 +125,7 @@ def nadam(
     momentum up (b1·(1 − 0.5·0.96^(0.004·t)), ``momentum_decay``) and bias-corrects with
     the product of those coefficients.
     """
-    check_state_bits("nadam", state_bits)
-    check_state_dtype("nadam", state_dtype)
+    check_state_options("nadam", state_bits, state_dtype)
     return adam(learning_rate, b1, b2, eps, eps_root, nesterov=nesterov,
                 skip_zeros=skip_zeros, state_bits=state_bits,
                 state_dtype=state_dtype)
@@ -152,8 +147,7 @@ def nadamw(
 ) -> GradientTransformation:
     """NAdamW as optax defines it: ``adamw(..., nesterov=True)`` (decoupled decay,
     multiplied by the learning rate; see :func:`nadam` for torch's NAdam)."""
-    check_state_bits("nadamw", state_bits)
-    check_state_dtype("nadamw", state_dtype)
+    check_state_options("nadamw", state_bits, state_dtype)
     return adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mask,
                  nesterov=nesterov, skip_zeros=skip_zeros, state_bits=state_bits,
                 state_dtype=state_dtype)
@@ -174,8 +168,7 @@ def radam(
 ) -> GradientTransformation:
     """Rectified Adam: ``chain(scale_by_radam(...), scale_by_learning_rate(lr))``
     (see :func:`ftopt.scale_by_radam` for torch.optim.RAdam)."""
-    check_state_bits("radam", state_bits)
-    check_state_dtype("radam", state_dtype)
+    check_state_options("radam", state_bits, state_dtype)
     parts = [scale_by_radam(b1, b2, eps, eps_root, threshold, nesterov=nesterov),
              scale_by_learning_rate(learning_rate)]
     return finish(parts, skip_zeros, state_bits, state_dtype)
@@ -197,8 +190,7 @@ def adabelief(
 ) -> GradientTransformation:
     """AdaBelief: ``chain(scale_by_belief(...), [add_decayed_weights(wd, mask)],
     scale_by_learning_rate(lr))``; the decay only when ``weight_decay`` is not None."""
-    check_state_bits("adabelief", state_bits)
-    check_state_dtype("adabelief", state_dtype)
+    check_state_options("adabelief", state_bits, state_dtype)
     parts = [scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov)]
     if weight_decay is not None:
         parts.append(add_decayed_weights(weight_decay, weight_decay_mask))
@@ -218,8 +210,7 @@ def yogi(
 ) -> GradientTransformation:
     """Yogi: ``chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(lr))`` (mu and nu
     start at 1e-6, as optax)."""
-    check_state_bits("yogi", state_bits)
-    check_state_dtype("yogi", state_dtype)
+    check_state_options("yogi", state_bits, state_dtype)
     parts = [scale_by_yogi(b1, b2, eps), scale_by_learning_rate(learning_rate)]
     return finish(parts, skip_zeros, state_bits, state_dtype)
 
@@ -243,8 +234,7 @@ def adadelta(
     torch's default); optax's code then leaves out the learning rate step, and with it
     the sign flip, so that its updates ascend.
     """
-    check_state_bits("adadelta", state_bits)
-    check_state_dtype("adadelta", state_dtype)
+    check_state_options("adadelta", state_bits, state_dtype)
     parts = [add_decayed_weights(weight_decay, weight_decay_mask),
              scale_by_adadelta(rho, eps),
              scale_by_learning_rate(1.0 if learning_rate is None else learning_rate)]
@@ -259,8 +249,7 @@ def sign_sgd(
     state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """signSGD: ``chain(scale_by_sign(), scale_by_learning_rate(lr))``: p ← p − lr·sign(g)."""
-    check_state_bits("sign_sgd", state_bits)
-    check_state_dtype("sign_sgd", state_dtype)
+    check_state_options("sign_sgd", state_bits, state_dtype)
     return finish([scale_by_sign(), scale_by_learning_rate(learning_rate)], skip_zeros,
                   state_bits, state_dtype)
 
@@ -276,8 +265,7 @@ def signum(
     """Signum (signSGD with momentum): ``chain(ema(beta, debias=False), scale_by_sign(),
     scale_by_learning_rate(lr))``: m ← beta·m + (1−beta)·g; p ← p − lr·sign(m)."""
     check_hparam("signum", "beta", beta, UNIT)  # named as the caller wrote it, not ema's decay
-    check_state_bits("signum", state_bits)
-    check_state_dtype("signum", state_dtype)
+    check_state_options("signum", state_bits, state_dtype)
     parts = [ema(beta, debias=False), scale_by_sign(), scale_by_learning_rate(learning_rate)]
     return finish(parts, skip_zeros, state_bits, state_dtype)
 
@@ -293,8 +281,7 @@ def optimistic_gradient_descent(
 ) -> GradientTransformation:
     """Optimistic gradient descent: ``chain(scale_by_optimistic_gradient(alpha, beta),
     scale_by_learning_rate(lr))``: p ← p − lr·((alpha+beta)·gₜ − beta·gₜ₋₁)."""
-    check_state_bits("optimistic_gradient_descent", state_bits)
-    check_state_dtype("optimistic_gradient_descent", state_dtype)
+    check_state_options("optimistic_gradient_descent", state_bits, state_dtype)
     parts = [scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(learning_rate)]
     return finish(parts, skip_zeros, state_bits, state_dtype)
 
@@ -314,8 +301,7 @@ def adopt(
 ) -> GradientTransformation:
     """ADOPT (as optax.contrib): ``chain(scale_by_adopt(...), scale_by_learning_rate(lr))``.
     The first step only measures the second moment (its update is 0)."""
-    check_state_bits("adopt", state_bits)
-    check_state_dtype("adopt", state_dtype)
+    check_state_options("adopt", state_bits, state_dtype)
     parts = [scale_by_adopt(b1, b2, eps, nesterov=nesterov, use_clipping=use_clipping,
                             clip_value_fn=clip_value_fn),
              scale_by_learning_rate(learning_rate)]
@@ -338,8 +324,7 @@ def simplified_ademamix(
 ) -> GradientTransformation:
     """Simplified AdEMAMix (as optax.contrib): ``chain(scale_by_simplified_ademamix(...),
     add_decayed_weights(wd, mask), scale_by_learning_rate(lr))``."""
-    check_state_bits("simplified_ademamix", state_bits)
-    check_state_dtype("simplified_ademamix", state_dtype)
+    check_state_options("simplified_ademamix", state_bits, state_dtype)
     parts = [scale_by_simplified_ademamix(b1, b2, alpha, eps, eps_root),
              add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]
     return finish(parts, skip_zeros, state_bits, state_dtype)

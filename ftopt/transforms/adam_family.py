@@ -11,7 +11,7 @@ from ftopt.base import GradientTransformation, register_state
 from ftopt.domains import NONNEG, UNIT_OPEN
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule, Slot
-from ftopt.transforms.adaptive import ScaleByAdamState
+from ftopt.transforms.adaptive import ScaleByAdamState, moment_scalars
 
 __all__ = ["ScaleByAmsgradState", "ScaleByBeliefState", "scale_by_adamax", "scale_by_amsgrad",
            "scale_by_belief", "scale_by_yogi"]
@@ -36,19 +36,6 @@ class ScaleByBeliefState(NamedTuple):
     count: torch.Tensor
     mu: Any
     nu: Any
-
-
-def _moment_scalars(nesterov: bool = False):
-    """1 − b1, 1 − b2 and the bias corrections 1 − b1ᵗ, 1 − b2ᵗ (and 1 − b1ᵗ⁺¹)."""
-    def scalars(t, h):
-        b1, b2 = h["b1"], h["b2"]
-        s = {"one_minus_b1": 1 - b1, "one_minus_b2": 1 - b2,
-             "bc1": 1 - b1**t, "bc2": 1 - b2**t}
-        if nesterov:
-            s["bc1_next"] = 1 - b1 ** (t + 1)
-        return s
-
-    return scalars
 
 
 def _mu_hat(x, mu, nesterov: bool):
@@ -89,7 +76,7 @@ def scale_by_adamax(
         slots=(Slot("mu", signed=True), Slot("nu", signed=False)),
         hparams={"b1": b1, "b2": b2, "eps": eps},
         domains={"b1": UNIT_OPEN, "b2": UNIT_OPEN, "eps": NONNEG},
-        scalars=_moment_scalars(),
+        scalars=moment_scalars(),
         counted=True,
     )
     return rule_transform(rule)
@@ -143,7 +130,7 @@ def scale_by_amsgrad(
                Slot("nu_max", signed=False)),
         hparams={"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root},
         domains={"b1": UNIT_OPEN, "b2": UNIT_OPEN, "eps": NONNEG, "eps_root": NONNEG},
-        scalars=_moment_scalars(),
+        scalars=moment_scalars(),
         counted=True,
     )
     return rule_transform(rule)
@@ -187,7 +174,7 @@ def scale_by_belief(
         slots=(Slot("mu", signed=True), Slot("nu", signed=False)),
         hparams={"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root},
         domains={"b1": UNIT_OPEN, "b2": UNIT_OPEN, "eps": NONNEG, "eps_root": NONNEG},
-        scalars=_moment_scalars(nesterov),
+        scalars=moment_scalars(nesterov),
         counted=True,
     )
     return rule_transform(rule)
@@ -231,7 +218,7 @@ def scale_by_yogi(
                  "initial_accumulator_value": _host_float(initial_accumulator_value)},
         domains={"b1": UNIT_OPEN, "b2": UNIT_OPEN, "eps": NONNEG, "eps_root": NONNEG,
                  "initial_accumulator_value": NONNEG},
-        scalars=_moment_scalars(),
+        scalars=moment_scalars(),
         counted=True,
     )
     return rule_transform(rule)

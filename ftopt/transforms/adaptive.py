@@ -53,7 +53,10 @@ def _host_float(x: Any) -> Any:
         else x
 
 
-def _adam_scalars(nesterov: bool):
+def moment_scalars(nesterov: bool = False):
+    """1 − b1, 1 − b2 and the bias corrections 1 − b1ᵗ, 1 − b2ᵗ (and 1 − b1ᵗ⁺¹): the
+    per-step scalars of Adam-like rules."""
+
     def scalars(t, h):
         b1, b2 = h["b1"], h["b2"]
         s = {"one_minus_b1": 1 - b1, "one_minus_b2": 1 - b2,
@@ -105,7 +108,7 @@ def scale_by_adam(
         slots=(Slot("mu", signed=True), Slot("nu", signed=False)),
         hparams={"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root},
         domains={"b1": UNIT_OPEN, "b2": UNIT_OPEN, "eps": NONNEG, "eps_root": NONNEG},
-        scalars=_adam_scalars(nesterov),
+        scalars=moment_scalars(nesterov),
         counted=True,
     )
     return rule_transform(rule)
