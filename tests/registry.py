@@ -106,6 +106,7 @@ EPS_ROOT = HP(0.0, 1e-6)
 LR = HP(1e-4, 1e-1, log=True, schedule=True)
 WD = HP(0.0, 0.1)
 DECAY = HP(0.0, 0.99)
+BELIEF_B1 = HP(0.1, 0.999)  # see scale_by_belief below
 
 
 def draw_schedule(src: Source, lo: float = 1e-4, hi: float = 1e-1) -> Callable:
@@ -309,8 +310,11 @@ TRANSFORMS: list[Entry] = [
           options={"nesterov": (False, True)}, states=("mu", "nu"), counted=True,
           eight_bit=True,
           example={"b1": 0.9, "b2": 0.99, "eps": 1e-8, "threshold": 5.0}),
+    # b1 from 0.1: with b1 = 0 the prediction error u - mu is 0, nu stays at eps_root and
+    # the update is u/eps (1e16·u at eps = 1e-16): a valid but degenerate optimizer whose
+    # overflow to inf the backends need not agree on.
     Entry("scale_by_belief", ftopt.scale_by_belief,
-          floats={"b1": BETA, "b2": BETA, "eps": HP(1e-16, 1e-3, log=True),
+          floats={"b1": BELIEF_B1, "b2": BETA, "eps": HP(1e-16, 1e-3, log=True),
                   "eps_root": HP(0.0, 1e-6)},
           options={"nesterov": (False, True)}, states=("mu", "nu"), counted=True,
           eight_bit=True,
@@ -495,7 +499,7 @@ TRANSFORMS += [
           counted=True, eight_bit=True,
           example={"learning_rate": 1e-2, "b2": 0.99}),
     Entry("adabelief", _mask_kw(ftopt.adabelief, "weight_decay_mask"),
-          floats={"learning_rate": LR, "b1": BETA, "b2": BETA,
+          floats={"learning_rate": LR, "b1": BELIEF_B1, "b2": BETA,
                   "eps": HP(1e-16, 1e-3, log=True), "eps_root": HP(0.0, 1e-6),
                   "weight_decay": WD},
           options={"weight_decay_mask": ("none", "ndim"), "nesterov": (False, True)},

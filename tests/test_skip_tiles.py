@@ -37,7 +37,10 @@ def test_donated_step_with_zero_tiles_equals_the_full_step(name, monkeypatch):
     make = getattr(ftopt, name)
     tx = make(1e-2, state_bits=8, skip_zeros=True)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    n = 3 * TILE + 300  # three full tiles and a partial one
+    # Full tiles and a partial one, and at least quantize_states' min_size (4096), so
+    # the leaf's states are 8-bit with the GPU's tile (1024) as with the interpreter's.
+    full_tiles = max(3, -(-4096 // TILE))
+    n = full_tiles * TILE + 300
     params = {"w": torch.randn(n, generator=gen).to(DEVICE),
               "b": torch.randn(5000, generator=gen).to(DEVICE)}
     state = tx.init(params)
@@ -45,7 +48,7 @@ def test_donated_step_with_zero_tiles_equals_the_full_step(name, monkeypatch):
                                             params.items()}, state, backend="fused")
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     grads["w"][TILE:2 * TILE] = 0.0  # a whole tile
-    grads["w"][3 * TILE:] = 0.0  # the partial last tile
+    grads["w"][full_tiles * TILE:] = 0.0  # the partial last tile
     grads["w"][10:700] = 0.0  # part of a tile: it runs
     grads["b"][:] = 0.0  # a whole leaf
     full = ftopt.step(tx, params, grads, state, backend="fused")
@@ -53,6 +56,7 @@ def test_donated_step_with_zero_tiles_equals_the_full_step(name, monkeypatch):
                          donate=True)
     assert _same(donated, full)
     groups = plan_chain(tx).prepared.groups
+    assert all(g.quant_block for g in groups)  # every leaf's states are 8-bit
     assert [g.skip_tiles for g in groups] == [True] * len(groups)
     monkeypatch.setattr(launch, "SKIP_TILES", False)
     without = ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused",

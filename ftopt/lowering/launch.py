@@ -86,6 +86,12 @@ def work_table(numels: tuple[int, ...], device: torch.device, block: int) -> Wor
 SKIP_TILES = True
 
 
+def switches() -> tuple:
+    """The module switches that choose a kernel variant (bound launches are rebound when
+    one changes)."""
+    return SKIP_TILES, quantized.ENCODER
+
+
 @dataclass
 class GroupLaunch:
     """Everything one group's kernels need, except per-step scalars."""
@@ -293,6 +299,55 @@ def run_main(traced, groups: list[GroupLaunch], scalars, leaf_bufs, global_buf,
                                           *counts], constants, device, count_key)
         counted = True
     return counted
+
+
+@dataclass
+class BoundLaunch:
+    """One group's main launch with every argument but the scalars bound
+    (``before[grad_at]``: the gradient address table, replaced when gradients move)."""
+
+    group: GroupLaunch
+    runner: object
+    before: list
+    after: list
+    grad_at: int
+
+
+def bind_main(traced, groups: list[GroupLaunch], scalars, counts: list,
+              device: torch.device) -> list | None:
+    """The main launches of a step with no reduction pass, bound once: per group with
+    work, a :class:`BoundLaunch` whose ``runner(*before, *scalars, *after)`` is the
+    launch :func:`run_main` makes with these ``counts`` (scalars as floats, or a device
+    buffer); ``None`` where a launch is not yet compiled or cannot be bound (the
+    interpreter, Triton before 3.2, a step with reductions).
+
+    ``run_main`` rebuilds every launch's arguments and looks its kernel up in four caches
+    on each step; a donated step over the same tensors repeats all of it, so
+    :meth:`ftopt.lowering.execute.PreparedStep.launch` keeps the bound launches instead.
+    """
+    if not _DIRECT or traced.levels != 0:
+        return None
+    count_key = (tuple(c.dtype for c in counts),
+                 all([c.data_ptr() % 16 == 0 for c in counts]))
+    dummy = _dummy(device)
+    bound, counted = [], False
+    for group in groups:
+        w = group.work
+        if w.num_blocks == 0:
+            continue
+        roles = _main_roles(group.traced, bool(group.quant_block))
+        kernel = _kernel(group.traced, "main", 0, group.variant(scalars))
+        constants = _constants_cached(group.traced, group.quant_block, not counted)
+        found = _COMPILED.get((kernel, constants, device, count_key))
+        if found is None:
+            return None
+        compiled, tail = found
+        before = [w.block_leaf, w.block_start, w.numel, *[group.addresses[r] for r in roles]]
+        after = [group.leaf_values, dummy, dummy, *group.qmaps, *counts, *tail]
+        bound.append(BoundLaunch(group, compiled[(w.num_blocks, 1, 1)], before, after,
+                                 3 + roles.index("g")))
+        counted = True
+    return bound
 
 
 @lru_cache(maxsize=256)

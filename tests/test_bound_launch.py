@@ -1,0 +1,132 @@
+"""Donated steps over the same tensors reuse their bound kernel launches.
+
+``PreparedStep.launch`` binds each group's main launch once (``launch.bind_main``) and
+then only passes the step's scalars; the bound arguments must stay what ``run_main``
+would pass, also when the gradients move to new memory (their address table is
+replaced), the count tensors change or a switch picks another kernel variant. On a CPU
+the interpreter has no compiled launcher to bind, so these tests stand one in: a
+runner that launches the interpreted kernel with the bound arguments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftopt
+from ftopt.lowering import execute, launch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _Interpreted:
+    """A stand-in for a compiled kernel: ``[grid]`` gives a runner of the kernel."""
+
+    def __init__(self, kernel, constants, calls):
+        self.kernel, self.constants, self.calls = kernel, dict(constants), calls
+
+    def __getitem__(self, grid):
+        def runner(*args):
+            self.calls.append(grid)
+            with launch.interpreter_patches_undone():
+                self.kernel[grid[:1]](*args, **self.constants)
+        return runner
+
+
+@pytest.fixture
+def bound_calls(monkeypatch):
+    """Bound launches enabled on every machine; the list of bound runs made."""
+    calls: list = []
+    if launch.tiles.INTERPRETING:
+        real = launch._launch
+
+        def recording(kernel, grid, args, constants, device, key=()):
+            # Launched as before (interpreted); registered as compiled for bind_main only.
+            launch._COMPILED.pop((kernel, constants, device, key), None)
+            real(kernel, grid, args, constants, device, key)
+            launch._COMPILED[(kernel, constants, device, key)] = (
+                _Interpreted(kernel, constants, calls), [])
+
+        monkeypatch.setattr(launch, "_DIRECT", True)
+        monkeypatch.setattr(launch, "_COMPILED", {})
+        monkeypatch.setattr(launch, "_launch", recording)
+    else:
+        real_bind = launch.bind_main
+
+        def counting(*args, **kwargs):
+            bound = real_bind(*args, **kwargs)
+            for b in bound or ():
+                runner = b.runner
+
+                def run(*a, _runner=runner):
+                    calls.append(None)
+                    _runner(*a)
+                b.runner = run
+            return bound
+
+        monkeypatch.setattr(launch, "bind_main", counting)
+    return calls
+
+
+def _tree(gen, sizes):
+    return {f"w{i}": torch.randn(n, generator=gen).to(DEVICE) for i, n in enumerate(sizes)}
+
+
+@pytest.mark.parametrize("name,bits", [("adamw", 32), ("lion", 32), ("adam", 8)])
+def test_bound_launches_equal_fresh_launches(name, bits, bound_calls):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    sizes = [3000, 70, 5000] if bits == 8 else [300, 70, 5]
+    tx = getattr(ftopt, name)(1e-2, state_bits=bits, skip_zeros=True)
+    params = _tree(gen, sizes)
+    state = tx.init(params)
+    ref_p = {k: v.clone() for k, v in params.items()}
+    ref_s = ftopt.tree.map(lambda t: t.clone(), state)
+    grads = _tree(gen, sizes)
+    for i in range(5):
+        if i == 3:
+            grads = _tree(gen, sizes)  # new gradient tensors: a new address table
+        else:
+            for g in grads.values():
+                g.copy_(torch.randn(g.shape, generator=gen))
+        grads["w0"][:7] = 0.0
+        params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+        ref_p, ref_s = ftopt.step(tx, ref_p, grads, ref_s, backend="fused")
+        for k in params:
+            assert torch.equal(params[k], ref_p[k]), (i, k)
+        for a, b in zip(ftopt.tree.leaves(state), ftopt.tree.leaves(ref_s)):
+            assert torch.equal(a, b), i
+    # Steps 2, 3 (new grads: the same bound launches, new table), 4 and 5 ran bound.
+    assert len(bound_calls) >= 3
+
+
+def test_a_switch_rebinds(bound_calls, monkeypatch):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    tx = ftopt.adam(1e-2, state_bits=8, skip_zeros=True)
+    params = _tree(gen, [5000])
+    state = tx.init(params)
+    grads = _tree(gen, [5000])
+    params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+    prepared = execute.PreparedStep
+    seen = []
+    real = prepared.launch
+
+    def spy(self, scalars, pairs):
+        real(self, scalars, pairs)
+        seen.append(self._bound[3] if self._bound else None)
+
+    monkeypatch.setattr(prepared, "launch", spy)
+    params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+    monkeypatch.setattr(launch, "SKIP_TILES", not launch.SKIP_TILES)
+    params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+    assert seen[0] != seen[1] and seen[1] == launch.switches()
+
+
+def test_no_binding_when_a_step_has_reductions(bound_calls):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    tx = ftopt.chain(ftopt.clip_by_global_norm(1.0), ftopt.adam(1e-2))
+    params = _tree(gen, [300, 40])
+    state = tx.init(params)
+    for _ in range(3):
+        grads = _tree(gen, [300, 40])
+        params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+    assert bound_calls == []
