@@ -11,7 +11,7 @@ $(VENV)/.ready: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: demo test lint bench fuzz
+.PHONY: demo test lint bench fuzz catalogue
 demo: $(VENV)/.ready
 	$(PY) -m ftopt.demo
 
@@ -33,3 +33,7 @@ bench: $(VENV)/.ready
 # `TRITON_INTERPRET=1 $(PY) benchmarks/fuzz.py --examples 50`.
 fuzz: $(VENV)/.ready
 	$(PY) benchmarks/fuzz.py
+
+# The README's catalogue table, from tests/registry.py (tests/test_catalogue.py checks it).
+catalogue: $(VENV)/.ready
+	PYTHONPATH=. $(PY) -m tests.catalogue

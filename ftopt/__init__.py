@@ -87,6 +87,13 @@ from ftopt.transforms import (
     trace,
     weight_decay,
 )
+from ftopt.transforms.utility import (
+    centralize,
+    clip,
+    clip_by_block_rms,
+    keep_params_nonnegative,
+    zero_nans,
+)
 from ftopt.update import apply_updates, step
 
 # The backends, installed where ftopt is imported (imported on first use, except the
@@ -194,4 +201,13 @@ __all__ = [
     "warmup_cosine_decay_schedule",
     "weight_decay",
     "yogi",
+]
+
+# optax's everyday utilities and wrappers
+__all__ += [
+    "centralize",
+    "clip",
+    "clip_by_block_rms",
+    "keep_params_nonnegative",
+    "zero_nans",
 ]

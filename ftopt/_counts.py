@@ -4,7 +4,9 @@ A step count is a 0-d integer tensor on the params' device. When ftopt creates a
 tensor it remembers its value here (keyed by the tensor object, dropped when the tensor
 dies), so the next step computes bias corrections on the host without reading the device.
 A count ftopt did not create (loaded from a checkpoint, or modified by the caller in
-place) is read once.
+place) is read once. A count whose value was decided on the device (``apply_if_finite``
+keeps or advances it on a device flag) is marked :func:`device_decided`: it is never read,
+and the steps that use it compute their scalars on the device.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import weakref
 import torch
 
 _mirror: dict[int, tuple[weakref.ref, int, int]] = {}
+# Keyed by id (a WeakSet would compare tensors with ``==``, which reads the device).
+_device_decided: dict[int, weakref.ref] = {}
 
 
 def remember_count(count: torch.Tensor, value: int) -> None:
@@ -32,3 +36,17 @@ def host_count(count: torch.Tensor) -> int | None:
     if ref() is not count or count._version != version:
         return None
     return value
+
+
+def mark_device_decided(count: torch.Tensor) -> None:
+    """Record that ``count``'s value was chosen on the device: reading it would wait for
+    the device, so no step reads it (see the module docstring)."""
+    key = id(count)
+    _mirror.pop(key, None)
+    _device_decided[key] = weakref.ref(count, lambda _, key=key: _device_decided.pop(key, None))
+
+
+def device_decided(count: torch.Tensor) -> bool:
+    """Whether ``count`` was marked by :func:`mark_device_decided`."""
+    ref = _device_decided.get(id(count))
+    return ref is not None and ref() is count

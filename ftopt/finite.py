@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ftopt import tree as tree_lib
+from ftopt._counts import mark_device_decided
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import check_int
 
@@ -59,7 +60,11 @@ def _select(flag: torch.Tensor, new: Any, old: Any) -> Any:
         return new
     if old.dtype != new.dtype:
         old = old.to(new.dtype)
-    return torch.where(flag.to(new.device), new, old.to(new.device))
+    out = torch.where(flag.to(new.device), new, old.to(new.device))
+    if out.ndim == 0 and not out.is_floating_point():
+        # A step count kept or advanced on the device flag: the next step must not read it.
+        mark_device_decided(out)
+    return out
 
 
 def _skip(flag: torch.Tensor, u: Any) -> Any:

@@ -18,7 +18,7 @@ import torch
 
 from ftopt import dispatch, eager, program
 from ftopt import tree as tree_lib
-from ftopt._counts import host_count, remember_count
+from ftopt._counts import device_decided, host_count, remember_count
 from ftopt.base import GradientTransformation, register_owner
 from ftopt.domains import check_hparam as _check_hparam
 from ftopt.quant import dequantize_blockwise, dynamic_map, quantize_blockwise
@@ -185,7 +185,8 @@ class RuleTransform:
         check_count(self.rule.name, count)
         new_count = count + 1
         known = host_count(count)
-        if known is None and count.device.type == "cpu" and not eager.functorch_active():
+        if (known is None and count.device.type == "cpu" and not eager.functorch_active()
+                and not device_decided(count)):
             known = int(count)
         if known is None:
             return count, new_count, new_count

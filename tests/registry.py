@@ -536,6 +536,19 @@ TRANSFORMS += [
           example={"learning_rate": 1e-3, "b1": 0.9, "alpha": 2.0, "weight_decay": 0.01}),
 ]
 
+# ---- optax's everyday utilities (ftopt.transforms.utility)
+TRANSFORMS += [
+    Entry("zero_nans", ftopt.zero_nans, keeps_zero=True),
+    Entry("clip", ftopt.clip, floats={"max_delta": HP(1e-3, 10.0, log=True)}, keeps_zero=True,
+          example={"max_delta": 0.5}),
+    Entry("keep_params_nonnegative", ftopt.keep_params_nonnegative, uses_params=True),
+    # Matrix stages (whole-leaf means and RMS): the elementwise stages around them fuse.
+    Entry("centralize", ftopt.centralize),
+    Entry("clip_by_block_rms", ftopt.clip_by_block_rms,
+          floats={"threshold": HP(1e-2, 10.0, log=True, tensor=False)}, keeps_zero=True,
+          example={"threshold": 0.5}),
+]
+
 BY_NAME: dict[str, Entry] = {e.name: e for e in TRANSFORMS}
 assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
 

@@ -273,3 +273,67 @@ def test_inner_update_may_run_fused():
         else:
             assert all(torch.equal(x, torch.full_like(x, -0.0)) for x in ftopt.tree.leaves(u))
         assert _same_bits(state.inner_state, ref_state)
+
+
+_HOST_READS = ("item", "__bool__", "__int__", "__float__", "__index__", "cpu", "tolist",
+               "numpy")
+
+
+# The eager path on a CPU reads CPU scalars (free there: test_no_host_sync_during_update
+# guards the wrapper's own work); on a GPU it must not read the device either.
+_UNREAD_BACKENDS = ["fused", *(["eager"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("backend", _UNREAD_BACKENDS)
+def test_whole_update_reads_nothing_from_the_device(monkeypatch, backend):
+    """The wrapper and the inner step together (fused: the Triton interpreter on a CPU;
+    eager on a GPU) read no tensor on the host over finite, NaN and Inf steps: the counts
+    the wrapper kept or advanced on its device flag are never read (per-step scalars come
+    from the device). Each host read raises; on CUDA, so does any synchronisation. A
+    skipped step leaves the inner state and the params bit-identical."""
+    gen = torch.Generator().manual_seed(SEED + 9)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inner = ftopt.adamw(1e-2, weight_decay=0.1)
+    tx = ftopt.apply_if_finite(inner, 2)  # the -inf step after the inf is skipped too
+    params = ftopt.tree.map(lambda x: x.to(device), _params(gen))
+    state = tx.init(params)
+    ref_state = inner.init(params)
+    steps = [None, math.nan, None, math.inf, -math.inf, None]
+    grads = [ftopt.tree.map(lambda x: x.to(device), _grads(gen, bad)) for bad in steps]
+    u, state = tx.update(grads[0], state, params, backend=backend)  # compiles; not checked
+    ref_u, ref_state = inner.update(grads[0], ref_state, params, backend=backend)
+    reads = []
+
+    def guard(name):
+        def patched(self, *args, **kwargs):
+            reads.append(name)
+            raise AssertionError(f"host read ({name}) during a guarded update")
+        return patched
+
+    outputs = []
+    with monkeypatch.context() as m:
+        for name in _HOST_READS:
+            m.setattr(torch.Tensor, name, guard(name))
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for g in grads[1:]:
+                u, state = tx.update(g, state, params, backend=backend)
+                new_params = ftopt.apply_updates(params, u)
+                outputs.append((g, u, state, params, new_params))
+                params = new_params
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    assert reads == []
+    previous = state
+    for bad, (g, u, state, before, after) in zip(steps[1:], outputs):
+        if bad is None:
+            ref_u, ref_state = inner.update(g, ref_state, before, backend=backend)
+            assert _same_bits(u, ref_u)
+        else:
+            assert _same_bits(after, before)
+        assert _same_bits(state.inner_state, ref_state)
+        previous = state
+    assert int(previous.total_notfinite) == 3 and int(previous.notfinite_count) == 0
+    assert int(previous.inner_state[0].count) == 3  # three finite steps applied

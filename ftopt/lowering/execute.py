@@ -63,7 +63,7 @@ def _advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool, de
             pairs += [count_tensor, new]
         else:
             new = count_tensor.add_(1) if donate else count_tensor + 1
-        if not tensor_mode:
+        if isinstance(t, int):
             remember(new, t)
         steps.append((count, t))
         new_counts.append(new)

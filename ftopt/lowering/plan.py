@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ftopt import eager
-from ftopt._counts import host_count, remember_count
+from ftopt._counts import device_decided, host_count, remember_count
 from ftopt.combine import owner
 from ftopt.lowering import tiles
 from ftopt.lowering.codegen import trace_chain
@@ -225,8 +225,9 @@ def slot_reason(plan: ChainPlan, slot_flat, active, paths: list[str]) -> str | N
 
 
 def host_step(count: torch.Tensor, tensor_mode: bool):
-    """(count, t) for scalars: host ints when known or cheap to learn, else tensors."""
-    if tensor_mode:
+    """(count, t) for scalars: host ints when known or cheap to learn, else tensors (also
+    for a count decided on the device, which is never read)."""
+    if tensor_mode or device_decided(count):
         return count, count + 1
     known = host_count(count)
     if known is None:

@@ -46,6 +46,13 @@ from ftopt.transforms.scaling import (
     weight_decay,
 )
 from ftopt.transforms.sign import ScaleByLionState, scale_by_lion, scale_by_sign
+from ftopt.transforms.utility import (
+    centralize,
+    clip,
+    clip_by_block_rms,
+    keep_params_nonnegative,
+    zero_nans,
+)
 
 __all__ = [
     "EmaState",
@@ -89,3 +96,6 @@ __all__ = [
     "trace",
     "weight_decay",
 ]
+
+# optax's everyday utilities (ftopt.transforms.utility)
+__all__ += ["centralize", "clip", "clip_by_block_rms", "keep_params_nonnegative", "zero_nans"]
