@@ -8,15 +8,26 @@ them once per transform.
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ftopt.combine import Chain, SkipZeros, owner
+from ftopt import tree as tree_lib
+from ftopt.combine import Chain, Masked, Partition, SkipZeros, owner
 from ftopt.rule_transform import RuleTransform
+from ftopt.rules import step_scalars
 from ftopt.validate import check_state_class
 
-__all__ = ["Stages", "chain_stages", "state_at", "with_state_at", "check_state_tree"]
+__all__ = ["Stages", "Select", "chain_stages", "state_at", "with_state_at",
+           "check_state_tree", "leaf_selection"]
+
+
+@dataclass(frozen=True)
+class Select:
+    """A condition on the leaves a stage applies to: the mask of a ``masked`` (``label``
+    unused) or one label of a ``partition``."""
+
+    owner: Any
+    label: Any = None
 
 
 @dataclass(frozen=True)
@@ -38,16 +49,36 @@ class Stages:
     reason: str | None = None
     matrix: tuple[tuple[int, Any, bool], ...] = ()
     segmented: bool = False  # the reason is only the matrix stages
+    # With ``branches=True`` (``masked`` and ``partition`` walked into): ``positions[k]``
+    # lists the stages (by index) that are alternatives at step ``k`` of the per-element
+    # program (one per branch of a partition whose branches are the same chain of rules,
+    # differing in hyperparameter values); each leaf runs the one its labels select.
+    # ``selects[i]``: the conditions a leaf must meet for stage ``i`` to apply to it;
+    # ``flagged[k]``: some leaves pass position ``k`` through (a mask leaves them out).
+    positions: tuple[tuple[int, ...], ...] = ()
+    selects: tuple[tuple[Select, ...], ...] = ()
+    flagged: tuple[bool, ...] = ()
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BRANCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def chain_stages(tx) -> Stages:
-    """The stages of ``tx`` (cached per transform object)."""
+def chain_stages(tx, branches: bool = False) -> Stages:
+    """The stages of ``tx`` (cached per transform object).
+
+    ``branches=True``: ``masked`` and ``partition`` are walked into (see
+    :attr:`Stages.positions`); otherwise they are transforms with no elementwise rule.
+    """
     obj = owner(tx)
     if obj is None:
         return Stages(reason=f"{_describe(tx)} is not an ftopt transform")
+    if branches:
+        found = _BRANCHED.get(obj)
+        if found is None:
+            found = _branched_stages(tx)
+            _BRANCHED[obj] = found
+        return found
     found = _CACHE.get(obj)
     if found is None:
         stages, paths, skips, matrix = [], [], [], []
@@ -60,6 +91,118 @@ def chain_stages(tx) -> Stages:
                        segmented)
         _CACHE[obj] = found
     return found
+
+
+def _branched_stages(tx) -> Stages:
+    plain = chain_stages(tx)
+    if plain.reason is None or plain.segmented:
+        n = len(plain.stages)
+        return Stages(plain.stages, plain.state_paths, plain.skips, plain.reason,
+                      plain.matrix, plain.segmented, tuple((i,) for i in range(n)),
+                      ((),) * n, tuple(s.rule.leaf_mask is not None for s in plain.stages))
+    sources: list = []  # (stage, state path, skip, selects)
+    positions = _branch_walk(tx, (), False, True, (), sources)
+    if isinstance(positions, str):
+        return Stages(reason=positions)
+    stages = tuple(s[0] for s in sources)
+    flagged = tuple(any(stages[i].rule.leaf_mask is not None or any(
+        isinstance(c.owner, Masked) for c in sources[i][3]) for i in pos) for pos in positions)
+    return Stages(stages, tuple(s[1] for s in sources), tuple(s[2] for s in sources), None,
+                  (), False, tuple(map(tuple, positions)), tuple(s[3] for s in sources),
+                  flagged)
+
+
+def _branch_walk(tx, path: tuple, skip: bool, at_input: bool, selects: tuple,
+                 sources: list):
+    """The positions of ``tx``'s program (lists of stage indices), or why it has none."""
+    obj = owner(tx)
+    if isinstance(obj, RuleTransform):
+        sources.append((obj, path, skip, selects))
+        return [[len(sources) - 1]]
+    if isinstance(obj, SkipZeros):
+        return []
+    if isinstance(obj, Chain):
+        if obj.skip_zeros and not skip and not at_input:
+            return "skip_zeros in a nested chain that does not receive the raw gradient"
+        out = []
+        for i, child in enumerate(obj.transforms):
+            key = obj.names[i] if obj.names is not None else i
+            found = _branch_walk(child, (*path, key), skip or obj.skip_zeros,
+                                 at_input and i == 0, selects, sources)
+            if isinstance(found, str):
+                return found
+            out += found
+        return out
+    if isinstance(obj, Masked):
+        first = len(sources)
+        found = _branch_walk(obj.inner, (*path, 0), skip, at_input,
+                             (*selects, Select(obj)), sources)
+        if not isinstance(found, str) and any(s[0].rule.slots for s in sources[first:]):
+            return "masked(...) of a transform with per-element state runs eagerly"
+        return found
+    if isinstance(obj, Partition):
+        branches = []
+        for label in obj.labels:
+            found = _branch_walk(obj.user_transforms[label], (*path, 0, label, 0), skip,
+                                 at_input, (*selects, Select(obj, label)), sources)
+            if isinstance(found, str):
+                return found
+            branches.append(found)
+        return _merge(branches, sources, obj.labels)
+    if getattr(obj, "matrix_stage", False):
+        return f"{obj.name} is a matrix stage inside masked or partition"
+    reason = getattr(obj, "unfused_reason", None)
+    if reason:
+        return reason
+    name = type(obj).__name__ if obj is not None else _describe(tx)
+    return f"{name} has no elementwise rule"
+
+
+def _shape_of(source) -> tuple:
+    """What must agree for stages to share a position (hyperparameter values need not)."""
+    stage, _, skip, _ = source
+    rule = stage.rule
+    return (rule.name, _body_key(rule.body), rule.slots, tuple(step_scalars(rule, 0, 1)),
+            rule.uses_params, stage.quant, stage.store, skip)
+
+
+def _body_key(body) -> tuple:
+    """A body's code and the values it closes over (static options such as ``nesterov``):
+    two bodies with equal keys trace to the same program."""
+    cells = tuple(c.cell_contents for c in getattr(body, "__closure__", None) or ())
+    return (getattr(body, "__code__", body), cells)
+
+
+def _merge(branches: list, sources: list, labels: list):
+    shapes = [[tuple(_shape_of(sources[i]) for i in pos) for pos in b] for b in branches]
+    for label, shape in zip(labels[1:], shapes[1:]):
+        if shape != shapes[0]:
+            names = lambda s: [x[0] for pos in s for x in pos]  # noqa: E731
+            return (f"partition branches differ in their rules ({labels[0]!r}: "
+                    f"{names(shapes[0])}, {label!r}: {names(shape)}): only branches that are "
+                    "the same chain of rules, with other hyperparameters, fuse")
+    return [[i for b in branches for i in b[k]] for k in range(len(branches[0]))]
+
+
+def leaf_selection(selects: tuple, params: Any, n: int) -> list[bool]:
+    """Whether a stage with these conditions applies to each of the ``n`` leaves of
+    ``params`` (each condition judged on the tree its transform's eager ``update`` sees:
+    the params, less the leaves the conditions before it left out)."""
+    keep = [True] * n
+    for cond in selects:
+        spec = tree_lib.structure(params)
+        paths, _, _ = tree_lib.flatten_with_paths(params)
+        tree = tree_lib.unflatten(spec, [p if k else None for p, k in zip(
+            spec.flatten_up_to(params), keep)]) if not all(keep) else params
+        if isinstance(cond.owner, Partition):
+            cond.owner._check(tree)
+            labels = cond.owner._labels_of(tree)
+            mask = tree_lib.map(lambda lab, label=cond.label: lab == label, labels)
+        else:
+            mask = cond.owner._mask_for(tree)
+        flat = tree_lib.flatten_like(spec, mask, "mask", paths)
+        keep = [k and bool(m) for k, m in zip(keep, flat)]
+    return keep
 
 
 def _describe(tx) -> str:
@@ -110,8 +253,8 @@ def with_state_at(state: Any, path: tuple, value: Any) -> Any:
     if not path:
         return value
     key, rest = path[0], path[1:]
-    if isinstance(state, OrderedDict):
-        new = OrderedDict(state)
+    if isinstance(state, dict):  # OrderedDict (named_chain) or dict (partition)
+        new = type(state)(state)
         new[key] = with_state_at(state[key], rest, value)
         return new
     items = list(state)

@@ -5,7 +5,7 @@ the kernels. :mod:`ftopt.lowering.entry` runs them back to back; a chain with ma
 from __future__ import annotations
 
 from ftopt import tree as tree_lib
-from ftopt.lowering import execute, functional
+from ftopt.lowering import branches, execute, functional
 from ftopt.lowering.plan import ChainPlan, call_reason, get_checked, slot_reason
 from ftopt.stages import with_state_at
 from ftopt.validate import check_count, check_leaf, check_slots
@@ -16,8 +16,8 @@ __all__ = ["checked_call", "launch_call", "with_stage_states"]
 def checked_call(plan: ChainPlan, params, state, paths, p_flat, g_flat, backend: str,
                  donate: bool, output: str, spec):
     """The eager path's checks of a call (the same functions, before anything is
-    written) and the fused path's conditions: ``((stage states, slots, active), None)``,
-    or ``(None, reason)``."""
+    written) and the fused path's conditions: ``((stage states, slots, active,
+    selection), None)``, or ``(None, reason)``."""
     stage_states = [get_checked(state, path, stage) for path, stage in
                     zip(plan.state_paths, plan.stages)]
     slot_flat = [
@@ -26,11 +26,19 @@ def checked_call(plan: ChainPlan, params, state, paths, p_flat, g_flat, backend:
         for stage, st in zip(plan.stages, stage_states)
     ]
     active = [i for i, g in enumerate(g_flat) if g is not None]
+    selection = branches.select(plan, spec, params, p_flat, paths)
+    runs = [set() for _ in plan.stages]  # the leaves each stage runs on
+    for owners in selection.stage_of:
+        for i, s in enumerate(owners):
+            if s is not None:
+                runs[s].add(i)
     for i in active:
         p = p_flat[i] if params is not None else None
         check_leaf(paths[i], g_flat[i], p, params is not None)
-        for stage, slots in zip(plan.stages, slot_flat):
-            check_slots(stage, paths[i], g_flat[i], p, {k: v[i] for k, v in slots.items()})
+        for stage, slots, mine in zip(plan.stages, slot_flat, runs):
+            if stage.rule.slots and i in mine:
+                check_slots(stage, paths[i], g_flat[i], p,
+                            {k: v[i] for k, v in slots.items()})
     for stage, st in zip(plan.stages, stage_states):
         if stage.rule.counted:
             check_count(stage.rule.name, st.count)
@@ -40,18 +48,18 @@ def checked_call(plan: ChainPlan, params, state, paths, p_flat, g_flat, backend:
         reason = slot_reason(plan, slot_flat, active, paths)
     if reason is not None:
         return None, reason
-    return (stage_states, slot_flat, active), None
+    return (stage_states, slot_flat, active, selection), None
 
 
 def launch_call(plan: ChainPlan, checked, params, state, spec, paths, p_flat, g_flat,
                 donate: bool, output: str, x_flat=None, remember: bool = True):
     """The kernels of a checked call: ``(new params or updates, new state)``.
     ``remember``: keep the tables for the next non-donated call (a whole chain's)."""
-    stage_states, slot_flat, active = checked
+    stage_states, slot_flat, active, selection = checked
     new, new_stage_states, prepared = execute.execute(
         plan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active, params, state,
-        donate, output, x_flat)
-    if remember and not donate and prepared is not None:
+        donate, output, x_flat, selection)
+    if remember and not donate and prepared is not None and not plan.branched:
         functional.remember(plan, output, prepared, spec, params, g_flat, slot_flat, p_flat)
     return new, with_stage_states(plan, state, new_stage_states)
 

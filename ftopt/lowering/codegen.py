@@ -51,15 +51,27 @@ class TracedChain:
     stores: list[tuple[str, str]] = field(default_factory=list)  # (role, node)
     levels: int = 0
     seeded: bool = False
+    # The stages that are alternatives at each position (``masked``/``partition``): a
+    # position of several reads its per-step scalars by the leaf's ``branch`` value.
+    positions: list = field(default_factory=list)
+    flagged: list = field(default_factory=list)
 
 
 def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
-                output: str = "p", seeded: bool = False) -> TracedChain:
-    """Runs every stage's body on symbols, feeding each stage's ``u`` to the next.
+                output: str = "p", seeded: bool = False, positions: list | None = None,
+                flagged: list | None = None) -> TracedChain:
+    """Runs every position's body on symbols, feeding each position's ``u`` to the next.
 
     ``skips[i]``: stage ``i`` is inside a skip_zeros chain; its update is zero and its
     states keep their old values where the raw gradient is zero, as the eager path does.
+    ``positions[k]``: the stages (alternatives, one per partition branch) at step ``k``
+    (default: stage ``k`` alone); ``flagged[k]``: position ``k`` reads a per-leaf flag
+    (a mask leaves some leaves out: their ``u`` passes through).
     """
+    if positions is None:
+        positions = [(i,) for i in range(len(stages))]
+        flagged = [s.rule.leaf_mask is not None for s in stages]
+    stage_skips, skips = skips, [skips[pos[0]] for pos in positions]
     g = Graph()
     g.add("tl.load(g_ptr + offs{GMASK}).to(tl.float32)", (), "elem", name="g")
     zero_node = g.add("g == 0.0", ("g",), "elem", name="zero") if any(skips) else None
@@ -73,15 +85,16 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
         g.add("g != 0.0", ("g",), "elem", name="keep")
     p = g.add("tl.load(p_ptr + offs{LMASK}).to(tl.float32)", ("keep",) if in_place else (),
               "elem", name="p")
-    traced = TracedChain(g, stages, list(skips), in_place, output, seeded=seeded)
+    traced = TracedChain(g, stages, list(skips), in_place, output, seeded=seeded,
+                         positions=list(positions), flagged=list(flagged))
     algebra = _SymbolicAlgebra(traced, p, zero_node, neg_zero)
     first = g.sym("g")
     if seeded:
         first = g.add("tl.load(x_ptr + offs{LMASK})", ("keep",) if in_place else (), "elem",
                       name="x")
     # (In place, zero-gradient lanes are neither loaded nor stored: no selects.)
-    u = program.trace_chain(stages, skips, algebra, first, selects=not in_place,
-                            zero_from=g.sym("g"))
+    u = program.trace_chain([stages[pos[0]] for pos in positions], skips, algebra, first,
+                            selects=not in_place, zero_from=g.sym("g"))
     if output == "p":
         traced.stores.append(("p_out", (p + u).name))
     else:
@@ -89,7 +102,8 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     traced.levels = max((r.level for r in g.reductions), default=0)
     if in_place and g.reductions:
         # Norms (of p, say) need every lane loaded: select old values instead.
-        return trace_chain(stages, skips, donate=False, output=output, seeded=seeded)
+        return trace_chain(stages, stage_skips, donate=False, output=output, seeded=seeded,
+                           positions=positions, flagged=flagged)
     return traced
 
 
@@ -126,12 +140,20 @@ class _SymbolicAlgebra:
             inputs[slot.name] = self.graph.add(
                 f"tl.load({role}_in + offs{{LMASK}})", ("keep",) if in_place else (),
                 "elem", name=f"{role}_old")
+        alternatives = self.traced.positions[index]
+        branch = (self.graph.leaf_value(index, "branch") if len(alternatives) > 1
+                  else None)
         for key in step_scalars(rule, 0, 1):
-            inputs[key] = self.graph.scalar(index, key)
+            # One kernel argument per alternative; a leaf reads its branch's.
+            value = self.graph.scalar(alternatives[-1], key)
+            for j in range(len(alternatives) - 2, -1, -1):
+                value = self._ops.where(branch == float(j),
+                                        self.graph.scalar(alternatives[j], key), value)
+            inputs[key] = value
         return inputs
 
     def leaf_flag(self, index: int):
-        if self.traced.stages[index].rule.leaf_mask is None:
+        if not self.traced.flagged[index]:
             return None
         return self.graph.leaf_value(index, "mask") != 0.0
 
@@ -246,8 +268,8 @@ def output_roles(traced: TracedChain, quantized: bool = False) -> list[str]:
 
 def _slot_signs(traced: TracedChain) -> dict[str, bool]:
     """``st{i}_{name}`` -> whether the slot uses the signed 8-bit map."""
-    return {f"st{i}_{slot.name}": slot.signed
-            for i, stage in enumerate(traced.stages) for slot in stage.rule.slots}
+    return {f"st{k}_{slot.name}": slot.signed for k, pos in enumerate(traced.positions)
+            for slot in traced.stages[pos[0]].rule.slots}
 
 
 def _masks(traced: TracedChain, tail: bool) -> dict[str, str]:

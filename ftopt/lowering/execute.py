@@ -20,7 +20,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
-from ftopt.lowering import checks, launch, tiles
+from ftopt.lowering import branches, checks, launch, tiles
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.plan import ChainPlan, host_step, planned_states, remember
 from ftopt.quant import dynamic_map
@@ -142,7 +142,9 @@ class PreparedStep:
     """Groups and tables for one set of (params, grads, states) tensors."""
 
     def __init__(self, plan: ChainPlan, paths, p_flat, g_flat, slot_flat, p_out, slot_out,
-                 active, params, donate: bool, output: str = "p", x_flat=None):
+                 active, selection: branches.Selection, donate: bool, output: str = "p",
+                 x_flat=None):
+        """``slot_flat``/``slot_out``: per position (:func:`branches.merged_slots`)."""
         traced = plan.traced(donate, output)
         self.traced = traced
         self.plan = plan
@@ -155,8 +157,6 @@ class PreparedStep:
             key = (p_flat[i].dtype, g_flat[i].dtype, _quant_block(plan, slot_flat, i),
                    _slot_dtypes(traced, slot_flat, i))
             by_key.setdefault(key, []).append(i)
-        masks = {i: plan.stages[i]._leaf_mask(params, len(p_flat), paths)
-                 for i, _ in traced.graph.leaf_values}
         for (p_dtype, g_dtype, quant_block, slot_dtypes), leaves in by_key.items():
             # 8-bit slots need every lane of a block: no skipped loads.
             group_traced = plan.traced(donate and not quant_block, output)
@@ -176,8 +176,8 @@ class PreparedStep:
                                  x_flat)
             group.addresses = {r: _addresses(ts, self.device) for r, ts in roles.items()}
             group.aligned = all(t.data_ptr() % 16 == 0 for ts in roles.values() for t in ts)
-            rows = [[1.0 if masks[i] is None or masks[i][leaf] else 0.0
-                     for i, _ in traced.graph.leaf_values] for leaf in leaves] or [[0.0]]
+            rows = [selection.row(traced.graph.leaf_values, leaf) for leaf in leaves
+                    ] or [[0.0]]
             group.leaf_values = torch.tensor(rows, dtype=torch.float32).reshape(-1).to(
                 self.device)
             self.groups.append(group)
@@ -221,14 +221,11 @@ class PreparedStep:
                         leaves = self.spec.flatten_up_to(tree)
                     except (ValueError, TypeError):
                         return None
-                if stage.quant is None:
-                    out += leaves
-                else:
-                    for leaf in leaves:
-                        if isinstance(leaf, QuantizedSlot):
-                            out += leaf
-                        else:
-                            out.append(leaf)
+                for leaf in leaves:
+                    if isinstance(leaf, QuantizedSlot):
+                        out += leaf
+                    elif leaf is not None:  # (None: a leaf of another partition branch)
+                        out.append(leaf)
         return out
 
     def still_valid(self, p_flat, s_flat, g_flat) -> bool:
@@ -289,7 +286,7 @@ class PreparedStep:
 
 
 def _quant_block(plan: ChainPlan, slot_flat, i: int) -> int:
-    for stage, slots in zip(plan.stages, slot_flat):
+    for stage, slots in zip(plan.position_stages(), slot_flat):
         for leaves in slots.values():
             if isinstance(leaves[i], QuantizedSlot):
                 return stage.quant.block_size
@@ -385,7 +382,8 @@ def fast_step(plan: ChainPlan, params, grads, state):
 
 
 def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active,
-            params, state, donate: bool, output: str = "p", x_flat=None):
+            params, state, donate: bool, output: str = "p", x_flat=None,
+            selection: branches.Selection | None = None):
     """The full step: builds (and, donated, caches) the prepared tables, then launches.
 
     ``output="u"``: an update: returns the updates (fp32; ``None`` where the gradient is
@@ -410,11 +408,16 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
         for i in active:
             for slots in slot_out:
                 for leaves in slots.values():
-                    leaves[i] = _empty_like(leaves[i])
+                    if leaves[i] is not None:
+                        leaves[i] = _empty_like(leaves[i])
     prepared = None
     if active:
-        prepared = PreparedStep(plan, paths, p_flat, g_flat, slot_flat, p_out, slot_out,
-                                active, params, donate, output, x_flat)
+        if selection is None:
+            selection = branches.select(plan, spec, params, p_flat, paths)
+        prepared = PreparedStep(plan, paths, p_flat, g_flat,
+                                branches.merged_slots(plan, selection, slot_flat), p_out,
+                                branches.merged_slots(plan, selection, slot_out), active,
+                                selection, donate, output, x_flat)
         prepared.launch(_scalars(plan, prepared.traced, steps, device), pairs)
         if donate and output == "p" and not plan.seeded:
             prepared.spec = spec

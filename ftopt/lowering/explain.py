@@ -50,10 +50,13 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     reason = call_reason(plan, p_flat, g_flat, active, backend, donate=bool(donate),
                          paths=paths) if backend != "eager" \
         else "backend='eager' was asked for"
+    shown = plan.position_stages()
     lines = [("ftopt plan (donated step)" if donate else "ftopt plan")
-             + f": {len(plan.stages)} elementwise stages"
-             + (f" ({', '.join(s.rule.name for s in plan.stages)})" if plan.stages else "")
+             + f": {len(shown)} elementwise stages"
+             + (f" ({', '.join(s.rule.name for s in shown)})" if shown else "")
              + (", skip_zeros" if any(plan.skips) else "")]
+    if plan.branched and plan.reason is None:
+        lines.append(_describe_branches(plan))
     if plan.segments is not None:
         lines.append(f"segments: {describe_segments(plan)}")
     quant = next((s.quant for s in plan.stages if s.quant is not None and s.rule.slots), None)
@@ -103,6 +106,23 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     text = "\n".join(lines)
     print(text, file=file)
     return text
+
+
+def _describe_branches(plan) -> str:
+    """How ``masked``/``partition`` run in the one kernel: per-leaf branch and flags."""
+    parts = []
+    widest = max(len(pos) for pos in plan.positions)
+    if widest > 1:
+        labels = [plan.selects[s][-1].label for s in plan.positions[0]]
+        parts.append(f"partition of {widest} branches {labels} as one program: each leaf "
+                     "reads its branch's hyperparameters (a per-leaf row), no launch per "
+                     "branch")
+    masked = [plan.stages[pos[0]].rule.name for k, pos in enumerate(plan.positions)
+              if plan.flagged[k]]
+    if masked:
+        parts.append(f"masked stages {masked}: a per-leaf flag passes the other leaves "
+                     "through")
+    return "branches: " + "; ".join(parts)
 
 
 def _num(x: float) -> float | int:

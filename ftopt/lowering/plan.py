@@ -44,7 +44,28 @@ class ChainPlan:
     # between two matrix stages or a (matrix stage, skip) pair (see lowering.segments).
     segments: list | None = None
     seeded: bool = False  # a segment after a matrix stage: its input is not the gradient
+    # ``masked``/``partition`` (see :class:`ftopt.stages.Stages`): the stages that are
+    # alternatives at each step of the program, each stage's leaf conditions, and the
+    # positions some leaves pass through. ``None``: stage ``k`` is position ``k``.
+    positions: list | None = None
+    selects: list | None = None
+    flagged: list | None = None
     _traced: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.positions is None:
+            self.positions = [(i,) for i in range(len(self.stages))]
+            self.selects = [()] * len(self.stages)
+            self.flagged = [s.rule.leaf_mask is not None for s in self.stages]
+
+    @property
+    def branched(self) -> bool:
+        """Whether a ``masked`` or ``partition`` picks each leaf's stages."""
+        return any(self.selects)
+
+    def position_stages(self) -> list:
+        """The stage that stands for each position (its first alternative)."""
+        return [self.stages[pos[0]] for pos in self.positions]
 
     def traced(self, donate: bool = False, output: str = "p"):
         """The chain's graph (donated steps may skip loads of zero-gradient lanes) for a
@@ -52,7 +73,7 @@ class ChainPlan:
         key = (donate, output)
         if key not in self._traced:
             self._traced[key] = trace_chain(self.stages, self.skips, donate, output,
-                                            self.seeded)
+                                            self.seeded, self.positions, self.flagged)
         return self._traced[key]
 
 
@@ -65,12 +86,15 @@ SEPARATE_OUTPUTS = contextvars.ContextVar("ftopt_separate_outputs", default=Fals
 
 def plan_chain(tx) -> ChainPlan:
     """The plan of ``tx`` (cached per transform object)."""
-    found = chain_stages(tx)
+    found = chain_stages(tx, branches=True)
     obj = owner(tx)
     plan = _PLANS.get(obj) if obj is not None else None
     if plan is None:
         plan = ChainPlan(list(found.stages), list(found.state_paths), list(found.skips),
                          found.reason)
+        if found.positions:
+            plan.positions, plan.selects = list(found.positions), list(found.selects)
+            plan.flagged = list(found.flagged)
         if found.segmented:
             plan.segments = _segments(found)
             plan.reason = None
@@ -205,6 +229,8 @@ def slot_reason(plan: ChainPlan, slot_flat, active, paths: list[str]) -> str | N
         for slots in slot_flat:
             for name, leaves in slots.items():
                 leaf = leaves[i]
+                if leaf is None:  # (a stage of a partition branch the leaf is not in)
+                    continue
                 if isinstance(leaf, QuantizedSlot):
                     layouts.add("8-bit")
                     tensors = (leaf.codes, leaf.absmax)
@@ -241,7 +267,7 @@ def stage_scalars(stage: RuleTransform, count, t) -> dict:
 
 def bytes_per_element(plan: ChainPlan, p_dtype: torch.dtype, g_dtype: torch.dtype) -> tuple:
     """(read, written) bytes per element of the main kernel."""
-    slots = sum(len(s.rule.slots) for s in plan.stages)
+    slots = sum(len(s.rule.slots) for s in plan.position_stages())
     read = _DTYPE_BYTES[g_dtype] + _DTYPE_BYTES[p_dtype] + 4 * slots
     written = _DTYPE_BYTES[p_dtype] + 4 * slots
     return read, written

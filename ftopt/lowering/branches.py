@@ -1,0 +1,77 @@
+"""Which stage each leaf runs at each position of a plan (``masked`` and ``partition``).
+
+A plan's position holds one stage, or one per branch of a partition whose branches are
+the same chain of rules with other hyperparameters (see :class:`ftopt.stages.Stages`).
+The kernel is the same for every leaf of a group: a leaf's ``branch`` value (a row of the
+per-leaf table) picks its branch's per-step scalars, and its ``mask`` value says whether
+the position applies to it at all (a ``masked`` or a rule's own mask). The states stay
+where the eager path keeps them, one tree per branch with ``None`` where a leaf is not
+the branch's; the kernel's address tables point each leaf at its branch's tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ftopt import tree as tree_lib
+from ftopt.stages import leaf_selection
+
+__all__ = ["Selection", "select", "merged_slots"]
+
+
+@dataclass
+class Selection:
+    """Per position and leaf: the stage that runs (``None``: it passes the leaf through)
+    and the kernel's per-leaf values."""
+
+    stage_of: list  # [position][leaf] -> stage index or None
+    values: dict  # (position, "branch" or "mask") -> [leaf] -> float
+
+    def row(self, keys: list, leaf: int) -> list[float]:
+        return [self.values[key][leaf] for key in keys]
+
+
+def select(plan, spec, params, p_flat, paths) -> Selection:
+    """The selection of ``plan`` over the leaves (``params`` may be ``None`` for an update
+    without params: the conditions then see the updates, ``p_flat``, as eager does)."""
+    n = len(p_flat)
+    tree = params if params is not None else tree_lib.unflatten(spec, p_flat)
+    applies = [leaf_selection(sel, tree, n) if sel else [True] * n for sel in plan.selects]
+    stage_of, values = [], {}
+    for k, pos in enumerate(plan.positions):
+        owners = [next((s for s in pos if applies[s][i]), None) for i in range(n)]
+        stage_of.append(owners)
+        values[(k, "branch")] = [float(pos.index(s)) if s is not None else 0.0
+                                 for s in owners]
+        flags = [s is not None for s in owners]
+        for s in pos:
+            if plan.stages[s].rule.leaf_mask is None:
+                continue
+            own = _own_mask(plan.stages[s], spec, params, applies[s], n, paths)
+            flags = [f and (o != s or own[i]) for i, (f, o) in enumerate(zip(flags, owners))]
+        values[(k, "mask")] = [1.0 if f else 0.0 for f in flags]
+    return Selection(stage_of, values)
+
+
+def _own_mask(stage, spec, params, applies, n, paths) -> list[bool]:
+    """A rule's own leaf mask, judged on the params its eager update sees."""
+    if params is not None and not all(applies):
+        params = tree_lib.unflatten(spec, [p if a else None for p, a in zip(
+            spec.flatten_up_to(params), applies)])
+    found = stage._leaf_mask(params, n, paths)
+    return [True] * n if found is None else found
+
+
+def merged_slots(plan, selection: Selection, slot_flat: list) -> list:
+    """Per position, each slot's leaves taken from the stage that runs on each leaf
+    (the same tensor objects: writes through them land in the branches' trees)."""
+    out = []
+    for k, pos in enumerate(plan.positions):
+        if len(pos) == 1 and not plan.selects[pos[0]]:
+            out.append(slot_flat[pos[0]])
+            continue
+        owners = selection.stage_of[k]
+        names = slot_flat[pos[0]].keys()
+        out.append({name: [slot_flat[s][name][i] if s is not None else None
+                           for i, s in enumerate(owners)] for name in names})
+    return out
