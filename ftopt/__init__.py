@@ -95,6 +95,7 @@ from ftopt.update import apply_updates, step
 dispatch.install("fused", "ftopt.lowering.entry")
 dispatch.install("compile", "ftopt.lowering.op", now=True)
 dispatch.install("chunked", "ftopt.chunked.entry")
+dispatch.install("distributed", "ftopt.distributed")
 
 __version__ = "0.1.0"
 
