@@ -19,6 +19,7 @@ from ftopt.alias_variants import (
     yogi,
 )
 from ftopt.base import EmptyState, GradientTransformation, set_to_zero, stateless
+from ftopt.checkpoint import load_state_dict, state_dict
 from ftopt.combine import (
     MaskedState,
     PartitionState,
@@ -143,6 +144,8 @@ __all__ = [
     "explain",
     "exponential_decay",
     "from_torch_state_dict",
+    "state_dict",
+    "load_state_dict",
     "identity",
     "join_schedules",
     "lamb",
