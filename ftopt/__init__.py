@@ -19,6 +19,7 @@ from ftopt.alias_variants import (
     yogi,
 )
 from ftopt.base import EmptyState, GradientTransformation, set_to_zero, stateless
+from ftopt.checkpoint import load_state_dict, state_dict
 from ftopt.combine import (
     MaskedState,
     PartitionState,
@@ -102,6 +103,7 @@ from ftopt.update import apply_updates, step
 dispatch.install("fused", "ftopt.lowering.entry")
 dispatch.install("compile", "ftopt.lowering.op", now=True)
 dispatch.install("chunked", "ftopt.chunked.entry")
+dispatch.install("distributed", "ftopt.distributed")
 
 __version__ = "0.1.0"
 
@@ -149,6 +151,8 @@ __all__ = [
     "explain",
     "exponential_decay",
     "from_torch_state_dict",
+    "state_dict",
+    "load_state_dict",
     "identity",
     "join_schedules",
     "lamb",

@@ -10,6 +10,9 @@ are imported on first use, so ``import ftopt`` does not import Triton:
   ``compiled_step`` is ``step`` under ``torch.compile``.
 * ``chunked``: runs eager steps and rule bodies as programs over cache-sized chunks of
   all leaves on the CPU (:mod:`ftopt.chunked`); ``None`` where it does not apply.
+* ``distributed``: runs a step or an update whose leaves are ``DTensor`` shards (FSDP2
+  and the like) on each rank's local tensors (:mod:`ftopt.distributed`); the core calls
+  it when :func:`ftopt.shards.any_dtensor` finds one.
 
 A backend whose module cannot be imported (no Triton) leaves its role empty, and
 :func:`missing` says why.
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ftopt import shards
 from ftopt.base import GradientTransformation
 
 __all__ = ["install", "backend", "missing", "eager_updates", "in_eager_update",
@@ -95,6 +99,11 @@ def update_entry(obj: Any, updates: Any, state: Any, params: Any, extra: dict, r
     ``run_eager()``. Updates nested in an eager one run eagerly."""
     if _IN_EAGER_UPDATE.get():
         return run_eager()
+    if shards.any_dtensor(updates, params):  # each rank updates its shards
+        distributed = backend("distributed")
+        if distributed is None:
+            raise RuntimeError(f"DTensor updates: {missing('distributed')}")
+        return distributed.update(obj, updates, state, params, extra)
     choice = extra.get("backend", "auto")
     if choice not in _UPDATE_BACKENDS:
         raise ValueError(f"backend must be one of {_UPDATE_BACKENDS}, got {choice!r}")

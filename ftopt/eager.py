@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ftopt import shards
+
 _KIND_ORDER = {"scalar": 0, "leaf": 1, "elem": 2}
 
 # Binary operators with a foreach counterpart that accepts (list, list), (list, float)
@@ -209,8 +211,12 @@ class EagerOps:
         """‖x‖₂ of each leaf (a ``leaf`` value)."""
         x = _as_vec(x, self.mode)
         if self.mode == "foreach" and x.items:
-            return Vec("leaf", list(torch._foreach_norm(x.items)), self.mode)
-        return Vec("leaf", [torch.linalg.vector_norm(t) for t in x.items], self.mode)
+            norms = list(torch._foreach_norm(x.items))
+        else:
+            norms = [torch.linalg.vector_norm(t) for t in x.items]
+        if norms and shards.in_local_shards():
+            norms = _norms_over_shards(norms)
+        return Vec("leaf", norms, self.mode)
 
     def global_norm(self, x) -> Vec:
         """‖x‖₂ over all leaves (a ``scalar`` value)."""
@@ -218,6 +224,14 @@ class EagerOps:
         if not norms:
             return Vec("scalar", [0.0], self.mode)
         return Vec("scalar", [torch.linalg.vector_norm(torch.stack(norms))], self.mode)
+
+
+def _norms_over_shards(norms: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The norms of whole leaves from the norms of their local shards: the squares, in
+    float64, summed over the ranks in one collective (:func:`ftopt.shards.reduce_squares`)."""
+    squares = torch.stack([n.to(torch.float64) for n in norms]).square()
+    total = shards.reduce_squares(squares).sqrt()
+    return [t.to(n.dtype) for t, n in zip(total.unbind(), norms)]
 
 
 def _lerp(start: torch.Tensor, end: torch.Tensor, weight) -> torch.Tensor:

@@ -18,6 +18,7 @@ from ftopt import tree as tree_lib
 from ftopt._counts import mark_device_decided
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import check_int
+from ftopt.shards import all_ranks
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite"]
 
@@ -51,7 +52,8 @@ def _all_finite(leaves: list[torch.Tensor], device: torch.device) -> torch.Tenso
     """A 0-d bool tensor on ``device``: every element of every leaf is finite."""
     if not leaves:
         return torch.ones((), dtype=torch.bool, device=device)
-    return torch.stack([torch.isfinite(u).all().to(device) for u in leaves]).all()
+    # On local shards, a step is skipped on every rank if any shard is not finite.
+    return all_ranks(torch.stack([torch.isfinite(u).all().to(device) for u in leaves]).all())
 
 
 def _select(flag: torch.Tensor, new: Any, old: Any) -> Any:

@@ -50,6 +50,7 @@ __all__ = [
     "encode_with_absmax",
     "quantize_blockwise",
     "dequantize_blockwise",
+    "absmax_layout",
 ]
 
 
@@ -225,3 +226,22 @@ def dequantize_blockwise(
         )
     per_element = expand_absmax(absmax.to(torch.float32), flat.numel(), block_size)
     return (qmap[flat] * per_element).view(codes.shape)
+
+
+def absmax_layout(shape: torch.Size | tuple, block_size: int = 256) -> tuple[int, ...]:
+    """The shape of the absmax of a tensor of ``shape`` in sharded states and checkpoints.
+
+    ``(shape[0], row // block_size)`` when a row (the ``shape[1:]`` slice) is a whole
+    number of blocks, so the absmax shards on dim 0 exactly as the tensor does; otherwise
+    the flat ``(ceil(numel / block_size),)``. The values are those of the flat absmax of
+    :func:`quantize_blockwise`, in the same order.
+    """
+    shape = tuple(shape)
+    numel = 1
+    for n in shape:
+        numel *= n
+    if len(shape) >= 2 and shape[0] > 0:
+        row = numel // shape[0]
+        if row % block_size == 0:
+            return (shape[0], row // block_size)
+    return (-(-numel // block_size),)

@@ -32,6 +32,7 @@ from ftopt.rules import (
     state_dtype,
     step_scalars,
 )
+from ftopt.shards import is_dtensor
 from ftopt.validate import check_count, check_leaf, check_slots, check_state_class
 
 __all__ = ["RuleTransform", "rule_transform"]
@@ -73,8 +74,11 @@ class RuleTransform:
         x = torch.full_like(p, float(value), dtype=state_dtype(p))
         if self.store is not None and not self.quantized(p):
             return x.to(self.store)
-        if self.quantized(p):
+        if self.quantized(p):  # (a DTensor's numel is its full size)
             qmap = dynamic_map(slot.signed, p.device)
+            if is_dtensor(x):  # blocks of the full tensor's flat layout, on each shard
+                return dispatch.backend("distributed").quantize_shards(
+                    x, qmap, self.quant.block_size)
             return QuantizedSlot(*quantize_blockwise(x.float(), qmap, self.quant.block_size))
         return x
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ftopt import dispatch
+from ftopt import dispatch, shards
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
 from ftopt.base import GradientTransformation, check_transform
@@ -76,6 +76,8 @@ def step(
     check_transform(tx, "step: argument tx")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if shards.any_dtensor(params, grads):  # FSDP2 & co.: each rank steps its shards
+        return _distributed().step(tx, params, grads, state, donate, backend)
     if torch.compiler.is_compiling():
         compiled = dispatch.backend("compile")
         if compiled is not None:
@@ -98,6 +100,13 @@ def step(
         with torch.no_grad():
             return _eager(tx, params, grads, state, True)
     return _eager(tx, params, grads, state, False)
+
+
+def _distributed():
+    found = dispatch.backend("distributed")
+    if found is None:
+        raise RuntimeError(f"DTensor params: {dispatch.missing('distributed')}")
+    return found
 
 
 def _eager(tx, params, grads, state, donate: bool):

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ftopt.rules import QuantizedSlot, Rule, check_param
+from ftopt.shards import full_numel
 
 __all__ = ["check_leaf", "check_slots", "check_count", "check_layout", "check_state_class"]
 
@@ -63,7 +64,7 @@ def check_slots(stage: Any, path: str, u: torch.Tensor, p: Any, slots: dict) -> 
     for name, s in slots.items():
         where = f"state {name} at {path}"
         if isinstance(s, QuantizedSlot):
-            tensors = _check_quantized(stage, where, u, s)
+            tensors = _check_quantized(stage, where, u, p, s)
         elif isinstance(s, torch.Tensor):
             check_layout(f"state {name}", path, s)
             if s.shape != u.shape:
@@ -72,7 +73,8 @@ def check_slots(stage: Any, path: str, u: torch.Tensor, p: Any, slots: dict) -> 
             if not s.is_floating_point():
                 raise TypeError(f"{where}: expected a floating-point tensor, got {s.dtype}")
             quant = stage.quant
-            if quant is not None and u.numel() >= quant.min_size:
+            if quant is not None and _at_least(full_numel(p if p is not None else u),
+                                               quant.min_size):
                 raise ValueError(f"{where}: a 32-bit state given to a transform with 8-bit "
                                  f"states (state_bits={quant.bits}, leaves of >= "
                                  f"{quant.min_size} elements)")
@@ -86,16 +88,21 @@ def check_slots(stage: Any, path: str, u: torch.Tensor, p: Any, slots: dict) -> 
                                  f"{device}")
 
 
-def _check_quantized(stage: Any, where: str, u: torch.Tensor,
+def _at_least(numel: int | None, size: int) -> bool:
+    return numel is not None and numel >= size
+
+
+def _check_quantized(stage: Any, where: str, u: torch.Tensor, p: Any,
                      s: QuantizedSlot) -> tuple:
     quant = stage.quant
     if quant is None:
         raise ValueError(f"{where}: an 8-bit state (QuantizedSlot) given to a transform "
                          "with 32-bit states (state_bits=32)")
-    if u.numel() < quant.min_size:
+    numel = full_numel(p if p is not None else u)
+    if numel is not None and numel < quant.min_size:
         raise ValueError(f"{where}: an 8-bit state (QuantizedSlot) given to a transform "
                          f"that keeps 32-bit states for leaves of < {quant.min_size} elements "
-                         f"(this one has {u.numel()})")
+                         f"(this one has {numel})")
     codes, absmax = s
     for part, t, dtype in (("codes", codes, torch.uint8), ("absmax", absmax, torch.float32)):
         if not isinstance(t, torch.Tensor):

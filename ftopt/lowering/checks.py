@@ -23,6 +23,7 @@ import operator
 import torch
 
 from ftopt.lowering import native
+from ftopt.shards import dtensor_class, is_dtensor
 
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
@@ -159,3 +160,17 @@ def _native_table(tensors, n_fixed: int, start: bool):
         return None
     _NATIVE[0] = module
     return module.make(tensors, n_fixed)
+
+
+def refuse_dtensors(tensors) -> None:
+    """No kernel is given a DTensor's address: ``DTensor.data_ptr()`` is 0 (its data is
+    the local tensor's), so a kernel would read address 0. ``ftopt.step`` hands the
+    kernels local shards (:mod:`ftopt.distributed`); reaching here with a DTensor is a
+    bug, stopped before any launch."""
+    if dtensor_class() is None:
+        return
+    for t in tensors:
+        if is_dtensor(t):
+            raise TypeError(f"a DTensor {tuple(t.shape)} with placements "
+                            f"{tuple(t.placements)} reached the fused kernels: they take "
+                            "local tensors (t.to_local()), which ftopt.step passes them")

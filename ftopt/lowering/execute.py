@@ -244,6 +244,7 @@ class PreparedStep:
         for group in self.groups:
             addresses = list(_as_tuple(group.pick(grad_pointers)))
             if addresses != group.grad_addresses:
+                checks.refuse_dtensors(_as_tuple(group.pick(self._active(g_flat))))
                 if group.aligned and misaligned(addresses):
                     return False
                 uploads.append((group, addresses))
@@ -321,7 +322,9 @@ def _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
 
 
 def _addresses(tensors, device) -> torch.Tensor:
+    checks.refuse_dtensors(tensors)
     return launch.to_device([t.data_ptr() for t in tensors], device)
+
 
 
 def _empty_like(leaf):

@@ -223,6 +223,8 @@ def fast_functional(plan, params, grads, state, output: str):
                 found = check.pointers(tensors)
                 if found is None:
                     return None
+                if 0 in found:  # (a DTensor's data_ptr() is 0: never a kernel's input)
+                    checks.refuse_dtensors(tensors)
                 if (grad_mode and (role == "p" or (role == "g" and output == "u"))
                         and not check.grad_free and any(map(_requires_grad, tensors))):
                     return None

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftopt import shards
 from ftopt.lowering import codegen, quantized, tiles
 
 
@@ -246,11 +247,16 @@ def run_reductions(traced, groups: list[GroupLaunch], scalars, device):
     global_buf = torch.zeros(n_red, dtype=torch.float32, device=device)
     leaf_bufs = [torch.zeros(g.work.num_leaves * n_red, dtype=torch.float32, device=device)
                  for g in groups]
+    sharded = shards.in_local_shards()
     for level in range(1, traced.levels + 1):
         reds = codegen.level_reductions(traced, level)
+        level_sums = []
         for group, buf in zip(groups, leaf_bufs):
             w = group.work
             if w.num_blocks == 0:
+                if sharded:  # (every rank takes part in the collective below)
+                    level_sums.append(torch.zeros(w.num_leaves * len(reds),
+                                                  dtype=torch.float32, device=device))
                 continue
             roles = codegen.input_roles(group.traced, bool(group.quant_block))
             kernel = _kernel(group.traced, "reduce", level, group.variant(scalars))
@@ -263,6 +269,17 @@ def run_reductions(traced, groups: list[GroupLaunch], scalars, device):
             _launch(_leaf_sums, (w.num_leaves, len(reds)),
                     [partials, w.first_block, w.blocks_per_leaf, sums],
                     (("N_PART", len(reds)), ("R_BLOCK", 256)), device)
+            level_sums.append(sums)
+        if sharded:
+            # Local shards: one all-reduce for every leaf of every group, between this
+            # level's reduction pass and the kernels that read it.
+            level_sums = _reduced_over_shards(level_sums)
+        sums_of = iter(level_sums)
+        for group, buf in zip(groups, leaf_bufs):
+            w = group.work
+            if w.num_blocks == 0 and not sharded:
+                continue
+            sums = next(sums_of)
             view = buf.view(w.num_leaves, n_red)
             for j, red in enumerate(reds):
                 view[:, red.index] = sums.view(w.num_leaves, len(reds))[:, j]
@@ -271,6 +288,14 @@ def run_reductions(traced, groups: list[GroupLaunch], scalars, device):
                 total = [b.view(-1, n_red)[:, red.index].sum() for b in leaf_bufs]
                 global_buf[red.index] = torch.stack(total).sum()
     return leaf_bufs, global_buf
+
+
+def _reduced_over_shards(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The per-leaf sums of squares of the local shards, summed over the ranks."""
+    if not parts:
+        return parts
+    total = shards.reduce_squares(torch.cat(parts) if len(parts) > 1 else parts[0])
+    return list(total.split([p.numel() for p in parts]))
 
 
 @lru_cache(maxsize=16)

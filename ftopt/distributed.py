@@ -1,0 +1,285 @@
+"""Multi-GPU: ``DTensor`` params (FSDP2, HSDP, tensor parallel) stepped on their shards.
+
+Installed in :mod:`ftopt.dispatch` as the ``distributed`` backend; the core calls it when
+a leaf of a step or an update is a ``torch.distributed.tensor.DTensor``
+(:mod:`ftopt.shards`). A call
+
+1. checks every DTensor leaf's placements (``Shard`` or ``Replicate`` on each mesh
+   dimension; a ``Partial`` gradient is refused, naming its path);
+2. replaces each DTensor by its local tensor (``to_local()``: the shard's own storage,
+   so a donated step writes the shards in place) and 8-bit absmax by a flat view;
+3. runs the ordinary step or update on the local tensors (fused kernels on a GPU, eager
+   elsewhere), with :class:`ftopt.shards.LocalShards` telling the core how to sum a
+   norm's squares over the ranks (one all-reduce per norm pass, over the sharded mesh
+   dimensions only) and each local tensor's full size (the 8-bit ``min_size`` decision);
+4. wraps every new local tensor as a DTensor with the placements, global shape and
+   stride of the leaf it replaces (``DTensor.from_local``: no collective), and hands
+   back the given DTensor objects where the step wrote in place.
+
+Elementwise math never communicates. A norm needs every leaf of the call sharded over
+the same mesh dimensions of one mesh (FSDP2: ``Shard(0)``; HSDP: ``(Replicate(),
+Shard(0))``; tensor parallel with every leaf ``Shard(d)`` on the same mesh dimension);
+otherwise it raises, naming two leaves and their placements.
+
+8-bit states on shards (:func:`quantize_shards`): a leaf's blocks are those of its full
+tensor's flat layout, so codes and absmax equal a single-process run's and a checkpoint
+loads on any number of ranks. That needs every shard to start on a block boundary (true
+for FSDP2's dim-0 shards whenever a row is a multiple of 256 elements, e.g. every 2-D
+weight of a GPT-2); a leaf whose shards start inside a block is refused at ``init``,
+naming its shape and placements (``quantize_states(..., min_size=...)`` keeps it 32-bit).
+The absmax is a DTensor of shape :func:`ftopt.quant.absmax_layout` sharded like the
+leaf's rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+
+from ftopt import shards
+from ftopt import tree as tree_lib
+from ftopt import update as update_lib
+from ftopt.quant import absmax_layout, quantize_blockwise
+from ftopt.rules import QuantizedSlot
+
+__all__ = ["step", "update", "quantize_shards"]
+
+
+def step(tx, params, grads, state, donate: bool, backend: str):
+    """:func:`ftopt.step` over trees holding DTensors (see the module docstring)."""
+    call = _Call()
+    local_params = call.unwrap(params, "params")
+    local_grads = call.unwrap(grads, "grads", record=True)
+    local_state = call.unwrap(state, "state")
+    with shards.local_shards(call.context()):
+        new_params, new_state = update_lib.step(tx, local_params, local_grads, local_state,
+                                                donate=donate, backend=backend)
+    return call.wrap(new_params, "params"), call.wrap(new_state, "state")
+
+
+def update(obj, updates, state, params, extra: dict):
+    """``tx.update`` over trees holding DTensors (see the module docstring)."""
+    call = _Call()
+    local_updates = call.unwrap(updates, "updates", record=True)
+    local_state = call.unwrap(state, "state")
+    local_params = call.unwrap(params, "params") if params is not None else None
+    with shards.local_shards(call.context()):
+        new_updates, new_state = obj.update(local_updates, local_state, local_params,
+                                            **extra)
+    return call.wrap(new_updates, "updates"), call.wrap(new_state, "state")
+
+
+def _is_slot(x: Any) -> bool:
+    return isinstance(x, QuantizedSlot)
+
+
+def _flatten(tree: Any):
+    return optree.tree_flatten_with_path(tree, is_leaf=_is_slot, none_is_leaf=False,
+                                         namespace="ftopt")
+
+
+def local_tensor(d: DTensor) -> torch.Tensor:
+    """The shard of ``d`` held by this rank: its own storage, outside autograd."""
+    with torch.no_grad():
+        return d.to_local()
+
+
+def _as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def check_placements(what: str, path: str, d: DTensor) -> None:
+    """Shard or Replicate on every mesh dimension (a Partial sum is not a value yet)."""
+    for dim, placement in enumerate(d.placements):
+        if not (placement.is_shard() or placement.is_replicate()):
+            raise ValueError(
+                f"{what} at {path}: placement {placement} on mesh dimension {dim} is not "
+                f"supported (placements {tuple(d.placements)}): expected Shard or "
+                "Replicate (reduce a Partial gradient first, e.g. "
+                "grad.redistribute(placements=[Replicate()]))")
+
+
+class _Call:
+    """The DTensor leaves of one call: unwrapped on the way in, wrapped on the way out."""
+
+    def __init__(self):
+        self.given: dict[str, list] = {}  # tree -> per leaf: (original, local) or None
+        self.local_shards = shards.LocalShards()
+        self.norm_leaves: list[tuple[str, Any]] = []  # (path, leaf) deciding the norms
+
+    def unwrap(self, tree: Any, what: str, *, record: bool = False) -> Any:
+        paths, leaves, spec = _flatten(tree)
+        given, local = [], []
+        for path, leaf in zip(paths, leaves):
+            where = tree_lib.path_str(path)
+            if isinstance(leaf, DTensor):
+                check_placements(what, where, leaf)
+                mine = local_tensor(leaf)
+                self.local_shards.record(mine, leaf.numel())
+                given.append((leaf, mine))
+                local.append(mine)
+            elif _is_slot(leaf) and isinstance(leaf.codes, DTensor):
+                for part, d in zip(("codes", "absmax"), leaf):
+                    if not isinstance(d, DTensor):
+                        raise TypeError(f"{what} at {where}: 8-bit {part} is a "
+                                        f"{type(d).__name__}, expected a DTensor as the "
+                                        "codes are")
+                    check_placements(what, where, d)
+                mine = QuantizedSlot(local_tensor(leaf.codes),
+                                     local_tensor(leaf.absmax).view(-1))
+                given.append((leaf, mine))
+                local.append(mine)
+            else:
+                given.append(None)
+                local.append(leaf)
+            if what in ("params", "grads", "updates") and not _is_slot(leaf):
+                self.norm_leaves.append((f"{what} at {where}", leaf))
+        self.given[what] = given
+        return spec.unflatten(local)
+
+    def wrap(self, tree: Any, what: str) -> Any:
+        """``tree`` (the local result for the ``what`` tree) with DTensors put back."""
+        given = self.given[what]
+        paths, leaves, spec = _flatten(tree)
+        if len(leaves) != len(given):
+            raise RuntimeError(f"{what}: the result has {len(leaves)} leaves, the input "
+                               f"{len(given)}")
+        return spec.unflatten([x if g is None else _rewrap(x, *g)
+                               for x, g in zip(leaves, given)])
+
+    def context(self) -> shards.LocalShards:
+        context = self.local_shards
+        layouts = _norm_layouts(self.norm_leaves)
+        context.reduce = _reducer(layouts)
+        context.agree = _agreement(layouts)
+        return context
+
+
+def _rewrap(x: Any, original: Any, local: Any) -> Any:
+    if x is local:
+        return original
+    if _is_slot(original):
+        if not _is_slot(x):
+            return x
+        codes = original.codes if x.codes is local.codes else _as_dtensor(x.codes,
+                                                                         original.codes)
+        if x.absmax is local.absmax:
+            absmax = original.absmax
+        else:
+            shape = local_tensor(original.absmax).shape
+            absmax = _as_dtensor(x.absmax.view(shape), original.absmax)
+        return QuantizedSlot(codes, absmax)
+    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+        return _as_dtensor(x, original)
+    return x
+
+
+def _norm_layouts(leaves: list[tuple[str, Any]]) -> dict:
+    """(mesh, sharded mesh dimensions) -> the first leaf with that layout."""
+    layouts: dict = {}
+    for where, leaf in leaves:
+        if isinstance(leaf, DTensor):
+            dims = tuple(i for i, p in enumerate(leaf.placements) if p.is_shard())
+            key = (leaf.device_mesh, dims)
+            layouts.setdefault(key, (where, tuple(leaf.placements)))
+        elif isinstance(leaf, torch.Tensor):
+            layouts.setdefault((None, ()), (where, "a plain tensor (not a DTensor)"))
+    return layouts
+
+
+def _reducer(layouts: dict):
+    if len(layouts) > 1:
+        (_, (a, pa)), (_, (b, pb)) = list(layouts.items())[:2]
+
+        def refuse(squares: torch.Tensor) -> torch.Tensor:
+            raise ValueError(
+                f"a norm over leaves sharded differently: {a} has placements {pa}, {b} "
+                f"has {pb}; a norm (clip_by_global_norm, trust ratios, "
+                "clip_by_param_norm_ratio) needs every leaf sharded over the same mesh "
+                "dimensions of one mesh")
+        return refuse
+    if not layouts:
+        return None
+    (mesh, dims), = layouts.keys()
+    if mesh is None or not dims:
+        return None  # every rank holds whole leaves: local norms are the norms
+
+    def reduce(squares: torch.Tensor) -> torch.Tensor:
+        for dim in dims:
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        return squares
+    return reduce
+
+
+def _agreement(layouts: dict):
+    meshes = [mesh for mesh, _ in layouts if mesh is not None]
+    if not meshes:
+        return None
+    mesh: DeviceMesh = meshes[0]
+
+    def agree(flag: torch.Tensor) -> torch.Tensor:
+        value = flag.to(torch.float32).reshape(1)
+        for dim in range(mesh.ndim):
+            dist.all_reduce(value, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
+        return value.reshape(()) > 0.5
+    return agree
+
+
+# -- 8-bit states ---------------------------------------------------------------------
+
+def quantize_shards(x: DTensor, qmap: torch.Tensor, block_size: int) -> QuantizedSlot:
+    """8-bit codes and absmax of the DTensor ``x``, blocks of its full flat layout, built
+    on each rank from its shard (see the module docstring)."""
+    reason = _block_misfit(x, block_size)
+    if reason is not None:
+        raise ValueError(
+            f"8-bit states of a leaf of shape {tuple(x.shape)} with placements "
+            f"{tuple(x.placements)}: {reason}. Keep it 32-bit (quantize_states(..., "
+            "min_size=...) above its size) or shard it so that every shard starts on a "
+            f"block boundary ({block_size} elements)")
+    local = local_tensor(x)
+    codes, absmax = quantize_blockwise(local.float(), qmap, block_size)
+    layout = absmax_layout(x.shape, block_size)
+    local_layout = (local.shape[0], layout[1]) if len(layout) == 2 else (absmax.numel(),)
+    placements = [p if p.is_shard() else Replicate() for p in x.placements]
+    mesh = x.device_mesh
+    stride = (layout[1], 1) if len(layout) == 2 else (1,)
+    return QuantizedSlot(
+        DTensor.from_local(codes, mesh, x.placements, run_check=False, shape=x.shape,
+                           stride=x.stride()),
+        DTensor.from_local(absmax.view(local_layout), mesh, placements, run_check=False,
+                           shape=torch.Size(layout), stride=stride))
+
+
+def _block_misfit(x: DTensor, block: int) -> str | None:
+    """Why the shards of ``x`` cannot hold whole blocks of its flat layout (or None)."""
+    sharded = [(i, p) for i, p in enumerate(x.placements) if p.is_shard()]
+    if not sharded:
+        return None
+    if len(sharded) > 1 or type(sharded[0][1]) is not Shard or sharded[0][1].dim != 0:
+        return ("8-bit states on shards need the leaf sharded on dim 0 (Shard(0)) over "
+                "one mesh dimension")
+    ranks = x.device_mesh.size(sharded[0][0])
+    rows = x.shape[0]
+    row = x.numel() // rows if rows else 0
+    per = -(-rows // ranks)
+    spans = [(min(r * per, rows), min((r + 1) * per, rows)) for r in range(ranks)]
+    for r, (start, end) in enumerate(spans):
+        if start < end and (start * row) % block:
+            return f"shard {r} starts at element {start * row}, inside a block"
+    layout = absmax_layout(x.shape, block)
+    if len(layout) == 1:
+        total = layout[0]
+        per_block = -(-total // ranks)
+        for r, (start, end) in enumerate(spans):
+            first, count = start * row // block, -(-(end - start) * row // block)
+            chunk = (min(r * per_block, total), min((r + 1) * per_block, total))
+            if count and (first, first + count) != chunk:
+                return (f"the blocks of shard {r} ({first}..{first + count}) are not "
+                        "the even split of the absmax a DTensor describes")
+    return None

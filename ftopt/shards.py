@@ -1,0 +1,123 @@
+"""What the core knows of sharded (``DTensor``) leaves: how to spot them, and two hooks.
+
+A ``torch.distributed.tensor.DTensor`` param (FSDP2, HSDP, tensor parallel) is stepped on
+each rank's local shard. The distributed backend (:mod:`ftopt.distributed`, installed in
+:mod:`ftopt.dispatch` as ``distributed``) unwraps the DTensor leaves of a call, runs the
+ordinary step or update on the local tensors inside :func:`local_shards`, and wraps the
+results again. While it runs, two things differ from a single-process call, and the core
+asks this module about them:
+
+* a norm (``leaf_norm``, ``global_norm``) sums the squares of a leaf's shards over the
+  ranks: eager and fused backends pass their per-leaf partial sums to
+  :func:`reduce_squares` (one buffer, one all-reduce);
+* the 8-bit decision (``min_size``) is made from a leaf's full size, which the local
+  shard no longer shows: :func:`full_numel`.
+
+This module imports nothing from ``torch.distributed``: ``DTensor`` is looked up only if
+the program has imported it already, so a single-process step pays one dict lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+
+__all__ = ["dtensor_class", "is_dtensor", "any_dtensor", "LocalShards", "local_shards",
+           "full_numel", "reduce_squares", "all_ranks", "in_local_shards"]
+
+
+def dtensor_class() -> type | None:
+    """``DTensor`` if ``torch.distributed.tensor`` is imported, else ``None``."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def is_dtensor(x: Any) -> bool:
+    cls = dtensor_class()
+    return cls is not None and isinstance(x, cls)
+
+
+def any_dtensor(*trees: Any) -> bool:
+    """Whether any leaf of ``trees`` is a ``DTensor`` (8-bit slots looked into)."""
+    cls = dtensor_class()
+    if cls is None:
+        return False
+    for tree in trees:
+        for leaf in optree.tree_leaves(tree, none_is_leaf=False, namespace="ftopt"):
+            if isinstance(leaf, cls):
+                return True
+    return False
+
+
+@dataclass
+class LocalShards:
+    """The context of a call on local shards (built by :mod:`ftopt.distributed`).
+
+    ``full_numels``: id of a local tensor -> the element count of its full tensor (the
+    tensors are kept alive in ``keep``). ``reduce``: sums a 1-D buffer of per-leaf
+    squared norms over the ranks that hold the leaves' shards. ``agree``: a 0-d bool that
+    holds on every rank (a logical AND over the mesh).
+    """
+
+    full_numels: dict[int, int] = field(default_factory=dict)
+    keep: list = field(default_factory=list)
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def record(self, local: torch.Tensor, numel: int) -> None:
+        self.full_numels[id(local)] = numel
+        self.keep.append(local)
+
+
+_CURRENT: contextvars.ContextVar[LocalShards | None] = contextvars.ContextVar(
+    "ftopt_local_shards", default=None)
+
+
+@contextlib.contextmanager
+def local_shards(context: LocalShards) -> Iterator[LocalShards]:
+    """Within it, the core runs on local shards described by ``context``."""
+    token = _CURRENT.set(context)
+    try:
+        yield context
+    finally:
+        _CURRENT.reset(token)
+
+
+def full_numel(t: torch.Tensor) -> int | None:
+    """The element count of the full tensor ``t`` is (a shard of): ``t.numel()`` outside
+    a call on local shards; inside one, ``None`` for a tensor it does not know (a value
+    computed from shards), so a check that needs the full size is left out."""
+    context = _CURRENT.get()
+    if context is None:
+        return t.numel()
+    return context.full_numels.get(id(t))
+
+
+def reduce_squares(squares: torch.Tensor) -> torch.Tensor:
+    """Per-leaf sums of squares of the local shards -> those of the full leaves (one
+    all-reduce of the whole buffer; unchanged outside a call on local shards)."""
+    context = _CURRENT.get()
+    if context is None or context.reduce is None:
+        return squares
+    return context.reduce(squares)
+
+
+def all_ranks(flag: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool flag that holds on every rank (itself outside a call on shards)."""
+    context = _CURRENT.get()
+    if context is None or context.agree is None:
+        return flag
+    return context.agree(flag)
+
+
+def in_local_shards() -> bool:
+    """Whether a call on local shards is running (its norms need :func:`reduce_squares`)."""
+    context = _CURRENT.get()
+    return context is not None and context.reduce is not None

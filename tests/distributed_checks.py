@@ -1,0 +1,311 @@
+"""The checks ``tests/test_distributed.py`` runs in two processes (gloo, CPU).
+
+Every rank runs every check; each check returns a dict of measurements, rank 0 writes
+them (or the traceback of a check that raised) to ``results.json`` for the test to judge.
+The references are single-process runs of the same model on the same full batch, made in
+the same process (every rank feeds the full batch, so FSDP2's averaged gradients equal the
+reference's bit for bit and the optimizer is what is compared).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    init_device_mesh,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+import ftopt
+
+STEPS = 20
+
+
+class Net(torch.nn.Module):
+    """An embedding with rows no batch uses (all-zero gradients), an uneven Linear (33
+    rows: 17 and 16 per rank, 256 elements a row, so 8-bit blocks align) and a small one."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 256)
+        self.fc1 = torch.nn.Linear(256, 33)
+        self.fc2 = torch.nn.Linear(33, 5)
+
+    def forward(self, idx):
+        return self.fc2(torch.tanh(self.fc1(self.emb(idx))))
+
+
+def batches(n: int, device="cpu"):
+    g = torch.Generator().manual_seed(1234)
+    return [(torch.randint(0, 10, (16,), generator=g).to(device),
+             torch.randn(16, 5, generator=g).to(device)) for _ in range(n)]
+
+
+def make_models(mesh, device="cpu"):
+    torch.manual_seed(0)
+    ref = Net().to(device)
+    model = copy.deepcopy(ref)
+    fully_shard(model, mesh=mesh)
+    return model, ref
+
+
+def loss_of(model, batch):
+    idx, target = batch
+    return (model(idx) - target).square().mean()
+
+
+def train(model, tx, data, donate=True, backend="auto", state=None, params=None):
+    params = dict(model.named_parameters()) if params is None else params
+    state = tx.init(params) if state is None else state
+    for batch in data:
+        loss_of(model, batch).backward()
+        grads = {k: v.grad for k, v in params.items()}
+        params, state = ftopt.step(tx, params, grads, state, donate=donate, backend=backend)
+        model.zero_grad(set_to_none=True)
+    return params, state
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((full(a[k]).detach().double() - full(b[k]).detach().double()).abs().max())
+               for k in b)
+
+
+CHAINS = {
+    "adamw": lambda: ftopt.adamw(3e-3, weight_decay=0.1),
+    "adamw_clip": lambda: ftopt.chain(ftopt.clip_by_global_norm(0.05),
+                                      ftopt.adamw(3e-3, weight_decay=0.1)),
+    "lamb": lambda: ftopt.lamb(3e-3, weight_decay=0.1),
+    "lion": lambda: ftopt.lion(1e-3),
+    "adamw_skip_zeros": lambda: ftopt.adamw(3e-3, weight_decay=0.1, skip_zeros=True),
+    "adamw_8bit": lambda: ftopt.adamw(3e-3, weight_decay=0.1, state_bits=8),
+}
+
+
+def check_fsdp_chains(mesh, rank):
+    out = {}
+    data = batches(STEPS)
+    for name, make in CHAINS.items():
+        model, ref = make_models(mesh)
+        start = {k: full(v).clone() for k, v in model.named_parameters()}
+        params, state = train(model, make(), data)
+        ref_params, ref_state = train(ref, make(), data)
+        result = {"max_diff": max_diff(params, ref_params),
+                  "moved": max_diff(params, start),
+                  "state_is_dtensor": all(isinstance(t, DTensor) for t in
+                                          ftopt.tree.leaves(state[0][1])
+                                          if t.ndim > 0) if name == "adamw" else True}
+        if name == "adamw_skip_zeros":
+            rows = full(params["emb.weight"])[10:]
+            result["zero_rows_kept"] = bool(torch.equal(rows, start["emb.weight"][10:]))
+        if name == "adamw_8bit":
+            mu, ref_mu = state[0].mu["fc1.weight"], ref_state[0].mu["fc1.weight"]
+            result["is_8bit"] = isinstance(mu, ftopt.rules.QuantizedSlot)
+            result["codes_equal"] = bool(torch.equal(full(mu.codes), ref_mu.codes))
+            result["absmax_equal"] = bool(torch.equal(full(mu.absmax).reshape(-1),
+                                                      ref_mu.absmax))
+            result["small_leaf_32bit"] = not isinstance(state[0].mu["fc2.weight"],
+                                                        ftopt.rules.QuantizedSlot)
+        out[name] = result
+    return out
+
+
+def check_update_and_non_donated(mesh, rank):
+    """``donate=False`` leaves the DTensors given untouched; ``tx.update`` gives DTensor
+    updates; both match one process."""
+    data = batches(1)
+    model, ref = make_models(mesh)
+    tx = CHAINS["lamb"]()
+    out = {}
+    for backend in ("eager", "update"):
+        params, ref_params = dict(model.named_parameters()), dict(ref.named_parameters())
+        before = {k: full(v).clone() for k, v in params.items()}
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            loss_of(m, data[0]).backward()
+        grads = {k: v.grad for k, v in params.items()}
+        ref_grads = {k: v.grad for k, v in ref_params.items()}
+        if backend == "update":
+            new, _ = tx.update(grads, tx.init(params), params)
+            want, _ = tx.update(ref_grads, tx.init(ref_params), ref_params)
+            out["update_is_dtensor"] = all(isinstance(u, DTensor) for u in new.values())
+        else:
+            new, _ = ftopt.step(tx, params, grads, tx.init(params))
+            want, _ = ftopt.step(tx, ref_params, ref_grads, tx.init(ref_params))
+        out[f"{backend}_diff"] = max_diff(new, want)
+        out[f"{backend}_inputs_untouched"] = max_diff(params, before) == 0.0
+    return out
+
+
+def check_fused(mesh, rank, device):
+    if device is None:
+        return {"skipped": "fused kernels need two GPUs or the Triton interpreter"}
+    data = batches(3, device)
+    out = {}
+    for name in ("adamw_clip", "lamb", "adamw_8bit"):
+        model, ref = make_models(mesh, device)
+        params, state = train(model, CHAINS[name](), data, backend="fused")
+        ref_params, ref_state = train(ref, CHAINS[name](), data, backend="fused")
+        out[name] = max_diff(params, ref_params)
+    return out
+
+
+def check_hsdp_and_tensor_parallel(rank):
+    out = {}
+    mesh2 = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    model, ref = make_models(mesh2)
+    out["hsdp_placements"] = str(model.fc1.weight.placements)
+    data = batches(5)
+    params, _ = train(model, CHAINS["lamb"](), data)
+    ref_params, _ = train(ref, CHAINS["lamb"](), data)
+    out["hsdp_diff"] = max_diff(params, ref_params)
+    # Tensor parallel: every leaf Shard(1) (norms right), then a mix (a clear error).
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(3)
+    w, g = torch.randn(6, 10), torch.randn(6, 10)
+    tx = ftopt.chain(ftopt.clip_by_global_norm(0.1), ftopt.adamw(1e-2))
+    dw = {"w": distribute_tensor(w, mesh, [Shard(1)])}
+    new, _ = ftopt.step(tx, dw, {"w": distribute_tensor(g, mesh, [Shard(1)])},
+                        tx.init(dw))
+    want, _ = ftopt.step(tx, {"w": w}, {"w": g}, tx.init({"w": w}))
+    out["tp_shard1_diff"] = float((full(new["w"]) - want["w"]).abs().max())
+    mixed = {"w": distribute_tensor(w, mesh, [Shard(1)]),
+             "b": distribute_tensor(w[0], mesh, [Replicate()])}
+    grads = {"w": distribute_tensor(g, mesh, [Shard(1)]),
+             "b": distribute_tensor(g[0], mesh, [Replicate()])}
+    state = tx.init(mixed)
+    before = full(mixed["w"]).clone()
+    try:
+        ftopt.step(tx, mixed, grads, state, donate=True)
+        out["mixed_error"] = None
+    except ValueError as err:
+        out["mixed_error"] = str(err)
+    out["mixed_untouched"] = bool(torch.equal(full(mixed["w"]), before))
+    # Elementwise chains need no norm: a mix is fine.
+    plain = ftopt.adamw(1e-2)
+    new, _ = ftopt.step(plain, mixed, grads, plain.init(mixed))
+    want, _ = ftopt.step(plain, {"w": w, "b": w[0]}, {"w": g, "b": g[0]},
+                         plain.init({"w": w, "b": w[0]}))
+    out["mixed_elementwise_diff"] = max_diff(new, want)
+    partial = {"w": DTensor.from_local(g / 2, mesh, [Partial()])}
+    try:
+        ftopt.step(plain, {"w": distribute_tensor(w, mesh, [Replicate()])}, partial,
+                   plain.init({"w": distribute_tensor(w, mesh, [Replicate()])}))
+        out["partial_error"] = None
+    except ValueError as err:
+        out["partial_error"] = str(err)
+    # 8-bit on shards that start inside a block: refused at init, naming the layout.
+    odd = {"w": distribute_tensor(torch.randn(33, 200), mesh, [Shard(0)])}
+    try:
+        ftopt.adamw(1e-3, state_bits=8).init(odd)
+        out["misaligned_error"] = None
+    except ValueError as err:
+        out["misaligned_error"] = str(err)
+    return out
+
+
+def check_pointer_guard(mesh, rank):
+    from ftopt.lowering import checks
+
+    d = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    try:
+        checks.refuse_dtensors([torch.zeros(3), d])
+        return {"error": None, "data_ptr": d.data_ptr()}
+    except TypeError as err:
+        return {"error": str(err), "data_ptr": d.data_ptr()}
+
+
+def check_ddp(rank):
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DistributedDataParallel(net)
+    data = batches(STEPS)
+    tx = CHAINS["adamw_clip"]()
+    params = dict(net.named_parameters())
+    state = tx.init(params)
+    for batch in data:
+        loss_of(ddp, batch).backward()
+        params, state = ftopt.step(tx, params, {k: v.grad for k, v in params.items()},
+                                   state, donate=True)
+        ddp.zero_grad()
+    flat = torch.cat([p.detach().reshape(-1) for p in params.values()])
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    return {"replicas_equal": bool(torch.equal(gathered[0], gathered[1]))}
+
+
+def check_dcp(mesh, rank, directory):
+    out = {}
+    data = batches(2 * 5)
+    for name in ("adamw", "adamw_8bit"):
+        path = os.path.join(directory, f"dcp_{name}")
+        model, ref = make_models(mesh)
+        tx = CHAINS[name]()
+        params, state = train(model, tx, data[:5])
+        ref_params, ref_state = train(ref, tx, data[:5])
+        dcp.save({"opt": ftopt.state_dict(state, tx, params),
+                  "model": {k: v.detach() for k, v in params.items()}},
+                 checkpoint_id=path)
+        if rank == 0:
+            torch.save({"params": {k: v.detach() for k, v in ref_params.items()},
+                        "state": ref_state}, os.path.join(directory, f"ref_{name}.pt"))
+        saved = {k: full(v).clone() for k, v in params.items()}
+        end, _ = train(model, tx, data[5:], state=state, params=params)
+        end = {k: full(v).clone() for k, v in end.items()}
+        # Resume: fresh model and state, both loaded from the checkpoint.
+        model2, _ = make_models(mesh)
+        params2 = dict(model2.named_parameters())
+        state2 = tx.init(params2)
+        sd = {"opt": ftopt.state_dict(state2, tx, params2),
+              "model": {k: v.detach() for k, v in params2.items()}}
+        dcp.load(sd, checkpoint_id=path)
+        state2 = ftopt.load_state_dict(state2, tx, params2, sd["opt"])
+        out[f"{name}_params_loaded"] = max_diff(params2, saved) == 0.0
+        end2, _ = train(model2, tx, data[5:], state=state2, params=params2)
+        out[f"{name}_resumed_diff"] = max_diff(end2, end)
+    return out
+
+
+def run(rank: int, world: int, directory: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (world,))
+    fused_device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+    checks = {
+        "fsdp_chains": lambda: check_fsdp_chains(mesh, rank),
+        "update_and_non_donated": lambda: check_update_and_non_donated(mesh, rank),
+        "fused": lambda: check_fused(mesh, rank, fused_device),
+        "hsdp_and_tensor_parallel": lambda: check_hsdp_and_tensor_parallel(rank),
+        "pointer_guard": lambda: check_pointer_guard(mesh, rank),
+        "ddp": lambda: check_ddp(rank),
+        "dcp": lambda: check_dcp(mesh, rank, directory),
+    }
+    results = {}
+    for name, check in checks.items():
+        try:
+            results[name] = check()
+        except Exception:  # reported to the test, which fails naming it
+            results[name] = {"raised": traceback.format_exc()}
+    if rank == 0:
+        with open(os.path.join(directory, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
