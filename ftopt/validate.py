@@ -72,7 +72,8 @@ def check_slots(stage: Any, path: str, u: torch.Tensor, p: Any, slots: dict) -> 
             if not s.is_floating_point():
                 raise TypeError(f"{where}: expected a floating-point tensor, got {s.dtype}")
             quant = stage.quant
-            if quant is not None and u.numel() >= quant.min_size:
+            if quant is not None and u.numel() >= quant.min_size and \
+                    name not in _full_width(stage):
                 raise ValueError(f"{where}: a 32-bit state given to a transform with 8-bit "
                                  f"states (state_bits={quant.bits}, leaves of >= "
                                  f"{quant.min_size} elements)")
@@ -84,6 +85,11 @@ def check_slots(stage: Any, path: str, u: torch.Tensor, p: Any, slots: dict) -> 
             if t.device != device:
                 raise ValueError(f"{where}: on {t.device}, expected the {whose} device "
                                  f"{device}")
+
+
+def _full_width(stage: Any) -> set[str]:
+    """The slots ``stage`` keeps in the compute dtype whatever its state format."""
+    return {slot.name for slot in stage.rule.slots if slot.from_params}
 
 
 def _check_quantized(stage: Any, where: str, u: torch.Tensor,
