@@ -70,6 +70,8 @@ class RuleTransform:
         return self.quant is not None and p.numel() >= self.quant.min_size
 
     def _init_slot(self, slot: Slot, p: torch.Tensor):
+        if slot.from_params:  # (never stored in 8 or 16 bits: see Slot)
+            return p.detach().to(state_dtype(p), copy=True)
         value = 0.0 if slot.init is None else self.rule.hparams[slot.init]
         x = torch.full_like(p, float(value), dtype=state_dtype(p))
         if self.store is not None and not self.quantized(p):

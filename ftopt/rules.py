@@ -4,9 +4,10 @@ A :class:`Rule` names its per-element state slots, its hyperparameters, the per-
 scalars derived from them (bias corrections and the like, computed once per step from the
 step count ``t``) and a ``body(o, x) -> (u, new_slots)``: plain arithmetic over the values
 in ``x`` (``x.u``, ``x.p``, ``x.<slot>``, ``x.<scalar>``) and the ``o`` namespace
-(``sqrt``, ``abs``, ``sign``, ``where``, ``maximum``, ``minimum``, ``leaf_norm``,
-``global_norm``). The eager backend evaluates the body on tensors (:mod:`ftopt.eager`); the
-fused backend evaluates it on symbols and prints a Triton kernel (:mod:`ftopt.lowering`).
+(``sqrt``, ``cbrt``, ``abs``, ``sign``, ``where``, ``maximum``, ``minimum``, ``lerp``,
+``leaf_norm``, ``global_norm``). The eager backend evaluates the body on tensors
+(:mod:`ftopt.eager`); the fused backend evaluates it on symbols and prints a Triton kernel
+(:mod:`ftopt.lowering`).
 
 :class:`ftopt.rule_transform.RuleTransform` turns a rule into a
 ``GradientTransformation`` (the state layout: 32-bit or 8-bit blockwise slots, the step
@@ -35,12 +36,16 @@ class Slot:
     """A per-element state of a rule.
 
     ``signed`` picks the 8-bit map (signed for states that can be negative); ``init`` names
-    the hyperparameter holding the initial value (zero when ``None``).
+    the hyperparameter holding the initial value (zero when ``None``); ``from_params``:
+    the slot starts as a copy of the param instead (MADGRAD's x0), and is always stored in
+    the param's compute dtype, never in 8 or 16 bits: a rounded copy of the params would
+    move them where the gradients are zero.
     """
 
     name: str
     signed: bool = True
     init: str | None = None
+    from_params: bool = False
 
 
 @dataclass(frozen=True)

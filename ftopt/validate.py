@@ -74,7 +74,8 @@ def check_slots(stage: Any, path: str, u: torch.Tensor, p: Any, slots: dict) -> 
                 raise TypeError(f"{where}: expected a floating-point tensor, got {s.dtype}")
             quant = stage.quant
             if quant is not None and _at_least(full_numel(p if p is not None else u),
-                                               quant.min_size):
+                                               quant.min_size) \
+                    and name not in _full_width(stage):
                 raise ValueError(f"{where}: a 32-bit state given to a transform with 8-bit "
                                  f"states (state_bits={quant.bits}, leaves of >= "
                                  f"{quant.min_size} elements)")
@@ -90,6 +91,11 @@ def check_slots(stage: Any, path: str, u: torch.Tensor, p: Any, slots: dict) -> 
 
 def _at_least(numel: int | None, size: int) -> bool:
     return numel is not None and numel >= size
+
+
+def _full_width(stage: Any) -> set[str]:
+    """The slots ``stage`` keeps in the compute dtype whatever its state format."""
+    return {slot.name for slot in stage.rule.slots if slot.from_params}
 
 
 def _check_quantized(stage: Any, where: str, u: torch.Tensor, p: Any,

@@ -33,7 +33,8 @@ from ftopt.quant import dequantize_blockwise, dynamic_map, encode_with_absmax, e
 from ftopt.rules import QuantizedSlot
 
 STATS: collections.Counter = collections.Counter()
-SIGNED = {"mu", "trace", "m1", "m2", "m", "ema", "previous_gradient"}
+SIGNED = {"mu", "trace", "m1", "m2", "m", "ema", "previous_gradient", "v", "g", "s", "x0",
+          "prev_updates"}
 BLOCK = 256
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

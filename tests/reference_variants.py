@@ -1,7 +1,9 @@
-"""Float64 references of the optimizers of ``ftopt.alias_variants`` (nothing here imports ftopt).
+"""Float64 references of the optimizers of ``ftopt.alias_variants`` and ``ftopt.alias_more``
+(nothing here imports ftopt).
 
 Written from optax's code (optax/_src/transform.py, optax/_src/alias.py,
-optax/transforms/_accumulation.py, optax/contrib/_adopt.py, optax/contrib/_ademamix.py) and
+optax/transforms/_accumulation.py, optax/contrib/_adopt.py, optax/contrib/_ademamix.py,
+optax/contrib/_madgrad.py) and
 the papers; conventions as in ``reference.py`` (per-leaf float64 state, ``t`` from 1,
 ``p_new = p + last_update``).
 
@@ -25,6 +27,12 @@ adopt                 t = 1: nu <- g^2, d = 0. Later: v = clip(g/max(sqrt(nu_pre
                       (nesterov: b1 mu + (1-b1) v) -> -lr
 simplified_ademamix   m <- b1 m + g; n <- b2 n + (1-b2) g^2; d = (m + alpha g)/(sqrt(n/(1-b2^t) +
                       eps_root) + eps) -> + wd p -> -lr
+adan                  d = g - g_prev (0 at t = 1); m, v (of d), n (of (g + (1-b2) d)^2) EMAs;
+                      u = (m_hat + (1-b2) v_hat)/(sqrt(n_hat + eps_root) + eps) -> + wd p -> -lr
+madgrad               u = g + wd p; lamb = (lr + eps) sqrt(t); G += lamb u^2; s += lamb u;
+                      z = x0 - s/(G^(1/3) + eps); p <- (1 - momentum) z + momentum p
+rprop                 a = g prev; step <- step if a = 0 else clip(step eta_(+/-)); the update
+                      is -(0 if a < 0 else prev); prev <- 0 if a < 0 else step sign(g)
 ====================  ==========================================================================
 """
 
@@ -250,3 +258,80 @@ class RefSimplifiedAdEMAMix(RefOptimizer):
         n_hat = st["n"] / (1 - self.b2**t)
         d = (st["m"] + self.alpha * g) / (torch.sqrt(n_hat + self.eps_root) + self.eps)
         return -self.lr * (d + self.wd * p)
+
+
+# ---- ftopt.alias_more (optax/_src/transform.py scale_by_adan, scale_by_rprop;
+# optax/contrib/_madgrad.py)
+
+
+class RefAdan(RefOptimizer):
+    """d = g - g_prev (0 at t = 1); m, v, n EMAs keeping a fraction b of the old value;
+    u = (m_hat + (1-b2) v_hat)/(sqrt(n_hat + eps_root) + eps) -> + wd p -> -lr."""
+
+    def __init__(self, lr, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=1e-8,
+                 weight_decay=0.0):
+        super().__init__()
+        self.lr, self.b1, self.b2, self.b3 = lr, b1, b2, b3
+        self.eps, self.eps_root, self.wd = eps, eps_root, weight_decay
+        self.first_diff_zero = True  # False: d = g - 0 at t = 1 (a mistake, for the tests)
+
+    def init_leaf(self, p):
+        return zeros_state(p, "m", "v", "n", "g")
+
+    def leaf_update(self, p, g, st, t):
+        b1, b2, b3 = self.b1, self.b2, self.b3
+        d = torch.zeros_like(g) if t == 1 and self.first_diff_zero else g - st["g"]
+        st["m"] = b1 * st["m"] + (1 - b1) * g
+        st["v"] = b2 * st["v"] + (1 - b2) * d
+        st["n"] = b3 * st["n"] + (1 - b3) * (g + (1 - b2) * d) ** 2
+        st["g"] = g
+        m_hat = st["m"] / (1 - b1**t)
+        v_hat = st["v"] / (1 - b2**t)
+        n_hat = st["n"] / (1 - b3**t)
+        d = (m_hat + (1 - b2) * v_hat) / (torch.sqrt(n_hat + self.eps_root) + self.eps)
+        return -self.lr * (d + self.wd * p)
+
+
+class RefMadgrad(RefOptimizer):
+    """u = g + wd p; lamb = (lr + eps) sqrt(t); G += lamb u^2; s += lamb u;
+    z = x0 - s/(G^(1/3) + eps); p_new = (1 - momentum) z + momentum p."""
+
+    def __init__(self, lr, momentum=0.9, weight_decay=0.0, eps=1e-6):
+        super().__init__()
+        self.lr, self.momentum, self.wd, self.eps = lr, momentum, weight_decay, eps
+
+    def init_leaf(self, p):
+        return {**zeros_state(p, "grad_sum_sq", "s"), "x0": p.clone()}
+
+    def leaf_update(self, p, g, st, t):
+        u = g + self.wd * p
+        lamb = (self.lr + self.eps) * math.sqrt(t)
+        st["grad_sum_sq"] = st["grad_sum_sq"] + lamb * u * u
+        st["s"] = st["s"] + lamb * u
+        z = st["x0"] - st["s"] / (st["grad_sum_sq"] ** (1 / 3) + self.eps)
+        return (1 - self.momentum) * z + self.momentum * p - p
+
+
+class RefRprop(RefOptimizer):
+    """optax's Rprop: the step for sign(g_t) is applied at t + 1 (the first update is 0)."""
+
+    def __init__(self, lr, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6,
+                 max_step_size=50.0):
+        super().__init__()
+        self.lr, self.eta_minus, self.eta_plus = lr, eta_minus, eta_plus
+        self.min, self.max = min_step_size, max_step_size
+
+    def init_leaf(self, p):
+        return {"step_sizes": torch.full_like(p, self.lr, dtype=F64),
+                **zeros_state(p, "prev_updates")}
+
+    def leaf_update(self, p, g, st, t):
+        agree = g * st["prev_updates"]
+        factor = torch.where(agree > 0, self.eta_plus, self.eta_minus)
+        grown = torch.clamp(st["step_sizes"] * factor, self.min, self.max)
+        st["step_sizes"] = torch.where(agree == 0, st["step_sizes"], grown)
+        flipped = agree < 0
+        prev_new = torch.where(flipped, 0.0, st["step_sizes"] * torch.sign(g))
+        update = torch.where(flipped, 0.0, st["prev_updates"])
+        st["prev_updates"] = prev_new
+        return -update

@@ -14,6 +14,7 @@ in pytest), and its traits:
 * ``fusible``: it has an elementwise rule, so a chain of only fusible entries fuses;
 * ``eight_bit``: it has per-element float states that ``quantize_states`` stores in 8 bits
   (or, with ``state_dtype``, in bf16/fp16: ``tests/test_state_dtype.py``);
+  ``mixed_layout``: some of them, not all (see the field);
 * ``kind``: ``"transform"`` (a chain building block), ``"alias"`` (a whole optimizer) or
   ``"combinator"`` (wraps other transforms; ``make`` takes them as keywords).
 
@@ -148,6 +149,11 @@ class Entry:
     fusible: bool = True
     eight_bit: bool = False
     moves: bool = True  # its standalone optimizer changes the params (not set_to_zero)
+    # Some states stay in the compute dtype under state_bits=8 / state_dtype (a copy of the
+    # params, rules.Slot.from_params): such a leaf mixes layouts, which the kernels do not
+    # read, so the 8-bit and state_dtype suites leave it out (eight_bit False); its
+    # skip_zeros Case runs 8-bit states eagerly.
+    mixed_layout: bool = False
     example: dict[str, Any] = field(default_factory=dict)  # hand-picked hyperparameters
     inner: tuple[str, ...] = ()  # combinators: the registry entries standalone() wraps
 
@@ -549,6 +555,44 @@ TRANSFORMS += [
           example={"threshold": 0.5}),
 ]
 
+# ---- more of optax's catalogue (ftopt.alias_more)
+TRANSFORMS += [
+    Entry("scale_by_adan", ftopt.scale_by_adan,
+          floats={"b1": BETA, "b2": BETA, "b3": BETA, "eps": EPS, "eps_root": EPS_ROOT},
+          states=("m", "v", "n", "g"), counted=True, eight_bit=True,
+          example={"b1": 0.9, "b2": 0.9, "b3": 0.99, "eps": 1e-8}),
+    Entry("adan", _mask_kw(ftopt.adan),
+          floats={"learning_rate": LR, "b1": BETA, "b2": BETA, "b3": BETA, "eps": EPS,
+                  "eps_root": EPS_ROOT, "weight_decay": WD},
+          options={"mask": ("none", "ndim")}, kind="alias", states=("m", "v", "n", "g"),
+          counted=True, uses_params=True, eight_bit=True,
+          example={"learning_rate": 1e-2, "weight_decay": 0.01}),
+    # MADGRAD's update moves the params itself (the learning rate is inside it). Its x0
+    # (a copy of the params) stays fp32 under state_bits=8 and state_dtype: mixed_layout.
+    Entry("scale_by_madgrad", ftopt.scale_by_madgrad,
+          floats={"learning_rate": LR, "momentum": BETA, "eps": EPS},
+          states=("grad_sum_sq", "s", "x0"), counted=True, uses_params=True,
+          mixed_layout=True,
+          example={"learning_rate": 1e-2, "momentum": 0.9, "eps": 1e-6}),
+    Entry("madgrad", ftopt.madgrad,
+          floats={"learning_rate": LR, "momentum": BETA, "weight_decay": WD, "eps": EPS},
+          kind="alias", states=("grad_sum_sq", "s", "x0"), counted=True, uses_params=True,
+          mixed_layout=True,
+          example={"learning_rate": 1e-2, "weight_decay": 0.01}),
+    Entry("scale_by_rprop", ftopt.scale_by_rprop,
+          floats={"learning_rate": HP(1e-4, 1e-1, log=True, tensor=False),
+                  "eta_minus": HP(0.1, 0.9), "eta_plus": HP(1.0, 2.0),
+                  "min_step_size": HP(0.0, 1e-5), "max_step_size": HP(1e-2, 50.0, log=True)},
+          states=("step_sizes", "prev_updates"), eight_bit=True,
+          example={"learning_rate": 1e-2}),
+    Entry("rprop", ftopt.rprop,
+          floats={"learning_rate": HP(1e-4, 1e-1, log=True, tensor=False),
+                  "eta_minus": HP(0.1, 0.9), "eta_plus": HP(1.0, 2.0),
+                  "min_step_size": HP(0.0, 1e-5), "max_step_size": HP(1e-2, 50.0, log=True)},
+          kind="alias", states=("step_sizes", "prev_updates"), eight_bit=True,
+          example={"learning_rate": 1e-2}),
+]
+
 BY_NAME: dict[str, Entry] = {e.name: e for e in TRANSFORMS}
 assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
 
@@ -560,6 +604,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ScaleByRssState", "ScaleByScheduleState", "TraceState",
     "ScaleByAmsgradState", "ScaleByBeliefState", "ScaleByAdaDeltaState",
     "ScaleBySimplifiedAdEMAMixState", "EmaState", "ScaleByOptimisticGradientState",
+    "ScaleByAdanState", "MadgradState", "ScaleByRpropState",
     "apply_updates", "step", "explain", "schedules", "tree",
     "Optimizer", "from_torch_state_dict", "to_torch_state_dict", "state_dict",
     "load_state_dict",

@@ -207,6 +207,27 @@ CASES = {
         lambda: RV.RefSimplifiedAdEMAMix(0.002, b1=0.9, b2=0.95, alpha=2.0, eps=1e-3,
                                          eps_root=1e-5, weight_decay=0.1),
     ),
+    # ---- ftopt.alias_more (reference_variants.py)
+    "adan": (
+        lambda: ftopt.adan(0.01, b1=0.8, b2=0.9, b3=0.95, eps=1e-3, eps_root=1e-5,
+                           weight_decay=0.1),
+        lambda: RV.RefAdan(0.01, b1=0.8, b2=0.9, b3=0.95, eps=1e-3, eps_root=1e-5,
+                           weight_decay=0.1),
+    ),
+    "madgrad": (
+        lambda: ftopt.madgrad(0.01, momentum=0.8, weight_decay=0.1, eps=1e-4),
+        lambda: RV.RefMadgrad(0.01, momentum=0.8, weight_decay=0.1, eps=1e-4),
+    ),
+    "madgrad_no_momentum": (
+        lambda: ftopt.madgrad(0.02, momentum=0.0),
+        lambda: RV.RefMadgrad(0.02, momentum=0.0),
+    ),
+    "rprop": (  # max 0.02: some step sizes reach the clip
+        lambda: ftopt.rprop(0.01, eta_minus=0.4, eta_plus=1.3, min_step_size=2e-3,
+                            max_step_size=0.02),
+        lambda: RV.RefRprop(0.01, eta_minus=0.4, eta_plus=1.3, min_step_size=2e-3,
+                            max_step_size=0.02),
+    ),
     # ---- bitsandbytes rows of SPEC §4 (Adam/AdamW, AdEMAMix, Lion rows are the aliases above)
     "bnb_sgd": (
         lambda: sc.chain(sc.add_decayed_weights(0.05), sc.trace(decay=0.7),
@@ -241,7 +262,7 @@ CASES = {
 
 NAMES = sorted(CASES)
 # ADOPT's first step only measures the second moment: its update is exactly zero.
-FIRST_STEP_MOVES_NOTHING = {"adopt", "adopt_nesterov_unclipped"}
+FIRST_STEP_MOVES_NOTHING = {"adopt", "adopt_nesterov_unclipped", "rprop"}  # rprop: as optax
 
 # The reference case of each alias of the test registry (``tests/registry.py``), by registry
 # name: a new alias there fails test_every_registry_alias_has_a_reference until it has one.
@@ -255,6 +276,7 @@ REGISTRY_CASES = {
     "adadelta": "adadelta", "sign_sgd": "sign_sgd", "signum": "signum",
     "optimistic_gradient_descent": "optimistic_gradient_descent", "adopt": "adopt",
     "simplified_ademamix": "simplified_ademamix",
+    "adan": "adan", "madgrad": "madgrad", "rprop": "rprop",
 }
 PATHS = ["update", "step_eager"]
 
@@ -394,6 +416,15 @@ def test_fp32_matches_reference(name, path):
         # AMSGrad's maximum of the uncorrected nu (torch's amsgrad=True keeps that one)
         ("amsgrad", lambda: RV.RefAmsgrad(0.01, b1=0.8, b2=0.95, eps=1e-3, eps_root=1e-5,
                                           bias_correction_nu=False)),
+        # Adan's gradient difference from the first step on (optax's is 0 there)
+        ("adan", lambda: _AdanWithoutFirstStep(0.01, b1=0.8, b2=0.9, b3=0.95, eps=1e-3,
+                                               eps_root=1e-5, weight_decay=0.1)),
+        # MADGRAD without the eps added to the learning rate
+        ("madgrad", lambda: RV.RefMadgrad(0.01 - 1e-4, momentum=0.8, weight_decay=0.1,
+                                          eps=1e-4)),
+        # torch.optim.Rprop's timing (the step for sign(g_t) taken at t)
+        ("rprop", lambda: _RpropNoLag(0.01, eta_minus=0.4, eta_plus=1.3, min_step_size=2e-3,
+                                      max_step_size=0.02)),
         # the trust ratio on every leaf, not only on the masked ones
         ("lars_masked", lambda: R.RefLars(0.5, weight_decay=0.1, trust_coefficient=0.02,
                                           momentum=0.8)),
@@ -403,6 +434,18 @@ def test_tolerance_catches_small_mistakes(name, wrong_ref):
     """The fp32 comparison is sharp enough to reject slightly wrong math."""
     with pytest.raises(AssertionError):
         _run_fp32(name, "update", make_ref=wrong_ref)
+
+
+class _AdanWithoutFirstStep(RV.RefAdan):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.first_diff_zero = False
+
+
+class _RpropNoLag(RV.RefRprop):
+    def leaf_update(self, p, g, st, t):
+        super().leaf_update(p, g, st, t)
+        return -st["prev_updates"]
 
 
 # --------------------------------------------------------------------------- 16-bit params

@@ -35,8 +35,10 @@ BLOCK = 256
 MIN_SIZE = 4096
 SIGNED = create_dynamic_map(signed=True)
 UNSIGNED = create_dynamic_map(signed=False)
-SIGNED_SLOTS = {"mu", "trace", "m1", "m2", "m", "ema", "previous_gradient"}
-UNSIGNED_SLOTS = {"nu", "sum_of_squares", "nu_max", "n", "e_g", "e_x"}
+SIGNED_SLOTS = {"mu", "trace", "m1", "m2", "m", "ema", "previous_gradient", "v", "g", "s",
+                "x0", "prev_updates"}
+UNSIGNED_SLOTS = {"nu", "sum_of_squares", "nu_max", "n", "e_g", "e_x", "grad_sum_sq",
+                  "step_sizes"}
 
 T = ftopt
 # Hand-picked hyperparameters for registry entries (by registry name; the others run with
@@ -267,6 +269,8 @@ def test_first_step_codes_use_the_right_map(name):
         bound = half_step_bound(want, absmax_el, right)
         decoded = right[codes.long()] * absmax_el
         assert bool(((decoded - want).abs() <= bound).all()), (where, slot)
+        if bool((want == want.reshape(-1)[0]).all()):  # one value (Rprop's first step
+            continue  # sizes): code 1.0 in both maps, so the maps cannot be told apart
         misdecoded = wrong[codes.long()] * absmax_el
         assert ((misdecoded - want).abs() > bound).float().mean() > 0.3, (where, slot)
         if slot in UNSIGNED_SLOTS:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ftopt.eager import _scalar_fn, _sign_number, _where
+from ftopt.eager import _cbrt_number, _scalar_fn, _sign_number, _where, cbrt_tensor
 
 # -- chunked evaluation on the CPU ----------------------------------------------------------
 #
@@ -379,6 +379,9 @@ class TraceOps:
 
     def abs(self, x):
         return self._map(x, abs, torch.abs)
+
+    def cbrt(self, x):
+        return self._map(x, _cbrt_number, cbrt_tensor)
 
     def sign(self, x):
         return self._map(x, _sign_number, torch.sign)

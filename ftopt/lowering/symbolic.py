@@ -191,6 +191,18 @@ class SymOps:
     def abs(self, x) -> Sym:
         return self._unary(x, "tl.abs({x})")
 
+    def cbrt(self, x) -> Sym:
+        """The cube root of x >= 0 (NaN below 0): 2^(log2(x)/3), then one Newton step
+        (y + (x/y² − y)/3), so an approximate log2/exp2 still gives the root to about an
+        ulp. x <= 0 (and NaN) take √x: 0, or NaN; inf is its own root."""
+        x = _as_sym(x, self.graph)
+        positive = x > 0.0
+        safe = self.where(positive, x, 1.0)  # no log2(0) or 0/0 in the lanes not taken
+        guess = self._unary(safe, "tl.exp2(tl.log2({x}) * 0.3333333333333333)")
+        root = guess + (safe / (guess * guess) - guess) * 0.3333333333333333
+        finite = guess * 0.0 == 0.0  # false for inf
+        return self.where(positive, self.where(finite, root, guess), self.sqrt(x))
+
     def sign(self, x) -> Sym:
         return self._unary(x, "tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0))")
 

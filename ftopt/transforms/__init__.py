@@ -9,6 +9,7 @@ from ftopt.transforms.adam_family import (
     scale_by_yogi,
 )
 from ftopt.transforms.adam_rectified import quarter_power, scale_by_adopt, scale_by_radam
+from ftopt.transforms.adan import ScaleByAdanState, scale_by_adan
 from ftopt.transforms.adaptive import (
     ScaleByAdaDeltaState,
     ScaleByAdamState,
@@ -28,6 +29,7 @@ from ftopt.transforms.clipping import (
     clip_by_param_norm_ratio,
     scale_by_trust_ratio,
 )
+from ftopt.transforms.madgrad import MadgradState, scale_by_madgrad
 from ftopt.transforms.matrix_stages import scale_by_row_norm
 from ftopt.transforms.momentum import (
     EmaState,
@@ -37,6 +39,7 @@ from ftopt.transforms.momentum import (
     scale_by_optimistic_gradient,
     trace,
 )
+from ftopt.transforms.rprop import ScaleByRpropState, scale_by_rprop
 from ftopt.transforms.scaling import (
     ScaleByScheduleState,
     add_decayed_weights,
@@ -56,14 +59,17 @@ from ftopt.transforms.utility import (
 
 __all__ = [
     "EmaState",
+    "MadgradState",
     "ScaleByAdaDeltaState",
     "ScaleByAdamState",
+    "ScaleByAdanState",
     "ScaleByAdemamixState",
     "ScaleByAmsgradState",
     "ScaleByBeliefState",
     "ScaleByLionState",
     "ScaleByOptimisticGradientState",
     "ScaleByRmsState",
+    "ScaleByRpropState",
     "ScaleByRssState",
     "ScaleByScheduleState",
     "ScaleBySimplifiedAdEMAMixState",
@@ -77,6 +83,7 @@ __all__ = [
     "scale",
     "scale_by_adadelta",
     "scale_by_adam",
+    "scale_by_adan",
     "scale_by_adamax",
     "scale_by_ademamix",
     "scale_by_adopt",
@@ -84,10 +91,12 @@ __all__ = [
     "scale_by_belief",
     "scale_by_learning_rate",
     "scale_by_lion",
+    "scale_by_madgrad",
     "scale_by_optimistic_gradient",
     "scale_by_radam",
     "scale_by_rms",
     "scale_by_row_norm",
+    "scale_by_rprop",
     "scale_by_rss",
     "scale_by_sign",
     "scale_by_simplified_ademamix",
