@@ -2,6 +2,7 @@
 
 from ftopt import dispatch, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
+from ftopt.alias_matrix import adafactor, muon
 from ftopt.alias_variants import (
     adabelief,
     adadelta,
@@ -86,6 +87,17 @@ from ftopt.transforms import (
     scale_by_yogi,
     trace,
     weight_decay,
+)
+from ftopt.transforms.factored import (
+    FactoredState,
+    clip_by_block_rms,
+    scale_by_factored_rms,
+    scale_by_param_block_rms,
+)
+from ftopt.transforms.muon import (
+    MuonMomentumState,
+    scale_by_muon,
+    scale_by_shape,
 )
 from ftopt.update import apply_updates, step
 
@@ -194,4 +206,14 @@ __all__ = [
     "warmup_cosine_decay_schedule",
     "weight_decay",
     "yogi",
+    # Matrix-stage optimizers and their parts
+    "FactoredState",
+    "MuonMomentumState",
+    "adafactor",
+    "clip_by_block_rms",
+    "muon",
+    "scale_by_factored_rms",
+    "scale_by_muon",
+    "scale_by_param_block_rms",
+    "scale_by_shape",
 ]

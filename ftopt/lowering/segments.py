@@ -16,6 +16,7 @@ from __future__ import annotations
 from ftopt import tree as tree_lib
 from ftopt.lowering.calls import checked_call, launch_call
 from ftopt.lowering.plan import ChainPlan
+from ftopt.stages import state_at, with_state_at
 
 __all__ = ["run"]
 
@@ -27,6 +28,8 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
     parts = plan.segments
     checked = {}
     for k, part in enumerate(parts):
+        if not isinstance(part, ChainPlan) and hasattr(part[0], "check_state"):
+            part[0].check_state(state_at(state, part[2]), g_flat, p_flat, spec, paths)
         if isinstance(part, ChainPlan):
             out = output if k == len(parts) - 1 else "u"
             found, reason = checked_call(part, params, state, paths, p_flat, g_flat,
@@ -39,11 +42,14 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
     new = None
     for k, part in enumerate(parts):
         if not isinstance(part, ChainPlan):
-            stage, skip = part
+            stage, skip, path = part
             if skip and zero_flat is None:
                 zero_flat = [None if g is None else g == 0 for g in g_flat]
-            u_flat = [None if u is None else u.contiguous() for u in stage.apply_flat(
-                g_flat if u_flat is None else u_flat, zero_flat if skip else None)]
+            out_flat, stage_state = stage.run_flat(
+                g_flat if u_flat is None else u_flat, zero_flat if skip else None,
+                state_at(state, path), p_flat, spec, paths)
+            state = with_state_at(state, path, stage_state)
+            u_flat = [None if u is None else u.contiguous() for u in out_flat]
             continue
         last = k == len(parts) - 1
         new, state = launch_call(part, checked[k], params, state, spec, paths, p_flat,
