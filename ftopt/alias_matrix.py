@@ -83,7 +83,8 @@ def adafactor(
 
 
 def _is_matrix(params: Any) -> Any:
-    return tree_map(lambda p: "muon" if p.ndim == 2 else "adam", params)
+    return tree_map(lambda p: "muon" if isinstance(p, torch.Tensor) and p.ndim == 2
+                    else "adam", params)
 
 
 def muon(

@@ -121,9 +121,12 @@ class FactoredRms:
                 if not isinstance(s, torch.Tensor):
                     raise TypeError(f"{where}: expected a tensor, got {type(s).__name__}")
                 check_layout(f"state {name}", paths[i], s)
-                if tuple(s.shape) != tuple(shape) or not s.is_floating_point():
-                    raise ValueError(f"{where}: expected a floating-point tensor of shape "
-                                     f"{tuple(shape)}, got {s.dtype} {tuple(s.shape)}")
+                if not s.is_floating_point():
+                    raise TypeError(f"{where}: expected a floating-point tensor, got "
+                                    f"{s.dtype}")
+                if tuple(s.shape) != tuple(shape):
+                    raise ValueError(f"{where}: shape {tuple(s.shape)} does not match the "
+                                     f"update's: expected {tuple(shape)}")
                 if s.device != u.device:
                     raise ValueError(f"{where}: on {s.device}, expected {u.device}")
 
