@@ -2,6 +2,7 @@
 
 from ftopt import dispatch, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
+from ftopt.alias_matrix import adafactor, muon
 from ftopt.alias_more import adan, madgrad, rprop
 from ftopt.alias_variants import (
     adabelief,
@@ -95,10 +96,20 @@ from ftopt.transforms import (
     trace,
     weight_decay,
 )
+from ftopt.transforms.factored import (
+    FactoredState,
+    clip_by_block_rms,
+    scale_by_factored_rms,
+    scale_by_param_block_rms,
+)
+from ftopt.transforms.muon import (
+    MuonMomentumState,
+    scale_by_muon,
+    scale_by_shape,
+)
 from ftopt.transforms.utility import (
     centralize,
     clip,
-    clip_by_block_rms,
     keep_params_nonnegative,
     zero_nans,
 )
@@ -221,6 +232,16 @@ __all__ = [
     "warmup_cosine_decay_schedule",
     "weight_decay",
     "yogi",
+    # Matrix-stage optimizers and their parts
+    "FactoredState",
+    "MuonMomentumState",
+    "adafactor",
+    "clip_by_block_rms",
+    "muon",
+    "scale_by_factored_rms",
+    "scale_by_muon",
+    "scale_by_param_block_rms",
+    "scale_by_shape",
 ]
 
 # optax's everyday utilities and wrappers

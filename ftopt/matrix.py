@@ -12,6 +12,17 @@ kernels (one segment before it, one after, see :mod:`ftopt.lowering.segments`) a
 matrix stage between them with torch ops on the segment's output. ``skip_zeros`` is the
 same on both backends (SPEC §3): the mask is the raw gradient's, and the stage's update
 is ``-0.0`` where it is zero.
+
+A stage may keep state (Adafactor's factored second moments,
+:mod:`ftopt.transforms.factored`): it has ``init`` and ``update`` as any transform, and
+``run_flat(u_flat, zero_flat, state, p_flat, spec, paths) -> (u_flat, state)``
+(``spec``: the updates' tree structure) and may have ``check_state`` (same arguments
+but ``zero_flat``; raises on a bad state before any kernel writes), which the
+segmented fused step calls with the stage's part of the chain's state (found by the
+state path that :func:`ftopt.stages.chain_stages` records). Statistics that are not per
+element (row and column means) are reductions, like norms under SPEC §3: they see the
+masked update (a skipped element contributes 0) and advance as usual; per-element states
+keep their bits where the raw gradient is zero.
 """
 
 from __future__ import annotations
@@ -101,6 +112,14 @@ class MatrixTransform:
         zero_flat = (tree_lib.flatten_like(spec, zero, "zero_mask", paths)
                      if zero is not None else None)
         return tree_lib.unflatten(spec, self.apply_flat(leaves, zero_flat)), state
+
+    def run_flat(self, u_flat: Sequence[Any], zero_flat: Sequence[Any] | None, state: Any,
+                 p_flat: Sequence[Any], spec: Any, paths: Sequence[str]) -> tuple[list, Any]:
+        """The stage in a segmented fused step (:mod:`ftopt.lowering.segments`): the new
+        updates and the stage's new state (``state`` is the stage's own part of the
+        chain's state; a stateless stage returns it as it is)."""
+        del p_flat, spec, paths
+        return self.apply_flat(u_flat, zero_flat), state
 
 
 def matrix_transform(name: str, fn: Callable[[torch.Tensor], torch.Tensor],

@@ -38,7 +38,7 @@ class Stages:
     and named_chain names); ``skips[i]`` says whether a ``skip_zeros`` mask applies to it.
 
     ``matrix``: the chain's matrix stages (:mod:`ftopt.matrix`) as ``(position, stage,
-    skip)``, ``position`` the number of rules before it. A chain with matrix stages also
+    skip, state_path)``, ``position`` the number of rules before it. A chain with matrix stages also
     has a ``reason`` (for a backend that runs a chain as one program); the fused backend
     splits it into elementwise segments there instead.
     """
@@ -47,7 +47,7 @@ class Stages:
     state_paths: tuple[tuple, ...] = ()
     skips: tuple[bool, ...] = ()
     reason: str | None = None
-    matrix: tuple[tuple[int, Any, bool], ...] = ()
+    matrix: tuple[tuple[int, Any, bool, tuple], ...] = ()
     segmented: bool = False  # the reason is only the matrix stages
     # With ``branches=True`` (``masked`` and ``partition`` walked into): ``positions[k]``
     # lists the stages (by index) that are alternatives at step ``k`` of the per-element
@@ -219,7 +219,7 @@ def _walk(tx, path: tuple, skip: bool, at_input: bool, stages: list, paths: list
         skips.append(skip)
         return None
     if getattr(obj, "matrix_stage", False):
-        matrix.append((len(stages), obj, skip))
+        matrix.append((len(stages), obj, skip, path))
         return None
     if isinstance(obj, SkipZeros):
         return None

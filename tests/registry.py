@@ -15,6 +15,11 @@ in pytest), and its traits:
 * ``eight_bit``: it has per-element float states that ``quantize_states`` stores in 8 bits
   (or, with ``state_dtype``, in bf16/fp16: ``tests/test_state_dtype.py``);
   ``mixed_layout``: some of them, not all (see the field);
+* ``mixes``: its update at one element reads other elements of the leaf beyond a norm (a
+  matrix stage such as Newton-Schulz or factored moments): §3's element-by-element
+  comparison with the plain chain and the per-element state layout the skip_zeros and
+  reference suites assume do not hold; ``tests/test_matrix_optimizers.py`` checks these
+  entries' float64 references and skip_zeros instead;
 * ``kind``: ``"transform"`` (a chain building block), ``"alias"`` (a whole optimizer) or
   ``"combinator"`` (wraps other transforms; ``make`` takes them as keywords).
 
@@ -148,6 +153,7 @@ class Entry:
     keeps_zero: bool = False
     fusible: bool = True
     eight_bit: bool = False
+    mixes: bool = False
     moves: bool = True  # its standalone optimizer changes the params (not set_to_zero)
     # Some states stay in the compute dtype under state_bits=8 / state_dtype (a copy of the
     # params, rules.Slot.from_params): such a leaf mixes layouts, which the kernels do not
@@ -548,11 +554,8 @@ TRANSFORMS += [
     Entry("clip", ftopt.clip, floats={"max_delta": HP(1e-3, 10.0, log=True)}, keeps_zero=True,
           example={"max_delta": 0.5}),
     Entry("keep_params_nonnegative", ftopt.keep_params_nonnegative, uses_params=True),
-    # Matrix stages (whole-leaf means and RMS): the elementwise stages around them fuse.
+    # A matrix stage (whole-leaf means): the elementwise stages around it fuse.
     Entry("centralize", ftopt.centralize),
-    Entry("clip_by_block_rms", ftopt.clip_by_block_rms,
-          floats={"threshold": HP(1e-2, 10.0, log=True, tensor=False)}, keeps_zero=True,
-          example={"threshold": 0.5}),
 ]
 
 # ---- more of optax's catalogue (ftopt.alias_more)
@@ -593,6 +596,56 @@ TRANSFORMS += [
           example={"learning_rate": 1e-2}),
 ]
 
+# ---- matrix-stage optimizers and their parts (ftopt.transforms.factored, .muon)
+TRANSFORMS += [
+    # A stateful matrix stage: its row/column means are not per-element states. The
+    # suites' default does not factor their small leaves (a transposed (4, 5) leaf has the
+    # row and column means of a (5, 4) one, so only ``v`` can tell them apart); the fuzz
+    # and tests/test_matrix_optimizers.py factor.
+    Entry("scale_by_factored_rms", ftopt.scale_by_factored_rms,
+          floats={"decay_rate": HP(0.0, 1.0, tensor=False),
+                  "epsilon": HP(1e-30, 1e-6, log=True, tensor=False)},
+          options={"min_dim_size_to_factor": (128, 2), "factored": (True, False)},
+          states=("v",), counted=True, keeps_zero=True,
+          mixes=True,
+          example={"decay_rate": 0.8}),
+    Entry("clip_by_block_rms", ftopt.clip_by_block_rms,
+          floats={"threshold": HP(0.1, 10.0, log=True)}, norms="leaf", keeps_zero=True,
+          example={"threshold": 1.0}),
+    Entry("scale_by_param_block_rms", ftopt.scale_by_param_block_rms,
+          floats={"min_scale": HP(0.0, 0.1)}, norms="leaf", uses_params=True,
+          keeps_zero=True, example={"min_scale": 1e-3}),
+    Entry("scale_by_shape", ftopt.scale_by_shape, options={"consistent_rms": (None, 0.2)},
+          keeps_zero=True),
+    # Newton-Schulz in fp32 here, so that fused and eager agree to fp32 rounding on a GPU
+    # too (bf16 iterations would amplify the last-bit differences of the momentum).
+    Entry("scale_by_muon", ftopt.scale_by_muon, floats={"beta": BETA, "eps": EPS},
+          options={"ns_dtype": (torch.float32,), "nesterov": (True, False),
+                   "adaptive": (False, True), "ns_steps": (5, 2)},
+          states=("mu",), counted=True, eight_bit=True,
+          mixes=True,
+          example={"beta": 0.95}),
+    Entry("adafactor", _mask_kw(ftopt.adafactor, "weight_decay_mask"),
+          floats={"learning_rate": LR, "decay_rate": HP(0.0, 1.0, tensor=False),
+                  "weight_decay_rate": WD},
+          options={"min_dim_size_to_factor": (128, 2), "momentum": (None, 0.9),
+                   "multiply_by_parameter_scale": (True, False),
+                   "clipping_threshold": (1.0, None),
+                   "weight_decay_mask": ("none", "ndim")},
+          kind="alias", states=("v",), counted=True, norms="leaf", uses_params=True,
+          mixes=True,
+          example={"learning_rate": 1e-2, "weight_decay_rate": 0.01}),
+    # optax's routing: a partition (2-D leaves Muon, others AdamW), which runs eagerly.
+    Entry("muon", _mask_kw(ftopt.muon, "weight_decay_mask"),
+          floats={"learning_rate": LR, "beta": BETA, "eps": EPS, "weight_decay": WD},
+          options={"ns_dtype": (torch.float32,), "nesterov": (True, False),
+                   "adaptive": (False, True), "weight_decay_mask": ("none", "ndim")},
+          kind="alias", states=("mu", "nu"), counted=True, uses_params=True,
+          fusible=False, eight_bit=True,
+          mixes=True,
+          example={"learning_rate": 1e-2, "beta": 0.95, "weight_decay": 0.01}),
+]
+
 BY_NAME: dict[str, Entry] = {e.name: e for e in TRANSFORMS}
 assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
 
@@ -612,6 +665,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "cosine_decay_schedule", "exponential_decay", "join_schedules", "linear_schedule",
     "piecewise_constant_schedule", "polynomial_schedule", "warmup_constant_schedule",
     "warmup_cosine_decay_schedule",
+    "FactoredState", "MuonMomentumState",
 })
 
 

@@ -32,6 +32,11 @@ def _unchanged(snapshot, *trees) -> bool:
         torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(snapshot, now))
 
 
+# Newton-Schulz's quintic iterations amplify the last-bit differences of their input
+# (the fused momentum) about tenfold: the agreement is fp32 rounding times that.
+TOLERANCE = {"scale_by_muon": 1e-5}
+
+
 @pytest.mark.parametrize("name", sorted(CHAINS))
 def test_fused_update_matches_eager(name):
     tx = CHAINS[name]()
@@ -46,11 +51,11 @@ def test_fused_update_matches_eager(name):
         u_e, state_e = tx.update(grads, state_e, params, backend="eager")
         for k in params:
             assert u_f[k].dtype == torch.float32 and u_f[k].shape == params[k].shape
-            assert _rel_err(u_f[k], u_e[k]) <= 1e-6, (name, k)
+            assert _rel_err(u_f[k], u_e[k]) <= TOLERANCE.get(name, 1e-6), (name, k)
         for a, b in zip(ftopt.tree.leaves(state_f), ftopt.tree.leaves(state_e)):
             assert a.dtype == b.dtype
             if a.is_floating_point():
-                assert _rel_err(a, b) <= 1e-6, name
+                assert _rel_err(a, b) <= TOLERANCE.get(name, 1e-6), name
             else:
                 assert torch.equal(a, b), name
         params = ftopt.apply_updates(params, u_e)
@@ -103,7 +108,7 @@ def test_fused_update_without_params(name):
     assert u_f["odd"] is None and u_e["odd"] is None
     for k in params:
         if k != "odd":
-            assert _rel_err(u_f[k], u_e[k]) <= 1e-6, (name, k)
+            assert _rel_err(u_f[k], u_e[k]) <= TOLERANCE.get(name, 1e-6), (name, k)
     for old, a, b in zip(ftopt.tree.leaves(state), ftopt.tree.leaves(s_f),
                          ftopt.tree.leaves(s_e)):
         if a.shape == params["odd"].shape and a.is_floating_point():

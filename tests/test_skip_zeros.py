@@ -635,7 +635,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Every alias of the test registry (each needs a Case above: its §2 parts for the oracle),
 # then the other cases (other options of an alias, the bitsandbytes chains, norms, masks).
-ALIASES = names(by_trait(kind="alias"))
+# Matrix-stage aliases (``mixes``) are checked in tests/test_matrix_optimizers.py.
+ALIASES = names(by_trait(kind="alias", mixes=False))
 COMPOSITES = [n for n in CASES if n not in BY_NAME]
 assert set(CASES) <= set(ALIASES) | set(COMPOSITES), "a Case for a registry non-alias"
 
@@ -873,7 +874,8 @@ def _single(e):
 
 
 # Every registry transform and combinator (with its registry inner transforms).
-SINGLE = {e.name: _single(e) for e in TRANSFORMS if e.kind in ("transform", "combinator")}
+SINGLE = {e.name: _single(e) for e in TRANSFORMS
+          if e.kind in ("transform", "combinator") and not e.mixes}
 
 
 @pytest.mark.parametrize("bits", [32, 8])

@@ -41,7 +41,8 @@ class ChainPlan:
     constant_hparams: list | None = None  # per stage: its hparams if constant (see execute)
     functional: dict = field(default_factory=dict)  # see lowering.functional
     # A chain with matrix stages: its parts in order, each a ChainPlan of the rules
-    # between two matrix stages or a (matrix stage, skip) pair (see lowering.segments).
+    # between two matrix stages or a (matrix stage, skip, state path) triple (see
+    # lowering.segments).
     segments: list | None = None
     seeded: bool = False  # a segment after a matrix stage: its input is not the gradient
     # ``masked``/``partition`` (see :class:`ftopt.stages.Stages`): the stages that are
@@ -107,7 +108,7 @@ def _segments(found) -> list:
     """The rules between matrix stages as sub-plans, with the matrix stages between."""
     out: list = []
     start = 0
-    bounds = [(position, (stage, skip)) for position, stage, skip in found.matrix]
+    bounds = [(position, (stage, skip, path)) for position, stage, skip, path in found.matrix]
     for end, matrix in [*bounds, (len(found.stages), None)]:
         if end > start or matrix is None:
             part = ChainPlan(list(found.stages[start:end]),

@@ -13,9 +13,13 @@ back to the eager path with nothing written.
 
 from __future__ import annotations
 
+import torch
+
 from ftopt import tree as tree_lib
+from ftopt._counts import host_count, remember_count
 from ftopt.lowering.calls import checked_call, launch_call
 from ftopt.lowering.plan import ChainPlan
+from ftopt.stages import state_at, with_state_at
 
 __all__ = ["run"]
 
@@ -27,6 +31,8 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
     parts = plan.segments
     checked = {}
     for k, part in enumerate(parts):
+        if not isinstance(part, ChainPlan) and hasattr(part[0], "check_state"):
+            part[0].check_state(state_at(state, part[2]), g_flat, p_flat, spec, paths)
         if isinstance(part, ChainPlan):
             out = output if k == len(parts) - 1 else "u"
             found, reason = checked_call(part, params, state, paths, p_flat, g_flat,
@@ -39,11 +45,16 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
     new = None
     for k, part in enumerate(parts):
         if not isinstance(part, ChainPlan):
-            stage, skip = part
+            stage, skip, path = part
             if skip and zero_flat is None:
                 zero_flat = [None if g is None else g == 0 for g in g_flat]
-            u_flat = [None if u is None else u.contiguous() for u in stage.apply_flat(
-                g_flat if u_flat is None else u_flat, zero_flat if skip else None)]
+            out_flat, stage_state = stage.run_flat(
+                g_flat if u_flat is None else u_flat, zero_flat if skip else None,
+                state_at(state, path), p_flat, spec, paths)
+            if donate:
+                stage_state = _write_back(state_at(state, path), stage_state)
+            state = with_state_at(state, path, stage_state)
+            u_flat = [None if u is None else u.contiguous() for u in out_flat]
             continue
         last = k == len(parts) - 1
         new, state = launch_call(part, checked[k], params, state, spec, paths, p_flat,
@@ -52,3 +63,18 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
         if not last:
             u_flat = tree_lib.flatten_like(spec, new, "updates", paths)
     return (new, state), None
+
+
+def _write_back(old, new):
+    """A donated stage state: ``new`` copied into ``old``'s tensors (counts keep their
+    host mirror, so the next step reads no device value)."""
+    old_flat = tree_lib.leaves(old)
+    new_flat = tree_lib.structure(old).flatten_up_to(new)
+    with torch.no_grad():
+        for o, n in zip(old_flat, new_flat):
+            if isinstance(o, torch.Tensor) and o is not n:
+                known = host_count(n) if n.ndim == 0 and not n.is_floating_point() else None
+                o.copy_(n)
+                if known is not None:
+                    remember_count(o, known)
+    return old

@@ -52,7 +52,6 @@ from ftopt.transforms.sign import ScaleByLionState, scale_by_lion, scale_by_sign
 from ftopt.transforms.utility import (
     centralize,
     clip,
-    clip_by_block_rms,
     keep_params_nonnegative,
     zero_nans,
 )
@@ -107,4 +106,4 @@ __all__ = [
 ]
 
 # optax's everyday utilities (ftopt.transforms.utility)
-__all__ += ["centralize", "clip", "clip_by_block_rms", "keep_params_nonnegative", "zero_nans"]
+__all__ += ["centralize", "clip", "keep_params_nonnegative", "zero_nans"]

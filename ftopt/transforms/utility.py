@@ -1,6 +1,7 @@
 """Everyday utilities of optax: ``zero_nans``, ``clip``, ``keep_params_nonnegative`` (each an
-elementwise rule: fused on a GPU), ``centralize`` and ``clip_by_block_rms`` (matrix stages:
-whole-leaf means and RMS, batched by shape; the elementwise stages around them stay fused).
+elementwise rule: fused on a GPU) and ``centralize`` (a matrix stage: whole-leaf means,
+batched by shape; the elementwise stages around it stay fused). ``clip_by_block_rms`` is an
+elementwise rule with a per-leaf norm (:mod:`ftopt.transforms.factored`).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ftopt.base import GradientTransformation
-from ftopt.domains import POSITIVE, check_finite
+from ftopt.domains import POSITIVE
 from ftopt.matrix import matrix_transform
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule
@@ -76,28 +77,3 @@ def centralize() -> GradientTransformation:
         return batch - batch.mean(dim=dims, keepdim=True)
 
     return matrix_transform("centralize", fn, applies=_has_matrix_shape)
-
-
-def _non_empty(leaf: torch.Tensor) -> bool:
-    return leaf.numel() > 0
-
-
-def clip_by_block_rms(threshold: float) -> GradientTransformation:
-    """Clips each leaf to a root mean square of at most ``threshold`` (as optax):
-    u ← u / max(1, rms(u)/threshold), rms(u) = √(mean(u²)) over the leaf.
-
-    A matrix stage over every non-empty leaf (the RMS reads the whole leaf); in a chain the
-    elementwise stages around it stay fused.
-
-    Args:
-        threshold: the largest RMS of a leaf's update, > 0 (a Python number).
-    """
-    threshold = check_finite("clip_by_block_rms", "threshold", threshold, POSITIVE)
-
-    def fn(batch: torch.Tensor) -> torch.Tensor:
-        flat = batch.reshape(batch.shape[0], -1)
-        rms = flat.square().mean(dim=1).sqrt()
-        denom = torch.clamp(rms / threshold, min=1.0)
-        return batch / denom.reshape((-1,) + (1,) * (batch.dim() - 1))
-
-    return matrix_transform("clip_by_block_rms", fn, applies=_non_empty)

@@ -1,0 +1,137 @@
+"""Optimizers with matrix stages (:mod:`ftopt.matrix`): ``adafactor`` and ``muon``.
+
+optax signatures and defaults, plus the keyword-only ``skip_zeros``, ``state_bits`` and
+``state_dtype`` every alias takes (:mod:`ftopt.alias`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ftopt.alias import adamw, check_state_options, finish
+from ftopt.base import GradientTransformation
+from ftopt.combine import partition
+from ftopt.schedules import ScalarOrSchedule
+from ftopt.transforms import (
+    add_decayed_weights,
+    ema,
+    scale,
+    scale_by_learning_rate,
+)
+from ftopt.transforms.factored import (
+    clip_by_block_rms,
+    scale_by_factored_rms,
+    scale_by_param_block_rms,
+)
+from ftopt.transforms.muon import DEFAULT_NS_COEFFS, scale_by_muon, scale_by_shape
+from ftopt.tree import map as tree_map
+
+__all__ = ["adafactor", "muon"]
+
+Float = float | torch.Tensor
+
+
+def adafactor(
+    learning_rate: ScalarOrSchedule | None = None,
+    min_dim_size_to_factor: int = 128,
+    decay_rate: float = 0.8,
+    decay_offset: int = 0,
+    multiply_by_parameter_scale: bool = True,
+    clipping_threshold: Float | None = 1.0,
+    momentum: Float | None = None,
+    dtype_momentum: torch.dtype = torch.float32,
+    weight_decay_rate: Float | None = None,
+    eps: float = 1e-30,
+    factored: bool = True,
+    weight_decay_mask: Any = None,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Adafactor, as optax: ``chain(scale_by_factored_rms, clip_by_block_rms(threshold),
+    scale_by_learning_rate(lr, flip_sign=False), scale_by_param_block_rms(), ema(momentum,
+    debias=False), add_decayed_weights(weight_decay_rate, weight_decay_mask), scale(-1))``,
+    each optional part present only when its argument is given (``learning_rate=None``:
+    no learning rate, the relative step of ``multiply_by_parameter_scale`` alone).
+
+    The factored second moments are a matrix stage (torch, batched by shape); every
+    stage after it fuses into one kernel. ``dtype_momentum``: the storage dtype of the
+    momentum (fp32, or bf16/fp16 as ``state_dtype``); ``state_bits=8`` stores the momentum
+    in 8 bits (the factored moments stay 32-bit).
+    """
+    check_state_options("adafactor", state_bits, state_dtype)
+    parts = [scale_by_factored_rms(factored, decay_rate, decay_offset,
+                                   min_dim_size_to_factor, eps)]
+    if clipping_threshold is not None:
+        parts.append(clip_by_block_rms(clipping_threshold))
+    if learning_rate is not None:
+        parts.append(scale_by_learning_rate(learning_rate, flip_sign=False))
+    if multiply_by_parameter_scale:
+        parts.append(scale_by_param_block_rms())
+    if momentum is not None:
+        parts.append(ema(momentum, debias=False))
+        if dtype_momentum != torch.float32 and state_dtype is None:
+            state_dtype = dtype_momentum
+    if weight_decay_rate is not None:
+        parts.append(add_decayed_weights(weight_decay_rate, weight_decay_mask))
+    parts.append(scale(-1.0))
+    return finish(parts, skip_zeros, state_bits, state_dtype)
+
+
+def _is_matrix(params: Any) -> Any:
+    return tree_map(lambda p: "muon" if isinstance(p, torch.Tensor) and p.ndim == 2
+                    else "adam", params)
+
+
+def muon(
+    learning_rate: ScalarOrSchedule,
+    ns_coeffs: Sequence = DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    beta: Float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: Float = 0.0,
+    weight_decay_mask: Any = None,
+    *,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: str = "frobenius",
+    adam_b1: Float = 0.9,
+    adam_b2: Float = 0.999,
+    adam_eps_root: Float = 0.0,
+    adam_weight_decay: Float = 0.0,
+    adam_learning_rate: ScalarOrSchedule | None = None,
+    consistent_rms: float | None = None,
+    ns_dtype: torch.dtype | None = None,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Muon, as optax.contrib.muon: 2-D leaves get ``chain(scale_by_muon(...),
+    scale_by_shape(consistent_rms), add_decayed_weights(weight_decay, weight_decay_mask),
+    scale_by_learning_rate(learning_rate))``, every other leaf ``adamw(adam_learning_rate
+    or learning_rate, adam_b1, adam_b2, eps, adam_eps_root, adam_weight_decay,
+    nesterov=nesterov)``, through :func:`ftopt.partition` (labels ``"muon"``/``"adam"``).
+
+    ``ns_dtype`` (see :func:`scale_by_muon`): ``None`` runs the Newton-Schulz iterations
+    in bfloat16 on CUDA and in fp32 elsewhere. Leaves of one shape are orthogonalised in
+    one batched ``bmm`` chain. A ``partition`` runs its parts one after the other: the
+    step is eager (foreach) torch ops around the batched matrix stage; the ``"muon"``
+    chain alone fuses its elementwise stages (see :func:`ftopt.explain`).
+    """
+    check_state_options("muon", state_bits, state_dtype)
+    matrix_part = finish([
+        scale_by_muon(ns_coeffs, ns_steps, beta, eps, nesterov=nesterov, adaptive=adaptive,
+                      preconditioning=preconditioning, ns_dtype=ns_dtype),
+        scale_by_shape(consistent_rms),
+        add_decayed_weights(weight_decay, weight_decay_mask),
+        scale_by_learning_rate(learning_rate),
+    ], skip_zeros, state_bits, state_dtype)
+    adam_part = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
+                      adam_b1, adam_b2, eps, adam_eps_root, adam_weight_decay,
+                      nesterov=nesterov, skip_zeros=skip_zeros, state_bits=state_bits,
+                      state_dtype=state_dtype)
+    return partition({"muon": matrix_part, "adam": adam_part}, _is_matrix)
