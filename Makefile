@@ -13,7 +13,7 @@ $(VENV)/.ready: pyproject.toml
 
 .PHONY: demo test lint bench fuzz
 demo: $(VENV)/.ready
-	$(PY) -m ftopt.demo
+	$(PY) -m ftopt demo
 
 # Every run starts with an empty Triton cache under build/, as on a new machine: a warm
 # cache hides failures in Triton's code generator (compiled kernels are cache hits).
