@@ -113,7 +113,8 @@ def triton_missing() -> str | None:
     try:
         import triton  # noqa: F401
     except ImportError as err:
-        return f"Triton cannot be imported ({err})"
+        return (f"Triton cannot be imported ({err}); for fused steps on a GPU: pip install "
+                "'ftopt[gpu]' (CUDA, ROCm and XPU builds of torch ship it)")
     if _interpreting():
         try:
             import numpy  # noqa: F401
