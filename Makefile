@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 $(VENV)/.ready: pyproject.toml
 	python3 -m venv $(VENV)
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,integration]'
 	touch $@
 
 .PHONY: demo test lint bench fuzz
