@@ -8,12 +8,12 @@ TORCH_SPEC ?= torch==2.13.0
 $(VENV)/.ready: pyproject.toml
 	python3 -m venv $(VENV)
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,integration]'
 	touch $@
 
 .PHONY: demo test lint bench fuzz catalogue
 demo: $(VENV)/.ready
-	$(PY) -m ftopt.demo
+	$(PY) -m ftopt demo
 
 # Every run starts with an empty Triton cache under build/, as on a new machine: a warm
 # cache hides failures in Triton's code generator (compiled kernels are cache hits).

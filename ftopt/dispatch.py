@@ -62,7 +62,11 @@ def backend(role: str) -> Any:
     try:
         found = importlib.import_module(name)
     except ImportError as err:  # an optional dependency (Triton) is not there
-        _FAILED[role] = f"the {role} backend cannot be imported ({err})"
+        hint = ""
+        if (err.name or "").split(".")[0] == "triton":
+            hint = ("; install Triton for fused steps on a GPU: pip install 'ftopt[gpu]' "
+                    "(CUDA, ROCm and XPU builds of torch ship it)")
+        _FAILED[role] = f"the {role} backend cannot be imported ({err}){hint}"
         return None
     _LOADED[role] = found
     return found

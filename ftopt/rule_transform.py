@@ -203,14 +203,16 @@ class RuleTransform:
         rule = self.rule
         us = [u_flat[i] for i in active]
         ps = [p_flat[i] for i in active] if rule.uses_params else []
-        mode = eager.choose_mode(us + ps)
+        scalars = step_scalars(rule, count, t)
+        # A tensor hyperparameter that requires grad (a meta-gradient) makes it autograd's.
+        mode = eager.choose_mode(us + ps + [v for v in scalars.values()
+                                            if isinstance(v, torch.Tensor)])
         old = {}
         for slot in rule.slots:
             old[slot.name] = [
                 self._read_slot(slot, slots_flat[slot.name][i], u_flat[i]) for i in active
             ]
         masks = [mask_flat[i] for i in active]
-        scalars = step_scalars(rule, count, t)
         result = None
         if mode == "foreach":
             chunked = dispatch.backend("chunked")

@@ -84,6 +84,12 @@ class Rule:
     domains: Mapping[str, Interval] = field(default_factory=dict)
 
 
+def hparams_require_grad(rule: Rule) -> bool:
+    """A tensor hyperparameter of ``rule`` requires grad (a meta-gradient flows through the
+    step, so it must run on the differentiable path)."""
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in rule.hparams.values())
+
+
 def hparam_values(rule: Rule, count: Any, t: Any) -> dict:
     """Hyperparameters at this step: schedules called with the count (or ``t``)."""
     at = t if rule.schedule_at_t else count

@@ -411,3 +411,17 @@ def test_scalar_leaf_updates_keep_their_dtype_with_device_counts():
     assert seen == {"s": torch.float32, "t": torch.float32, "v": torch.float32}
     u, _ = tx.update(grads, state, params)
     assert {k: v.dtype for k, v in u.items()} == seen
+
+
+@pytest.mark.parametrize("use_step", [False, True], ids=["update", "step"])
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum", "lamb"])
+def test_backward_to_a_learning_rate_that_requires_grad(name, use_step):
+    """Plain autograd (``lr.requires_grad``, params that do not) reaches the learning rate
+    with the same value as ``torch.func.grad``: such a step must not take a path that
+    writes with ``out=`` (which autograd refuses) or drops the graph."""
+    make = META[name]
+    p0, coef, target, _, lr = _problem(SEED + 2)
+    expected = torch.func.grad(lambda x: _unroll(make, x, p0, coef, target, use_step))(lr)
+    leaf = lr.clone().requires_grad_(True)
+    _unroll(make, leaf, p0, coef, target, use_step).backward()
+    _close(leaf.grad, expected, 1e-12)

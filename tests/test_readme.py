@@ -2,7 +2,10 @@
 
 import pathlib
 
+import pytest
 import torch
+
+import ftopt
 
 README = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
 
@@ -33,3 +36,24 @@ def test_readme_optimizer_example_runs():
     weight = namespace["model"][0].weight
     assert torch.equal(opt.state[weight]["mu"], checkpoint["opt"]["state"][0]["mu"])
     assert opt.state[weight]["mu"].abs().sum() > 0
+
+
+def test_readme_trainer_recipe_runs(tmp_path, monkeypatch):
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    pytest.importorskip("accelerate", reason="Trainer needs accelerate, not installed")
+    monkeypatch.chdir(tmp_path)  # it writes under build/
+    namespace: dict = {}
+    exec(compile(_snippet("## Use with Hugging Face's Trainer"), "README.md", "exec"),
+         namespace)
+    assert namespace["trainer"].state.global_step == 4
+    assert int(namespace["opt"].state_dict()["state"][0]["step"]) == 4
+
+
+def test_readme_lightning_recipe_runs(tmp_path, monkeypatch):
+    pytest.importorskip("lightning", reason="lightning is not installed")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(_snippet("In Lightning, `configure_optimizers`"), "README.md", "exec"),
+         namespace)
+    trainer = namespace["trainer"]
+    assert trainer.global_step == 4 and isinstance(trainer.optimizers[0], ftopt.Optimizer)

@@ -32,7 +32,7 @@ from ftopt.chunked.program import NotTraceable, Program, TraceOps
 from ftopt.chunked.run import check_aliases
 from ftopt.combine import Chain, SkipZeros, owner
 from ftopt.rule_transform import RuleTransform
-from ftopt.rules import compute_dtype, step_scalars
+from ftopt.rules import compute_dtype, hparams_require_grad, step_scalars
 from ftopt.stages import chain_stages
 
 __all__ = ["eager_step", "Unsupported"]
@@ -120,6 +120,8 @@ def _prepare(tx, stages, params, grads, state, donate: bool) -> _Prepared:
     columns = [(f"{k}:{name}", leaves) for k, by_name in enumerate(slots)
                for name, leaves in by_name.items()]
     grad_mode = torch.is_grad_enabled()
+    if grad_mode and any(hparams_require_grad(stage.rule) for stage, _ in stages):
+        raise Unsupported  # a differentiable step: autograd needs the loop mode
     tensor = torch.Tensor
     strided = torch.strided
     quant_min = min((stage.quant.min_size for stage, _ in stages if stage.quant is not None

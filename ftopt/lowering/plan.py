@@ -21,7 +21,7 @@ from ftopt.combine import owner
 from ftopt.lowering import tiles
 from ftopt.lowering.codegen import trace_chain
 from ftopt.rule_transform import RuleTransform
-from ftopt.rules import QuantizedSlot, step_scalars
+from ftopt.rules import QuantizedSlot, hparams_require_grad, step_scalars
 from ftopt.stages import chain_stages, state_at
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -138,7 +138,8 @@ def triton_missing() -> str | None:
     try:
         import triton  # noqa: F401
     except ImportError as err:
-        return f"Triton cannot be imported ({err})"
+        return (f"Triton cannot be imported ({err}); for fused steps on a GPU: pip install "
+                "'ftopt[gpu]' (CUDA, ROCm and XPU builds of torch ship it)")
     if _interpreting():
         try:
             import numpy  # noqa: F401
@@ -173,6 +174,11 @@ def call_reason(plan: ChainPlan, p_flat, g_flat, active, backend: str,
             if p_flat[i].requires_grad:
                 return (f"param requires grad at {where[i]} and grad mode is on "
                         "(differentiable step)")
+    if not donate and torch.is_grad_enabled():
+        for stage in plan.stages:
+            if hparams_require_grad(stage.rule):
+                return (f"a hyperparameter of {stage.rule.name} requires grad and grad "
+                        "mode is on (differentiable step)")
     if grads_too and torch.is_grad_enabled():
         for i in active:
             if g_flat[i].requires_grad:
