@@ -123,8 +123,30 @@ def test_kernel_encodes_like_eager(name, encoder, monkeypatch):
     assert fused.unique().numel() > 200 if encoder == "arithmetic" else True
 
 
-def test_generated_source_has_two_gathers_per_encode():
-    """The arithmetic encoder loads the map twice per element; the search ten times."""
-    for encoder, loads in (("arithmetic", 2), ("search", 10)):
+def test_generated_source_has_one_gather_per_encode():
+    """The arithmetic encoder loads the table once per element; the search ten times."""
+    for encoder, loads in (("arithmetic", 1), ("search", 10)):
         lines = quantized.store_lines("st0_mu", "st0_mu_old", "x", True, None, False, encoder)
         assert sum(line.count("tl.load(qmap_signed_ptr") for line in lines) == loads
+
+
+@pytest.mark.parametrize("name", list(MAPS))
+def test_boundaries_are_exactly_where_the_upper_code_gets_nearer(name):
+    """``boundaries[lo]`` is the first float32 at which the table search's rule
+    ``qmap[lo+1] - v < v - qmap[lo]`` holds: it holds there and at the next float32 up,
+    and not at the float32 below; the kernel table holds the map, then them."""
+    qmap = create_dynamic_map(MAPS[name])
+    b = quantized.boundaries(qmap)
+    q0, q1 = qmap[:-1], qmap[1:]
+
+    def rule(v):
+        return (q1 - v) < (v - q0)
+
+    inf = torch.tensor(float("inf"))
+    assert torch.isfinite(b).all()
+    assert rule(b).all() and rule(torch.nextafter(b, inf)).all()
+    assert not rule(torch.nextafter(b, -inf)).any()
+    assert ((q0 < b) & (b <= q1)).all()
+    table = quantized.kernel_table(qmap)
+    assert table.shape == (512,) and torch.equal(table[:256], qmap)
+    assert torch.equal(table[256:511], b) and table[511] == inf

@@ -20,10 +20,9 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
-from ftopt.lowering import branches, checks, launch, tiles
+from ftopt.lowering import branches, checks, launch, quantized, tiles
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.plan import ChainPlan, host_step, planned_states, remember
-from ftopt.quant import dynamic_map
 from ftopt.rules import QuantizedSlot, step_scalars
 
 _data_ptr = torch.Tensor.data_ptr
@@ -171,7 +170,8 @@ class PreparedStep:
             group.skip_tiles = bool(quant_block and donate and output == "p"
                                     and traced.skips and all(traced.skips))
             if quant_block:
-                group.qmaps = (dynamic_map(True, self.device), dynamic_map(False, self.device))
+                group.qmaps = (quantized.table(True, self.device),
+                               quantized.table(False, self.device))
             roles = _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
                                  x_flat)
             group.addresses = {r: _addresses(ts, self.device) for r, ts in roles.items()}

@@ -228,7 +228,7 @@ def slot_reason(plan: ChainPlan, slot_flat, active, paths: list[str]) -> str | N
     """Why these states cannot be read by the kernels (``None`` if they can), naming the
     first offending leaf. Errors (a wrong kind of state) were raised before."""
     blocks = {s.quant.block_size for s in plan.stages if s.quant is not None and s.rule.slots}
-    if len(blocks) > 1 or any(tiles.QUANT_TILE[0] % b for b in blocks):
+    if len(blocks) > 1 or any(tiles.quant_tile(b)[0] % b for b in blocks):
         return (f"8-bit block sizes {sorted(blocks)} do not divide the kernel block "
                 f"{tiles.QUANT_TILE[0]}")
     for i in active:

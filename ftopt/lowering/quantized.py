@@ -18,19 +18,28 @@ a code in either direction (checked by ``tests/test_quant_arith.py``, which move
 that much; every float32 in [-1, 1] (signed map) and in [0, 1] (unsigned) was also
 checked once against the table search). That is far beyond float32 rounding, and the
 kernels are compiled without fma contraction, so the GPU rounds the guess as
-:func:`arithmetic_codes` does anyway. ONE comparison of the two gathered neighbours,
-``qmap[lo+1] - v < v - qmap[lo]``, the same float32 operations as the table search, then
-gives bit-identical codes, ties included.
+:func:`arithmetic_codes` does anyway. The table search then takes ``lo + 1`` where
+``qmap[lo+1] - v < v - qmap[lo]`` in float32. Both sides of that comparison are monotone
+in ``v`` (float32 subtraction rounds monotonically), so it holds exactly from one float32
+value on: ``v >= boundary[lo]``, the smallest such value, found once per map by a
+bisection over the float32 bit patterns (:func:`boundaries`). The kernels read it from
+the second half of a 512-entry table (:func:`kernel_table`: the map, then the
+boundaries): ONE gather and one compare give the table search's codes bit for bit, ties
+included, where two gathers did before.
 
-Gathers per element and quantized slot (all from the 1 KiB map, so L1 hits):
-  arithmetic: 1 to decode + 2 to encode = 3 (Adam, two slots: 6);
+Gathers per element and quantized slot (all from the 2 KiB table, so L1 hits):
+  arithmetic: 1 to decode + 1 to encode = 2 (Adam, two slots: 4);
   search (``ENCODER = "search"``, the former 8-step binary search plus the two
   neighbours): 1 + 10 = 11 (Adam: 22).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from ftopt.quant import dynamic_map
 
 # "arithmetic" or "search" (the binary search, kept to time one against the other): the
 # encoder of the kernels launched from now on (part of their variant, so switching it
@@ -62,6 +71,56 @@ def _guess_constants(signed: bool) -> tuple[list[float], list[float], list[float
     return [_f32(t) for t in _THRESHOLDS], a_consts, c_consts
 
 
+def _ordered(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int64 keys in the order of the values (-0.0 just below +0.0)."""
+    bits = x.to(torch.float32).view(torch.int32).to(torch.int64)
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)
+
+
+def _from_ordered(keys: torch.Tensor) -> torch.Tensor:
+    bits = torch.where(keys < 0, (-(keys + 1)) | -0x80000000, keys)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def boundaries(qmap: torch.Tensor) -> torch.Tensor:
+    """Per ``lo`` in 0..254, the smallest float32 ``v`` with
+    ``qmap[lo+1] - v < v - qmap[lo]`` (float32): the nearest-code rule of the table search
+    takes ``lo + 1`` exactly for ``v >= boundaries[lo]``. (+inf where it never does.)"""
+    q = qmap.to(torch.float32).cpu()
+    q0, q1 = q[:-1], q[1:]
+
+    def upper_nearer(v: torch.Tensor) -> torch.Tensor:
+        return (q1 - v) < (v - q0)
+
+    # The predicate is false at q0 and true at q1 where q1 > q0; bisect in between.
+    lo, hi = _ordered(q0), _ordered(q1)
+    never = ~upper_nearer(q1)
+    for _ in range(40):
+        mid = (lo + hi).div(2, rounding_mode="floor")
+        take = upper_nearer(_from_ordered(mid))
+        hi = torch.where(take, mid, hi)
+        lo = torch.where(take, lo, mid)
+        if bool((hi - lo <= 1).all()):
+            break
+    out = _from_ordered(hi)
+    return torch.where(never, torch.full_like(out, float("inf")), out)
+
+
+def kernel_table(qmap: torch.Tensor) -> torch.Tensor:
+    """What the kernels read for a map: its 256 values, then its 255 boundaries
+    (:func:`boundaries`) and one +inf, on ``qmap``'s device."""
+    b = boundaries(qmap)
+    return torch.cat([qmap.to(torch.float32).cpu(), b, b.new_full((1,), float("inf"))]).to(
+        qmap.device)
+
+
+@functools.cache
+def table(signed: bool, device: torch.device) -> torch.Tensor:
+    """The kernels' table of the default signed or unsigned map on ``device``, cached
+    (:func:`kernel_table`); read-only."""
+    return kernel_table(dynamic_map(signed, "cpu")).to(device)
+
+
 def arithmetic_codes(v: torch.Tensor, qmap: torch.Tensor, signed: bool,
                      slack: float = 0.0) -> torch.Tensor:
     """The kernel's arithmetic encoder in torch, operation for operation (float32).
@@ -82,8 +141,7 @@ def arithmetic_codes(v: torch.Tensor, qmap: torch.Tensor, signed: bool,
     if signed:
         lo = torch.where(v < 0.0, torch.clamp_min(253 - lo, 0), lo)
     lo = lo.long()
-    take_hi = (qmap[lo + 1] - v) < (v - qmap[lo])
-    return torch.where(take_hi, lo + 1, lo)
+    return torch.where(v >= kernel_table(qmap).to(v.device)[256 + lo], lo + 1, lo)
 
 
 def _arithmetic_lines(q: str, qmap: str, signed: bool, shape: str) -> list[str]:
@@ -98,8 +156,8 @@ def _arithmetic_lines(q: str, qmap: str, signed: bool, shape: str) -> list[str]:
     lines.append(f"{q}_lo = ({q}_a * {q}_big - {q}_off).to(tl.int32)")
     if signed:
         lines.append(f"{q}_lo = tl.where({q}_v < 0.0, tl.maximum(253 - {q}_lo, 0), {q}_lo)")
-    lines.append(f"{q}_code = tl.where(tl.load({qmap} + {q}_lo + 1) - {q}_v < "
-                 f"{q}_v - tl.load({qmap} + {q}_lo), {q}_lo + 1, {q}_lo)")
+    lines.append(f"{q}_code = tl.where({q}_v >= tl.load({qmap} + 256 + {q}_lo), "
+                 f"{q}_lo + 1, {q}_lo)")
     return lines
 
 

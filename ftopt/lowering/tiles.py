@@ -23,18 +23,31 @@ NUM_WARPS = int(os.environ.get("FTOPT_NUM_WARPS", "4"))
 # FTOPT_IN_PLACE_TILE ("BLOCKxWARPS") overrides it.
 IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
     "FTOPT_IN_PLACE_TILE", "2048x4" if INTERPRETING else "512x4").split("x"))
-# Kernels with 8-bit slots are bound by their code-map lookups, not by memory: 1024/4
-# is 3% faster than 512/4 there (H200). A multiple of every 8-bit block size that fuses.
-# FTOPT_QUANT_TILE overrides it.
+# Kernels with 8-bit slots are not bound by memory: one 256-element block per program
+# with 2 warps is the fastest tile (H200, Adam, one 64M tensor / GPT-2 tree: 256/2 0.599
+# / 1.118 ms, 256/1 0.597 / 1.122, 512/4 0.699 / 1.298, 1024/4 0.785 / 1.463; a block's
+# absmax is then one reduction over the program). Larger 8-bit blocks get one block per
+# program (quant_tile). FTOPT_QUANT_TILE overrides it.
 QUANT_TILE = tuple(int(x) for x in os.environ.get(
-    "FTOPT_QUANT_TILE", "4096x4" if INTERPRETING else "1024x4").split("x"))
+    "FTOPT_QUANT_TILE", "4096x4" if INTERPRETING else "256x2").split("x"))
 
 
 def tile(traced, quant_block: int = 0) -> tuple[int, int]:
     """(elements, warps) per program of ``traced``'s kernels (``quant_block``: the
     group's 8-bit block size, 0 for fp32 slots)."""
     if quant_block:
-        return QUANT_TILE
+        return quant_tile(quant_block)
     if traced.in_place:
         return IN_PLACE_TILE
     return BLOCK, NUM_WARPS
+
+
+def quant_tile(quant_block: int) -> tuple[int, int]:
+    """(elements, warps) per program of a kernel with 8-bit slots of ``quant_block``
+    elements per absmax: :data:`QUANT_TILE`, or one block per program (warps scaled up to
+    8) for blocks larger than its tile. A block size that divides neither cannot fuse
+    (:func:`ftopt.lowering.plan.slot_reason`)."""
+    block, warps = QUANT_TILE
+    if quant_block > block and quant_block % block == 0:
+        return quant_block, min(8, warps * (quant_block // block))
+    return block, warps
