@@ -210,6 +210,7 @@ class PreparedStep:
         if states is None:
             return None
         out = []
+        branched = self.plan.branched
         for stage, st in zip(self.plan.stages, states):
             if stage.rule.counted:
                 out.append(st.count)
@@ -221,6 +222,9 @@ class PreparedStep:
                         leaves = self.spec.flatten_up_to(tree)
                     except (ValueError, TypeError):
                         return None
+                if stage.quant is None and not branched:
+                    out += leaves  # plain tensors, one per leaf (the common case)
+                    continue
                 for leaf in leaves:
                     if isinstance(leaf, QuantizedSlot):
                         out += leaf
