@@ -160,6 +160,11 @@ def _port_stage(stage, st, layout: PortLayout, entries: dict, step, where: str):
             index, entry = entries[leaf_index]
             keys = _SLOTS[stage.rule.name][slot.name]
             if entry.get(keys[0]) is None:
+                held = [k[0] for k in _SLOTS[stage.rule.name].values() if k[0] in entry]
+                if held:
+                    raise ValueError(f"{where}: param {index}: bitsandbytes state holds "
+                                     f"{held} but no {keys[0]!r}: a one-state optimizer "
+                                     "(Lion, SGD, RMSprop, Adagrad), not Adam")
                 out.append(leaf)  # never stepped in bitsandbytes: the initial state
                 continue
             block = stage.quant.block_size if stage.quant is not None else None

@@ -215,6 +215,10 @@ def test_what_cannot_be_ported_names_the_param_and_the_reason():
     sd["param_groups"][0]["betas"] = BETAS  # past the group check: the state's shape
     with pytest.raises(ValueError, match=r"param 2: bitsandbytes state 'state1' is \(2, 16\)"):
         ftopt.from_bnb_state_dict(sd, _tx(), params)
+    lion = bnb.optim.Lion8bit(tensors, lr=LR)
+    _bnb_steps(lion, tensors, grads)
+    with pytest.raises(ValueError, match=r"param \d: .*\['state1'\] but no 'state2'.*Lion"):
+        ftopt.from_bnb_state_dict(lion.state_dict(), _tx(), params)
     with pytest.raises(ValueError, match="L2"):
         l2 = ftopt.chain(ftopt.add_decayed_weights(WD), ftopt.scale_by_adam(),
                          ftopt.scale_by_learning_rate(LR))
