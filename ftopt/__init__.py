@@ -21,6 +21,7 @@ from ftopt.alias_variants import (
     yogi,
 )
 from ftopt.base import EmptyState, GradientTransformation, set_to_zero, stateless
+from ftopt.bnb_port import from_bnb_state_dict, to_bnb_state_dict
 from ftopt.checkpoint import load_state_dict, state_dict
 from ftopt.combine import (
     MaskedState,
@@ -172,6 +173,7 @@ __all__ = [
     "ema",
     "explain",
     "exponential_decay",
+    "from_bnb_state_dict",
     "from_torch_state_dict",
     "state_dict",
     "load_state_dict",
@@ -225,6 +227,7 @@ __all__ = [
     "skip_zeros",
     "stateless",
     "step",
+    "to_bnb_state_dict",
     "to_torch_state_dict",
     "trace",
     "tree",

@@ -103,20 +103,20 @@ def _given_order(params: Any) -> list[tuple]:
     return out
 
 
-class _Layout:
+class PortLayout:
     """The transform's stages over ``params``: leaves in optree order, and the optree
     leaf index of each torch param index."""
 
     def __init__(self, tx: GradientTransformation, params: Any, groups: list | None,
-                 where: str):
+                 where: str, known: Mapping = _SLOTS, library: str = "torch.optim"):
         check_transform(tx, f"{where}: argument tx")
         found = chain_stages(tx)
         if found.reason:
             raise ValueError(f"{where}: tx must be a chain of ftopt transforms "
                              f"({found.reason})")
         for stage in found.stages:
-            if stage.rule.slots and stage.rule.name not in _SLOTS:
-                raise ValueError(f"{where}: {stage.rule.name} has no torch.optim "
+            if stage.rule.slots and stage.rule.name not in known:
+                raise ValueError(f"{where}: {stage.rule.name} has no {library} "
                                  "counterpart")
         self.stages, self.paths = found.stages, found.state_paths
         self.spec = optree.tree_structure(params, none_is_leaf=False, namespace="ftopt")
@@ -137,7 +137,7 @@ class _Layout:
                                 names_in_order[:names_in_order.index("trace")])
 
 
-def _groups_by_index(groups: list, n: int, where: str) -> dict[int, dict]:
+def groups_by_index(groups: list, n: int, where: str) -> dict[int, dict]:
     by_index = {}
     for g in groups:
         for i in g["params"]:
@@ -148,7 +148,7 @@ def _groups_by_index(groups: list, n: int, where: str) -> dict[int, dict]:
     return by_index
 
 
-def _check_group(group: dict, index: int, where: str) -> None:
+def check_group(group: dict, index: int, where: str) -> None:
     for option, plain in _GROUP_OPTIONS.items():
         if option in group and group[option] != plain:
             raise ValueError(f"{where}: param {index}: {option}={group[option]!r} cannot "
@@ -185,12 +185,12 @@ def from_torch_state_dict(torch_sd: dict, tx: GradientTransformation, params: An
     if not isinstance(torch_sd, Mapping) or {"state", "param_groups"} - set(torch_sd):
         raise ValueError(f"{where}: expected a torch optimizer state_dict (a dict with "
                          "'state' and 'param_groups')")
-    layout = _Layout(tx, params, torch_sd["param_groups"], where)
+    layout = PortLayout(tx, params, torch_sd["param_groups"], where)
     n = len(layout.leaves)
-    groups = _groups_by_index(torch_sd["param_groups"], n, where)
+    groups = groups_by_index(torch_sd["param_groups"], n, where)
     entries = {}
     for index in range(n):
-        _check_group(groups[index], index, where)
+        check_group(groups[index], index, where)
         entry = torch_sd["state"].get(index) or {}
         entry = {k: v for k, v in entry.items() if v is not None}
         used = {"step"} | {key for s in layout.stages
@@ -200,7 +200,7 @@ def from_torch_state_dict(torch_sd: dict, tx: GradientTransformation, params: An
             raise ValueError(f"{where}: param {index}: torch state {key!r} cannot be "
                              f"ported ({reason})")
         entries[layout.order[index]] = (index, entry)
-    step = _common_step(layout, entries, where)
+    step = common_step(layout, entries, where)
     with torch.no_grad():
         state = tx.init(params)
         for stage, path in zip(layout.stages, layout.paths):
@@ -210,7 +210,7 @@ def from_torch_state_dict(torch_sd: dict, tx: GradientTransformation, params: An
     return state
 
 
-def _common_step(layout: _Layout, entries: dict, where: str) -> int | None:
+def common_step(layout: PortLayout, entries: dict, where: str) -> int | None:
     counted = any(s.rule.counted for s in layout.stages)
     steps = {}
     for index, entry in entries.values():
@@ -237,7 +237,7 @@ def _common_step(layout: _Layout, entries: dict, where: str) -> int | None:
     return int(value)
 
 
-def _port_stage(stage, st, layout: _Layout, entries: dict, groups: dict, step, where):
+def _port_stage(stage, st, layout: PortLayout, entries: dict, groups: dict, step, where):
     values = {}
     if stage.rule.counted:
         values["count"] = torch.full_like(st.count, step)
@@ -292,10 +292,10 @@ def to_torch_state_dict(state: Any, tx: GradientTransformation, params: Any, *,
         tensors.
     """
     where = "to_torch_state_dict"
-    layout = _Layout(tx, params, param_groups, where)
+    layout = PortLayout(tx, params, param_groups, where)
     n = len(layout.leaves)
     groups = param_groups if param_groups is not None else [_torch_group(layout, n, where)]
-    by_index = _groups_by_index(groups, n, where)
+    by_index = groups_by_index(groups, n, where)
     counts = [int(state_at(state, path).count) for stage, path in
               zip(layout.stages, layout.paths) if stage.rule.counted]
     if len(set(counts)) > 1:
@@ -326,7 +326,7 @@ def to_torch_state_dict(state: Any, tx: GradientTransformation, params: Any, *,
     return {"state": out, "param_groups": [dict(g) for g in groups]}
 
 
-def _hparam(layout: _Layout, rule: str, name: str, where: str):
+def read_hparam(layout: PortLayout, rule: str, name: str, where: str):
     for stage in layout.stages:
         if stage.rule.name == rule:
             value = stage.rule.hparams[name]
@@ -337,30 +337,30 @@ def _hparam(layout: _Layout, rule: str, name: str, where: str):
     return None
 
 
-def _torch_group(layout: _Layout, n: int, where: str) -> dict:
+def _torch_group(layout: PortLayout, n: int, where: str) -> dict:
     """Torch hyperparameters read off the transform (see :func:`to_torch_state_dict`)."""
     names = [s.rule.name for s in layout.stages]
-    lr = _hparam(layout, "scale_by_learning_rate", "learning_rate", where)
-    wd = _hparam(layout, "add_decayed_weights", "weight_decay", where) or 0.0
+    lr = read_hparam(layout, "scale_by_learning_rate", "learning_rate", where)
+    wd = read_hparam(layout, "add_decayed_weights", "weight_decay", where) or 0.0
     group: dict[str, Any] = {"lr": lr if lr is not None else 1.0, "weight_decay": wd}
     if "scale_by_adam" in names:
         decoupled = ("add_decayed_weights" in names
                      and names.index("add_decayed_weights") > names.index("scale_by_adam"))
-        group.update(betas=(_hparam(layout, "scale_by_adam", "b1", where),
-                            _hparam(layout, "scale_by_adam", "b2", where)),
-                     eps=_hparam(layout, "scale_by_adam", "eps", where),
+        group.update(betas=(read_hparam(layout, "scale_by_adam", "b1", where),
+                            read_hparam(layout, "scale_by_adam", "b2", where)),
+                     eps=read_hparam(layout, "scale_by_adam", "eps", where),
                      amsgrad=False, maximize=False, decoupled_weight_decay=decoupled)
     elif "scale_by_rms" in names:
-        group.update(alpha=_hparam(layout, "scale_by_rms", "decay", where),
-                     eps=_hparam(layout, "scale_by_rms", "eps", where),
-                     momentum=_hparam(layout, "trace", "decay", where) or 0.0,
+        group.update(alpha=read_hparam(layout, "scale_by_rms", "decay", where),
+                     eps=read_hparam(layout, "scale_by_rms", "eps", where),
+                     momentum=read_hparam(layout, "trace", "decay", where) or 0.0,
                      centered=False)
     elif "scale_by_rss" in names:
-        group.update(eps=_hparam(layout, "scale_by_rss", "eps", where), lr_decay=0.0,
-                     initial_accumulator_value=_hparam(layout, "scale_by_rss",
+        group.update(eps=read_hparam(layout, "scale_by_rss", "eps", where), lr_decay=0.0,
+                     initial_accumulator_value=read_hparam(layout, "scale_by_rss",
                                                        "initial_accumulator_value", where))
     else:
-        group.update(momentum=_hparam(layout, "trace", "decay", where) or 0.0,
+        group.update(momentum=read_hparam(layout, "trace", "decay", where) or 0.0,
                      dampening=0.0, nesterov=False)
     group["params"] = list(range(n))
     return group

@@ -660,6 +660,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ScaleByAdanState", "MadgradState", "ScaleByRpropState",
     "apply_updates", "step", "explain", "schedules", "tree",
     "Optimizer", "from_torch_state_dict", "to_torch_state_dict", "state_dict",
+    "from_bnb_state_dict", "to_bnb_state_dict",
     "load_state_dict",
     "ademamix_alpha_warmup", "ademamix_b3_warmup", "constant_schedule",
     "cosine_decay_schedule", "exponential_decay", "join_schedules", "linear_schedule",

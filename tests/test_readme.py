@@ -24,8 +24,53 @@ def test_readme_example_runs():
     assert int(namespace["state"][1][0].count) == 2  # two steps of scale_by_adam
 
 
+def _run(after: str) -> dict:
+    namespace: dict = {}
+    exec(compile(_snippet(after), "README.md", "exec"), namespace)
+    return namespace
+
+
+def test_readme_plain_loop_runs():
+    torch.manual_seed(0)
+    namespace = _run("### A plain loop")
+    model, params = namespace["model"], namespace["params"]
+    assert int(namespace["state"][0].count) == 50
+    for name, p in model.named_parameters():
+        assert params[name] is p  # donated: the model's own tensors, written in place
+    x = torch.randn(256, 16)
+    loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+    assert loss < 0.5 * x.sum(1).var()  # it learned
+
+
+def test_readme_torch_func_example_runs():
+    torch.manual_seed(0)
+    namespace = _run("### torch.func")
+    loss = namespace["loss_fn"](namespace["params"])
+    assert loss < 0.9 * namespace["first"]
+    assert int(namespace["state"][0].count) == 100
+
+
+def test_readme_torch_porting_example_runs():
+    namespace = _run("### Porting a checkpoint")
+    opt, state, back = namespace["torch_opt"], namespace["state"], namespace["back"]
+    weight = namespace["model"].weight
+    assert torch.equal(state[0].mu["weight"], opt.state[weight]["exp_avg"])
+    assert int(state[0].count) == 3
+    assert torch.equal(back["state"][0]["exp_avg_sq"], opt.state[weight]["exp_avg_sq"])
+
+
+def test_readme_bnb_porting_example_runs():
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
+    namespace = _run("bitsandbytes' Adam and AdamW, 8-bit blockwise or 32-bit")
+    opt, state = namespace["bnb_opt"], namespace["state"]
+    weight = namespace["model"].weight
+    assert torch.equal(state[0].mu["weight"].codes, opt.state[weight]["state1"])
+    assert state[0].mu["bias"].dtype == torch.float32
+    assert opt.state[weight]["step"] == 3 and int(state[0].count) == 3
+
+
 def test_readme_optimizer_example_runs():
-    code = _snippet("## Use with torch.optim")
+    code = _snippet("### nn.Module and torch's optimizer API")
     namespace: dict = {}
     exec(compile(code, "README.md", "exec"), namespace)
     opt, sched, checkpoint = namespace["opt"], namespace["sched"], namespace["checkpoint"]
@@ -43,7 +88,7 @@ def test_readme_trainer_recipe_runs(tmp_path, monkeypatch):
     pytest.importorskip("accelerate", reason="Trainer needs accelerate, not installed")
     monkeypatch.chdir(tmp_path)  # it writes under build/
     namespace: dict = {}
-    exec(compile(_snippet("## Use with Hugging Face's Trainer"), "README.md", "exec"),
+    exec(compile(_snippet("### Hugging Face's Trainer"), "README.md", "exec"),
          namespace)
     assert namespace["trainer"].state.global_step == 4
     assert int(namespace["opt"].state_dict()["state"][0]["step"]) == 4
