@@ -33,6 +33,7 @@ from ftopt.combine import (
     skip_zeros,
 )
 from ftopt.finite import ApplyIfFiniteState, apply_if_finite
+from ftopt.lookahead import LookaheadParams, LookaheadState, lookahead
 from ftopt.lowering.explain import explain
 from ftopt.optim import Optimizer
 from ftopt.quantize import quantize_states
@@ -115,6 +116,7 @@ from ftopt.transforms.utility import (
     zero_nans,
 )
 from ftopt.update import apply_updates, step
+from ftopt.wrappers import InjectHyperparamsState, MultiSteps, MultiStepsState, inject_hyperparams
 
 # The backends, installed where ftopt is imported (imported on first use, except the
 # torch.compile entry, which needs no Triton): the core reaches them only through
@@ -249,9 +251,16 @@ __all__ = [
 
 # optax's everyday utilities and wrappers
 __all__ += [
+    "InjectHyperparamsState",
+    "LookaheadParams",
+    "LookaheadState",
+    "MultiSteps",
+    "MultiStepsState",
     "centralize",
     "clip",
     "clip_by_block_rms",
+    "inject_hyperparams",
     "keep_params_nonnegative",
+    "lookahead",
     "zero_nans",
 ]

@@ -21,7 +21,12 @@ in pytest), and its traits:
   reference suites assume do not hold; ``tests/test_matrix_optimizers.py`` checks these
   entries' float64 references and skip_zeros instead;
 * ``kind``: ``"transform"`` (a chain building block), ``"alias"`` (a whole optimizer) or
-  ``"combinator"`` (wraps other transforms; ``make`` takes them as keywords).
+  ``"combinator"`` (wraps other transforms; ``make`` takes them as keywords);
+* ``bookkeeping``: its state holds 0-d values that are neither step counts nor
+  per-element state (``apply_if_finite``'s flags, ``MultiSteps``' micro-step counters,
+  ``inject_hyperparams``' values): suites that expect only counts and slots leave them out;
+* ``calls_per_step``: with its ``defaults()``, the inner step counts advance once every
+  this many calls (``MultiSteps``' ``every_k_schedule``), not on every call.
 
 Hyperparameters are drawn inside the domains the constructors accept (SPEC §2, §4), at the
 edges some of the time; float ones may be drawn as 0-d tensors. For the property suites an
@@ -162,6 +167,12 @@ class Entry:
     mixed_layout: bool = False
     example: dict[str, Any] = field(default_factory=dict)  # hand-picked hyperparameters
     inner: tuple[str, ...] = ()  # combinators: the registry entries standalone() wraps
+    bookkeeping: bool = False
+    calls_per_step: int = 1
+
+    def steps_after(self, calls: int) -> int:
+        """How far its step counts have advanced after ``calls`` calls from ``init``."""
+        return calls // self.calls_per_step
 
     @property
     def exported(self) -> str:
@@ -413,7 +424,7 @@ TRANSFORMS: list[Entry] = [
           lambda inner=(), max_consecutive_errors=2: ftopt.apply_if_finite(
               inner[0], max_consecutive_errors),
           options={"max_consecutive_errors": (0, 2)}, kind="combinator", fusible=False,
-          inner=("scale_by_adam",)),
+          inner=("scale_by_adam",), bookkeeping=True),
     Entry("quantize_states",
           lambda inner=(), bits=8, min_size=0, state_dtype=None: ftopt.quantize_states(
               inner[0], bits=bits, min_size=min_size, state_dtype=state_dtype),
@@ -556,6 +567,19 @@ TRANSFORMS += [
     Entry("keep_params_nonnegative", ftopt.keep_params_nonnegative, uses_params=True),
     # A matrix stage (whole-leaf means): the elementwise stages around it fuse.
     Entry("centralize", ftopt.centralize),
+    # Wrappers (ftopt.wrappers): eager bookkeeping around an inner transform.
+    Entry("MultiSteps",
+          lambda inner=(), every_k_schedule=2, use_grad_mean=True: ftopt.MultiSteps(
+              inner[0], every_k_schedule, use_grad_mean).gradient_transformation(),
+          options={"every_k_schedule": (2, 1, 3), "use_grad_mean": (True, False)},
+          kind="combinator", fusible=False, inner=("scale_by_adam",), bookkeeping=True,
+          calls_per_step=2),
+    Entry("inject_hyperparams",
+          lambda inner=(), learning_rate=1e-2, b1=0.9: ftopt.inject_hyperparams(ftopt.adam)(
+              learning_rate=learning_rate, b1=b1),
+          floats={"learning_rate": HP(1e-4, 1e-1, log=True, tensor=False), "b1": BETA},
+          kind="combinator", fusible=False, states=("mu", "nu"), bookkeeping=True,
+          example={"learning_rate": 1e-2, "b1": 0.9}),
 ]
 
 # ---- more of optax's catalogue (ftopt.alias_more)
@@ -649,9 +673,16 @@ TRANSFORMS += [
 BY_NAME: dict[str, Entry] = {e.name: e for e in TRANSFORMS}
 assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
 
+# Transforms whose params are not the gradients' tree (lookahead: a LookaheadParams pair
+# of fast and slow weights, the gradients those of the fast ones), so no registry suite
+# can drive them: each names the test file that covers its contract instead.
+PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py"}
+
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({
-    "ApplyIfFiniteState", "EmptyState", "GradientTransformation", "MaskedState",
+    "ApplyIfFiniteState", "InjectHyperparamsState", "LookaheadParams", "LookaheadState",
+    "MultiStepsState", "EmptyState",
+    "GradientTransformation", "MaskedState",
     "PartitionState",
     "ScaleByAdamState", "ScaleByAdemamixState", "ScaleByLionState", "ScaleByRmsState",
     "ScaleByRssState", "ScaleByScheduleState", "TraceState",

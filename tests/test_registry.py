@@ -1,9 +1,10 @@
 """The test registry (``tests/registry.py``) covers every export of ``ftopt``.
 
 A new export must land either in the registry (it builds a ``GradientTransformation``) or
-in ``registry.NOT_TRANSFORMS``; an export annotated to return a ``GradientTransformation``
-cannot hide in the second list. Every entry builds from its own hyperparameter draws, and
-its traits match what the built transform does.
+in ``registry.NOT_TRANSFORMS`` (or, where its params are not the gradients' tree, in
+``registry.PARAMS_WRAPPERS`` with its own test file); an export annotated to return a
+``GradientTransformation`` cannot hide in the second list. Every entry builds from its own
+hyperparameter draws, and its traits match what the built transform does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import registry
 import torch
 from fuzz_cases import RandomSource
-from registry import BY_NAME, NOT_TRANSFORMS, TRANSFORMS, by_trait
+from registry import BY_NAME, NOT_TRANSFORMS, PARAMS_WRAPPERS, TRANSFORMS, by_trait
 
 import ftopt
 from ftopt.base import GradientTransformation
@@ -31,10 +32,16 @@ REGISTERED = {e.exported for e in TRANSFORMS}
 
 def test_every_export_is_classified():
     exported = set(ftopt.__all__)
-    missing = exported - REGISTERED - NOT_TRANSFORMS
+    wrappers = set(PARAMS_WRAPPERS)
+    missing = exported - REGISTERED - NOT_TRANSFORMS - wrappers
     assert not missing, f"exports in neither the registry nor NOT_TRANSFORMS: {missing}"
     assert not REGISTERED & NOT_TRANSFORMS, REGISTERED & NOT_TRANSFORMS
-    assert not (REGISTERED | NOT_TRANSFORMS) - exported, "stale names in tests/registry.py"
+    assert not wrappers & (REGISTERED | NOT_TRANSFORMS), wrappers & (REGISTERED | NOT_TRANSFORMS)
+    assert not (REGISTERED | NOT_TRANSFORMS | wrappers) - exported, \
+        "stale names in tests/registry.py"
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for name, path in PARAMS_WRAPPERS.items():
+        assert (root / path).is_file(), f"{name}: its test file {path} does not exist"
 
 
 @pytest.mark.parametrize("name", sorted(NOT_TRANSFORMS))
