@@ -1,13 +1,17 @@
 """Muon step time on GPT-2-small shapes: ftopt.muon vs a per-leaf torch loop of the same math.
 
     python3 benchmarks/muon_gpu.py --out DIR          # GPU (default sizes: GPT-2 small)
+    python3 benchmarks/muon_gpu.py --quick --out DIR  # the same shapes, < 60 s on an H200
     python3 benchmarks/muon_gpu.py --small --out DIR  # CPU, a 2-layer d=64 tree, seconds
 
 The reference loop is optax.contrib.muon written leaf by leaf (Nesterov momentum, Newton-
 Schulz with (3.4445, -4.7750, 2.0315) x 5, shape scale, learning rate; AdamW with
 Nesterov for the non-2-D leaves). Both are first checked to give the same params after 3
-steps (Newton-Schulz in fp32 for the check), then timed with the iteration dtype given by
-``--ns-dtype`` (default: bf16 on CUDA, fp32 on CPU). Writes ``muon_gpu.json`` and
+steps (Newton-Schulz in fp32 for the check; the run stops there if they differ), then
+timed with the iteration dtype given by ``--ns-dtype`` (default: bf16 on CUDA, fp32 on
+CPU): ``--warmup`` untimed steps, then ``--iters`` steps between two synchronisations.
+``--quick`` checks 2 steps and times 5 (after 2 untimed). The trees are drawn on the
+device (seeded) so that setup costs seconds, not minutes. Writes ``muon_gpu.json`` and
 ``muon_gpu.md`` to ``--out``. Target on an H200: ftopt >= 2x faster than the loop.
 """
 
@@ -85,27 +89,29 @@ class LoopMuon:
 
 
 def _tree(shapes, device, seed, scale=1.0):
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    return {k: (scale * torch.randn(s, generator=gen)).to(device) for k, s in shapes.items()}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return {k: scale * torch.randn(s, generator=gen, device=device) for k, s in shapes.items()}
 
 
-def check_same(shapes, device) -> float:
-    """Max relative difference of the params after 3 steps (fp32 iterations)."""
+def check_same(shapes, device, steps: int = 3) -> float:
+    """Max relative difference of the params after ``steps`` steps (fp32 iterations)."""
     params = _tree(shapes, device, 0)
     tx = ftopt.muon(0.02, ns_dtype=torch.float32)
     loop = LoopMuon(0.02)
     state, ref = tx.init(params), dict(params)
-    for s in range(3):
+    for s in range(steps):
         grads = _tree(shapes, device, 100 + s)
         params, state = ftopt.step(tx, params, grads, state)
         ref = loop.step(ref, grads)
     worst = max(float((params[k] - ref[k]).abs().max() / ref[k].abs().max()) for k in params)
-    assert worst < 1e-4, f"ftopt.muon and the loop differ: {worst:.3g}"
+    if not worst < 1e-4:  # NaN included
+        raise SystemExit(f"ftopt.muon and the per-leaf loop differ after {steps} steps: "
+                         f"max relative difference {worst:.3g} (>= 1e-4); not timing")
     return worst
 
 
-def _time(fn, device, iters) -> float:
-    for _ in range(3):
+def _time(fn, device, iters, warmup) -> float:
+    for _ in range(warmup):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -121,21 +127,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--small", action="store_true", help="a tiny tree (CPU check)")
+    ap.add_argument("--quick", action="store_true",
+                    help="GPT-2 small shapes, a 2-step check, 5 timed steps (< 60 s on an H200)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--ns-dtype", choices=["auto", "bf16", "fp32"], default="auto")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dims = (dict(vocab=256, d=64, ctx=32, n_layer=2) if args.small
             else dict(vocab=50257, d=768, ctx=1024, n_layer=12))
+    iters, warmup, check_steps = args.iters, args.warmup, 3
+    if args.quick or args.small:
+        iters, warmup, check_steps = 5, 2, 2
     shapes = gpt2_shapes(**dims)
-    worst = check_same(shapes, device)
+    torch.set_float32_matmul_precision("highest")  # no TF32 in the fp32 check
+    start = time.perf_counter()
+    worst = check_same(shapes, device, check_steps)
+    print(f"check: ftopt.muon and the per-leaf loop agree to {worst:.1e} after "
+          f"{check_steps} steps ({time.perf_counter() - start:.1f} s)", flush=True)
     ns = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
           "bf16": torch.bfloat16, "fp32": torch.float32}[args.ns_dtype]
     params, grads = _tree(shapes, device, 1), _tree(shapes, device, 2)
     tx = ftopt.muon(0.02, ns_dtype=ns)
     box = {"p": params, "s": tx.init(params)}
     loop = LoopMuon(0.02, ns_dtype=ns)
-    lbox = {"p": dict(params)}
+    lbox = {"p": {k: v.clone() for k, v in params.items()}}  # ftopt donates its params
 
     def ftopt_step():
         box["p"], box["s"] = ftopt.step(tx, box["p"], grads, box["s"], donate=True)
@@ -143,27 +159,35 @@ def main() -> None:
     def loop_step():
         lbox["p"] = loop.step(lbox["p"], grads)
 
-    iters = 3 if args.small else args.iters
-    t_ftopt, t_loop = _time(ftopt_step, device, iters), _time(loop_step, device, iters)
+    t_ftopt = _time(ftopt_step, device, iters, warmup)
+    t_loop = _time(loop_step, device, iters, warmup)
     n = sum(math.prod(s) for s in shapes.values())
+    matrices = [s for s in shapes.values() if len(s) == 2]
     rows = [("ftopt.muon (batched Newton-Schulz)", t_ftopt), ("per-leaf torch loop", t_loop)]
-    title = (f"Muon step, {len(shapes)} leaves, {n / 1e6:.1f}M params, {device}, "
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    title = (f"Muon step, {len(shapes)} leaves ({len(matrices)} matrices in "
+             f"{len(set(matrices))} shapes), {n / 1e6:.1f}M params, {name}, "
              f"Newton-Schulz in {str(ns).replace('torch.', '')}")
     lines = [f"## {title}", "", "| implementation | ms / step |", "| --- | ---: |"]
-    lines += [f"| {name} | {ms:.2f} |" for name, ms in rows]
+    lines += [f"| {label} | {ms:.2f} |" for label, ms in rows]
     lines += ["", f"speed-up: {t_loop / t_ftopt:.2f}x (target on an H200: >= 2x); "
-              f"params agree to {worst:.1e} (relative, fp32 iterations, 3 steps)"]
+              f"params agree to {worst:.1e} (relative, fp32 iterations, {check_steps} steps); "
+              f"{iters} timed steps after {warmup} untimed"]
     text = "\n".join(lines)
     print(text)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "muon_gpu.md"), "w") as f:
         f.write(text + "\n\nCommand: python3 benchmarks/muon_gpu.py " +
                 " ".join(sys.argv[1:]) + "\n")
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     with open(os.path.join(args.out, "muon_gpu.json"), "w") as f:
-        json.dump({"title": title, "device": str(device), "ms_ftopt": t_ftopt,
-                   "ms_loop": t_loop, "speedup": t_loop / t_ftopt, "max_rel_diff": worst,
-                   "leaves": len(shapes), "params": n}, f, indent=1)
-
+        json.dump({"title": title, "device": name, "torch": torch.__version__,
+                   "ns_dtype": str(ns), "iters": iters, "warmup": warmup,
+                   "check_steps": check_steps, "ms_ftopt": t_ftopt, "ms_loop": t_loop,
+                   "speedup": t_loop / t_ftopt, "max_rel_diff": worst,
+                   "leaves": len(shapes), "matrices": len(matrices),
+                   "matrix_shapes": len(set(matrices)), "params": n,
+                   "peak_cuda_bytes": peak}, f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -14,6 +14,7 @@ import torch
 from ftopt.alias import adamw, check_state_options, finish
 from ftopt.base import GradientTransformation
 from ftopt.combine import partition
+from ftopt.quantize import STATE_DTYPES
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.transforms import (
     add_decayed_weights,
@@ -59,11 +60,21 @@ def adafactor(
     no learning rate, the relative step of ``multiply_by_parameter_scale`` alone).
 
     The factored second moments are a matrix stage (torch, batched by shape); every
-    stage after it fuses into one kernel. ``dtype_momentum``: the storage dtype of the
-    momentum (fp32, or bf16/fp16 as ``state_dtype``); ``state_bits=8`` stores the momentum
-    in 8 bits (the factored moments stay 32-bit).
+    stage after it fuses into one kernel.
+
+    State storage: the momentum (``ema``) is the only per-element state of the elementwise
+    stages, and the one ``dtype_momentum``, ``state_dtype`` and ``state_bits`` act on.
+    ``dtype_momentum`` (optax's name) is ``state_dtype`` for it: fp32, bf16 or fp16 (the
+    math stays fp32, the value is rounded once per store); giving both with different
+    dtypes is an error. ``state_bits=8`` stores the momentum of leaves with >= 4096
+    elements as 8-bit blockwise codes (SPEC §5; smaller leaves keep ``state_dtype``). The
+    second moments (``v_row``, ``v_col``, and ``v`` of unfactored leaves) belong to the
+    matrix stage and always stay in the params' compute dtype. Fused and eager agree for
+    every layout, and ``skip_zeros`` keeps a 16-bit momentum bit for bit and an 8-bit one
+    as for every 8-bit state (a block whose gradients are all zero is byte-identical).
     """
     check_state_options("adafactor", state_bits, state_dtype)
+    _check_dtype_momentum(dtype_momentum, state_dtype)
     parts = [scale_by_factored_rms(factored, decay_rate, decay_offset,
                                    min_dim_size_to_factor, eps)]
     if clipping_threshold is not None:
@@ -74,12 +85,26 @@ def adafactor(
         parts.append(scale_by_param_block_rms())
     if momentum is not None:
         parts.append(ema(momentum, debias=False))
-        if dtype_momentum != torch.float32 and state_dtype is None:
+        if state_dtype is None and dtype_momentum != torch.float32:
             state_dtype = dtype_momentum
     if weight_decay_rate is not None:
         parts.append(add_decayed_weights(weight_decay_rate, weight_decay_mask))
     parts.append(scale(-1.0))
     return finish(parts, skip_zeros, state_bits, state_dtype)
+
+
+def _check_dtype_momentum(dtype_momentum: Any, state_dtype: torch.dtype | None) -> None:
+    """Raise unless ``dtype_momentum`` is a storage dtype that agrees with ``state_dtype``."""
+    if not isinstance(dtype_momentum, torch.dtype):
+        raise TypeError(f"adafactor: dtype_momentum must be a torch.dtype, got "
+                        f"{type(dtype_momentum).__name__} {dtype_momentum!r}")
+    if dtype_momentum not in STATE_DTYPES:
+        raise ValueError(f"adafactor: dtype_momentum must be torch.float32, torch.bfloat16 "
+                         f"or torch.float16, got {dtype_momentum}")
+    if (state_dtype is not None and dtype_momentum != torch.float32
+            and dtype_momentum != state_dtype):
+        raise ValueError(f"adafactor: dtype_momentum={dtype_momentum} and state_dtype="
+                         f"{state_dtype} disagree; give one of them")
 
 
 def _is_matrix(params: Any) -> Any:

@@ -16,6 +16,7 @@ import torch
 
 import ftopt
 from ftopt.lowering.plan import plan_chain
+from ftopt.quant import dequantize_blockwise, dynamic_map, encode_with_absmax, expand_absmax
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SHAPES = {"w": (12, 10), "v": (12, 10), "t": (4, 6), "b": (9,), "c": (3, 10, 12)}
@@ -375,3 +376,129 @@ def test_block_rms_transforms_match_optax_formulas():
         p_rms = float(p[k].double().pow(2).mean().sqrt())
         want = u[k].double() * max(p_rms, 1e-3)
         assert torch.allclose(scaled[k].double(), want, rtol=1e-6), k
+
+
+# ---- Adafactor's momentum storage: bf16 (dtype_momentum / state_dtype) and 8 bits --------
+# "big" has 4608 elements (>= min_size 4096, 18 blocks of 256), so state_bits=8 quantizes it.
+LAYOUT_SHAPES = {"big": (64, 72), "w": (12, 10), "b": (9,)}
+LAYOUTS = {
+    "dtype_momentum bf16": {"dtype_momentum": torch.bfloat16},
+    "state_dtype fp16": {"state_dtype": torch.float16},
+    "state_bits 8": {"state_bits": 8},
+    "state_bits 8, bf16": {"state_bits": 8, "state_dtype": torch.bfloat16},
+}
+
+
+def _layout_tree(gen, zeros: bool = False):
+    tree = {k: torch.randn(s, generator=gen).to(DEVICE) for k, s in LAYOUT_SHAPES.items()}
+    if zeros:
+        tree["big"][:8] = 0.0  # flat elements 0..575: blocks 0 and 1 all zero
+        tree["big"][20, ::3] = -0.0
+        tree["w"][2] = 0.0
+        tree["b"][4] = 0.0
+    return tree
+
+
+def _adafactor_layout(layout, skip):
+    return ftopt.adafactor(0.05, momentum=0.9, weight_decay_rate=0.01,
+                           min_dim_size_to_factor=8, skip_zeros=skip, **LAYOUTS[layout])
+
+
+def _ema(state):
+    return state[4].ema
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_adafactor_momentum_layouts_fused_match_eager(layout):
+    """Each layout keeps its storage through steps, and the fused backend matches the
+    eager one: 16-bit states to one unit in the last place (an fp32 rounding difference
+    may flip a 16-bit rounding), params to fp32 rounding, or to a few 16-bit units of the
+    update where the momentum is 16-bit, 8-bit codes exactly but for a rare one-code tie,
+    absmax to fp32 rounding."""
+    want = torch.bfloat16 if "bf16" in layout else (
+        torch.float16 if "fp16" in layout else torch.float32)
+    runs = {}
+    for backend in ("eager", "fused"):
+        tx = _adafactor_layout(layout, skip=False)
+        gen = torch.Generator().manual_seed(21)
+        params = _layout_tree(gen)
+        state = tx.init(params)
+        for _ in range(4):
+            params, state = ftopt.step(tx, params, _layout_tree(gen), state, backend=backend)
+        runs[backend] = (params, state)
+    for backend, (_, state) in runs.items():
+        ema = _ema(state)
+        if "state_bits 8" in layout:
+            assert isinstance(ema["big"], ftopt.rules.QuantizedSlot), backend
+            assert ema["big"].codes.dtype == torch.uint8 and ema["big"].absmax.shape == (18,)
+        else:
+            assert ema["big"].dtype == want, backend
+        assert ema["w"].dtype == want and ema["b"].dtype == want, backend
+        assert state[0].v_row["big"].dtype == torch.float32  # second moments stay fp32
+    (p_e, s_e), (p_f, s_f) = runs["eager"], runs["fused"]
+    for k in LAYOUT_SHAPES:
+        e, f = _ema(s_e)[k], _ema(s_f)[k]
+        sixteen = isinstance(e, torch.Tensor) and e.dtype != torch.float32
+        # the update (the momentum) is ~1e-2 here: one bf16 unit of it is ~4e-5
+        atol = 2e-4 if sixteen else 1e-6
+        assert torch.allclose(p_f[k], p_e[k], rtol=1e-5, atol=atol), k
+        if isinstance(e, ftopt.rules.QuantizedSlot):
+            step = (f.codes.int() - e.codes.int()).abs()
+            assert int(step.max()) <= 1 and float((step > 0).float().mean()) < 1e-3, k
+            assert torch.allclose(f.absmax, e.absmax, rtol=1e-5), k
+        else:
+            ulp = torch.finfo(e.dtype).eps
+            assert torch.allclose(f.float(), e.float(), rtol=2 * ulp, atol=1e-7), k
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_adafactor_momentum_layouts_skip_zeros(layout, backend):
+    """Where the raw gradient is zero: params bit-identical; a 16-bit momentum keeps its
+    bits; an 8-bit one keeps all-zero blocks byte for byte (codes and absmax) and re-encodes
+    other skipped elements from their old value under the new absmax (SPEC §5)."""
+    tx = _adafactor_layout(layout, skip=True)
+    gen = torch.Generator().manual_seed(22)
+    params = _layout_tree(gen)
+    state = tx.init(params)
+    for _ in range(2):
+        params, state = ftopt.step(tx, params, _layout_tree(gen), state, backend=backend)
+    before_p = {k: v.clone() for k, v in params.items()}
+    before = ftopt.tree.map(lambda x: x.clone(), _ema(state))
+    grads = _layout_tree(gen, zeros=True)
+    new_p, new_state = ftopt.step(tx, params, grads, state, backend=backend)
+    after = _ema(new_state)
+    for k, g in grads.items():
+        zero = g == 0
+        assert torch.equal(_bits(new_p[k])[zero], _bits(before_p[k])[zero]), k
+        assert not torch.equal(new_p[k][~zero], before_p[k][~zero]), k  # the rest moves
+        old, new = before[k], after[k]
+        if not isinstance(new, ftopt.rules.QuantizedSlot):
+            assert torch.equal(new[zero], old[zero]), k
+            continue
+        assert torch.equal(new.codes.reshape(-1)[:512], old.codes.reshape(-1)[:512]), k
+        assert torch.equal(new.absmax[:2], old.absmax[:2]), k
+        qmap = dynamic_map(True, new.codes.device)
+        old_value = dequantize_blockwise(old.codes, old.absmax, qmap).reshape(-1)
+        per_element = expand_absmax(new.absmax, old_value.numel())
+        want = encode_with_absmax(old_value, per_element, qmap)
+        flat_zero = zero.reshape(-1)
+        assert torch.equal(new.codes.reshape(-1)[flat_zero], want[flat_zero]), k
+        assert bool((new.absmax[2:] != old.absmax[2:]).any()), k
+
+
+def test_adafactor_dtype_momentum_errors_name_the_argument():
+    with pytest.raises(ValueError, match="adafactor: dtype_momentum must be"):
+        ftopt.adafactor(0.1, momentum=0.9, dtype_momentum=torch.float64)
+    with pytest.raises(TypeError, match="adafactor: dtype_momentum must be a torch.dtype"):
+        ftopt.adafactor(0.1, momentum=0.9, dtype_momentum="bf16")
+    with pytest.raises(ValueError, match="disagree"):
+        ftopt.adafactor(0.1, momentum=0.9, dtype_momentum=torch.float16,
+                        state_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="adafactor: state_bits must be 8 or 32"):
+        ftopt.adafactor(0.1, momentum=0.9, state_bits=16)
+    # without momentum there is no per-element state to store: the chain is unchanged
+    params = {"w": torch.randn(12, 10, device=DEVICE)}
+    tx = ftopt.adafactor(0.1, dtype_momentum=torch.bfloat16, min_dim_size_to_factor=8)
+    state = tx.init(params)
+    assert ftopt.tree.leaves(state[1:]) == [] and state[0].v_row["w"].dtype == torch.float32
