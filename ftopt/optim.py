@@ -86,9 +86,10 @@ class _GroupRun:
 class Optimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that steps with an ftopt transform.
 
-    Each step runs one donated :func:`ftopt.step` per param group: in place, as one
-    fused Triton kernel per (device, dtype) group on a GPU (``backend="auto"``), eagerly
-    on the CPU.
+    Each step runs one donated :func:`ftopt.step` per param group, or one over all
+    groups whose transforms are the same chain of rules (:mod:`ftopt.param_groups`): in
+    place, as one fused Triton kernel per (device, dtype) group on a GPU
+    (``backend="auto"``), eagerly on the CPU.
 
     Example::
 
