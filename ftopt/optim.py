@@ -10,6 +10,7 @@ from typing import Any
 import optree
 import torch
 
+from ftopt import param_groups
 from ftopt.base import GradientTransformation, check_transform
 from ftopt.param_state import param_views, plan_load
 from ftopt.update import step as ftopt_step
@@ -85,9 +86,10 @@ class _GroupRun:
 class Optimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that steps with an ftopt transform.
 
-    Each step runs one donated :func:`ftopt.step` per param group: in place, as one
-    fused Triton kernel per (device, dtype) group on a GPU (``backend="auto"``), eagerly
-    on the CPU.
+    Each step runs one donated :func:`ftopt.step` per param group, or one over all
+    groups whose transforms are the same chain of rules (:mod:`ftopt.param_groups`): in
+    place, as one fused Triton kernel per (device, dtype) group on a GPU
+    (``backend="auto"``), eagerly on the CPU.
 
     Example::
 
@@ -164,6 +166,7 @@ class Optimizer(torch.optim.Optimizer):
         self._tx = tx
         self._backend = backend
         self._runs: list[_GroupRun] = []
+        self._joiner = param_groups.GroupJoiner()
         super().__init__(params, defaults)
 
     def _rename(self, hparams: dict, where: str) -> dict:
@@ -284,13 +287,22 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         # Every group's hyperparameters are checked before any group steps.
         copy_in = [self._refresh(i) for i in range(len(self.param_groups))]
+        grads_of = [[p.grad for p in group["params"]] for group in self.param_groups]
+        for index, (group, grads) in enumerate(zip(self.param_groups, grads_of)):
+            if copy_in[index] and any(g is not None for g in grads):
+                _copy_live(self._runs[index], group)
+        # Groups that are the same chain of rules: one fused partition (param_groups.py).
+        fresh = self._joiner.step(self._runs, self.param_groups, grads_of, self._tree,
+                                  self._backend)
+        if fresh is not None:
+            for index in fresh:
+                self._show_state(index)
+            return loss
         for index, group in enumerate(self.param_groups):
-            grads = [p.grad for p in group["params"]]
+            grads = grads_of[index]
             if all(g is None for g in grads):
                 continue
             run = self._runs[index]
-            if copy_in[index]:
-                _copy_live(run, group)
             params = self._tree(group)
             names = group.get("param_names")
             grad_tree = dict(zip(names, grads)) if names is not None else grads
@@ -366,6 +378,7 @@ class Optimizer(torch.optim.Optimizer):
                 dst.copy_(src)
         self.param_groups[:] = groups
         self._runs[:] = runs
+        self._joiner.joined = None
         self.state.clear()
         for index, run in enumerate(runs):
             if run.state is not None:
