@@ -49,3 +49,27 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def kernel_launches(monkeypatch):
+    """Every main or reduction kernel launched from now on, through ``launch._launch`` or
+    a bound launch of a cached donated step (``launch.bind_main``): a list that grows by
+    one per launch."""
+    from ftopt.lowering import launch
+
+    calls: list = []
+    real = launch._launch
+    monkeypatch.setattr(launch, "_launch",
+                        lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
+    real_bind = launch.bind_main
+
+    def counting_bind(*args, **kwargs):
+        bound = real_bind(*args, **kwargs)
+        for b in bound or ():
+            b.runner = (lambda *a, _run=b.runner, _group=b.group:
+                        (calls.append(_group), _run(*a))[1])
+        return bound
+
+    monkeypatch.setattr(launch, "bind_main", counting_bind)
+    return calls

@@ -17,7 +17,7 @@ import torch
 
 import ftopt
 from ftopt import param_groups
-from ftopt.lowering import codegen, launch
+from ftopt.lowering import codegen
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -58,12 +58,8 @@ def _train(model, opt, batches, sched=None) -> None:
 
 
 @pytest.fixture
-def launches(monkeypatch):
-    calls = []
-    real = launch._launch
-    monkeypatch.setattr(launch, "_launch",
-                        lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
-    return calls
+def launches(kernel_launches):
+    return kernel_launches
 
 
 @pytest.mark.parametrize("named", [True, False])
