@@ -267,7 +267,11 @@ def _lerp(start: torch.Tensor, end: torch.Tensor, weight) -> torch.Tensor:
 def _where(c, x, y):
     if isinstance(c, torch.Tensor):
         return torch.where(c, x, y)
-    return x if c else y
+    chosen, other = (x, y) if c else (y, x)
+    if isinstance(other, torch.Tensor) and not isinstance(chosen, torch.Tensor):
+        # A number picked for an element-wise result: the tensor torch.where would give.
+        return torch.full_like(other, chosen, dtype=torch.result_type(other, chosen))
+    return chosen
 
 
 def elem(items: Sequence[torch.Tensor], mode: str) -> Vec:

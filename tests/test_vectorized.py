@@ -134,3 +134,22 @@ def test_arithmetic_8bit_encoder_loads_far_less(ptx_of):
     loads = {e: len(re.findall(r"ld\.global", ptx_of[f"8bit-{e}"]))
              for e in ("arithmetic", "search")}
     assert 0 < 2 * loads["arithmetic"] < loads["search"], loads
+
+
+@pytest.mark.parametrize("mode", ["foreach", "loop"])
+@pytest.mark.parametrize("cond", [True, False])
+def test_where_on_a_host_condition_gives_tensors(mode, cond):
+    """``o.where(flag, 0.0, elem)`` with a host flag (Adan's first step) is element-wise:
+    a number picked stands for a tensor of the element-wise side's shape and dtype, so a
+    following ``lerp`` (which reads the items' dtypes) works."""
+    from ftopt import eager
+
+    o = eager.EagerOps(mode)
+    x = eager.elem([torch.randn(3), torch.randn(2, 2)], mode)
+    start = eager.elem([torch.randn(3), torch.randn(2, 2)], mode)
+    picked = o.where(eager.scalar(cond, mode), 0.0, x)
+    assert all(isinstance(t, torch.Tensor) for t in picked.items)
+    out = o.lerp(start, picked, eager.scalar(0.25, mode))
+    for got, s, xi in zip(out.items, start.items, x.items):
+        want = torch.lerp(s, torch.zeros_like(xi) if cond else xi, 0.25)
+        assert torch.equal(got, want)
