@@ -14,7 +14,10 @@ asks this module about them:
   shard no longer shows: :func:`full_numel`.
 
 This module imports nothing from ``torch.distributed``: ``DTensor`` is looked up only if
-the program has imported it already, so a single-process step pays one dict lookup.
+the program has imported it already, so a single-process step pays one dict lookup. Once
+it is imported, :func:`any_dtensor` flattens the trees; ``ftopt.step`` and ``update``
+first try the fused tables of an earlier call, whose tensor check proves plain tensors,
+and scan only when those do not fit.
 """
 
 from __future__ import annotations

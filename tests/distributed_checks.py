@@ -220,15 +220,38 @@ def check_hsdp_and_tensor_parallel(rank):
     return out
 
 
-def check_pointer_guard(mesh, rank):
+def check_pointer_guard(mesh, rank, device):
     from ftopt.lowering import checks
 
     d = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    out = {"data_ptr": d.data_ptr()}
     try:
         checks.refuse_dtensors([torch.zeros(3), d])
-        return {"error": None, "data_ptr": d.data_ptr()}
+        out["error"] = None
     except TypeError as err:
-        return {"error": str(err), "data_ptr": d.data_ptr()}
+        out["error"] = str(err)
+    if device is None:
+        return out
+    # A cached donated step over plain tensors, then a DTensor gradient for the same
+    # leaf: the tables' check (here the Python one, which reads its data_ptr() 0) sends
+    # the step to the shards, with the plain step's result.
+    torch.manual_seed(7)
+    w, g1, g2 = torch.randn(6, 4), torch.randn(6, 4), torch.randn(6, 4)
+    tx = ftopt.adamw(1e-2)
+    saved = checks.USE_NATIVE, checks.USE_GUARDS
+    checks.USE_NATIVE = checks.USE_GUARDS = False
+    try:
+        params, state = {"w": w.clone()}, tx.init({"w": w})
+        for g in (g1, {"w": distribute_tensor(g2, mesh, [Replicate()])}):
+            g = g if isinstance(g, dict) else {"w": g.clone()}
+            params, state = ftopt.step(tx, params, g, state, donate=True, backend="fused")
+    finally:
+        checks.USE_NATIVE, checks.USE_GUARDS = saved
+    ref, ref_state = {"w": w.clone()}, tx.init({"w": w})
+    for g in (g1, g2):
+        ref, ref_state = ftopt.step(tx, ref, {"w": g}, ref_state, backend="eager")
+    out["dtensor_grad_diff"] = max_diff(params, ref)
+    return out
 
 
 def check_ddp(rank):
@@ -294,7 +317,7 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "update_and_non_donated": lambda: check_update_and_non_donated(mesh, rank),
         "fused": lambda: check_fused(mesh, rank, fused_device),
         "hsdp_and_tensor_parallel": lambda: check_hsdp_and_tensor_parallel(rank),
-        "pointer_guard": lambda: check_pointer_guard(mesh, rank),
+        "pointer_guard": lambda: check_pointer_guard(mesh, rank, fused_device),
         "ddp": lambda: check_ddp(rank),
         "dcp": lambda: check_dcp(mesh, rank, directory),
     }
