@@ -305,6 +305,56 @@ def check_dcp(mesh, rank, directory):
     return out
 
 
+def check_optimizer(mesh, rank, directory):
+    """``ftopt.Optimizer`` over an FSDP2 model: a few steps equal one process; its
+    ``state_dict`` holds DTensors; a DCP round trip through torch's
+    ``get_optimizer_state_dict``/``set_optimizer_state_dict`` resumes bit-exactly."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def make(model):
+        return ftopt.Optimizer(model.named_parameters(), ftopt.adamw, lr=3e-3,
+                               weight_decay=0.1)
+
+    def run_steps(model, opt, data):
+        for batch in data:
+            loss_of(model, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    data = batches(8)
+    model, ref = make_models(mesh)
+    opt, ref_opt = make(model), make(ref)
+    run_steps(model, opt, data[:4])
+    run_steps(ref, ref_opt, data[:4])
+    params = {k: full(v).clone() for k, v in model.named_parameters()}
+    out = {"diff": max_diff(params, dict(ref.named_parameters()))}
+    saved = opt.state_dict()["state"]
+    kinds = [isinstance(t, DTensor) for slots in saved.values() for t in slots.values()
+             if t.ndim > 0]
+    out["state_is_dtensor"] = bool(kinds) and all(kinds)
+    path = os.path.join(directory, "dcp_optimizer")
+    dcp.save({"model": get_model_state_dict(model),
+              "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    run_steps(model, opt, data[4:])
+    model2, _ = make_models(mesh)
+    opt2 = make(model2)
+    sd = {"model": get_model_state_dict(model2),
+          "optim": get_optimizer_state_dict(model2, opt2)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model2, sd["model"])
+    set_optimizer_state_dict(model2, opt2, sd["optim"])
+    out["loaded_diff"] = max_diff(dict(model2.named_parameters()), params)
+    run_steps(model2, opt2, data[4:])
+    out["resumed_diff"] = max_diff(dict(model2.named_parameters()),
+                                   dict(model.named_parameters()))
+    return out
+
+
 def run(rank: int, world: int, directory: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -320,6 +370,7 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "pointer_guard": lambda: check_pointer_guard(mesh, rank, fused_device),
         "ddp": lambda: check_ddp(rank),
         "dcp": lambda: check_dcp(mesh, rank, directory),
+        "optimizer": lambda: check_optimizer(mesh, rank, directory),
     }
     results = {}
     for name, check in checks.items():

@@ -109,6 +109,13 @@ def test_dcp_resume_bit_exact(results):
         assert got[f"{name}_resumed_diff"] == 0.0
 
 
+def test_optimizer_on_fsdp2(results):
+    got = _check(results, "optimizer")
+    assert got["diff"] <= TOL, got
+    assert got["state_is_dtensor"]
+    assert got["loaded_diff"] == 0.0 and got["resumed_diff"] == 0.0, got
+
+
 @pytest.mark.parametrize("name", ["adamw", "adamw_8bit"])
 def test_dcp_loads_on_one_process(results, name):
     """The checkpoint of two ranks, loaded without a process group into a plain state,
