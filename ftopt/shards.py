@@ -33,7 +33,7 @@ import optree
 import torch
 
 __all__ = ["dtensor_class", "is_dtensor", "any_dtensor", "LocalShards", "local_shards",
-           "full_numel", "reduce_squares", "all_ranks", "in_local_shards"]
+           "full_numel", "leaf_split", "reduce_squares", "all_ranks", "in_local_shards"]
 
 
 def dtensor_class() -> type | None:
@@ -73,6 +73,9 @@ class LocalShards:
     keep: list = field(default_factory=list)
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Pytree path of a param, gradient or update leaf -> (its placements, the tensor dims
+    # its shards split over more than one rank).
+    splits: dict[str, tuple[tuple, frozenset[int]]] = field(default_factory=dict)
 
     def record(self, local: torch.Tensor, numel: int) -> None:
         self.full_numels[id(local)] = numel
@@ -101,6 +104,14 @@ def full_numel(t: torch.Tensor) -> int | None:
     if context is None:
         return t.numel()
     return context.full_numels.get(id(t))
+
+
+def leaf_split(path: str) -> tuple[tuple, frozenset[int]] | None:
+    """``(placements, split dims)`` of the leaf at ``path`` (a param, gradient or update)
+    in a call on local shards: the dims of the full tensor that its shards split; ``None``
+    outside such a call, or for a leaf that is not a DTensor."""
+    context = _CURRENT.get()
+    return None if context is None else context.splits.get(path)
 
 
 def reduce_squares(squares: torch.Tensor) -> torch.Tensor:

@@ -355,6 +355,48 @@ def check_optimizer(mesh, rank, directory):
     return out
 
 
+def check_matrix_stages(mesh, rank, device):
+    """Per-row matrix stages on FSDP2's Shard(0) leaves equal one process; a split they
+    read across is refused before anything is written, naming the leaf."""
+    out = {}
+    row_chain = lambda: ftopt.chain(ftopt.centralize(), ftopt.scale_by_row_norm(),  # noqa: E731
+                                    ftopt.adamw(3e-3, weight_decay=0.1))
+    data = batches(3)
+    for backend in ("eager",) + (("fused",) if device is not None else ()):
+        model, ref = make_models(mesh)
+        params, _ = train(model, row_chain(), data, backend=backend)
+        ref_params, _ = train(ref, row_chain(), data, backend=backend)
+        out[f"rows_{backend}_diff"] = max_diff(params, ref_params)
+    torch.manual_seed(4)
+    w, g = torch.randn(6, 10), torch.randn(6, 10)
+    cases = {"shard1": (row_chain, [Shard(1)]),
+             "block_rms": (lambda: ftopt.chain(ftopt.clip_by_block_rms(0.1),
+                                               ftopt.adam(1e-2)), [Shard(0)])}
+    for name, (make, placements) in cases.items():
+        for backend in ("eager",) + (("fused",) if device is not None else ()):
+            tx = make()
+            params = {"w": distribute_tensor(w, mesh, placements)}
+            state = tx.init(params)
+            before = [full(t).clone() for t in ftopt.tree.leaves((params, state))]
+            try:
+                ftopt.step(tx, params, {"w": distribute_tensor(g, mesh, placements)}, state,
+                           donate=True, backend=backend)
+                out[f"{name}_{backend}_error"] = None
+            except ValueError as err:
+                out[f"{name}_{backend}_error"] = str(err)
+            after = [full(t) for t in ftopt.tree.leaves((params, state))]
+            out[f"{name}_{backend}_untouched"] = all(
+                torch.equal(a, b) for a, b in zip(before, after))
+    # Unsplit (Replicate) leaves: any matrix stage runs.
+    tx = cases["block_rms"][0]()
+    rep = {"w": distribute_tensor(w, mesh, [Replicate()])}
+    new, _ = ftopt.step(tx, rep, {"w": distribute_tensor(g, mesh, [Replicate()])},
+                        tx.init(rep))
+    want, _ = ftopt.step(tx, {"w": w}, {"w": g}, tx.init({"w": w}))
+    out["replicate_diff"] = max_diff(new, want)
+    return out
+
+
 def run(rank: int, world: int, directory: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -371,6 +413,7 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "ddp": lambda: check_ddp(rank),
         "dcp": lambda: check_dcp(mesh, rank, directory),
         "optimizer": lambda: check_optimizer(mesh, rank, directory),
+        "matrix_stages": lambda: check_matrix_stages(mesh, rank, fused_device),
     }
     results = {}
     for name, check in checks.items():

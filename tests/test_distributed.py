@@ -116,6 +116,20 @@ def test_optimizer_on_fsdp2(results):
     assert got["loaded_diff"] == 0.0 and got["resumed_diff"] == 0.0, got
 
 
+def test_matrix_stages_on_shards(results):
+    got = _check(results, "matrix_stages")
+    assert got["rows_eager_diff"] <= TOL and got["replicate_diff"] <= TOL, got
+    assert got.get("rows_fused_diff", 0.0) <= TOL, got
+    for key in [k for k in got if k.endswith("_error")]:
+        assert got[key] is not None, key
+        assert "at ['w']" in got[key] and "sharded with placements" in got[key], got[key]
+        assert got[key.replace("_error", "_untouched")], key
+        if key.startswith("shard1"):
+            assert "(Shard(dim=1),)" in got[key] and "reads each row" in got[key]
+        else:
+            assert "clip_by_block_rms" in got[key] and "Replicate only" in got[key]
+
+
 @pytest.mark.parametrize("name", ["adamw", "adamw_8bit"])
 def test_dcp_loads_on_one_process(results, name):
     """The checkpoint of two ranks, loaded without a process group into a plain state,

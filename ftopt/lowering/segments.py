@@ -27,7 +27,9 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
     parts = plan.segments
     checked = {}
     for k, part in enumerate(parts):
-        if isinstance(part, ChainPlan):
+        if not isinstance(part, ChainPlan):
+            part[0].check_shards(paths, g_flat)  # before any kernel writes a state
+        else:
             out = output if k == len(parts) - 1 else "u"
             found, reason = checked_call(part, params, state, paths, p_flat, g_flat,
                                          backend, donate, out, spec)

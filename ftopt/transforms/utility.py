@@ -68,14 +68,15 @@ def centralize() -> GradientTransformation:
     u ← u − mean(u) over every axis but the first; other leaves pass through.
 
     A matrix stage: equal-shaped leaves are computed in one batched call; in a chain the
-    elementwise stages before and after it stay fused.
+    elementwise stages before and after it stay fused. On DTensor leaves it needs each
+    ``u[i, ...]`` whole on its rank (``Shard(0)`` or ``Replicate``).
     """
 
     def fn(batch: torch.Tensor) -> torch.Tensor:
         dims = tuple(range(2, batch.dim()))  # batch is (B, *shape)
         return batch - batch.mean(dim=dims, keepdim=True)
 
-    return matrix_transform("centralize", fn, applies=_has_matrix_shape)
+    return matrix_transform("centralize", fn, applies=_has_matrix_shape, reads="rows")
 
 
 def _non_empty(leaf: torch.Tensor) -> bool:
@@ -87,7 +88,8 @@ def clip_by_block_rms(threshold: float) -> GradientTransformation:
     u ← u / max(1, rms(u)/threshold), rms(u) = √(mean(u²)) over the leaf.
 
     A matrix stage over every non-empty leaf (the RMS reads the whole leaf); in a chain the
-    elementwise stages around it stay fused.
+    elementwise stages around it stay fused. On DTensor leaves, only unsplit
+    (``Replicate``) ones are accepted.
 
     Args:
         threshold: the largest RMS of a leaf's update, > 0 (a Python number).
@@ -100,4 +102,4 @@ def clip_by_block_rms(threshold: float) -> GradientTransformation:
         denom = torch.clamp(rms / threshold, min=1.0)
         return batch / denom.reshape((-1,) + (1,) * (batch.dim() - 1))
 
-    return matrix_transform("clip_by_block_rms", fn, applies=_non_empty)
+    return matrix_transform("clip_by_block_rms", fn, applies=_non_empty, reads="leaf")
