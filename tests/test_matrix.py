@@ -230,7 +230,5 @@ def test_explain_lists_the_segments():
 
 
 def test_matrix_stage_reads_is_checked():
-    from ftopt.matrix import matrix_transform
-
     with pytest.raises(ValueError, match=r"my_stage: reads must be one of \['leaf', 'rows'\]"):
         matrix_transform("my_stage", lambda b: b, reads="cols")
