@@ -103,22 +103,28 @@ def update_entry(obj: Any, updates: Any, state: Any, params: Any, extra: dict, r
     ``run_eager()``. Updates nested in an eager one run eagerly."""
     if _IN_EAGER_UPDATE.get():
         return run_eager()
+    choice = extra.get("backend", "auto")
+    if choice not in _UPDATE_BACKENDS:
+        raise ValueError(f"backend must be one of {_UPDATE_BACKENDS}, got {choice!r}")
+    fusible = (choice != "eager" and set(extra) <= {"backend"}
+               and not torch.compiler.is_compiling())
+    fused = backend("fused") if fusible else None
+    tx = GradientTransformation(obj.init, obj.update) if fused is not None else None
+    if fused is not None:
+        # A cached fused update proves its leaves plain tensors: no DTensor scan.
+        result = fused.cached_update(tx, updates, state, params, choice)
+        if result is not None:
+            return result
     if shards.any_dtensor(updates, params):  # each rank updates its shards
         distributed = backend("distributed")
         if distributed is None:
             raise RuntimeError(f"DTensor updates: {missing('distributed')}")
         return distributed.update(obj, updates, state, params, extra)
-    choice = extra.get("backend", "auto")
-    if choice not in _UPDATE_BACKENDS:
-        raise ValueError(f"backend must be one of {_UPDATE_BACKENDS}, got {choice!r}")
-    if (choice != "eager" and set(extra) <= {"backend"}
-            and not torch.compiler.is_compiling()):
-        fused = backend("fused")
+    if fusible:
         if fused is None:
             reason = missing("fused")
         else:
-            tx = GradientTransformation(obj.init, obj.update)
-            result, reason = fused.update(tx, updates, state, params, choice)
+            result, reason = fused.update(tx, updates, state, params, choice, cached=False)
             if result is not None:
                 return result
         if choice == "fused":

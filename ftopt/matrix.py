@@ -23,6 +23,18 @@ state path that :func:`ftopt.stages.chain_stages` records). Statistics that are 
 element (row and column means) are reductions, like norms under SPEC §3: they see the
 masked update (a skipped element contributes 0) and advance as usual; per-element states
 keep their bits where the raw gradient is zero.
+
+On ``DTensor`` leaves (FSDP2 and the like, :mod:`ftopt.distributed`) each rank runs the
+stage on its local shard, which is right only where the stage's math never reads across
+the split. A stage declares what it reads, ``reads``:
+
+* ``"rows"``: each slice ``u[i, ...]`` on its own (a row norm, a mean over all dims but
+  the first): a leaf split on dim 0 (FSDP2's ``Shard(0)``) is fine, any other split
+  is refused;
+* ``"leaf"`` (the default): the whole leaf (its RMS, a matrix product): only
+  leaves whose shards split no dim (``Replicate``) are accepted.
+
+A refused leaf raises before anything is written, naming its path and placements.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from typing import Any
 import optree
 import torch
 
+from ftopt import shards
 from ftopt import tree as tree_lib
 from ftopt.base import EmptyState, GradientTransformation, register_owner
 from ftopt.program import skip_update
@@ -40,7 +53,13 @@ from ftopt.rule_transform import flatten_params_like
 from ftopt.rules import compute_dtype
 from ftopt.validate import check_leaf
 
-__all__ = ["MatrixTransform", "matrix_transform", "is_matrix_2d"]
+__all__ = ["MatrixTransform", "matrix_transform", "is_matrix_2d", "READS"]
+
+# What a stage's math reads -> the tensor dims a leaf's shards may split.
+READS = {"rows": frozenset({0}), "leaf": frozenset()}
+_READ_WORDS = {"rows": "each row u[i, ...] whole (a leaf may be split on dim 0 only, as "
+                       "FSDP2's Shard(0))",
+               "leaf": "the whole leaf (its shards may split no dim: Replicate only)"}
 
 
 def is_matrix_2d(leaf: torch.Tensor) -> bool:
@@ -52,17 +71,26 @@ class MatrixTransform:
     """A stateless matrix stage (see the module docstring).
 
     ``fn(batch) -> batch``: a ``(B, *shape)`` float tensor (fp32 or wider) in, the same
-    shape out. ``mask_aware``: the chain's ``skip_zeros`` mask reaches :meth:`update`,
-    which applies it to this stage's output itself.
+    shape out. ``reads``: ``"rows"`` or ``"leaf"``, what ``fn`` reads of a leaf (decides
+    which ``DTensor`` shards it may run on). ``mask_aware``: the chain's ``skip_zeros``
+    mask reaches :meth:`update`, which applies it to this stage's output itself.
     """
 
     matrix_stage = True
     mask_aware = True
 
     def __init__(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor],
-                 applies: Callable[[torch.Tensor], bool] = is_matrix_2d):
-        self.name, self.fn, self.applies = name, fn, applies
+                 applies: Callable[[torch.Tensor], bool] = is_matrix_2d,
+                 reads: str = "leaf"):
+        if reads not in READS:
+            raise ValueError(f"{name}: reads must be one of {sorted(READS)}, got {reads!r}")
+        self.name, self.fn, self.applies, self.reads = name, fn, applies, reads
         register_owner(self)
+
+    def check_shards(self, paths: Sequence[str], u_flat: Sequence[Any]) -> None:
+        """Refuse a leaf this stage applies to whose shards (in a call on local shards)
+        split a dim its math reads across (see the module docstring)."""
+        check_shards(self.name, self.reads, self.applies, paths, u_flat)
 
     def init(self, params) -> EmptyState:
         del params
@@ -108,6 +136,7 @@ class MatrixTransform:
         for path, u, p in zip(paths, leaves, p_flat):
             if u is not None:
                 check_leaf(path, u, p, params is not None)
+        self.check_shards(paths, leaves)
         zero = extra.get("zero_mask")
         zero_flat = (tree_lib.flatten_like(spec, zero, "zero_mask", paths)
                      if zero is not None else None)
@@ -122,9 +151,27 @@ class MatrixTransform:
         return self.apply_flat(u_flat, zero_flat), state
 
 
+def check_shards(name: str, reads: str, applies: Callable[[Any], bool],
+                 paths: Sequence[str], u_flat: Sequence[Any]) -> None:
+    """Raise for a leaf that ``applies`` to a stage reading ``reads`` of it (``"rows"``
+    or ``"leaf"``) whose shards, in a call on local shards, split a dim it reads across."""
+    allowed = READS[reads]
+    for path, u in zip(paths, u_flat):
+        split = shards.leaf_split(path) if u is not None else None
+        if split is None or split[1] <= allowed or not applies(u):
+            continue
+        placements, dims = split
+        raise ValueError(
+            f"{name} at {path}: the leaf is sharded with placements {placements}, "
+            f"splitting dim {sorted(dims - allowed)[0]}, but {name} reads "
+            f"{_READ_WORDS[reads]}: each rank would compute on a part of what "
+            "it needs. Shard this leaf otherwise, or leave it out of the stage "
+            "(masked / partition)")
+
+
 def matrix_transform(name: str, fn: Callable[[torch.Tensor], torch.Tensor],
-                     applies: Callable[[torch.Tensor], bool] = is_matrix_2d
-                     ) -> GradientTransformation:
+                     applies: Callable[[torch.Tensor], bool] = is_matrix_2d,
+                     reads: str = "leaf") -> GradientTransformation:
     """A :class:`MatrixTransform` as a ``GradientTransformation``."""
-    obj = MatrixTransform(name, fn, applies)
+    obj = MatrixTransform(name, fn, applies, reads)
     return GradientTransformation(obj.init, obj.update)

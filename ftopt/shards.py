@@ -14,7 +14,10 @@ asks this module about them:
   shard no longer shows: :func:`full_numel`.
 
 This module imports nothing from ``torch.distributed``: ``DTensor`` is looked up only if
-the program has imported it already, so a single-process step pays one dict lookup.
+the program has imported it already, so a single-process step pays one dict lookup. Once
+it is imported, :func:`any_dtensor` flattens the trees; ``ftopt.step`` and ``update``
+first try the fused tables of an earlier call, whose tensor check proves plain tensors,
+and scan only when those do not fit.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import optree
 import torch
 
 __all__ = ["dtensor_class", "is_dtensor", "any_dtensor", "LocalShards", "local_shards",
-           "full_numel", "reduce_squares", "all_ranks", "in_local_shards"]
+           "full_numel", "leaf_split", "reduce_squares", "all_ranks", "in_local_shards"]
 
 
 def dtensor_class() -> type | None:
@@ -70,6 +73,9 @@ class LocalShards:
     keep: list = field(default_factory=list)
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Pytree path of a param, gradient or update leaf -> (its placements, the tensor dims
+    # its shards split over more than one rank).
+    splits: dict[str, tuple[tuple, frozenset[int]]] = field(default_factory=dict)
 
     def record(self, local: torch.Tensor, numel: int) -> None:
         self.full_numels[id(local)] = numel
@@ -98,6 +104,14 @@ def full_numel(t: torch.Tensor) -> int | None:
     if context is None:
         return t.numel()
     return context.full_numels.get(id(t))
+
+
+def leaf_split(path: str) -> tuple[tuple, frozenset[int]] | None:
+    """``(placements, split dims)`` of the leaf at ``path`` (a param, gradient or update)
+    in a call on local shards: the dims of the full tensor that its shards split; ``None``
+    outside such a call, or for a leaf that is not a DTensor."""
+    context = _CURRENT.get()
+    return None if context is None else context.splits.get(path)
 
 
 def reduce_squares(squares: torch.Tensor) -> torch.Tensor:

@@ -76,18 +76,26 @@ def step(
     check_transform(tx, "step: argument tx")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    compiling = torch.compiler.is_compiling()
+    fused = dispatch.backend("fused") if backend != "eager" else None
+    if fused is not None and not compiling:
+        # A cached fused step first: its tensor check proves the leaves plain tensors, so
+        # the common step pays for no DTensor scan (a flatten of both trees).
+        result = fused.cached_step(tx, params, grads, state, donate, backend)
+        if result is not None:
+            return result
     if shards.any_dtensor(params, grads):  # FSDP2 & co.: each rank steps its shards
         return _distributed().step(tx, params, grads, state, donate, backend)
-    if torch.compiler.is_compiling():
+    if compiling:
         compiled = dispatch.backend("compile")
         if compiled is not None:
             return compiled.compiled_step(tx, params, grads, state, donate, backend)
     if backend != "eager":
-        fused = dispatch.backend("fused")
         if fused is None:
             reason = dispatch.missing("fused")
         else:
-            result, reason = fused.step(tx, params, grads, state, donate, backend)
+            result, reason = fused.step(tx, params, grads, state, donate, backend,
+                                        cached=False)
             if result is not None:
                 return result
         if backend == "fused":

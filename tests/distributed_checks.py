@@ -220,15 +220,38 @@ def check_hsdp_and_tensor_parallel(rank):
     return out
 
 
-def check_pointer_guard(mesh, rank):
+def check_pointer_guard(mesh, rank, device):
     from ftopt.lowering import checks
 
     d = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    out = {"data_ptr": d.data_ptr()}
     try:
         checks.refuse_dtensors([torch.zeros(3), d])
-        return {"error": None, "data_ptr": d.data_ptr()}
+        out["error"] = None
     except TypeError as err:
-        return {"error": str(err), "data_ptr": d.data_ptr()}
+        out["error"] = str(err)
+    if device is None:
+        return out
+    # A cached donated step over plain tensors, then a DTensor gradient for the same
+    # leaf: the tables' check (here the Python one, which reads its data_ptr() 0) sends
+    # the step to the shards, with the plain step's result.
+    torch.manual_seed(7)
+    w, g1, g2 = torch.randn(6, 4), torch.randn(6, 4), torch.randn(6, 4)
+    tx = ftopt.adamw(1e-2)
+    saved = checks.USE_NATIVE, checks.USE_GUARDS
+    checks.USE_NATIVE = checks.USE_GUARDS = False
+    try:
+        params, state = {"w": w.clone()}, tx.init({"w": w})
+        for g in (g1, {"w": distribute_tensor(g2, mesh, [Replicate()])}):
+            g = g if isinstance(g, dict) else {"w": g.clone()}
+            params, state = ftopt.step(tx, params, g, state, donate=True, backend="fused")
+    finally:
+        checks.USE_NATIVE, checks.USE_GUARDS = saved
+    ref, ref_state = {"w": w.clone()}, tx.init({"w": w})
+    for g in (g1, g2):
+        ref, ref_state = ftopt.step(tx, ref, {"w": g}, ref_state, backend="eager")
+    out["dtensor_grad_diff"] = max_diff(params, ref)
+    return out
 
 
 def check_ddp(rank):
@@ -282,6 +305,98 @@ def check_dcp(mesh, rank, directory):
     return out
 
 
+def check_optimizer(mesh, rank, directory):
+    """``ftopt.Optimizer`` over an FSDP2 model: a few steps equal one process; its
+    ``state_dict`` holds DTensors; a DCP round trip through torch's
+    ``get_optimizer_state_dict``/``set_optimizer_state_dict`` resumes bit-exactly."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def make(model):
+        return ftopt.Optimizer(model.named_parameters(), ftopt.adamw, lr=3e-3,
+                               weight_decay=0.1)
+
+    def run_steps(model, opt, data):
+        for batch in data:
+            loss_of(model, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    data = batches(8)
+    model, ref = make_models(mesh)
+    opt, ref_opt = make(model), make(ref)
+    run_steps(model, opt, data[:4])
+    run_steps(ref, ref_opt, data[:4])
+    params = {k: full(v).clone() for k, v in model.named_parameters()}
+    out = {"diff": max_diff(params, dict(ref.named_parameters()))}
+    saved = opt.state_dict()["state"]
+    kinds = [isinstance(t, DTensor) for slots in saved.values() for t in slots.values()
+             if t.ndim > 0]
+    out["state_is_dtensor"] = bool(kinds) and all(kinds)
+    path = os.path.join(directory, "dcp_optimizer")
+    dcp.save({"model": get_model_state_dict(model),
+              "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    run_steps(model, opt, data[4:])
+    model2, _ = make_models(mesh)
+    opt2 = make(model2)
+    sd = {"model": get_model_state_dict(model2),
+          "optim": get_optimizer_state_dict(model2, opt2)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model2, sd["model"])
+    set_optimizer_state_dict(model2, opt2, sd["optim"])
+    out["loaded_diff"] = max_diff(dict(model2.named_parameters()), params)
+    run_steps(model2, opt2, data[4:])
+    out["resumed_diff"] = max_diff(dict(model2.named_parameters()),
+                                   dict(model.named_parameters()))
+    return out
+
+
+def check_matrix_stages(mesh, rank, device):
+    """Per-row matrix stages on FSDP2's Shard(0) leaves equal one process; a split they
+    read across is refused before anything is written, naming the leaf."""
+    out = {}
+    row_chain = lambda: ftopt.chain(ftopt.centralize(), ftopt.scale_by_row_norm(),  # noqa: E731
+                                    ftopt.adamw(3e-3, weight_decay=0.1))
+    data = batches(3)
+    for backend in ("eager",) + (("fused",) if device is not None else ()):
+        model, ref = make_models(mesh)
+        params, _ = train(model, row_chain(), data, backend=backend)
+        ref_params, _ = train(ref, row_chain(), data, backend=backend)
+        out[f"rows_{backend}_diff"] = max_diff(params, ref_params)
+    torch.manual_seed(4)
+    w, g = torch.randn(6, 10), torch.randn(6, 10)
+    cases = {"shard1": (row_chain, [Shard(1)]),
+             "block_rms": (lambda: ftopt.chain(ftopt.clip_by_block_rms(0.1),
+                                               ftopt.adam(1e-2)), [Shard(0)])}
+    for name, (make, placements) in cases.items():
+        for backend in ("eager",) + (("fused",) if device is not None else ()):
+            tx = make()
+            params = {"w": distribute_tensor(w, mesh, placements)}
+            state = tx.init(params)
+            before = [full(t).clone() for t in ftopt.tree.leaves((params, state))]
+            try:
+                ftopt.step(tx, params, {"w": distribute_tensor(g, mesh, placements)}, state,
+                           donate=True, backend=backend)
+                out[f"{name}_{backend}_error"] = None
+            except ValueError as err:
+                out[f"{name}_{backend}_error"] = str(err)
+            after = [full(t) for t in ftopt.tree.leaves((params, state))]
+            out[f"{name}_{backend}_untouched"] = all(
+                torch.equal(a, b) for a, b in zip(before, after))
+    # Unsplit (Replicate) leaves: any matrix stage runs.
+    tx = cases["block_rms"][0]()
+    rep = {"w": distribute_tensor(w, mesh, [Replicate()])}
+    new, _ = ftopt.step(tx, rep, {"w": distribute_tensor(g, mesh, [Replicate()])},
+                        tx.init(rep))
+    want, _ = ftopt.step(tx, {"w": w}, {"w": g}, tx.init({"w": w}))
+    out["replicate_diff"] = max_diff(new, want)
+    return out
+
+
 def run(rank: int, world: int, directory: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -294,9 +409,11 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "update_and_non_donated": lambda: check_update_and_non_donated(mesh, rank),
         "fused": lambda: check_fused(mesh, rank, fused_device),
         "hsdp_and_tensor_parallel": lambda: check_hsdp_and_tensor_parallel(rank),
-        "pointer_guard": lambda: check_pointer_guard(mesh, rank),
+        "pointer_guard": lambda: check_pointer_guard(mesh, rank, fused_device),
         "ddp": lambda: check_ddp(rank),
         "dcp": lambda: check_dcp(mesh, rank, directory),
+        "optimizer": lambda: check_optimizer(mesh, rank, directory),
+        "matrix_stages": lambda: check_matrix_stages(mesh, rank, fused_device),
     }
     results = {}
     for name, check in checks.items():

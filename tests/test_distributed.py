@@ -94,6 +94,8 @@ def test_dtensor_pointer_guard(results):
     got = _check(results, "pointer_guard")
     assert got["data_ptr"] == 0  # what a kernel would read without the guard
     assert "reached the fused kernels" in got["error"]
+    if "dtensor_grad_diff" in got:  # (fused kernels run here)
+        assert got["dtensor_grad_diff"] <= TOL, got
 
 
 def test_ddp_replicas_bit_identical(results):
@@ -105,6 +107,27 @@ def test_dcp_resume_bit_exact(results):
     for name in ("adamw", "adamw_8bit"):
         assert got[f"{name}_params_loaded"]
         assert got[f"{name}_resumed_diff"] == 0.0
+
+
+def test_optimizer_on_fsdp2(results):
+    got = _check(results, "optimizer")
+    assert got["diff"] <= TOL, got
+    assert got["state_is_dtensor"]
+    assert got["loaded_diff"] == 0.0 and got["resumed_diff"] == 0.0, got
+
+
+def test_matrix_stages_on_shards(results):
+    got = _check(results, "matrix_stages")
+    assert got["rows_eager_diff"] <= TOL and got["replicate_diff"] <= TOL, got
+    assert got.get("rows_fused_diff", 0.0) <= TOL, got
+    for key in [k for k in got if k.endswith("_error")]:
+        assert got[key] is not None, key
+        assert "at ['w']" in got[key] and "sharded with placements" in got[key], got[key]
+        assert got[key.replace("_error", "_untouched")], key
+        if key.startswith("shard1"):
+            assert "(Shard(dim=1),)" in got[key] and "reads each row" in got[key]
+        else:
+            assert "clip_by_block_rms" in got[key] and "Replicate only" in got[key]
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw_8bit"])

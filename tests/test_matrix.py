@@ -227,3 +227,8 @@ def test_explain_lists_the_segments():
     assert ("segments: [trace] fused -> scale_by_row_norm (matrix stage" in text
             and "[scale_by_learning_rate] fused" in text)
     assert "kernel launches per step: 2" in text
+
+
+def test_matrix_stage_reads_is_checked():
+    with pytest.raises(ValueError, match=r"my_stage: reads must be one of \['leaf', 'rows'\]"):
+        matrix_transform("my_stage", lambda b: b, reads="cols")

@@ -162,6 +162,12 @@ def _native_table(tensors, n_fixed: int, start: bool):
     return module.make(tensors, n_fixed)
 
 
+def holds_dtensor(tensors) -> bool:
+    """Whether any of ``tensors`` is a ``DTensor``."""
+    cls = dtensor_class()
+    return cls is not None and any([isinstance(t, cls) for t in tensors])
+
+
 def refuse_dtensors(tensors) -> None:
     """No kernel is given a DTensor's address: ``DTensor.data_ptr()`` is 0 (its data is
     the local tensor's), so a kernel would read address 0. ``ftopt.step`` hands the

@@ -25,20 +25,36 @@ from ftopt.lowering.plan import (
 )
 from ftopt.stages import check_state_tree
 
-__all__ = ["step", "update"]
+__all__ = ["step", "update", "cached_step", "cached_update"]
 
 
-def step(tx, params, grads, state, donate: bool, backend: str):
-    """Run the step fused and return ``(result, None)``, or ``(None, reason)``."""
+def cached_step(tx, params, grads, state, donate: bool, backend: str):
+    """The step over the tables of an earlier call (donated: the same memory; else trees
+    shaped like the last call's), or ``None``.
+
+    A result proves that every leaf is a plain tensor: the tables were built from plain
+    tensors only (a ``DTensor`` is refused there), and a ``DTensor`` never passes their
+    check (it has no storage and its ``data_ptr()`` is 0). :func:`ftopt.step` tries this
+    before it looks for ``DTensor`` leaves, so a cached step pays for no such scan.
+    """
+    plan = plan_chain(tx)
+    if plan.reason:
+        return None
+    if donate:
+        if plan.prepared is None or not fast_path_allowed(plan.prepared, backend):
+            return None
+        return execute.fast_step(plan, params, grads, state)
+    return _functional(plan, params, grads, state, "p", backend)
+
+
+def step(tx, params, grads, state, donate: bool, backend: str, *, cached: bool = True):
+    """Run the step fused and return ``(result, None)``, or ``(None, reason)``.
+    ``cached=False``: the caller has tried :func:`cached_step` already."""
     plan = plan_chain(tx)
     if plan.reason:
         return None, plan.reason
-    if donate and plan.prepared is not None and fast_path_allowed(plan.prepared, backend):
-        result = execute.fast_step(plan, params, grads, state)
-        if result is not None:
-            return result, None
-    if not donate:
-        result = _functional(plan, params, grads, state, "p", backend)
+    if cached:
+        result = cached_step(tx, params, grads, state, donate, backend)
         if result is not None:
             return result, None
     paths, p_flat, spec = tree_lib.flatten_with_paths(params)
@@ -80,15 +96,26 @@ def _functional(plan: ChainPlan, params, grads, state, output: str, backend: str
     return new, with_stage_states(plan, state, stage_states)
 
 
-def update(tx, updates, state, params, backend: str):
+def cached_update(tx, updates, state, params, backend: str):
+    """``tx.update`` over the tables of an earlier call with trees shaped like this one's,
+    or ``None`` (a result proves plain tensors, as for :func:`cached_step`)."""
+    plan = plan_chain(tx)
+    if plan.reason:
+        return None
+    return _functional(plan, params, updates, state, "u", backend)
+
+
+def update(tx, updates, state, params, backend: str, *, cached: bool = True):
     """``tx.update`` as one fused kernel per group: ``((updates, new_state), None)``, or
-    ``(None, reason)``. Pure: new update and state tensors (updates in fp32)."""
+    ``(None, reason)``. Pure: new update and state tensors (updates in fp32).
+    ``cached=False``: the caller has tried :func:`cached_update` already."""
     plan = plan_chain(tx)
     if plan.reason:
         return None, plan.reason
-    result = _functional(plan, params, updates, state, "u", backend)
-    if result is not None:
-        return result, None
+    if cached:
+        result = _functional(plan, params, updates, state, "u", backend)
+        if result is not None:
+            return result, None
     first = next(iter(optree.tree_leaves(updates, none_is_leaf=False, namespace="ftopt")),
                  None)
     if (backend == "auto" and isinstance(first, torch.Tensor) and first.device.type == "cpu"):

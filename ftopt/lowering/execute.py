@@ -248,7 +248,9 @@ class PreparedStep:
         for group in self.groups:
             addresses = list(_as_tuple(group.pick(grad_pointers)))
             if addresses != group.grad_addresses:
-                checks.refuse_dtensors(_as_tuple(group.pick(self._active(g_flat))))
+                if 0 in addresses and checks.holds_dtensor(
+                        _as_tuple(group.pick(self._active(g_flat)))):
+                    return False  # (data_ptr() 0) the caller steps DTensors on shards
                 if group.aligned and misaligned(addresses):
                     return False
                 uploads.append((group, addresses))

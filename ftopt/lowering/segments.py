@@ -31,9 +31,11 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
     parts = plan.segments
     checked = {}
     for k, part in enumerate(parts):
-        if not isinstance(part, ChainPlan) and hasattr(part[0], "check_state"):
-            part[0].check_state(state_at(state, part[2]), g_flat, p_flat, spec, paths)
-        if isinstance(part, ChainPlan):
+        if not isinstance(part, ChainPlan):
+            part[0].check_shards(paths, g_flat)  # before any kernel writes a state
+            if hasattr(part[0], "check_state"):
+                part[0].check_state(state_at(state, part[2]), g_flat, p_flat, spec, paths)
+        else:
             out = output if k == len(parts) - 1 else "u"
             found, reason = checked_call(part, params, state, paths, p_flat, g_flat,
                                          backend, donate, out, spec)

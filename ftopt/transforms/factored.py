@@ -19,6 +19,7 @@ from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, POSITIVE, check_finite
+from ftopt.matrix import check_shards
 from ftopt.program import skip_update
 from ftopt.rule_transform import flatten_params_like, rule_transform
 from ftopt.rules import Rule, check_param, compute_dtype, state_dtype
@@ -75,6 +76,12 @@ class FactoredRms:
 
     def _dims(self, shape) -> tuple[int, int] | None:
         return factored_dims(tuple(shape), self.factored, self.min_dim)
+
+    def check_shards(self, paths, u_flat) -> None:
+        """A factored leaf's row and column means read the whole leaf: its shards may not
+        split it (unfactored leaves are element-wise)."""
+        check_shards(self.name, "leaf", lambda u: self._dims(u.shape) is not None, paths,
+                     u_flat)
 
     # -- init ------------------------------------------------------------------------------
     def init(self, params) -> FactoredState:

@@ -14,6 +14,8 @@ def scale_by_row_norm(eps: float = 1e-8) -> GradientTransformation:
 
     Leaves that are not 2-D pass through. Equal-shaped leaves are computed in one batched
     call; in a chain the elementwise stages around it stay fused (:mod:`ftopt.matrix`).
+    On DTensor leaves, rows must be whole on each rank: ``Shard(0)`` (FSDP2) or
+    ``Replicate``; another split raises, naming the leaf.
 
     Args:
         eps: added to each row's norm, >= 0 (default: 1e-8). A zero row stays zero.
@@ -24,4 +26,4 @@ def scale_by_row_norm(eps: float = 1e-8) -> GradientTransformation:
         denom = torch.linalg.vector_norm(batch, dim=-1, keepdim=True) + eps
         return batch / torch.where(denom == 0, 1.0, denom)  # a zero row (eps 0) stays 0
 
-    return matrix_transform("scale_by_row_norm", fn)
+    return matrix_transform("scale_by_row_norm", fn, reads="rows")

@@ -69,11 +69,12 @@ def centralize() -> GradientTransformation:
     u ← u − mean(u) over every axis but the first; other leaves pass through.
 
     A matrix stage: equal-shaped leaves are computed in one batched call; in a chain the
-    elementwise stages before and after it stay fused.
+    elementwise stages before and after it stay fused. On DTensor leaves it needs each
+    ``u[i, ...]`` whole on its rank (``Shard(0)`` or ``Replicate``).
     """
 
     def fn(batch: torch.Tensor) -> torch.Tensor:
         dims = tuple(range(2, batch.dim()))  # batch is (B, *shape)
         return batch - batch.mean(dim=dims, keepdim=True)
 
-    return matrix_transform("centralize", fn, applies=_has_matrix_shape)
+    return matrix_transform("centralize", fn, applies=_has_matrix_shape, reads="rows")
