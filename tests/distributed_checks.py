@@ -370,8 +370,9 @@ def check_matrix_stages(mesh, rank, device):
     torch.manual_seed(4)
     w, g = torch.randn(6, 10), torch.randn(6, 10)
     cases = {"shard1": (row_chain, [Shard(1)]),
-             "block_rms": (lambda: ftopt.chain(ftopt.clip_by_block_rms(0.1),
-                                               ftopt.adam(1e-2)), [Shard(0)])}
+             # Newton-Schulz reads the whole leaf.
+             "muon": (lambda: ftopt.chain(ftopt.scale_by_muon(ns_dtype=torch.float32),
+                                          ftopt.scale_by_learning_rate(1e-2)), [Shard(0)])}
     for name, (make, placements) in cases.items():
         for backend in ("eager",) + (("fused",) if device is not None else ()):
             tx = make()
@@ -388,12 +389,19 @@ def check_matrix_stages(mesh, rank, device):
             out[f"{name}_{backend}_untouched"] = all(
                 torch.equal(a, b) for a, b in zip(before, after))
     # Unsplit (Replicate) leaves: any matrix stage runs.
-    tx = cases["block_rms"][0]()
+    tx = cases["muon"][0]()
     rep = {"w": distribute_tensor(w, mesh, [Replicate()])}
     new, _ = ftopt.step(tx, rep, {"w": distribute_tensor(g, mesh, [Replicate()])},
                         tx.init(rep))
     want, _ = ftopt.step(tx, {"w": w}, {"w": g}, tx.init({"w": w}))
     out["replicate_diff"] = max_diff(new, want)
+    # clip_by_block_rms is element-wise with a per-leaf norm (summed over the mesh): any
+    # split is fine.
+    tx = ftopt.chain(ftopt.clip_by_block_rms(0.1), ftopt.adam(1e-2))
+    sh = {"w": distribute_tensor(w, mesh, [Shard(0)])}
+    new, _ = ftopt.step(tx, sh, {"w": distribute_tensor(g, mesh, [Shard(0)])}, tx.init(sh))
+    want, _ = ftopt.step(tx, {"w": w}, {"w": g}, tx.init({"w": w}))
+    out["block_rms_sharded_diff"] = max_diff(new, want)
     return out
 
 
