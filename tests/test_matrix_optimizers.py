@@ -446,9 +446,17 @@ def test_adafactor_momentum_layouts_fused_match_eager(layout):
             step = (f.codes.int() - e.codes.int()).abs()
             assert int(step.max()) <= 1 and float((step > 0).float().mean()) < 1e-3, k
             assert torch.allclose(f.absmax, e.absmax, rtol=1e-5), k
-        else:
+        elif not sixteen:
             ulp = torch.finfo(e.dtype).eps
-            assert torch.allclose(f.float(), e.float(), rtol=2 * ulp, atol=1e-7), k
+            assert torch.allclose(f, e, rtol=2 * ulp, atol=1e-7), k
+        else:
+            # In units in the last place of the 16-bit values: a 1-ulp fp32 difference
+            # upstream (the kernels round without fma, torch's CUDA ops with it) can round
+            # the other way, and the next steps carry it on: at most 2 units measured on
+            # the CPU, 8 on an H200 (4 steps); 16 allowed.
+            spacing = (torch.nextafter(e, e.new_full((), float("inf"))) - e).float().abs()
+            ulps = ((f.float() - e.float()).abs() / spacing).max()
+            assert ulps <= 16, (k, float(ulps))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
