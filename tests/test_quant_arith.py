@@ -51,14 +51,16 @@ def _random_floats(n: int) -> torch.Tensor:
     return x[x.abs() <= 1.0]  # NaN and |x| > 1 never reach the encoder
 
 
+@pytest.mark.parametrize(("decade", "wobble"),
+                         [("compare", 0.0), ("log2", 0.0), ("log2", 1e-4), ("log2", -1e-4)])
 @pytest.mark.parametrize("slack", [0.0, 0.25, -0.25])
 @pytest.mark.parametrize("name", list(MAPS))
-def test_arithmetic_equals_table_search(name, slack):
+def test_arithmetic_equals_table_search(name, slack, decade, wobble):
     signed = MAPS[name]
     qmap = create_dynamic_map(signed)
     v = torch.cat([_bf16_grid(), _hard_values(qmap), _random_floats(200_000)])
     want = nearest_code(v, qmap).long()
-    got = quantized.arithmetic_codes(v, qmap, signed, slack)
+    got = quantized.arithmetic_codes(v, qmap, signed, slack, decade, wobble)
     bad = (got != want).nonzero().flatten()[:5]
     assert bad.numel() == 0, [(v[i].item(), got[i].item(), want[i].item()) for i in bad]
     # Every code is hit (the values exercise the whole map).
@@ -74,6 +76,18 @@ def test_the_margin_is_finite(name):
     v = _hard_values(qmap)
     want = nearest_code(v, qmap).long()
     assert (quantized.arithmetic_codes(v, qmap, signed, 0.45) != want).any()
+
+
+@pytest.mark.parametrize("name", list(MAPS))
+def test_the_log2_decade_matters(name):
+    """A "log2" decade estimate off by a whole decade far from the thresholds breaks codes:
+    the check above with a small wobble can fail."""
+    signed = MAPS[name]
+    qmap = create_dynamic_map(signed)
+    v = _hard_values(qmap)
+    want = nearest_code(v, qmap).long()
+    got = quantized.arithmetic_codes(v, qmap, signed, decade="log2", wobble=0.5)
+    assert (got != want).any()
 
 
 def _fused_codes(values: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +124,7 @@ def _kernel_values(signed: bool) -> torch.Tensor:
     return out.view(-1)[: v.numel() + blocks].to(DEVICE)
 
 
-@pytest.mark.parametrize("encoder", ["arithmetic", "search"])
+@pytest.mark.parametrize("encoder", quantized.ENCODERS)
 @pytest.mark.parametrize("name", list(MAPS))
 def test_kernel_encodes_like_eager(name, encoder, monkeypatch):
     monkeypatch.setattr(quantized, "ENCODER", encoder)
@@ -120,12 +134,55 @@ def test_kernel_encodes_like_eager(name, encoder, monkeypatch):
         values = values[:4096]  # the former encoder: a smaller check
     fused, eager = _fused_codes(values, signed)
     assert torch.equal(fused, eager)
-    assert fused.unique().numel() > 200 if encoder == "arithmetic" else True
+    assert fused.unique().numel() > 200 if encoder != "search" else True
+
+
+def _scaled_values(signed: bool, blocks: int = 96) -> torch.Tensor:
+    """Blocks led by a random absmax ``m`` (denormal to 1e38) whose other values are
+    ``RN(b m)`` for random code boundaries ``b`` and their float32 neighbours up to two
+    ulps away: their quotients by ``m`` straddle the boundaries, so a quotient rounded
+    otherwise than ``x / m`` changes a code. Some blocks also hold NaN, and +-inf in the
+    signed map (the unsigned chain's square of an infinite gradient is NaN, not inf)."""
+    gen = torch.Generator().manual_seed(7)
+    qmap = create_dynamic_map(signed)
+    b = quantized.boundaries(qmap)
+    exps = torch.randint(-140, 127, (blocks,), generator=gen).double()
+    m = (torch.rand(blocks, generator=gen, dtype=torch.float64) + 1.0) * 2.0 ** exps
+    m = m.float().clamp_min(1e-44)
+    picks = b[torch.randint(0, 255, (blocks, 51), generator=gen)]
+    x = (picks.double() * m.double()[:, None]).float()
+    up, down = torch.tensor(float("inf")), torch.tensor(-float("inf"))
+    near = [x, torch.nextafter(x, up), torch.nextafter(x, down),
+            torch.nextafter(torch.nextafter(x, up), up),
+            torch.nextafter(torch.nextafter(x, down), down)]
+    body = torch.cat(near, dim=1)[:, :255]
+    if not signed:
+        body = body.abs()
+    body[::11, 5] = float("nan")
+    if signed:
+        body[::7, 3] = float("inf")
+        body[::5, 9] = -float("inf")
+    out = torch.cat([m[:, None], body.clamp(-m[:, None], None).where(
+        body.isnan() | body.isinf(), body.clamp(-m[:, None], m[:, None]))], dim=1)
+    return out.reshape(-1).to(DEVICE)
+
+
+@pytest.mark.parametrize("encoder", quantized.ENCODERS)
+@pytest.mark.parametrize("name", list(MAPS))
+def test_kernel_divides_like_eager(name, encoder, monkeypatch):
+    """The kernel's quotients by the block's absmax round as torch's division (checked
+    through the codes, at values whose quotients straddle code boundaries)."""
+    monkeypatch.setattr(quantized, "ENCODER", encoder)
+    signed = MAPS[name]
+    values = _scaled_values(signed)
+    fused, eager = _fused_codes(values, signed)
+    assert torch.equal(fused, eager)
 
 
 def test_generated_source_has_one_gather_per_encode():
-    """The arithmetic encoder loads the table once per element; the search ten times."""
-    for encoder, loads in (("arithmetic", 1), ("search", 10)):
+    """The arithmetic encoder loads the table once per element, "log2" also the decade's
+    two constants (one cache line); the search ten times."""
+    for encoder, loads in (("arithmetic", 1), ("log2", 3), ("log2-rcp", 3), ("search", 10)):
         lines = quantized.store_lines("st0_mu", "st0_mu_old", "x", True, None, False, encoder)
         assert sum(line.count("tl.load(qmap_signed_ptr") for line in lines) == loads
 
@@ -148,5 +205,7 @@ def test_boundaries_are_exactly_where_the_upper_code_gets_nearer(name):
     assert not rule(torch.nextafter(b, -inf)).any()
     assert ((q0 < b) & (b <= q1)).all()
     table = quantized.kernel_table(qmap)
-    assert table.shape == (512,) and torch.equal(table[:256], qmap)
+    assert table.shape == (528,) and torch.equal(table[:256], qmap)
     assert torch.equal(table[256:511], b) and table[511] == inf
+    _, a_consts, c_consts = quantized._guess_constants(MAPS[name])
+    assert table[512:519].tolist() == a_consts and table[520:527].tolist() == c_consts

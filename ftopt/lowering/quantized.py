@@ -27,8 +27,17 @@ the second half of a 512-entry table (:func:`kernel_table`: the map, then the
 boundaries): ONE gather and one compare give the table search's codes bit for bit, ties
 included, where two gathers did before.
 
+The default encoder ("log2-rcp") takes the decade as ``floor(log2(a) log10(2)) + 7``
+(clamped to 0..6) instead of the six compares, and ``A``, ``C`` from the table. A GPU's
+approximate ``log2`` can only put ``a`` in the neighbouring decade within about 1e-7 of a
+threshold, where both decades' guesses are the same code (the guess is continuous across
+decades); the tests move the estimate by 1e-4 decades and the codes stay. It also divides
+by the block's absmax once per block, not per element (:func:`_rcp_lines`: the same
+correctly rounded quotient).
+
 Gathers per element and quantized slot (all from the 2 KiB table, so L1 hits):
-  arithmetic: 1 to decode + 1 to encode = 2 (Adam, two slots: 4);
+  arithmetic: 1 to decode + 1 to encode = 2 (Adam, two slots: 4); log2: also the
+  decade's two constants, from one cache line;
   search (``ENCODER = "search"``, the former 8-step binary search plus the two
   neighbours): 1 + 10 = 11 (Adam: 22).
 """
@@ -41,10 +50,18 @@ import torch
 
 from ftopt.quant import dynamic_map
 
-# "arithmetic" or "search" (the binary search, kept to time one against the other): the
-# encoder of the kernels launched from now on (part of their variant, so switching it
-# compiles the other kernel). Both give the same codes.
-ENCODER = "arithmetic"
+# The encoder of the kernels launched from now on (part of their variant, so switching it
+# compiles the other kernel); all give the same codes. "arithmetic": the decade from six
+# compares; "log2": the decade from the value's base-2 logarithm and the per-decade
+# constants from the table; "-rcp": one division per block, not per element
+# (:func:`_rcp_lines`); "search": the former binary search (kept to time one against the
+# others). H200, 8-bit Adam, one 64M tensor / GPT-2 tree, 256 x 1 tile: arithmetic 0.606
+# / 0.977 ms, log2 0.548 / 0.990, log2-rcp 0.514 / 0.949 (benchmarks/RESULTS.md).
+ENCODER = "log2-rcp"
+ENCODERS = ("arithmetic", "log2", "log2-rcp", "search")
+
+# log10(2): the decade of ``a`` is ``floor(log2(a) * LOG10_2) + 7``.
+LOG10_2 = 0.3010299956639812
 
 # |v| >= _THRESHOLDS[k - 1] puts v in decade k or above.
 _THRESHOLDS = [10.0 ** (k - 7) for k in range(1, 7)]
@@ -108,10 +125,14 @@ def boundaries(qmap: torch.Tensor) -> torch.Tensor:
 
 def kernel_table(qmap: torch.Tensor) -> torch.Tensor:
     """What the kernels read for a map: its 256 values, then its 255 boundaries
-    (:func:`boundaries`) and one +inf, on ``qmap``'s device."""
+    (:func:`boundaries`) and one +inf, then the first guess's per-decade ``A`` (7 and a
+    pad) and ``C`` (7 and a pad) of the "log2" encoder, on ``qmap``'s device (528 floats).
+    The map is signed when its first code is negative."""
     b = boundaries(qmap)
-    return torch.cat([qmap.to(torch.float32).cpu(), b, b.new_full((1,), float("inf"))]).to(
-        qmap.device)
+    _, a_consts, c_consts = _guess_constants(bool(qmap[0] < 0))
+    guess = torch.tensor(a_consts + [0.0] + c_consts + [0.0], dtype=torch.float32)
+    return torch.cat([qmap.to(torch.float32).cpu(), b, b.new_full((1,), float("inf")),
+                      guess]).to(qmap.device)
 
 
 @functools.cache
@@ -122,21 +143,32 @@ def table(signed: bool, device: torch.device) -> torch.Tensor:
 
 
 def arithmetic_codes(v: torch.Tensor, qmap: torch.Tensor, signed: bool,
-                     slack: float = 0.0) -> torch.Tensor:
-    """The kernel's arithmetic encoder in torch, operation for operation (float32).
+                     slack: float = 0.0, decade: str = "compare",
+                     wobble: float = 0.0) -> torch.Tensor:
+    """The kernel's arithmetic encoders in torch, operation for operation (float32).
 
     ``v``: normalised values (finite, in [-1, 1]); ``qmap``: the default dynamic map of
-    ``signed``. Returns int64 codes. ``slack`` moves the guess ``a * A - C`` (tests only:
-    the codes must not depend on it for ``|slack| <= 0.25``).
+    ``signed``. Returns int64 codes. ``decade``: "compare" (the six thresholds, encoder
+    "arithmetic") or "log2" (encoder "log2"). ``slack`` moves the guess ``a * A - C`` and
+    ``wobble`` the "log2" decade estimate before its floor, in decades (tests only: the
+    codes must not depend on them for ``|slack| <= 0.25``, ``|wobble| <= 1e-4``; a GPU's
+    approximate ``log2`` errs by far less than that, and a decade taken one off next to a
+    threshold moves the guess by less than a hundredth of a code, as the guess is
+    continuous across decades).
     """
     v = v.to(torch.float32)
     a = v.abs() if signed else torch.clamp_min(v, 0.0)
     thresholds, a_consts, c_consts = _guess_constants(signed)
-    big, off = torch.full_like(a, a_consts[0]), torch.full_like(a, c_consts[0])
-    for threshold, big_d, off_d in zip(thresholds, a_consts[1:], c_consts[1:]):
-        reached = a >= threshold
-        big = torch.where(reached, big_d, big)
-        off = torch.where(reached, off_d, off)
+    if decade == "log2":
+        d = torch.floor(torch.log2(a) * LOG10_2 + (7.0 + wobble)).clamp(0.0, 6.0).long()
+        big = torch.tensor(a_consts, dtype=torch.float32, device=v.device)[d]
+        off = torch.tensor(c_consts, dtype=torch.float32, device=v.device)[d]
+    else:
+        big, off = torch.full_like(a, a_consts[0]), torch.full_like(a, c_consts[0])
+        for threshold, big_d, off_d in zip(thresholds, a_consts[1:], c_consts[1:]):
+            reached = a >= threshold
+            big = torch.where(reached, big_d, big)
+            off = torch.where(reached, off_d, off)
     lo = (a * big - off + slack).to(torch.int32)
     if signed:
         lo = torch.where(v < 0.0, torch.clamp_min(253 - lo, 0), lo)
@@ -153,12 +185,56 @@ def _arithmetic_lines(q: str, qmap: str, signed: bool, shape: str) -> list[str]:
     for threshold, big_d, off_d in zip(thresholds, a_consts[1:], c_consts[1:]):
         lines += [f"{q}_big = tl.where({q}_a >= {threshold!r}, {big_d!r}, {q}_big)",
                   f"{q}_off = tl.where({q}_a >= {threshold!r}, {off_d!r}, {q}_off)"]
-    lines.append(f"{q}_lo = ({q}_a * {q}_big - {q}_off).to(tl.int32)")
+    return lines + _guess_lines(q, qmap, signed)
+
+
+def _log2_lines(q: str, qmap: str, signed: bool) -> list[str]:
+    """The decade from ``log2(a)`` (no compares or selects), ``A`` and ``C`` from the
+    table (seven addresses: one cache line)."""
+    a = f"tl.abs({q}_v)" if signed else f"tl.maximum({q}_v, 0.0)"
+    lines = [f"{q}_a = {a}",
+             f"{q}_d = tl.minimum(tl.maximum(tl.floor(tl.log2(tl.maximum({q}_a, 1e-30)) "
+             f"* {LOG10_2!r} + 7.0), "
+             "0.0), 6.0).to(tl.int32)",
+             f"{q}_big = tl.load({qmap} + 512 + {q}_d)",
+             f"{q}_off = tl.load({qmap} + 520 + {q}_d)"]
+    return lines + _guess_lines(q, qmap, signed)
+
+
+def _guess_lines(q: str, qmap: str, signed: bool) -> list[str]:
+    lines = [f"{q}_lo = ({q}_a * {q}_big - {q}_off).to(tl.int32)"]
     if signed:
         lines.append(f"{q}_lo = tl.where({q}_v < 0.0, tl.maximum(253 - {q}_lo, 0), {q}_lo)")
     lines.append(f"{q}_code = tl.where({q}_v >= tl.load({qmap} + 256 + {q}_lo), "
                  f"{q}_lo + 1, {q}_lo)")
     return lines
+
+
+def _rcp_lines(q: str) -> list[str]:
+    """``v = x / m`` rounded to nearest (as ``tl.div_rn``), NaN -> 0, clamped to [-1, 1],
+    with one division per block instead of one per element.
+
+    ``m`` (the block's absmax, 1 if 0) and ``x`` are first scaled by the power of two
+    that brings ``m`` to [1, 4) (below 1 only if ``m`` is denormal; exact; an ``x`` that
+    then underflows has a quotient far below the first nonzero code, which it keeps). With ``y = RN(1/m)``, ``q0 = RN(x y)``
+    is within an ulp of ``x / m``, the remainder ``r = x - m q0`` is exact in one fma, and
+    ``RN(q0 + r y)`` is the correctly rounded quotient (Markstein's theorem; the
+    division's own fast path). Clamping ``x`` to [-m, m] before dividing equals clamping
+    the quotient to [-1, 1] (rounding is monotone and ``m / m = 1``) and leaves no
+    infinity to make the remainder NaN.
+    """
+    return [
+        f"{q}_m = tl.where({q}_amax > 0.0, {q}_amax, 1.0)",
+        f"{q}_e = tl.minimum(({q}_m.to(tl.int32, bitcast=True) >> 23) & 255, 253)",
+        f"{q}_k = ((254 - {q}_e) << 23).to(tl.float32, bitcast=True)",
+        f"{q}_ms = {q}_m * {q}_k",
+        f"{q}_y = tl.div_rn(1.0, {q}_ms)",
+        f"{q}_xc = tl.minimum(tl.maximum({q}_x, -{q}_m[:, None]), {q}_m[:, None])",
+        f"{q}_xs = tl.where({q}_x == {q}_x, {q}_xc, 0.0) * {q}_k[:, None]",
+        f"{q}_q0 = {q}_xs * {q}_y[:, None]",
+        f"{q}_r = tl.fma(-{q}_ms[:, None], {q}_q0, {q}_xs)",
+        f"{q}_v = tl.fma({q}_r, {q}_y[:, None], {q}_q0)",
+    ]
 
 
 def _search_lines(q: str, qmap: str, shape: str) -> list[str]:
@@ -178,11 +254,15 @@ def qmap_var(signed: bool) -> str:
 
 
 def load_lines(name: str, role: str, signed: bool, load_mask: str) -> list[str]:
-    """Dequantize slot ``role`` into variable ``name``."""
+    """Dequantize slot ``role`` into variable ``name``. A program of one block loads its
+    absmax once (one load, not one per element)."""
     return [
         f"{name}_code = tl.load({role}_in + offs{load_mask}).to(tl.int32)",
-        f"{name} = tl.load({qmap_var(signed)} + {name}_code) * "
-        f"tl.load({role}_amax_in + offs // QBLOCK{load_mask})",
+        "if BLOCK == QBLOCK:",
+        f"    {name}_scale = tl.load({role}_amax_in + start // QBLOCK)",
+        "else:",
+        f"    {name}_scale = tl.load({role}_amax_in + offs // QBLOCK{load_mask})",
+        f"{name} = tl.load({qmap_var(signed)} + {name}_code) * {name}_scale",
     ]
 
 
@@ -198,12 +278,17 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
         # The largest finite magnitude; NaN codes as 0, +-Inf as +-1 (ftopt.quant).
         f"{q}_abs = tl.abs({q}_x)",
         f"{q}_amax = tl.max(tl.where({q}_abs <= 3.4028234663852886e38, {q}_abs, 0.0), axis=1)",
+    ]
+    lines += _rcp_lines(q) if encoder.endswith("-rcp") else [
         f"{q}_v = tl.div_rn({q}_x, tl.where({q}_amax > 0.0, {q}_amax, 1.0)[:, None])",
         f"{q}_v = tl.where({q}_v == {q}_v, {q}_v, 0.0)",
         f"{q}_v = tl.minimum(tl.maximum({q}_v, -1.0), 1.0)",
     ]
+    encoder = encoder.removesuffix("-rcp")
     if encoder == "search":
         lines += _search_lines(q, qmap, shape)
+    elif encoder == "log2":
+        lines += _log2_lines(q, qmap, signed)
     else:
         lines += _arithmetic_lines(q, qmap, signed, shape)
     lines.append(f"{q}_block = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK)")

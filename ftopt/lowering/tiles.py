@@ -24,12 +24,13 @@ NUM_WARPS = int(os.environ.get("FTOPT_NUM_WARPS", "4"))
 IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
     "FTOPT_IN_PLACE_TILE", "2048x4" if INTERPRETING else "512x4").split("x"))
 # Kernels with 8-bit slots are not bound by memory: one 256-element block per program
-# with 2 warps is the fastest tile (H200, Adam, one 64M tensor / GPT-2 tree: 256/2 0.599
-# / 1.118 ms, 256/1 0.597 / 1.122, 512/4 0.699 / 1.298, 1024/4 0.785 / 1.463; a block's
-# absmax is then one reduction over the program). Larger 8-bit blocks get one block per
-# program (quant_tile). FTOPT_QUANT_TILE overrides it.
+# with one warp is the fastest tile (H200, Adam, log2-rcp encoder, one 64M tensor / GPT-2
+# tree: 256/1 0.514 / 0.949 ms, 256/2 0.572 / 1.056, 512/1 0.743 / 1.329, 1024/1 0.718 /
+# 1.343); a block's absmax is then one reduction within a warp, and its scale one load.
+# Larger 8-bit blocks get one block per program (quant_tile). FTOPT_QUANT_TILE overrides
+# it.
 QUANT_TILE = tuple(int(x) for x in os.environ.get(
-    "FTOPT_QUANT_TILE", "4096x4" if INTERPRETING else "256x2").split("x"))
+    "FTOPT_QUANT_TILE", "4096x4" if INTERPRETING else "256x1").split("x"))
 
 
 def tile(traced, quant_block: int = 0) -> tuple[int, int]:
