@@ -216,9 +216,10 @@ def _rcp_lines(q: str) -> list[str]:
 
     ``m`` (the block's absmax, 1 if 0) and ``x`` are first scaled by the power of two
     that brings ``m`` to [1, 4) (below 1 only if ``m`` is denormal; exact; an ``x`` that
-    then underflows has a quotient far below the first nonzero code, which it keeps). With ``y = RN(1/m)``, ``q0 = RN(x y)``
-    is within an ulp of ``x / m``, the remainder ``r = x - m q0`` is exact in one fma, and
-    ``RN(q0 + r y)`` is the correctly rounded quotient (Markstein's theorem; the
+    then underflows has a quotient far below the first nonzero code, which it keeps).
+    With ``y = RN(1/m)``, ``q0 = RN(x y)`` is within an ulp of ``x / m``, the remainder
+    ``r = x - m q0`` is exact in one fma, and ``RN(q0 + r y)`` is the correctly rounded
+    quotient (Markstein's theorem; the
     division's own fast path). Clamping ``x`` to [-m, m] before dividing equals clamping
     the quotient to [-1, 1] (rounding is monotone and ``m / m = 1``) and leaves no
     infinity to make the remainder NaN.
