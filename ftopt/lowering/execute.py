@@ -23,7 +23,7 @@ from ftopt.aliasing import check_disjoint
 from ftopt.lowering import branches, checks, launch, quantized, tiles
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.plan import ChainPlan, host_step, planned_states, remember
-from ftopt.rules import QuantizedSlot, step_scalars
+from ftopt.rules import QuantizedSlot, running_step, step_scalars
 
 _data_ptr = torch.Tensor.data_ptr
 
@@ -69,6 +69,31 @@ def _advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool, de
     return steps, new_counts, pairs
 
 
+def advance_running(plan: ChainPlan, stage_states, steps, donate: bool):
+    """Per stage: the body's scalars from its running scalars (``None`` for a rule that
+    keeps none) and their new values, with torch ops on their device (no host read). The
+    new values of a donated step are written into the old tensors (after every check:
+    nothing is written before), as the kernels write the counts."""
+    if not plan.running:
+        return None, None
+    carried, new = [], []
+    for stage, st, (count, t) in zip(plan.stages, stage_states, steps):
+        rule = stage.rule
+        if not rule.running:
+            carried.append(None)
+            new.append({})
+            continue
+        scalars, values = running_step(rule, count, t,
+                                       {name: getattr(st, name) for name in rule.running})
+        if donate:
+            for name, value in values.items():
+                getattr(st, name).copy_(value)
+            values = {name: getattr(st, name) for name in values}
+        carried.append(scalars)
+        new.append(values)
+    return carried, new
+
+
 def _increment(pairs) -> None:
     """The count increments of a step that launched no kernel."""
     for old, new in zip(pairs[::2], pairs[1::2]):
@@ -109,13 +134,17 @@ def _host_scalars(plan: ChainPlan, traced, steps) -> list | None:
     return [float(per_stage[i][name]) for i, name in traced.graph.scalars]
 
 
-def _scalars(plan: ChainPlan, traced, steps, device) -> list[float] | torch.Tensor:
+def _scalars(plan: ChainPlan, traced, steps, device,
+             carried: list | None = None) -> list[float] | torch.Tensor:
     """Per-step scalars: kernel arguments when all are host numbers, else a device buffer
-    computed with torch ops (no host synchronisation; capturable in a CUDA graph)."""
-    floats = _host_scalars(plan, traced, steps)
+    computed with torch ops (no host synchronisation; capturable in a CUDA graph).
+    ``carried``: per stage, the scalars of its running scalars (:func:`advance_running`),
+    device values."""
+    floats = None if carried else _host_scalars(plan, traced, steps)
     if floats is None:
-        per_stage = [step_scalars(stage.rule, *step) for stage, step in zip(plan.stages,
-                                                                               steps)]
+        carried = carried or [None] * len(plan.stages)
+        per_stage = [step_scalars(stage.rule, *step, extra) for stage, step, extra in
+                     zip(plan.stages, steps, carried)]
         values = [per_stage[i][name] for i, name in traced.graph.scalars]
         if any(isinstance(v, torch.Tensor) for v in values):
             # No host-to-device copies here: this path may be captured in a CUDA graph.
@@ -386,7 +415,10 @@ def fast_step(plan: ChainPlan, params, grads, state):
         return None
     steps, _, pairs = _advance_counts(plan, prepared.counts, True, _uses_tensors(plan),
                                       prepared.device)
-    prepared.launch(_scalars(plan, prepared.traced, steps, prepared.device), pairs)
+    carried = None
+    if plan.running:
+        carried, _ = advance_running(plan, planned_states(plan, state), steps, True)
+    prepared.launch(_scalars(plan, prepared.traced, steps, prepared.device, carried), pairs)
     return params, state
 
 
@@ -408,6 +440,7 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
     device = p_flat[active[0]].device if active else torch.device("cpu")
     steps, new_counts, pairs = _advance_counts(plan, counts, donate, _uses_tensors(plan),
                                                device)
+    carried, running = advance_running(plan, stage_states, steps, donate)
     p_out = list(p_flat) if output == "p" else [None] * len(p_flat)
     slot_out = [{name: list(leaves) for name, leaves in slots.items()} for slots in slot_flat]
     for i in active if output == "u" or not donate else ():
@@ -427,7 +460,7 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
                                 branches.merged_slots(plan, selection, slot_flat), p_out,
                                 branches.merged_slots(plan, selection, slot_out), active,
                                 selection, donate, output, x_flat)
-        prepared.launch(_scalars(plan, prepared.traced, steps, device), pairs)
+        prepared.launch(_scalars(plan, prepared.traced, steps, device, carried), pairs)
         if donate and output == "p" and not plan.seeded:
             prepared.spec = spec
             prepared.flat_getter = flat_dict_getter(params)
@@ -439,10 +472,13 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
         _increment(pairs)
     new_params = tree_lib.unflatten(spec, p_out)
     new_states = []
-    for stage, st, slots, count in zip(plan.stages, stage_states, slot_out, new_counts):
+    for k, (stage, st, slots, count) in enumerate(zip(plan.stages, stage_states, slot_out,
+                                                      new_counts)):
         values = {name: tree_lib.unflatten(spec, leaves) for name, leaves in slots.items()}
         if stage.rule.counted:
             values["count"] = count
+        if running is not None:
+            values.update(running[k])
         new_states.append(type(st)(**values))
     return new_params, new_states, prepared
 
