@@ -22,8 +22,9 @@ from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
 from ftopt.lowering import branches, checks, launch, quantized, tiles
 from ftopt.lowering.codegen import output_roles
-from ftopt.lowering.plan import ChainPlan, host_step, planned_states, remember
-from ftopt.rules import QuantizedSlot, running_step, step_scalars
+from ftopt.lowering.counts import advance_counts, advance_running, increment
+from ftopt.lowering.plan import ChainPlan, planned_states
+from ftopt.rules import QuantizedSlot, step_scalars
 
 _data_ptr = torch.Tensor.data_ptr
 
@@ -43,64 +44,6 @@ def _uses_tensors(plan: ChainPlan) -> bool:
         plan.tensor_hparams = any(isinstance(v, torch.Tensor) for s in plan.stages
                                   for v in s.rule.hparams.values())
     return plan.tensor_hparams
-
-
-def _advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool, device):
-    """Per stage: (count, t) for its scalars and its new count tensor; and the (old, new)
-    count tensors the main kernel increments (empty when they were incremented here,
-    because a count is not on the kernels' device)."""
-    in_kernel = all(c is None or c.device == device for c in counts)
-    steps, new_counts, pairs = [], [], []
-    for count_tensor in counts:
-        if count_tensor is None:
-            steps.append((None, None))
-            new_counts.append(None)
-            continue
-        count, t = host_step(count_tensor, tensor_mode)
-        if in_kernel:
-            new = count_tensor if donate else torch.empty_like(count_tensor)
-            pairs += [count_tensor, new]
-        else:
-            new = count_tensor.add_(1) if donate else count_tensor + 1
-        if isinstance(t, int):
-            remember(new, t)
-        steps.append((count, t))
-        new_counts.append(new)
-    return steps, new_counts, pairs
-
-
-def advance_running(plan: ChainPlan, stage_states, steps, donate: bool):
-    """Per stage: the body's scalars from its running scalars (``None`` for a rule that
-    keeps none) and their new values, with torch ops on their device (no host read). The
-    new values of a donated step are written into the old tensors (after every check:
-    nothing is written before), as the kernels write the counts."""
-    if not plan.running:
-        return None, None
-    carried, new = [], []
-    for stage, st, (count, t) in zip(plan.stages, stage_states, steps):
-        rule = stage.rule
-        if not rule.running:
-            carried.append(None)
-            new.append({})
-            continue
-        scalars, values = running_step(rule, count, t,
-                                       {name: getattr(st, name) for name in rule.running})
-        if donate:
-            for name, value in values.items():
-                getattr(st, name).copy_(value)
-            values = {name: getattr(st, name) for name in values}
-        carried.append(scalars)
-        new.append(values)
-    return carried, new
-
-
-def _increment(pairs) -> None:
-    """The count increments of a step that launched no kernel."""
-    for old, new in zip(pairs[::2], pairs[1::2]):
-        if new is old:
-            old.add_(1)
-        else:
-            torch.add(old, 1, out=new)
 
 
 def _constant_hparams(plan: ChainPlan) -> list | None:
@@ -312,7 +255,7 @@ class PreparedStep:
                                                           self.device)
             if not launch.run_main(traced, self.groups, scalars, leaf_bufs, global_buf,
                                    count_pairs, self.device):
-                _increment(count_pairs)
+                increment(count_pairs)
         if self.donate:
             launches = launch.bind_main(traced, self.groups, scalars, count_pairs,
                                         self.device)
@@ -413,7 +356,7 @@ def fast_step(plan: ChainPlan, params, grads, state):
             return None
     if not prepared.still_valid(p_flat, s_flat, g_flat):
         return None
-    steps, _, pairs = _advance_counts(plan, prepared.counts, True, _uses_tensors(plan),
+    steps, _, pairs = advance_counts(plan, prepared.counts, True, _uses_tensors(plan),
                                       prepared.device)
     carried = None
     if plan.running:
@@ -438,7 +381,7 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
     counts = [st.count if stage.rule.counted else None
               for stage, st in zip(plan.stages, stage_states)]
     device = p_flat[active[0]].device if active else torch.device("cpu")
-    steps, new_counts, pairs = _advance_counts(plan, counts, donate, _uses_tensors(plan),
+    steps, new_counts, pairs = advance_counts(plan, counts, donate, _uses_tensors(plan),
                                                device)
     carried, running = advance_running(plan, stage_states, steps, donate)
     p_out = list(p_flat) if output == "p" else [None] * len(p_flat)
@@ -469,7 +412,7 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
             prepared.watch(p_flat, prepared.state_tensors(state), g_flat)
             plan.prepared = prepared
     else:
-        _increment(pairs)
+        increment(pairs)
     new_params = tree_lib.unflatten(spec, p_out)
     new_states = []
     for k, (stage, st, slots, count) in enumerate(zip(plan.stages, stage_states, slot_out,

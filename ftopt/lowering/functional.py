@@ -20,12 +20,11 @@ import torch
 
 from ftopt import eager
 from ftopt.lowering import checks, codegen, launch
+from ftopt.lowering.counts import advance_counts, advance_running
 from ftopt.lowering.execute import (
     PreparedStep,
-    _advance_counts,
     _scalars,
     _uses_tensors,
-    advance_running,
     flat_dict_getter,
     flat_dict_leaves,
     misaligned,
@@ -244,7 +243,7 @@ def fast_functional(plan, params, grads, state, output: str):
     if plan.running and not all(_running_ok(stage.rule, st, device)
                                 for stage, st in zip(plan.stages, stage_states)):
         return None  # (the full path names what is wrong)
-    steps, new_counts, pairs = _advance_counts(plan, counts, False, _uses_tensors(plan),
+    steps, new_counts, pairs = advance_counts(plan, counts, False, _uses_tensors(plan),
                                                device)
     carried, running = advance_running(plan, stage_states, steps, False)
     if cache.whole:  # every output list is replaced by one group's views
