@@ -37,6 +37,13 @@ from ftopt.lookahead import LookaheadParams, LookaheadState, lookahead
 from ftopt.lowering.explain import explain
 from ftopt.optim import Optimizer
 from ftopt.quantize import quantize_states
+from ftopt.schedule_free import (
+    ScheduleFreeState,
+    schedule_free,
+    schedule_free_adamw,
+    schedule_free_eval_params,
+    schedule_free_sgd,
+)
 from ftopt.schedules import (
     ademamix_alpha_warmup,
     ademamix_b3_warmup,
@@ -150,6 +157,7 @@ __all__ = [
     "ScaleByRssState",
     "ScaleByScheduleState",
     "ScaleBySimplifiedAdEMAMixState",
+    "ScheduleFreeState",
     "TraceState",
     "adabelief",
     "adadelta",
@@ -198,6 +206,10 @@ __all__ = [
     "radam",
     "rmsprop",
     "rprop",
+    "schedule_free",
+    "schedule_free_adamw",
+    "schedule_free_eval_params",
+    "schedule_free_sgd",
     "scale",
     "scale_by_adadelta",
     "scale_by_adam",

@@ -29,11 +29,19 @@ from ftopt.rules import (
     Slot,
     check_param,
     compute_dtype,
+    initial_running,
+    running_step,
     state_dtype,
     step_scalars,
 )
 from ftopt.shards import is_dtensor
-from ftopt.validate import check_count, check_leaf, check_slots, check_state_class
+from ftopt.validate import (
+    check_count,
+    check_leaf,
+    check_running,
+    check_slots,
+    check_state_class,
+)
 
 __all__ = ["RuleTransform", "rule_transform"]
 
@@ -70,8 +78,8 @@ class RuleTransform:
         return self.quant is not None and p.numel() >= self.quant.min_size
 
     def _init_slot(self, slot: Slot, p: torch.Tensor):
-        if slot.from_params:  # (never stored in 8 or 16 bits: see Slot)
-            return p.detach().to(state_dtype(p), copy=True)
+        if slot.from_params:  # (never stored in 8 or 16 bits unless asked: see Slot)
+            return p.detach().to(slot.dtype or state_dtype(p), copy=True)
         value = 0.0 if slot.init is None else self.rule.hparams[slot.init]
         x = torch.full_like(p, float(value), dtype=state_dtype(p))
         if self.store is not None and not self.quantized(p):
@@ -86,13 +94,14 @@ class RuleTransform:
 
     def init(self, params):
         paths, flat, spec = tree_lib.flatten_with_paths(params)
-        if self.rule.slots or self.rule.counted:
+        if self.rule.slots or self.rule.counted or self.rule.running:
             for path, p in zip(paths, flat):
                 check_param(path, p)
         values = {}
+        device = flat[0].device if flat else torch.device("cpu")
         if self.rule.counted:
-            device = flat[0].device if flat else torch.device("cpu")
             values["count"] = torch.zeros((), dtype=torch.int32, device=device)
+        values.update(initial_running(self.rule, device))
         for slot in self.rule.slots:
             leaves = [self._init_slot(slot, p) for p in flat]
             values[slot.name] = tree_lib.unflatten(spec, leaves)
@@ -141,11 +150,18 @@ class RuleTransform:
         )
         active = self._active_leaves(u_flat, p_flat, slots_flat, paths, params)
         count, new_count, t = self._advance_count(state)
+        carried, running = None, {}
+        if rule.running:
+            check_running(rule, state)
+            carried, running = running_step(
+                rule, count, t, {name: getattr(state, name) for name in rule.running})
         new_u = _passed_through(u_flat, mask_flat, active)
         new_slots = {name: list(leaves) for name, leaves in slots_flat.items()}
         if active:
-            self._run(active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u, new_slots)
+            self._run(active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u,
+                      new_slots, carried)
         values = {name: tree_lib.unflatten(spec, leaves) for name, leaves in new_slots.items()}
+        values.update(running)
         if rule.counted:
             values["count"] = new_count
         return tree_lib.unflatten(spec, new_u), rule.state_class(**values)
@@ -199,11 +215,12 @@ class RuleTransform:
         remember_count(new_count, known + 1)
         return known, new_count, known + 1
 
-    def _run(self, active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u, new_slots):
+    def _run(self, active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u, new_slots,
+             carried=None):
         rule = self.rule
         us = [u_flat[i] for i in active]
         ps = [p_flat[i] for i in active] if rule.uses_params else []
-        scalars = step_scalars(rule, count, t)
+        scalars = step_scalars(rule, count, t, carried)
         # A tensor hyperparameter that requires grad (a meta-gradient) makes it autograd's.
         mode = eager.choose_mode(us + ps + [v for v in scalars.values()
                                             if isinstance(v, torch.Tensor)])

@@ -5,9 +5,12 @@ scalars derived from them (bias corrections and the like, computed once per step
 step count ``t``) and a ``body(o, x) -> (u, new_slots)``: plain arithmetic over the values
 in ``x`` (``x.u``, ``x.p``, ``x.<slot>``, ``x.<scalar>``) and the ``o`` namespace
 (``sqrt``, ``cbrt``, ``abs``, ``sign``, ``where``, ``maximum``, ``minimum``, ``lerp``,
-``leaf_norm``, ``global_norm``). The eager backend evaluates the body on tensors
-(:mod:`ftopt.eager`); the fused backend evaluates it on symbols and prints a Triton kernel
-(:mod:`ftopt.lowering`).
+``leaf_norm``, ``global_norm``). A rule may also keep **running scalars**: 0-d fp32
+tensors of its state (next to the step count) that ``rule.advance`` moves once per step,
+with torch ops on their device (no host read), giving the body per-step scalars that
+depend on the whole history (Schedule-Free's averaging weight). The eager backend
+evaluates the body on tensors (:mod:`ftopt.eager`); the fused backend evaluates it on
+symbols and prints a Triton kernel (:mod:`ftopt.lowering`).
 
 :class:`ftopt.rule_transform.RuleTransform` turns a rule into a
 ``GradientTransformation`` (the state layout: 32-bit or 8-bit blockwise slots, the step
@@ -28,7 +31,8 @@ from ftopt.base import EmptyState, register_state
 from ftopt.domains import Interval
 
 __all__ = ["Slot", "Rule", "QuantizedSlot", "QuantConfig", "Env", "hparam_values",
-           "step_scalars", "compute_dtype", "state_dtype", "check_param"]
+           "step_scalars", "initial_running", "running_step", "compute_dtype", "state_dtype",
+           "check_param"]
 
 
 @dataclass(frozen=True)
@@ -39,13 +43,16 @@ class Slot:
     the hyperparameter holding the initial value (zero when ``None``); ``from_params``:
     the slot starts as a copy of the param instead (MADGRAD's x0), and is always stored in
     the param's compute dtype, never in 8 or 16 bits: a rounded copy of the params would
-    move them where the gradients are zero.
+    move them where the gradients are zero. ``dtype``: a ``from_params`` slot's storage
+    dtype when the user asked for one (Schedule-Free's ``state_dtype``), whatever the
+    state format of the rest of the chain.
     """
 
     name: str
     signed: bool = True
     init: str | None = None
     from_params: bool = False
+    dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,12 @@ class Rule:
     # The allowed range of each float hyperparameter, checked at construction (an absent
     # entry: any finite value). See :mod:`ftopt.domains`.
     domains: Mapping[str, Interval] = field(default_factory=dict)
+    # Running scalars (see the module docstring): state field -> initial value (a float,
+    # or the name of the hyperparameter holding it); ``advance(t, h, old) -> (scalars,
+    # new)`` maps this step's ``t``, hyperparameters and old values (0-d fp32 tensors) to
+    # the body's extra scalars and the new values, with torch ops only.
+    running: Mapping[str, Any] = field(default_factory=dict)
+    advance: Callable[[Any, dict, dict], tuple[dict, dict]] | None = None
 
 
 def hparams_require_grad(rule: Rule) -> bool:
@@ -96,9 +109,29 @@ def hparam_values(rule: Rule, count: Any, t: Any) -> dict:
     return {k: (v(at) if callable(v) else v) for k, v in rule.hparams.items()}
 
 
-def step_scalars(rule: Rule, count: Any, t: Any) -> dict:
-    """The per-step scalars a body reads: the hyperparameters plus ``rule.scalars``."""
+def initial_running(rule: Rule, device: Any = None) -> dict:
+    """The running scalars of a new state: 0-d fp32 tensors on ``device``."""
+    out = {}
+    for name, value in rule.running.items():
+        value = rule.hparams[value] if isinstance(value, str) else value
+        out[name] = torch.full((), float(value), dtype=torch.float32, device=device)
+    return out
+
+
+def running_step(rule: Rule, count: Any, t: Any, old: dict) -> tuple[dict, dict]:
+    """One step of ``rule``'s running scalars: ``(the body's scalars from them, the new
+    values)``; every backend calls this, once per step (also with no active leaf)."""
+    scalars, new = rule.advance(t, hparam_values(rule, count, t), old)
+    return scalars, {k: v.to(torch.float32) for k, v in new.items()}
+
+
+def step_scalars(rule: Rule, count: Any, t: Any, carried: dict | None = None) -> dict:
+    """The per-step scalars a body reads: the hyperparameters plus ``rule.scalars``, plus
+    ``carried`` (the scalars :func:`running_step` gave this step; where it is not given,
+    those of a new state, which name the same values)."""
     h = hparam_values(rule, count, t)
+    if rule.advance is not None and carried is None:
+        carried = running_step(rule, count, t, initial_running(rule))[0]
     if rule.scalars is not None:
         # A device count (under torch.func, or unknown on an accelerator) is an integer
         # tensor: ``b ** t`` on it would be float32, so 1 - b2**t would lose ~1e-5 relative
@@ -107,6 +140,8 @@ def step_scalars(rule: Rule, count: Any, t: Any) -> dict:
         # Tensor hyperparameters likewise: b1 ** t on an fp32 b1 = 0.999 leaves
         # 1 - b1 ** t ~1e-4 off (float64 where the device has it).
         h = {**h, **rule.scalars(t_scalar, {k: _wide(v) for k, v in h.items()})}
+    if carried:
+        h = {**h, **carried}
     return h
 
 

@@ -15,12 +15,14 @@ import torch
 from ftopt.rules import QuantizedSlot, Rule, check_param
 from ftopt.shards import full_numel
 
-__all__ = ["check_leaf", "check_slots", "check_count", "check_layout", "check_state_class"]
+__all__ = ["check_leaf", "check_slots", "check_count", "check_running", "check_layout",
+           "check_state_class"]
 
 
 def check_state_class(rule: Rule, state: Any) -> None:
     """A stateful rule's state is its own NamedTuple (not another transform's)."""
-    if (rule.slots or rule.counted) and not isinstance(state, rule.state_class):
+    if (rule.slots or rule.counted or rule.running) and not isinstance(state,
+                                                                      rule.state_class):
         raise ValueError(f"{rule.name} expects a {rule.state_class.__name__} state, got "
                          f"{type(state).__name__} (a state made by another transform?)")
 
@@ -138,3 +140,18 @@ def check_count(rule_name: str, count: Any) -> None:
     if count.device.type == "meta":
         raise ValueError(f"{rule_name}: state.count is on the meta device (it holds no "
                          "value): expected a 0-d integer tensor on the params' device")
+
+
+def check_running(rule: Rule, state: Any) -> None:
+    """A rule's running scalars (:attr:`Rule.running`) are 0-d fp32 tensors with values."""
+    for name in rule.running:
+        value = getattr(state, name)
+        if (not isinstance(value, torch.Tensor) or value.ndim != 0
+                or value.dtype != torch.float32 or value.layout != torch.strided):
+            got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                   if isinstance(value, torch.Tensor) else type(value).__name__)
+            raise ValueError(f"{rule.name}: state.{name} must be a 0-d float32 tensor, got "
+                             f"{got}")
+        if value.device.type == "meta":
+            raise ValueError(f"{rule.name}: state.{name} is on the meta device (it holds no "
+                             "value): expected a 0-d float32 tensor on the params' device")

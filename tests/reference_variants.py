@@ -335,3 +335,49 @@ class RefRprop(RefOptimizer):
         update = torch.where(flipped, 0.0, st["prev_updates"])
         st["prev_updates"] = prev_new
         return -update
+
+
+class RefScheduleFree(RefOptimizer):
+    """optax.contrib.schedule_free around SGD (``adam=False``: u = -lr (g + wd p)) or Adam
+    without momentum (u = -lr (g/(sqrt(nu/(1-b2^t)) + eps) + wd p)); lr(k) = peak
+    min(k, W)/W with warmup W, else peak. Per step s = t (step_count from 1): max_lr =
+    max(max_lr, lr(s)); w = max_lr^power; W_sum += w; c = w/W_sum; z' = z + u_base (the
+    base reads lr at its count t-1); x = (y - (1-b1) z)/b1; x' = (1-c) x + c z';
+    y' = b1 x' + (1-b1) z'."""
+
+    def __init__(self, lr, warmup_steps=None, b1=0.9, weight_decay=0.0, power=2.0,
+                 adam=False, b2=0.999, eps=1e-8):
+        super().__init__()
+        self.peak, self.warmup, self.b1, self.wd, self.power = (lr, warmup_steps, b1,
+                                                                weight_decay, power)
+        self.adam, self.b2, self.eps = adam, b2, eps
+        self.max_lr, self.weight_sum, self.c = 0.0, 0.0, 0.0
+
+    def lr(self, k):
+        if self.warmup is None:
+            return self.peak
+        return self.peak * min(k, self.warmup) / self.warmup
+
+    def step(self, params, grads):
+        s = self.t + 1
+        self.max_lr = max(self.max_lr, self.lr(s))
+        w = self.max_lr ** self.power
+        self.weight_sum += w
+        self.c = w / self.weight_sum if self.weight_sum > 0 else 0.0
+        return super().step(params, grads)
+
+    def init_leaf(self, p):
+        return {"z": p.clone(), **zeros_state(p, "nu")}
+
+    def leaf_update(self, p, g, st, t):
+        if self.adam:
+            st["nu"] = self.b2 * st["nu"] + (1 - self.b2) * g * g
+            d = g / (torch.sqrt(st["nu"] / (1 - self.b2**t)) + self.eps)
+        else:
+            d = g
+        u_base = -self.lr(t - 1) * (d + self.wd * p)
+        z_old, z = st["z"], st["z"] + u_base
+        x = (p - (1 - self.b1) * z_old) / self.b1
+        x = (1 - self.c) * x + self.c * z
+        st["z"] = z
+        return self.b1 * x + (1 - self.b1) * z - p

@@ -620,6 +620,27 @@ TRANSFORMS += [
           example={"learning_rate": 1e-2}),
 ]
 
+# ---- Schedule-Free (ftopt.schedule_free): chain(base, stage), the stage an elementwise
+# rule whose averaging weights are running 0-d scalars of its state (bookkeeping); z, a copy
+# of the params, stays in their dtype under state_bits=8 and state_dtype (mixed_layout).
+_SF_FLOATS = {"learning_rate": LR, "b1": HP(0.1, 1.0, tensor=False),
+              "weight_lr_power": HP(0.0, 3.0)}
+TRANSFORMS += [
+    Entry("schedule_free_sgd", ftopt.schedule_free_sgd,
+          floats={**_SF_FLOATS, "weight_decay": WD}, kind="alias", states=("z",),
+          counted=True, uses_params=True, bookkeeping=True,
+          example={"learning_rate": 0.1, "weight_decay": 0.01}),
+    Entry("schedule_free_adamw", ftopt.schedule_free_adamw,
+          floats={**_SF_FLOATS, "b2": BETA, "eps": EPS, "weight_decay": WD}, kind="alias",
+          states=("mu", "nu", "z"), counted=True, uses_params=True, mixed_layout=True,
+          bookkeeping=True, example={"learning_rate": 1e-2, "weight_decay": 0.01}),
+    Entry("schedule_free",
+          lambda inner=(), b1=0.9: ftopt.schedule_free(
+              ftopt.chain(inner[0], ftopt.scale_by_learning_rate(0.01)), 0.01, b1),
+          options={"b1": (0.9, 0.5)}, kind="combinator", states=("z",), counted=True,
+          uses_params=True, mixed_layout=True, bookkeeping=True, inner=("scale_by_rms",)),
+]
+
 # ---- matrix-stage optimizers and their parts (ftopt.transforms.factored, .muon)
 TRANSFORMS += [
     # A stateful matrix stage: its row/column means are not per-element states. The
@@ -689,6 +710,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ScaleByAmsgradState", "ScaleByBeliefState", "ScaleByAdaDeltaState",
     "ScaleBySimplifiedAdEMAMixState", "EmaState", "ScaleByOptimisticGradientState",
     "ScaleByAdanState", "MadgradState", "ScaleByRpropState",
+    "ScheduleFreeState", "schedule_free_eval_params",
     "apply_updates", "step", "explain", "schedules", "tree",
     "Optimizer", "from_torch_state_dict", "to_torch_state_dict", "state_dict",
     "from_bnb_state_dict", "to_bnb_state_dict",

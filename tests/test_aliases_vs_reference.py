@@ -228,6 +228,19 @@ CASES = {
         lambda: RV.RefRprop(0.01, eta_minus=0.4, eta_plus=1.3, min_step_size=2e-3,
                             max_step_size=0.02),
     ),
+    # Schedule-Free's update reads y − z with a weight ~1: the fp32 rounding of the params
+    # (~6e-8) enters it directly, so the learning rates keep updates >= ~1e-2 (the update
+    # comparison is relative 1e-5). Warmup: the averaging weights change over 3 steps.
+    "schedule_free_sgd": (
+        lambda: ftopt.schedule_free_sgd(0.3, warmup_steps=3, b1=0.8, weight_decay=0.1),
+        lambda: RV.RefScheduleFree(0.3, warmup_steps=3, b1=0.8, weight_decay=0.1),
+    ),
+    "schedule_free_adamw": (
+        lambda: ftopt.schedule_free_adamw(0.05, b1=0.9, b2=0.95, eps=1e-3, weight_decay=0.1,
+                                          weight_lr_power=1.5),
+        lambda: RV.RefScheduleFree(0.05, b1=0.9, weight_decay=0.1, power=1.5, adam=True,
+                                   b2=0.95, eps=1e-3),
+    ),
     # ---- bitsandbytes rows of SPEC §4 (Adam/AdamW, AdEMAMix, Lion rows are the aliases above)
     "bnb_sgd": (
         lambda: sc.chain(sc.add_decayed_weights(0.05), sc.trace(decay=0.7),
@@ -262,7 +275,8 @@ CASES = {
 
 NAMES = sorted(CASES)
 # ADOPT's first step only measures the second moment: its update is exactly zero.
-FIRST_STEP_MOVES_NOTHING = {"adopt", "adopt_nesterov_unclipped", "rprop"}  # rprop: as optax
+# rprop and schedule_free_sgd (its warmup's lr is 0 at count 0): as optax.
+FIRST_STEP_MOVES_NOTHING = {"adopt", "adopt_nesterov_unclipped", "rprop", "schedule_free_sgd"}
 
 # The reference case of each alias of the test registry (``tests/registry.py``), by registry
 # name: a new alias there fails test_every_registry_alias_has_a_reference until it has one.
@@ -277,6 +291,7 @@ REGISTRY_CASES = {
     "optimistic_gradient_descent": "optimistic_gradient_descent", "adopt": "adopt",
     "simplified_ademamix": "simplified_ademamix",
     "adan": "adan", "madgrad": "madgrad", "rprop": "rprop",
+    "schedule_free_sgd": "schedule_free_sgd", "schedule_free_adamw": "schedule_free_adamw",
 }
 PATHS = ["update", "step_eager"]
 
@@ -426,6 +441,9 @@ def test_fp32_matches_reference(name, path):
         # torch.optim.Rprop's timing (the step for sign(g_t) taken at t)
         ("rprop", lambda: _RpropNoLag(0.01, eta_minus=0.4, eta_plus=1.3, min_step_size=2e-3,
                                       max_step_size=0.02)),
+        # Schedule-Free's averaging weights from lr, not lr**2 (they differ in the warmup)
+        ("schedule_free_sgd", lambda: RV.RefScheduleFree(0.3, warmup_steps=3, b1=0.8,
+                                                         weight_decay=0.1, power=1.0)),
         # the trust ratio on every leaf, not only on the masked ones
         ("lars_masked", lambda: R.RefLars(0.5, weight_decay=0.1, trust_coefficient=0.02,
                                           momentum=0.8)),

@@ -60,10 +60,10 @@ SHAPES = {
 QUANTIZED = ("w", "v")
 WARMUP = 3
 SIGNED_SLOTS = {"mu", "trace", "m1", "m2", "m", "ema", "previous_gradient", "v", "g", "s",
-                "x0", "prev_updates"}
+                "x0", "prev_updates", "z"}
 UNSIGNED_SLOTS = {"nu", "sum_of_squares", "nu_max", "n", "e_g", "e_x", "grad_sum_sq",
                   "step_sizes"}
-FULL_WIDTH_SLOTS = {"x0"}  # copies of the params: fp32 under state_bits=8 too (rules.Slot)
+FULL_WIDTH_SLOTS = {"x0", "z"}  # copies of the params: fp32 under state_bits=8 too (rules.Slot)
 QMAP = {True: create_dynamic_map(signed=True), False: create_dynamic_map(signed=False)}
 NAN_AT = {"w": 2000, "s": 40}  # flat indices; block 7 of "w" has no zero grads
 
@@ -107,6 +107,13 @@ def _bnb(parts, norm=None, changes=()):
 
 T = ftopt
 WD = 0.05
+_SF_LR = ftopt.warmup_constant_schedule(0.0, 0.1, 2)
+
+
+def _schedule_free_parts(base, learning_rate, b1) -> list:
+    """schedule_free's two parts: the base chain and its Schedule-Free stage."""
+    return list(ftopt.combine.owner(ftopt.schedule_free(base, learning_rate, b1)).transforms)
+
 _LR_SCHEDULE = ftopt.linear_schedule(2e-2, 1e-2, 10)  # a counted scale_by_learning_rate
 _MASK = {"w": True, "v": False, "b": False, "s": True}
 CASES = {
@@ -283,6 +290,23 @@ CASES = {
         lambda: [T.scale_by_rprop(1e-2), T.scale(-1.0)],
         changes={"params", "prev_updates"}, nan_free={"step_sizes", "prev_updates"},
         warm_grads=lambda params, gen: steady_sign_grads(params, gen),
+    ),
+    # ---- Schedule-Free: the base chain, then the Schedule-Free stage (y moves towards x and
+    # z even where the gradient is 0; the decay moves z there)
+    "schedule_free_sgd": _alias(
+        lambda **kw: T.schedule_free_sgd(0.1, warmup_steps=2, b1=0.8, weight_decay=WD, **kw),
+        lambda: _schedule_free_parts(
+            T.chain(T.add_decayed_weights(WD), T.scale_by_learning_rate(_SF_LR)), _SF_LR, 0.8),
+        changes={"params", "z"},
+    ),
+    "schedule_free_adamw": _alias(
+        # (no decay: z then stays where the gradient is 0; the SGD case decays z there, a
+        # decay moving z at the ±0.0 params of "s" only by -0.0)
+        lambda **kw: T.schedule_free_adamw(5e-2, b2=0.95, **kw),
+        lambda: _schedule_free_parts(
+            T.chain(T.scale_by_adam(0.0, 0.95), T.add_decayed_weights(0.0),
+                    T.scale_by_learning_rate(5e-2)), 5e-2, 0.9),
+        changes={"params", "mu", "nu"},
     ),
     # ---- the bitsandbytes table of SPEC §4
     "bnb_sgd": _bnb(

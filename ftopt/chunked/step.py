@@ -32,8 +32,9 @@ from ftopt.chunked.program import NotTraceable, Program, TraceOps
 from ftopt.chunked.run import check_aliases
 from ftopt.combine import Chain, SkipZeros, owner
 from ftopt.rule_transform import RuleTransform
-from ftopt.rules import compute_dtype, hparams_require_grad, step_scalars
+from ftopt.rules import compute_dtype, hparams_require_grad, running_step, step_scalars
 from ftopt.stages import chain_stages
+from ftopt.validate import check_running
 
 __all__ = ["eager_step", "Unsupported"]
 
@@ -166,17 +167,27 @@ def _prepare(tx, stages, params, grads, state, donate: bool) -> _Prepared:
     # The step counts and the per-step scalars.
     counts = []
     scalars = []
+    running = []  # per stage, the new values of its running scalars
     for (stage, _), st in zip(stages, stage_states):
         count, new_count, t = stage._advance_count(st)
         counts.append((st, new_count, t if isinstance(t, int) else None))
-        scalars.append(step_scalars(stage.rule, count, t))
+        carried, new = None, {}
+        if stage.rule.running:
+            try:
+                check_running(stage.rule, st)
+            except ValueError:
+                raise Unsupported("running scalars that update names") from None
+            carried, new = running_step(stage.rule, count, t, {
+                name: getattr(st, name) for name in stage.rule.running})
+        running.append(new)
+        scalars.append(step_scalars(stage.rule, count, t, carried))
     flags = [[m is None or bool(m[i]) if g_flat[i] is not None else False for i in range(n)]
              for m in masks]
     prep = _Prepared()
     prep.__dict__.update(
         tx=tx, stages=stages, spec=spec, p_spec=p_spec, params=params, state=state,
         g_flat=g_flat, p_flat=p_flat, slots=slots, stage_states=stage_states,
-        active=active, flags=flags, counts=counts, scalars=scalars)
+        active=active, flags=flags, counts=counts, scalars=scalars, running=running)
     # One program per group of leaves that run the same ops (tracing may raise
     # NotTraceable: nothing has been written yet).
     prep.programs = [(_build(prep, leaves[0], any(g_flat[i].ndim == 0 for i in leaves)),
@@ -315,11 +326,17 @@ def _execute(prep: _Prepared, donate: bool):
                 for i, t in zip(leaves, outputs[name]):
                     new_slots[int(k)][slot][i] = t
     new_states = []
-    for (stage, _), (old, new_count, known), by_name in zip(
-            prep.stages, prep.counts, new_slots):
+    for (stage, _), (old, new_count, known), by_name, running in zip(
+            prep.stages, prep.counts, new_slots, prep.running):
         rule = stage.rule
         values = {name: optree.tree_unflatten(prep.spec, leaves)
                   for name, leaves in by_name.items()}
+        for name, value in running.items():
+            if donate:
+                with torch.no_grad():
+                    getattr(old, name).copy_(value)
+                value = getattr(old, name)
+            values[name] = value
         if rule.counted:
             if donate:
                 with torch.no_grad():

@@ -8,7 +8,7 @@ from ftopt import tree as tree_lib
 from ftopt.lowering import branches, execute, functional
 from ftopt.lowering.plan import ChainPlan, call_reason, get_checked, slot_reason
 from ftopt.stages import with_state_at
-from ftopt.validate import check_count, check_leaf, check_slots
+from ftopt.validate import check_count, check_leaf, check_running, check_slots
 
 __all__ = ["checked_call", "launch_call", "with_stage_states"]
 
@@ -42,6 +42,8 @@ def checked_call(plan: ChainPlan, params, state, paths, p_flat, g_flat, backend:
     for stage, st in zip(plan.stages, stage_states):
         if stage.rule.counted:
             check_count(stage.rule.name, st.count)
+        if stage.rule.running:
+            check_running(stage.rule, st)
     reason = call_reason(plan, p_flat, g_flat, active, backend, grads_too=output == "u",
                          donate=donate, paths=paths)
     if reason is None:

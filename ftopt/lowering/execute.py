@@ -22,7 +22,8 @@ from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
 from ftopt.lowering import branches, checks, launch, quantized, tiles
 from ftopt.lowering.codegen import output_roles
-from ftopt.lowering.plan import ChainPlan, host_step, planned_states, remember
+from ftopt.lowering.counts import advance_counts, advance_running, increment
+from ftopt.lowering.plan import ChainPlan, planned_states
 from ftopt.rules import QuantizedSlot, step_scalars
 
 _data_ptr = torch.Tensor.data_ptr
@@ -43,39 +44,6 @@ def _uses_tensors(plan: ChainPlan) -> bool:
         plan.tensor_hparams = any(isinstance(v, torch.Tensor) for s in plan.stages
                                   for v in s.rule.hparams.values())
     return plan.tensor_hparams
-
-
-def _advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool, device):
-    """Per stage: (count, t) for its scalars and its new count tensor; and the (old, new)
-    count tensors the main kernel increments (empty when they were incremented here,
-    because a count is not on the kernels' device)."""
-    in_kernel = all(c is None or c.device == device for c in counts)
-    steps, new_counts, pairs = [], [], []
-    for count_tensor in counts:
-        if count_tensor is None:
-            steps.append((None, None))
-            new_counts.append(None)
-            continue
-        count, t = host_step(count_tensor, tensor_mode)
-        if in_kernel:
-            new = count_tensor if donate else torch.empty_like(count_tensor)
-            pairs += [count_tensor, new]
-        else:
-            new = count_tensor.add_(1) if donate else count_tensor + 1
-        if isinstance(t, int):
-            remember(new, t)
-        steps.append((count, t))
-        new_counts.append(new)
-    return steps, new_counts, pairs
-
-
-def _increment(pairs) -> None:
-    """The count increments of a step that launched no kernel."""
-    for old, new in zip(pairs[::2], pairs[1::2]):
-        if new is old:
-            old.add_(1)
-        else:
-            torch.add(old, 1, out=new)
 
 
 def _constant_hparams(plan: ChainPlan) -> list | None:
@@ -109,13 +77,17 @@ def _host_scalars(plan: ChainPlan, traced, steps) -> list | None:
     return [float(per_stage[i][name]) for i, name in traced.graph.scalars]
 
 
-def _scalars(plan: ChainPlan, traced, steps, device) -> list[float] | torch.Tensor:
+def _scalars(plan: ChainPlan, traced, steps, device,
+             carried: list | None = None) -> list[float] | torch.Tensor:
     """Per-step scalars: kernel arguments when all are host numbers, else a device buffer
-    computed with torch ops (no host synchronisation; capturable in a CUDA graph)."""
-    floats = _host_scalars(plan, traced, steps)
+    computed with torch ops (no host synchronisation; capturable in a CUDA graph).
+    ``carried``: per stage, the scalars of its running scalars (:func:`advance_running`),
+    device values."""
+    floats = None if carried else _host_scalars(plan, traced, steps)
     if floats is None:
-        per_stage = [step_scalars(stage.rule, *step) for stage, step in zip(plan.stages,
-                                                                               steps)]
+        carried = carried or [None] * len(plan.stages)
+        per_stage = [step_scalars(stage.rule, *step, extra) for stage, step, extra in
+                     zip(plan.stages, steps, carried)]
         values = [per_stage[i][name] for i, name in traced.graph.scalars]
         if any(isinstance(v, torch.Tensor) for v in values):
             # No host-to-device copies here: this path may be captured in a CUDA graph.
@@ -283,7 +255,7 @@ class PreparedStep:
                                                           self.device)
             if not launch.run_main(traced, self.groups, scalars, leaf_bufs, global_buf,
                                    count_pairs, self.device):
-                _increment(count_pairs)
+                increment(count_pairs)
         if self.donate:
             launches = launch.bind_main(traced, self.groups, scalars, count_pairs,
                                         self.device)
@@ -384,9 +356,12 @@ def fast_step(plan: ChainPlan, params, grads, state):
             return None
     if not prepared.still_valid(p_flat, s_flat, g_flat):
         return None
-    steps, _, pairs = _advance_counts(plan, prepared.counts, True, _uses_tensors(plan),
+    steps, _, pairs = advance_counts(plan, prepared.counts, True, _uses_tensors(plan),
                                       prepared.device)
-    prepared.launch(_scalars(plan, prepared.traced, steps, prepared.device), pairs)
+    carried = None
+    if plan.running:
+        carried, _ = advance_running(plan, planned_states(plan, state), steps, True)
+    prepared.launch(_scalars(plan, prepared.traced, steps, prepared.device, carried), pairs)
     return params, state
 
 
@@ -406,8 +381,9 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
     counts = [st.count if stage.rule.counted else None
               for stage, st in zip(plan.stages, stage_states)]
     device = p_flat[active[0]].device if active else torch.device("cpu")
-    steps, new_counts, pairs = _advance_counts(plan, counts, donate, _uses_tensors(plan),
+    steps, new_counts, pairs = advance_counts(plan, counts, donate, _uses_tensors(plan),
                                                device)
+    carried, running = advance_running(plan, stage_states, steps, donate)
     p_out = list(p_flat) if output == "p" else [None] * len(p_flat)
     slot_out = [{name: list(leaves) for name, leaves in slots.items()} for slots in slot_flat]
     for i in active if output == "u" or not donate else ():
@@ -427,7 +403,7 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
                                 branches.merged_slots(plan, selection, slot_flat), p_out,
                                 branches.merged_slots(plan, selection, slot_out), active,
                                 selection, donate, output, x_flat)
-        prepared.launch(_scalars(plan, prepared.traced, steps, device), pairs)
+        prepared.launch(_scalars(plan, prepared.traced, steps, device, carried), pairs)
         if donate and output == "p" and not plan.seeded:
             prepared.spec = spec
             prepared.flat_getter = flat_dict_getter(params)
@@ -436,13 +412,16 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
             prepared.watch(p_flat, prepared.state_tensors(state), g_flat)
             plan.prepared = prepared
     else:
-        _increment(pairs)
+        increment(pairs)
     new_params = tree_lib.unflatten(spec, p_out)
     new_states = []
-    for stage, st, slots, count in zip(plan.stages, stage_states, slot_out, new_counts):
+    for k, (stage, st, slots, count) in enumerate(zip(plan.stages, stage_states, slot_out,
+                                                      new_counts)):
         values = {name: tree_lib.unflatten(spec, leaves) for name, leaves in slots.items()}
         if stage.rule.counted:
             values["count"] = count
+        if running is not None:
+            values.update(running[k])
         new_states.append(type(st)(**values))
     return new_params, new_states, prepared
 

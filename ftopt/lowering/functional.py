@@ -20,9 +20,9 @@ import torch
 
 from ftopt import eager
 from ftopt.lowering import checks, codegen, launch
+from ftopt.lowering.counts import advance_counts, advance_running
 from ftopt.lowering.execute import (
     PreparedStep,
-    _advance_counts,
     _scalars,
     _uses_tensors,
     flat_dict_getter,
@@ -31,6 +31,7 @@ from ftopt.lowering.execute import (
 )
 from ftopt.lowering.plan import planned_states
 from ftopt.rules import QuantizedSlot
+from ftopt.validate import check_running
 
 _requires_grad = operator.attrgetter("requires_grad")
 
@@ -239,8 +240,12 @@ def fast_functional(plan, params, grads, state, output: str):
               for stage, st in zip(plan.stages, stage_states)]
     if any(c is not None and not isinstance(c, torch.Tensor) for c in counts):
         return None
-    steps, new_counts, pairs = _advance_counts(plan, counts, False, _uses_tensors(plan),
+    if plan.running and not all(_running_ok(stage.rule, st, device)
+                                for stage, st in zip(plan.stages, stage_states)):
+        return None  # (the full path names what is wrong)
+    steps, new_counts, pairs = advance_counts(plan, counts, False, _uses_tensors(plan),
                                                device)
+    carried, running = advance_running(plan, stage_states, steps, False)
     if cache.whole:  # every output list is replaced by one group's views
         out, slot_out = None, [{name: None for name in slots} for slots in slot_flat]
     else:
@@ -271,15 +276,26 @@ def fast_functional(plan, params, grads, state, output: str):
             for i, view in zip(group.leaves, views):
                 target[i] = view
         _upload(group, addresses, device)
-    prep.launch(_scalars(plan, traced, steps, device), pairs)
+    prep.launch(_scalars(plan, traced, steps, device, carried), pairs)
     new_states = []
-    for stage, st, slots, count in zip(plan.stages, stage_states, slot_out, new_counts):
+    for k, (stage, st, slots, count) in enumerate(zip(plan.stages, stage_states, slot_out,
+                                                      new_counts)):
         values = {name: optree.tree_unflatten(cache.spec, leaves)
                   for name, leaves in slots.items()}
         if stage.rule.counted:
             values["count"] = count
+        if running is not None:
+            values.update(running[k])
         new_states.append(type(st)(**values))
     return optree.tree_unflatten(cache.spec, out), new_states
+
+
+def _running_ok(rule, st, device) -> bool:
+    try:
+        check_running(rule, st)
+    except ValueError:
+        return False
+    return all(getattr(st, name).device == device for name in rule.running)
 
 
 def _upload(group, addresses: dict, device) -> None:

@@ -38,6 +38,7 @@ class ChainPlan:
     reason: str | None = None
     prepared: object = None  # the last donated step's tables (see execute.PreparedStep)
     tensor_hparams: bool | None = None  # a hyperparameter is a tensor (known once asked)
+    running: bool = False  # a stage keeps running scalars (Rule.running)
     constant_hparams: list | None = None  # per stage: its hparams if constant (see execute)
     functional: dict = field(default_factory=dict)  # see lowering.functional
     # A chain with matrix stages: its parts in order, each a ChainPlan of the rules
@@ -96,6 +97,7 @@ def plan_chain(tx) -> ChainPlan:
         if found.positions:
             plan.positions, plan.selects = list(found.positions), list(found.selects)
             plan.flagged = list(found.flagged)
+        plan.running = any(s.rule.running for s in plan.stages)
         if found.segmented:
             plan.segments = _segments(found)
             plan.reason = None
@@ -113,6 +115,7 @@ def _segments(found) -> list:
         if end > start or matrix is None:
             part = ChainPlan(list(found.stages[start:end]),
                              list(found.state_paths[start:end]), list(found.skips[start:end]))
+            part.running = any(s.rule.running for s in part.stages)
             part.seeded = bool(out)
             out.append(part)
         if matrix is not None:

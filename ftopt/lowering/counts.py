@@ -1,0 +1,70 @@
+"""The scalar bookkeeping of one fused step: step counts (incremented by the main kernel
+where they live on its device) and rules' running scalars (:attr:`ftopt.rules.Rule.running`,
+moved with torch ops on their device, no host read)."""
+
+from __future__ import annotations
+
+import torch
+
+from ftopt.lowering.plan import ChainPlan, host_step, remember
+from ftopt.rules import running_step
+
+__all__ = ["advance_counts", "advance_running", "increment"]
+
+
+def advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool, device):
+    """Per stage: (count, t) for its scalars and its new count tensor; and the (old, new)
+    count tensors the main kernel increments (empty when they were incremented here,
+    because a count is not on the kernels' device)."""
+    in_kernel = all(c is None or c.device == device for c in counts)
+    steps, new_counts, pairs = [], [], []
+    for count_tensor in counts:
+        if count_tensor is None:
+            steps.append((None, None))
+            new_counts.append(None)
+            continue
+        count, t = host_step(count_tensor, tensor_mode)
+        if in_kernel:
+            new = count_tensor if donate else torch.empty_like(count_tensor)
+            pairs += [count_tensor, new]
+        else:
+            new = count_tensor.add_(1) if donate else count_tensor + 1
+        if isinstance(t, int):
+            remember(new, t)
+        steps.append((count, t))
+        new_counts.append(new)
+    return steps, new_counts, pairs
+
+
+def advance_running(plan: ChainPlan, stage_states, steps, donate: bool):
+    """Per stage: the body's scalars from its running scalars (``None`` for a rule that
+    keeps none) and their new values, with torch ops on their device (no host read). The
+    new values of a donated step are written into the old tensors (after every check:
+    nothing is written before), as the kernels write the counts."""
+    if not plan.running:
+        return None, None
+    carried, new = [], []
+    for stage, st, (count, t) in zip(plan.stages, stage_states, steps):
+        rule = stage.rule
+        if not rule.running:
+            carried.append(None)
+            new.append({})
+            continue
+        scalars, values = running_step(rule, count, t,
+                                       {name: getattr(st, name) for name in rule.running})
+        if donate:
+            for name, value in values.items():
+                getattr(st, name).copy_(value)
+            values = {name: getattr(st, name) for name in values}
+        carried.append(scalars)
+        new.append(values)
+    return carried, new
+
+
+def increment(pairs) -> None:
+    """The count increments of a step that launched no kernel."""
+    for old, new in zip(pairs[::2], pairs[1::2]):
+        if new is old:
+            old.add_(1)
+        else:
+            torch.add(old, 1, out=new)
