@@ -4,6 +4,7 @@ from ftopt import dispatch, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
 from ftopt.alias_matrix import adafactor, muon
 from ftopt.alias_more import adan, madgrad, rprop
+from ftopt.alias_norms import fromage, novograd
 from ftopt.alias_variants import (
     adabelief,
     adadelta,
@@ -60,7 +61,9 @@ from ftopt.schedules import (
 from ftopt.torch_port import from_torch_state_dict, to_torch_state_dict
 from ftopt.transforms import (
     EmaState,
+    LeafSecondMomentState,
     MadgradState,
+    NovogradMomentumState,
     ScaleByAdaDeltaState,
     ScaleByAdamState,
     ScaleByAdanState,
@@ -92,6 +95,7 @@ from ftopt.transforms import (
     scale_by_learning_rate,
     scale_by_lion,
     scale_by_madgrad,
+    scale_by_novograd,
     scale_by_optimistic_gradient,
     scale_by_radam,
     scale_by_rms,
@@ -276,3 +280,7 @@ __all__ += [
     "lookahead",
     "zero_nans",
 ]
+
+# Per-leaf norm optimizers (ftopt.alias_norms)
+__all__ += ["LeafSecondMomentState", "NovogradMomentumState", "fromage", "novograd",
+            "scale_by_novograd"]

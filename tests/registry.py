@@ -639,6 +639,23 @@ TRANSFORMS += [
               ftopt.chain(inner[0], ftopt.scale_by_learning_rate(0.01)), 0.01, b1),
           options={"b1": (0.9, 0.5)}, kind="combinator", states=("z",), counted=True,
           uses_params=True, mixed_layout=True, bookkeeping=True, inner=("scale_by_rms",)),
+# ---- per-leaf norm optimizers (ftopt.alias_norms): NovoGrad's per-leaf second moment is
+# a stage with torch ops before its fused momentum rule; Fromage is a trust ratio and a rule
+TRANSFORMS += [
+    Entry("scale_by_novograd", ftopt.scale_by_novograd,
+          floats={"b1": BETA, "b2": BETA, "eps": EPS, "eps_root": EPS_ROOT,
+                  "weight_decay": WD},
+          states=("mu",), counted=True, norms="leaf", uses_params=True, eight_bit=True,
+          example={"b1": 0.9, "b2": 0.25, "eps": 1e-6, "weight_decay": 0.01}),
+    Entry("novograd", ftopt.novograd,
+          floats={"learning_rate": LR, "b1": BETA, "b2": BETA, "eps": EPS,
+                  "eps_root": EPS_ROOT, "weight_decay": WD},
+          kind="alias", states=("mu",), counted=True, norms="leaf", uses_params=True,
+          eight_bit=True, example={"learning_rate": 1e-2, "weight_decay": 0.01}),
+    Entry("fromage", ftopt.fromage,
+          floats={"learning_rate": LR, "min_norm": HP(0.0, 1e-3)},
+          kind="alias", norms="leaf", uses_params=True,
+          example={"learning_rate": 1e-2}),
 ]
 
 # ---- matrix-stage optimizers and their parts (ftopt.transforms.factored, .muon)
@@ -711,6 +728,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ScaleBySimplifiedAdEMAMixState", "EmaState", "ScaleByOptimisticGradientState",
     "ScaleByAdanState", "MadgradState", "ScaleByRpropState",
     "ScheduleFreeState", "schedule_free_eval_params",
+    "LeafSecondMomentState", "NovogradMomentumState",
     "apply_updates", "step", "explain", "schedules", "tree",
     "Optimizer", "from_torch_state_dict", "to_torch_state_dict", "state_dict",
     "from_bnb_state_dict", "to_bnb_state_dict",

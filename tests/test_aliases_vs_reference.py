@@ -15,6 +15,7 @@ from __future__ import annotations
 import optree
 import pytest
 import reference as R
+import reference_norms as RN
 import reference_variants as RV
 import torch
 from registry import by_trait, names, require
@@ -241,6 +242,15 @@ CASES = {
         lambda: RV.RefScheduleFree(0.05, b1=0.9, weight_decay=0.1, power=1.5, adam=True,
                                    b2=0.95, eps=1e-3),
     ),
+    # ---- ftopt.alias_norms (reference_norms.py)
+    "novograd": (
+        lambda: ftopt.novograd(0.01, b1=0.8, b2=0.5, eps=1e-3, eps_root=1e-5,
+                               weight_decay=0.1),
+        lambda: RN.RefNovograd(0.01, b1=0.8, b2=0.5, eps=1e-3, eps_root=1e-5,
+                               weight_decay=0.1),
+    ),
+    "fromage": (lambda: ftopt.fromage(0.05, min_norm=1e-3),
+                lambda: RN.RefFromage(0.05, min_norm=1e-3)),
     # ---- bitsandbytes rows of SPEC §4 (Adam/AdamW, AdEMAMix, Lion rows are the aliases above)
     "bnb_sgd": (
         lambda: sc.chain(sc.add_decayed_weights(0.05), sc.trace(decay=0.7),
@@ -292,6 +302,7 @@ REGISTRY_CASES = {
     "simplified_ademamix": "simplified_ademamix",
     "adan": "adan", "madgrad": "madgrad", "rprop": "rprop",
     "schedule_free_sgd": "schedule_free_sgd", "schedule_free_adamw": "schedule_free_adamw",
+    "novograd": "novograd", "fromage": "fromage",
 }
 PATHS = ["update", "step_eager"]
 
@@ -444,6 +455,11 @@ def test_fp32_matches_reference(name, path):
         # Schedule-Free's averaging weights from lr, not lr**2 (they differ in the warmup)
         ("schedule_free_sgd", lambda: RV.RefScheduleFree(0.3, warmup_steps=3, b1=0.8,
                                                          weight_decay=0.1, power=1.0)),
+        # NovoGrad's second moment without its first-step init (an EMA from 0)
+        ("novograd", lambda: _NovogradNoFirstStep(0.01, b1=0.8, b2=0.5, eps=1e-3,
+                                                  eps_root=1e-5, weight_decay=0.1)),
+        # Fromage without the 1/sqrt(1 + lr^2) shrink
+        ("fromage", lambda: _FromageNoShrink(0.05, min_norm=1e-3)),
         # the trust ratio on every leaf, not only on the masked ones
         ("lars_masked", lambda: R.RefLars(0.5, weight_decay=0.1, trust_coefficient=0.02,
                                           momentum=0.8)),
@@ -459,6 +475,17 @@ class _AdanWithoutFirstStep(RV.RefAdan):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.first_diff_zero = False
+
+
+class _NovogradNoFirstStep(RN.RefNovograd):
+    def leaf_update(self, p, g, st, t):
+        return super().leaf_update(p, g, st, t + 1)
+
+
+class _FromageNoShrink(RN.RefFromage):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shrink = False
 
 
 class _RpropNoLag(RV.RefRprop):

@@ -285,6 +285,18 @@ CASES = {
         lambda: [T.add_decayed_weights(0.0), T.scale_by_madgrad(1e-2, 0.8)],
         changes={"params"}, nan_free={"x0"},
     ),
+    # Norms of the raw gradient only (a zero element counts 0 either way): the plain run
+    # equals the skip run off the zero-grad elements; NovoGrad's per-leaf nu is not a slot.
+    "novograd": _alias(
+        lambda **kw: T.novograd(1e-2, b1=0.8, b2=0.5, weight_decay=WD, **kw),
+        lambda: [T.scale_by_novograd(0.8, 0.5, 1e-6, 0.0, WD), T.scale_by_learning_rate(1e-2)],
+        changes={"params", "mu"},
+    ),
+    "fromage": _alias(  # the shrink by m = 0.98 moves the params (in 16 bits too)
+        lambda **kw: T.fromage(0.2, **kw),
+        lambda: [T.scale_by_trust_ratio(1e-6), ftopt.transforms.fromage.fromage_step(0.2)],
+        changes={"params"},
+    ),
     "rprop": _alias(  # a zero gradient: the step size stays, the last step is applied
         lambda **kw: T.rprop(1e-2, **kw),
         lambda: [T.scale_by_rprop(1e-2), T.scale(-1.0)],

@@ -337,7 +337,8 @@ def test_tracks_float64_reference_within_rounding(name, dtype, backend):
     state = tx.init(params)
     ref_params = {k: v.double() for k, v in params.items()}
     for k, p in ref_params.items():  # the initial states are stored (rounded) too
-        ref.state[k] = {n: None if v is None else v.to(dt).to(torch.float64)
+        # (A number is a per-leaf state, NovoGrad's nu: fp32 whatever state_dtype says.)
+        ref.state[k] = {n: v if not isinstance(v, torch.Tensor) else v.to(dt).to(torch.float64)
                         for n, v in ref.init_leaf(p).items()}
     diverged = {k: torch.zeros(v.shape, dtype=torch.bool, device=DEVICE)
                 for k, v in params.items()}
@@ -351,8 +352,8 @@ def test_tracks_float64_reference_within_rounding(name, dtype, backend):
         slots = _slots(state)
         for k, st in ref.state.items():
             for n, value in st.items():
-                if value is None:
-                    continue  # (a state the reference fills at its first step)
+                if not isinstance(value, torch.Tensor):
+                    continue  # (filled at its first step; or a per-leaf number, see above)
                 st[n] = value.to(dt).to(torch.float64)  # the reference's one rounding
                 if n == "tr" and n not in slots and "trace" not in slots:
                     continue  # (RefRMSprop keeps an unused trace without momentum)

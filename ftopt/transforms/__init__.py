@@ -39,6 +39,11 @@ from ftopt.transforms.momentum import (
     scale_by_optimistic_gradient,
     trace,
 )
+from ftopt.transforms.novograd import (
+    LeafSecondMomentState,
+    NovogradMomentumState,
+    scale_by_novograd,
+)
 from ftopt.transforms.rprop import ScaleByRpropState, scale_by_rprop
 from ftopt.transforms.scaling import (
     ScaleByScheduleState,
@@ -57,6 +62,9 @@ from ftopt.transforms.utility import (
 )
 
 __all__ = [
+    "LeafSecondMomentState",
+    "NovogradMomentumState",
+    "scale_by_novograd",
     "EmaState",
     "MadgradState",
     "ScaleByAdaDeltaState",

@@ -1,0 +1,140 @@
+"""NovoGrad's per-leaf state (ftopt/transforms/novograd.py) and Fromage, beyond the
+registry suites: the layout of ``nu`` under 8-bit and 16-bit state storage, its
+``skip_zeros`` semantics (an all-zero leaf keeps it; a partly zero leaf advances it from
+the whole leaf's norm) on both backends, the device-count path, bad per-leaf states, and
+the fused Fromage step against the eager one over donated steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftopt
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = {"w": (64, 80), "b": (33,), "z": (5, 7)}
+
+
+def _tree(gen, scale=1.0):
+    return {k: (scale * torch.randn(s, generator=gen)).to(DEVICE) for k, s in SHAPES.items()}
+
+
+def _nu(state):
+    """NovoGrad's per-leaf nu in an alias' state (its chain's first part)."""
+    return state[0][0].nu
+
+
+def test_nu_is_one_fp32_value_per_leaf_whatever_the_storage():
+    gen = torch.Generator().manual_seed(1)
+    params = _tree(gen)
+    for kw in ({}, {"state_bits": 8}, {"state_dtype": torch.bfloat16}):
+        tx = ftopt.novograd(1e-2, **kw)
+        state = tx.init(params)
+        for _ in range(2):
+            state = ftopt.step(tx, params, _tree(gen, 0.1), state)[1]
+        for k, nu in _nu(state).items():
+            assert nu.shape == () and nu.dtype == torch.float32, (kw, k)
+            assert float(nu) > 0, (kw, k)
+        mu = state[0][1].mu["w"]
+        if kw.get("state_bits") == 8:
+            assert isinstance(mu, ftopt.rules.QuantizedSlot)
+        else:
+            assert mu.dtype == kw.get("state_dtype", torch.float32)
+    params64 = {k: v.double() for k, v in params.items()}
+    assert all(v.dtype == torch.float64 for v in _nu(ftopt.novograd(1e-2).init(params64))
+               .values())
+
+
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_skip_zeros_on_the_per_leaf_state(backend):
+    """An all-zero leaf keeps nu, mu and params bit for bit (the control, without
+    skip_zeros, decays nu by b2); a partly zero leaf's nu is b2·nu + (1−b2)·‖g‖², the
+    norm of the whole leaf, while its zero-grad elements keep mu and params."""
+    gen = torch.Generator().manual_seed(2)
+    params = _tree(gen)
+    skip, plain = (ftopt.novograd(1e-2, b2=0.5, weight_decay=0.1, skip_zeros=s)
+                   for s in (True, False))
+    state_s, state_p = skip.init(params), plain.init(params)
+    for _ in range(2):
+        g = _tree(gen, 0.1)
+        params_s, state_s = ftopt.step(skip, params, g, state_s, backend=backend)
+        params_p, state_p = ftopt.step(plain, params, g, state_p, backend=backend)
+        assert all(torch.equal(params_s[k], params_p[k]) for k in SHAPES)
+        params = params_s
+    g = _tree(gen, 0.1)
+    g["b"] = torch.zeros_like(g["b"])
+    g["w"][:10] = 0.0
+    old_nu = {k: v.clone() for k, v in _nu(state_s).items()}
+    old_mu = {k: v.clone() for k, v in state_s[0][1].mu.items()}
+    new_p, new_s = ftopt.step(skip, params, g, state_s, backend=backend)
+    ctl_p, ctl_s = ftopt.step(plain, params, g, state_p, backend=backend)
+    assert torch.equal(_nu(new_s)["b"], old_nu["b"])
+    assert torch.equal(new_s[0][1].mu["b"], old_mu["b"])
+    assert torch.equal(new_p["b"], params["b"])
+    assert torch.equal(_nu(ctl_s)["b"], 0.5 * old_nu["b"])  # the control decays it
+    assert not torch.equal(ctl_p["b"], params["b"])  # (and the decay moves the params)
+    square = float((g["w"].double() ** 2).sum())
+    want = 0.5 * float(old_nu["w"]) + 0.5 * square
+    assert abs(float(_nu(new_s)["w"]) - want) <= 1e-6 * want
+    assert torch.equal(_nu(new_s)["w"], _nu(ctl_s)["w"])
+    assert torch.equal(new_s[0][1].mu["w"][:10], old_mu["w"][:10])
+    assert torch.equal(new_p["w"][:10], params["w"][:10])
+    assert torch.equal(new_p["w"][10:], ctl_p["w"][10:])
+
+
+def test_first_step_from_a_device_count():
+    """Under torch.func a count without a host mirror is not read: the first step is a
+    ``where`` on the device count, with the same result as the host path (a wrong branch
+    on either step would differ: nu = ‖g‖² against b2·nu + (1−b2)·‖g‖²)."""
+    gen = torch.Generator().manual_seed(3)
+    params, grads = _tree(gen), _tree(gen, 0.1)
+    tx = ftopt.scale_by_novograd(b2=0.5, weight_decay=0.1)
+    for steps in (1, 2):
+        state = tx.init(params)
+        for _ in range(steps - 1):
+            state = tx.update(grads, state, params)[1]
+        # A copy's count has no host mirror: under torch.func it is read on the device only.
+        state = ftopt.tree.map(torch.clone, state)
+        want, _ = tx.update(grads, state, params)
+
+        def loss(g, st=state):
+            u, _ = tx.update(g, st, params)
+            return sum(x.sum() for x in u.values()), u
+
+        _, got = torch.func.grad(loss, has_aux=True)(grads)
+        for k in SHAPES:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=0)
+
+
+def test_bad_per_leaf_state_names_the_leaf_and_writes_nothing():
+    gen = torch.Generator().manual_seed(4)
+    params, grads = _tree(gen), _tree(gen, 0.1)
+    tx = ftopt.novograd(1e-2)
+    state = tx.init(params)
+    bad = (((state[0][0]._replace(nu={**state[0][0].nu, "b": torch.zeros(3, device=DEVICE)})),
+            state[0][1]), state[1])
+    before = {k: v.clone() for k, v in params.items()}
+    for call in (lambda: tx.update(grads, bad, params),
+                 lambda: ftopt.step(tx, params, grads, bad, donate=True)):
+        with pytest.raises(ValueError, match=r"state nu at \['b'\].*0-d"):
+            call()
+        assert all(torch.equal(params[k], before[k]) for k in SHAPES)
+
+
+@pytest.mark.parametrize("schedule", [False, True])
+def test_fromage_fused_equals_eager_donated(schedule):
+    gen = torch.Generator().manual_seed(5)
+    lr = ftopt.linear_schedule(0.1, 0.02, 3) if schedule else 0.05
+    tx = ftopt.fromage(lr, skip_zeros=True)
+    p_e = _tree(gen)
+    p_f = {k: v.clone() for k, v in p_e.items()}
+    s_e, s_f = tx.init(p_e), tx.init(p_f)
+    for _ in range(4):
+        g = _tree(gen, 0.1)
+        g["w"][:5] = 0.0
+        p_e, s_e = ftopt.step(tx, p_e, g, s_e, backend="eager")
+        p_f, s_f = ftopt.step(tx, p_f, g, s_f, backend="fused", donate=True)
+        for k in SHAPES:
+            torch.testing.assert_close(p_f[k], p_e[k], rtol=1e-6, atol=1e-7)
+    text = str(ftopt.explain(tx, p_e))  # one fused program: no stage runs in torch
+    assert "scale_by_trust_ratio, fromage_step" in text and "matrix stage" not in text
