@@ -4,6 +4,7 @@ from ftopt import dispatch, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
 from ftopt.alias_matrix import adafactor, muon
 from ftopt.alias_more import adan, madgrad, rprop
+from ftopt.alias_noise import noisy_sgd
 from ftopt.alias_variants import (
     adabelief,
     adadelta,
@@ -109,6 +110,7 @@ from ftopt.transforms.muon import (
     scale_by_muon,
     scale_by_shape,
 )
+from ftopt.transforms.noise import AddNoiseState, add_noise
 from ftopt.transforms.utility import (
     centralize,
     clip,
@@ -264,3 +266,6 @@ __all__ += [
     "lookahead",
     "zero_nans",
 ]
+
+# Gradient noise
+__all__ += ["AddNoiseState", "add_noise", "noisy_sgd"]

@@ -39,6 +39,7 @@ from ftopt.transforms.momentum import (
     scale_by_optimistic_gradient,
     trace,
 )
+from ftopt.transforms.noise import AddNoiseState, add_noise
 from ftopt.transforms.rprop import ScaleByRpropState, scale_by_rprop
 from ftopt.transforms.scaling import (
     ScaleByScheduleState,
@@ -107,3 +108,6 @@ __all__ = [
 
 # optax's everyday utilities (ftopt.transforms.utility)
 __all__ += ["centralize", "clip", "keep_params_nonnegative", "zero_nans"]
+
+# Gradient noise (ftopt.transforms.noise)
+__all__ += ["AddNoiseState", "add_noise"]
