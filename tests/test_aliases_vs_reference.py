@@ -15,6 +15,7 @@ from __future__ import annotations
 import optree
 import pytest
 import reference as R
+import reference_noise as RN
 import reference_variants as RV
 import torch
 from registry import by_trait, names, require
@@ -260,6 +261,9 @@ CASES = {
     ),
 }
 
+CASES["noisy_sgd"] = (lambda: ftopt.noisy_sgd(0.05, eta=0.02, gamma=0.6, seed=77),
+                      lambda: RN.RefNoisySGD(0.05, eta=0.02, gamma=0.6, seed=77))
+
 NAMES = sorted(CASES)
 # ADOPT's first step only measures the second moment: its update is exactly zero.
 FIRST_STEP_MOVES_NOTHING = {"adopt", "adopt_nesterov_unclipped", "rprop"}  # rprop: as optax
@@ -276,7 +280,7 @@ REGISTRY_CASES = {
     "adadelta": "adadelta", "sign_sgd": "sign_sgd", "signum": "signum",
     "optimistic_gradient_descent": "optimistic_gradient_descent", "adopt": "adopt",
     "simplified_ademamix": "simplified_ademamix",
-    "adan": "adan", "madgrad": "madgrad", "rprop": "rprop",
+    "adan": "adan", "madgrad": "madgrad", "rprop": "rprop", "noisy_sgd": "noisy_sgd",
 }
 PATHS = ["update", "step_eager"]
 
@@ -426,6 +430,8 @@ def test_fp32_matches_reference(name, path):
         # torch.optim.Rprop's timing (the step for sign(g_t) taken at t)
         ("rprop", lambda: _RpropNoLag(0.01, eta_minus=0.4, eta_plus=1.3, min_step_size=2e-3,
                                       max_step_size=0.02)),
+        # the noise's variance 2% off
+        ("noisy_sgd", lambda: RN.RefNoisySGD(0.05, eta=0.0204, gamma=0.6, seed=77)),
         # the trust ratio on every leaf, not only on the masked ones
         ("lars_masked", lambda: R.RefLars(0.5, weight_decay=0.1, trust_coefficient=0.02,
                                           momentum=0.8)),
