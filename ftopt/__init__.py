@@ -5,6 +5,7 @@ from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmspro
 from ftopt.alias_matrix import adafactor, muon
 from ftopt.alias_more import adan, madgrad, rprop
 from ftopt.alias_norms import fromage, novograd
+from ftopt.alias_noise import noisy_sgd
 from ftopt.alias_variants import (
     adabelief,
     adadelta,
@@ -120,6 +121,7 @@ from ftopt.transforms.muon import (
     scale_by_muon,
     scale_by_shape,
 )
+from ftopt.transforms.noise import AddNoiseState, add_noise
 from ftopt.transforms.utility import (
     centralize,
     clip,
@@ -284,3 +286,5 @@ __all__ += [
 # Per-leaf norm optimizers (ftopt.alias_norms)
 __all__ += ["LeafSecondMomentState", "NovogradMomentumState", "fromage", "novograd",
             "scale_by_novograd"]
+# Gradient noise
+__all__ += ["AddNoiseState", "add_noise", "noisy_sgd"]

@@ -171,6 +171,20 @@ def _cbrt_number(x: float) -> float:
 _cbrt = _scalar_fn(_cbrt_number, cbrt_tensor)
 
 
+U32_MASK = 0xFFFFFFFF
+
+
+def check_u32_constant(constant: int) -> None:
+    """A ``mul32`` constant: an int in (0, 2**31), so that its products with 32-bit values
+    fit in int64 on the eager path and in an int32 literal in the kernels."""
+    if not isinstance(constant, int) or not 0 < constant < 2**31:
+        raise ValueError(f"mul32: the constant must be an int in (0, 2**31), got {constant!r}")
+
+
+def _add32(a, b):
+    return (a + b) & U32_MASK
+
+
 def _sign_number(x: float) -> float:
     return float((x > 0) - (x < 0))
 
@@ -222,6 +236,37 @@ class EagerOps:
                        self.mode)
         return Vec("elem", [_lerp(a, b, w) for a, b in zip(start.items, end.items)],
                    self.mode)
+
+    def log(self, x) -> Vec:
+        return self._map(x, _scalar_fn(math.log, torch.log), torch._foreach_log)
+
+    def cos(self, x) -> Vec:
+        return self._map(x, _scalar_fn(math.cos, torch.cos), torch._foreach_cos)
+
+    # 32-bit unsigned integers (counter-based random numbers): held as Python ints or int64
+    # tensors in [0, 2**32); ``mul32``'s constant is below 2**31, so no product overflows.
+    def u32(self, x) -> Vec:
+        """An integer-valued number (or float tensor) as a 32-bit unsigned integer."""
+        return self._map(x, _scalar_fn(lambda v: int(v) & U32_MASK,
+                                       lambda v: v.to(torch.int64) & U32_MASK))
+
+    def xor(self, a, b) -> Vec:
+        return _as_vec(a, self.mode)._binary(b, operator.xor)
+
+    def shr(self, a, bits: int) -> Vec:
+        return self._map(a, lambda v: v >> bits)
+
+    def mul32(self, a, constant: int) -> Vec:
+        """``a * constant`` modulo 2**32 (``0 < constant < 2**31``)."""
+        check_u32_constant(constant)
+        return self._map(a, lambda v: (v * constant) & U32_MASK)
+
+    def add32(self, a, b) -> Vec:
+        return _as_vec(a, self.mode)._binary(b, _add32)
+
+    def to_float(self, a) -> Vec:
+        """A 32-bit integer below 2**24 as a float32 (exact)."""
+        return self._map(a, _scalar_fn(float, lambda v: v.to(torch.float32)))
 
     def maximum(self, a, b) -> Vec:
         return self.where(_as_vec(a, self.mode) >= b, a, b)

@@ -236,7 +236,7 @@ class RuleTransform:
             if chunked is not None:
                 result = chunked.evaluate(rule, us, ps, old, masks, scalars)
         if result is None:
-            result = _run_vec(rule, mode, us, ps, old, masks, scalars)
+            result = _run_vec(rule, mode, us, ps, old, masks, scalars, active)
         u_items, slot_items = result
         for j, i in enumerate(active):
             # A 0-d leaf whose per-step scalars are float64 tensors (a device count) would
@@ -282,11 +282,12 @@ def _passed_through(u_flat: list, mask_flat: list, active: list[int]) -> list:
     return out
 
 
-def _run_vec(rule: Rule, mode: str, us, ps, old: dict, masks: list, scalars: dict):
+def _run_vec(rule: Rule, mode: str, us, ps, old: dict, masks: list, scalars: dict,
+             leaves: list[int]):
     """The body on :class:`eager.Vec` values over whole leaves: the updates and the new
     slots (in the compute dtype), zero-gradient elements masked (the one-stage case of
-    :func:`ftopt.program.trace_chain`)."""
-    algebra = _VecAlgebra(rule, mode, us, ps, old, masks, scalars)
+    :func:`ftopt.program.trace_chain`). ``leaves``: each one's position in the tree."""
+    algebra = _VecAlgebra(rule, mode, us, ps, old, masks, scalars, leaves)
     g = eager.elem([u.to(compute_dtype(u)) for u in us], mode)
     u = program.trace_chain([rule], [masks[0] is not None], algebra, g)
     return _as_elem_items(u, us), algebra.slots
@@ -295,9 +296,10 @@ def _run_vec(rule: Rule, mode: str, us, ps, old: dict, masks: list, scalars: dic
 class _VecAlgebra:
     """Tensors per leaf (:class:`eager.Vec`) for :func:`ftopt.program.trace_chain`."""
 
-    def __init__(self, rule: Rule, mode: str, us, ps, old: dict, masks: list, scalars: dict):
+    def __init__(self, rule: Rule, mode: str, us, ps, old: dict, masks: list, scalars: dict,
+                 leaves: list[int]):
         self.rule, self.mode, self.us, self.ps, self.old = rule, mode, us, ps, old
-        self.masks, self.scalars = masks, scalars
+        self.masks, self.scalars, self.leaves = masks, scalars, leaves
         self._ops = eager.EagerOps(mode)
         self.slots: dict[str, list] = {}
 
@@ -320,6 +322,9 @@ class _VecAlgebra:
         inputs = {name: eager.elem(leaves, self.mode) for name, leaves in self.old.items()}
         if rule.uses_params:
             inputs["p"] = eager.elem([p.to(compute_dtype(p)) for p in self.ps], self.mode)
+        if rule.indexed:
+            inputs["index"] = eager.elem([element_index(u) for u in self.us], self.mode)
+            inputs["leaf"] = eager.leafwise(self.leaves, self.mode)
         inputs.update({k: eager.scalar(v, self.mode) for k, v in self.scalars.items()})
         return inputs
 
@@ -328,6 +333,11 @@ class _VecAlgebra:
 
     def slot_out(self, index: int, name: str, value) -> None:
         self.slots[name] = _as_elem_items(value, self.us)
+
+
+def element_index(u: torch.Tensor) -> torch.Tensor:
+    """Each element's row-major position in its leaf (int64, shaped like ``u``)."""
+    return torch.arange(u.numel(), dtype=torch.int64, device=u.device).view(u.shape)
 
 
 def _as_elem_items(value, like: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -5,12 +5,14 @@ scalars derived from them (bias corrections and the like, computed once per step
 step count ``t``) and a ``body(o, x) -> (u, new_slots)``: plain arithmetic over the values
 in ``x`` (``x.u``, ``x.p``, ``x.<slot>``, ``x.<scalar>``) and the ``o`` namespace
 (``sqrt``, ``cbrt``, ``abs``, ``sign``, ``where``, ``maximum``, ``minimum``, ``lerp``,
-``leaf_norm``, ``global_norm``). A rule may also keep **running scalars**: 0-d fp32
-tensors of its state (next to the step count) that ``rule.advance`` moves once per step,
-with torch ops on their device (no host read), giving the body per-step scalars that
-depend on the whole history (Schedule-Free's averaging weight). The eager backend
-evaluates the body on tensors (:mod:`ftopt.eager`); the fused backend evaluates it on
-symbols and prints a Triton kernel (:mod:`ftopt.lowering`).
+``log``, ``cos``, ``leaf_norm``, ``global_norm``; and 32-bit unsigned integer ops for
+counter-based random numbers: ``u32``, ``xor``, ``shr``, ``mul32``, ``add32``,
+``to_float``). A rule may also keep **running scalars**: 0-d fp32 tensors of its state
+(next to the step count) that ``rule.advance`` moves once per step, with torch ops on
+their device (no host read), giving the body per-step scalars that depend on the whole
+history (Schedule-Free's averaging weight). The eager backend evaluates the body on
+tensors (:mod:`ftopt.eager`); the fused backend evaluates it on symbols and prints a
+Triton kernel (:mod:`ftopt.lowering`).
 
 :class:`ftopt.rule_transform.RuleTransform` turns a rule into a
 ``GradientTransformation`` (the state layout: 32-bit or 8-bit blockwise slots, the step
@@ -84,6 +86,10 @@ class Rule:
     scalars: Callable[[Any, dict], dict] | None = None
     counted: bool = False
     uses_params: bool = False
+    # The body reads ``x.index`` (each element's row-major position in its leaf) and
+    # ``x.leaf`` (the leaf's position in the flattened param tree), as 32-bit unsigned
+    # integers for the ``o.xor``/``o.shr``/``o.mul32``/``o.add32`` ops (``add_noise``).
+    indexed: bool = False
     leaf_mask: Any = None
     schedule_at_t: bool = False
     # The allowed range of each float hyperparameter, checked at construction (an absent

@@ -106,7 +106,10 @@ class Structure:
 
     @property
     def fusible(self) -> bool:
-        return all(p.entry.fusible for top in self.parts for p in top.flat())
+        parts = [p for top in self.parts for p in top.flat()]
+        if self.bits == 8 and any(p.entry.mixed_layout for p in parts):
+            return False  # a leaf mixing 8-bit and fp32 states runs eagerly (the planner)
+        return all(p.entry.fusible for p in parts)
 
     @property
     def alias(self) -> Part | None:

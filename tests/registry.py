@@ -26,7 +26,9 @@ in pytest), and its traits:
   per-element state (``apply_if_finite``'s flags, ``MultiSteps``' micro-step counters,
   ``inject_hyperparams``' values): suites that expect only counts and slots leave them out;
 * ``calls_per_step``: with its ``defaults()``, the inner step counts advance once every
-  this many calls (``MultiSteps``' ``every_k_schedule``), not on every call.
+  this many calls (``MultiSteps``' ``every_k_schedule``), not on every call;
+* ``positional``: its update at a leaf depends on the leaf's position in the flattened
+  tree (``add_noise``): suites that drop a leaf compare the others differently.
 
 Hyperparameters are drawn inside the domains the constructors accept (SPEC §2, §4), at the
 edges some of the time; float ones may be drawn as 0-d tensors. For the property suites an
@@ -169,6 +171,9 @@ class Entry:
     inner: tuple[str, ...] = ()  # combinators: the registry entries standalone() wraps
     bookkeeping: bool = False
     calls_per_step: int = 1
+    # Its update at a leaf depends on the leaf's position in the flattened tree (add_noise's
+    # draws): a tree with a leaf removed gives the others other values.
+    positional: bool = False
 
     def steps_after(self, calls: int) -> int:
         """How far its step counts have advanced after ``calls`` calls from ``init``."""
@@ -708,6 +713,16 @@ TRANSFORMS += [
           example={"learning_rate": 1e-2, "beta": 0.95, "weight_decay": 0.01}),
 ]
 
+# ---- gradient noise (ftopt.transforms.noise, ftopt.alias_noise)
+NOISE = {"eta": HP(0.0, 0.1), "gamma": HP(0.0, 1.0)}
+TRANSFORMS += [
+    Entry("add_noise", ftopt.add_noise, floats=NOISE, options={"seed": (0, 2**32 - 1)},
+          counted=True, positional=True, example={"eta": 0.01}),
+    Entry("noisy_sgd", ftopt.noisy_sgd, floats={"learning_rate": LR, **NOISE},
+          options={"seed": (0, 123456)}, kind="alias", counted=True, positional=True,
+          example={"learning_rate": 1e-2}),
+]
+
 BY_NAME: dict[str, Entry] = {e.name: e for e in TRANSFORMS}
 assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
 
@@ -738,6 +753,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "piecewise_constant_schedule", "polynomial_schedule", "warmup_constant_schedule",
     "warmup_cosine_decay_schedule",
     "FactoredState", "MuonMomentumState",
+    "AddNoiseState",
 })
 
 

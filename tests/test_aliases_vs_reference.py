@@ -16,6 +16,7 @@ import optree
 import pytest
 import reference as R
 import reference_norms as RN
+import reference_noise as RZ
 import reference_variants as RV
 import torch
 from registry import by_trait, names, require
@@ -283,6 +284,9 @@ CASES = {
     ),
 }
 
+CASES["noisy_sgd"] = (lambda: ftopt.noisy_sgd(0.05, eta=0.02, gamma=0.6, seed=77),
+                      lambda: RZ.RefNoisySGD(0.05, eta=0.02, gamma=0.6, seed=77))
+
 NAMES = sorted(CASES)
 # ADOPT's first step only measures the second moment: its update is exactly zero.
 # rprop and schedule_free_sgd (its warmup's lr is 0 at count 0): as optax.
@@ -300,7 +304,7 @@ REGISTRY_CASES = {
     "adadelta": "adadelta", "sign_sgd": "sign_sgd", "signum": "signum",
     "optimistic_gradient_descent": "optimistic_gradient_descent", "adopt": "adopt",
     "simplified_ademamix": "simplified_ademamix",
-    "adan": "adan", "madgrad": "madgrad", "rprop": "rprop",
+    "adan": "adan", "madgrad": "madgrad", "rprop": "rprop", "noisy_sgd": "noisy_sgd",
     "schedule_free_sgd": "schedule_free_sgd", "schedule_free_adamw": "schedule_free_adamw",
     "novograd": "novograd", "fromage": "fromage",
 }
@@ -460,6 +464,8 @@ def test_fp32_matches_reference(name, path):
                                                   eps_root=1e-5, weight_decay=0.1)),
         # Fromage without the 1/sqrt(1 + lr^2) shrink
         ("fromage", lambda: _FromageNoShrink(0.05, min_norm=1e-3)),
+        # the noise's variance 2% off
+        ("noisy_sgd", lambda: RZ.RefNoisySGD(0.05, eta=0.0204, gamma=0.6, seed=77)),
         # the trust ratio on every leaf, not only on the masked ones
         ("lars_masked", lambda: R.RefLars(0.5, weight_decay=0.1, trust_coefficient=0.02,
                                           momentum=0.8)),

@@ -373,6 +373,11 @@ CASES = {
         changes={"params", "mu", "nu", "trace"},
     ),
 }
+CASES["noisy_sgd"] = _alias(  # the noise moves params where the gradient is zero, so the
+    lambda **kw: T.noisy_sgd(1e-2, eta=0.05, gamma=0.5, seed=3, **kw),  # warm-up has none
+    lambda: [T.add_noise(0.05, 0.5, seed=3), T.scale_by_learning_rate(1e-2)],
+    changes={"params"}, warm_grads=lambda params, gen: steady_sign_grads(params, gen),
+)
 
 
 def build(case: Case, bits: int, mode: str | None):

@@ -25,6 +25,8 @@ def evaluate(rule: Rule, us, ps, old: dict, masks: list, scalars: dict):
     program and run over cache-sized chunks of all leaves: ``(updates, new slots)`` in the
     compute dtype, zero-gradient elements masked; ``None`` where it cannot run (a norm in
     the body, a leaf off the CPU)."""
+    if rule.indexed:
+        return None  # it reads element and leaf positions, which chunks of leaves lose
     masked = masks[0] is not None
     if any((m is not None) != masked for m in masks):
         return None

@@ -109,6 +109,8 @@ def _prepare(tx, stages, params, grads, state, donate: bool) -> _Prepared:
     slots: list[dict[str, list]] = []
     for (stage, _), st in zip(stages, stage_states):
         rule = stage.rule
+        if rule.indexed:  # element and leaf positions, which chunks of leaves lose
+            raise Unsupported(f"{rule.name} reads element positions")
         if (rule.slots or rule.counted) and not isinstance(st, rule.state_class):
             raise Unsupported
         slots.append({s.name: _matched(spec, getattr(st, s.name), f"state {s.name}")

@@ -50,6 +50,8 @@ def select(plan, spec, params, p_flat, paths) -> Selection:
             own = _own_mask(plan.stages[s], spec, params, applies[s], n, paths)
             flags = [f and (o != s or own[i]) for i, (f, o) in enumerate(zip(flags, owners))]
         values[(k, "mask")] = [1.0 if f else 0.0 for f in flags]
+    # Each leaf's position in the flattened tree (read by indexed rules: ``add_noise``).
+    values[(None, "leaf")] = [float(i) for i in range(n)]
     return Selection(stage_of, values)
 
 

@@ -133,6 +133,9 @@ class _SymbolicAlgebra:
 
     def stage_inputs(self, index: int, rule, u) -> dict:
         inputs = {"p": self.p}
+        if rule.indexed:  # (the leaf's position in the tree: a per-leaf value)
+            inputs["index"] = self.graph.add("offs.to(tl.uint32)", (), "elem", name="index")
+            inputs["leaf"] = self._ops.u32(self.graph.leaf_value(None, "leaf"))
         in_place = self.traced.in_place
         for slot in rule.slots:
             role = f"st{index}_{slot.name}"

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ftopt.eager import U32_MASK, check_u32_constant
+
 _KIND_ORDER = {"scalar": 0, "leaf": 1, "elem": 2}
 
 
@@ -226,6 +228,41 @@ class SymOps:
         high = self._call("tl.fma", diff * -1.0, 1.0 - weight, end)  # end − diff·(1−w)
         return self.where(weight < 0.5, low, high)
 
+    def log(self, x) -> Sym:
+        return self._unary(_as_sym(x, self.graph), "tl.log({x})")
+
+    def cos(self, x) -> Sym:
+        return self._unary(_as_sym(x, self.graph), "tl.cos({x})")
+
+    # 32-bit unsigned integers: uint32 in the kernel (its arithmetic wraps modulo 2**32).
+    def u32(self, x) -> Sym:
+        if not isinstance(x, Sym):
+            return self.graph.add(_u32_literal(int(x)), (), "scalar")
+        return self._unary(x, "{x}.to(tl.uint32)")
+
+    def _int_binary(self, a, b, template: str) -> Sym:
+        a = a if isinstance(a, Sym) else self.u32(a)
+        b_expr, b_deps, b_kind = ((b.name, (b.name,), b.kind) if isinstance(b, Sym)
+                                  else (_u32_literal(int(b)), (), "scalar"))
+        kind = max(a.kind, b_kind, key=_KIND_ORDER.__getitem__)
+        return self.graph.add(template.format(a=a.name, b=b_expr), (a.name, *b_deps), kind)
+
+    def xor(self, a, b) -> Sym:
+        return self._int_binary(a, b, "{a} ^ {b}")
+
+    def shr(self, a, bits: int) -> Sym:
+        return self._int_binary(a, int(bits), "{a} >> {b}")
+
+    def mul32(self, a, constant: int) -> Sym:
+        check_u32_constant(constant)
+        return self._int_binary(a, constant, "{a} * {b}")
+
+    def add32(self, a, b) -> Sym:
+        return self._int_binary(a, b, "{a} + {b}")
+
+    def to_float(self, a) -> Sym:
+        return self._unary(a, "{x}.to(tl.float32)")
+
     def maximum(self, a, b) -> Sym:
         return self.where(_as_sym(a, self.graph) >= b, a, b)
 
@@ -250,6 +287,13 @@ class SymOps:
 
     def global_norm(self, x) -> Sym:
         return self._norm(x, "global")
+
+
+def _u32_literal(c: int) -> str:
+    # An int literal below 2**31 is an int32 constant, which a uint32 operand promotes
+    # to uint32; larger ones are spelled as uint32 (an int64 literal would widen).
+    c &= U32_MASK
+    return str(c) if c < 2**31 else f"tl.full((), {c}, tl.uint32)"
 
 
 def _constant(x, graph: Graph) -> Sym:

@@ -44,6 +44,7 @@ from ftopt.transforms.novograd import (
     NovogradMomentumState,
     scale_by_novograd,
 )
+from ftopt.transforms.noise import AddNoiseState, add_noise
 from ftopt.transforms.rprop import ScaleByRpropState, scale_by_rprop
 from ftopt.transforms.scaling import (
     ScaleByScheduleState,
@@ -115,3 +116,6 @@ __all__ = [
 
 # optax's everyday utilities (ftopt.transforms.utility)
 __all__ += ["centralize", "clip", "keep_params_nonnegative", "zero_nans"]
+
+# Gradient noise (ftopt.transforms.noise)
+__all__ += ["AddNoiseState", "add_noise"]

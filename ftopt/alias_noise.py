@@ -1,0 +1,43 @@
+"""Noisy SGD (optax's ``noisy_sgd``): SGD on gradients with annealed Gaussian noise.
+
+As in :mod:`ftopt.alias`, the alias takes keyword-only ``skip_zeros``, ``state_bits`` and
+``state_dtype`` (it keeps no per-element state, so the last two change nothing).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ftopt.alias import check_state_options, finish
+from ftopt.base import GradientTransformation
+from ftopt.schedules import ScalarOrSchedule
+from ftopt.transforms.noise import add_noise
+from ftopt.transforms.scaling import scale_by_learning_rate
+
+__all__ = ["noisy_sgd"]
+
+Float = float | torch.Tensor
+
+
+def noisy_sgd(
+    learning_rate: ScalarOrSchedule,
+    eta: Float = 0.01,
+    gamma: Float = 0.55,
+    seed: int = 0,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Noisy SGD: ``chain(add_noise(eta, gamma, seed), scale_by_learning_rate(lr))``, as
+    optax: u ← −lr·(g + σₜ·z), σₜ² = eta / tᵍᵃᵐᵐᵃ (t = 1 on the first step), z ~ N(0, 1)
+    from a counter-based hash of (seed, t, leaf, element) (see :func:`ftopt.add_noise`).
+
+    Example::
+
+        tx = ftopt.noisy_sgd(1e-2, eta=0.01, gamma=0.55, seed=0)
+        params, state = ftopt.step(tx, params, grads, tx.init(params))
+    """
+    check_state_options("noisy_sgd", state_bits, state_dtype)
+    parts = [add_noise(eta, gamma, seed), scale_by_learning_rate(learning_rate)]
+    return finish(parts, skip_zeros, state_bits, state_dtype)

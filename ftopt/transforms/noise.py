@@ -1,0 +1,136 @@
+"""Gradient noise: ``add_noise`` (optax's), from a counter-based hash.
+
+The noise of an element is a function of four integers only: the seed, the step ``t``,
+the leaf's position in the flattened param tree and the element's row-major position in
+its leaf. No generator state is kept or advanced, so a step is reproducible from
+``(seed, t)`` alone, on every backend: the same rule body below runs as torch ops (int64
+values masked to 32 bits) and in the fused Triton kernel (uint32 values, whose arithmetic
+wraps), and gives the same 32-bit words, hence the same uniforms, bit for bit.
+
+The words come from a 32-bit integer finalizer (xor-shift-multiply, a bijection of
+``[0, 2**32)``; both multipliers are below 2**31, so an int64 product never overflows)
+applied to the seed, the step, the leaf and the element in turn. Two words per element
+give two uniforms ``(k + 0.5) / 2**23`` from their top 23 bits (exact in float32; never 0
+or 1), and the Box-Muller transform ``z = sqrt(-2 ln u1) cos(2π u2 − π)`` one standard
+normal (its tails end at |z| = 5.77, where u1 = 2**-24).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from ftopt.base import GradientTransformation, register_state
+from ftopt.domains import NONNEG, check_int
+from ftopt.rule_transform import rule_transform
+from ftopt.rules import Rule
+
+__all__ = ["AddNoiseState", "add_noise", "random_words", "uniforms", "standard_normal"]
+
+Float = float | torch.Tensor
+
+_HALF = 1 << 16  # the seed and the step reach the kernel as two 16-bit halves (exact)
+_GOLDEN = 0x61C88647  # 2**32 / golden ratio, negated modulo 2**32: spreads leaf positions
+_SECOND = 0x2545F491  # separates an element's second word from its first
+
+
+@register_state
+class AddNoiseState(NamedTuple):
+    """The step count of :func:`add_noise` (the noise depends on it; optax's ``rng_key`` is
+    replaced by the seed, a hyperparameter)."""
+
+    count: Any
+
+
+def _mix(o, h):
+    """A 32-bit finalizer: xor-shift-multiply rounds, a bijection of ``[0, 2**32)``."""
+    h = o.xor(h, o.shr(h, 16))
+    h = o.mul32(h, 0x21F0AAAD)
+    h = o.xor(h, o.shr(h, 15))
+    h = o.mul32(h, 0x735A2D97)
+    return o.xor(h, o.shr(h, 15))
+
+
+def random_words(o, x):
+    """Two 32-bit words for each element, from ``x.seed_lo``/``x.seed_hi`` and
+    ``x.t_lo``/``x.t_hi`` (16-bit halves), ``x.leaf`` and ``x.index``.
+
+    The step key is mixed per step, the leaf key per leaf (scalars in the kernel), so each
+    element costs three finalizer rounds."""
+    seed = o.add32(o.u32(x.seed_lo), o.mul32(o.u32(x.seed_hi), _HALF))
+    step = o.add32(o.u32(x.t_lo), o.mul32(o.u32(x.t_hi), _HALF))
+    step_key = _mix(o, o.xor(_mix(o, seed), step))
+    leaf_key = _mix(o, o.xor(step_key, _mix(o, o.add32(x.leaf, _GOLDEN))))
+    first = _mix(o, _mix(o, o.add32(x.index, leaf_key)))
+    second = _mix(o, o.add32(first, _SECOND))
+    return first, second
+
+
+def _unit(o, word):
+    """The top 23 bits of a word as a float32 in (0, 1): (k + 0.5) / 2**23, exact."""
+    return (o.to_float(o.shr(word, 9)) + 0.5) * (1.0 / (1 << 23))
+
+
+def uniforms(o, x):
+    """Two uniforms in (0, 1) per element (see :func:`random_words`)."""
+    first, second = random_words(o, x)
+    return _unit(o, first), _unit(o, second)
+
+
+def standard_normal(o, x):
+    """One N(0, 1) draw per element: Box-Muller, ``sqrt(-2 ln u1)·cos(2π u2 − π)``.
+
+    Everything but ``log`` and ``cos`` is correctly rounded float32 arithmetic, the same
+    bits on every backend; those two come from the backend's math library (torch's, the
+    Triton interpreter's numpy, the GPU's libdevice), which may differ by an ulp or two."""
+    u1, u2 = uniforms(o, x)
+    radius = o.sqrt(-2.0 * o.log(u1))
+    return radius * o.cos(2.0 * math.pi * u2 - math.pi)
+
+
+def _noise_body(o, x):
+    return x.u + x.std * standard_normal(o, x), {}
+
+
+def _noise_scalars(t, h: dict) -> dict:
+    """The standard deviation sqrt(eta / t**gamma) and the step's 16-bit halves (host ints,
+    or float64 tensors for a device count)."""
+    return {"std": (h["eta"] / t ** h["gamma"]) ** 0.5, "t_lo": t % _HALF, "t_hi": t // _HALF}
+
+
+def add_noise(eta: Float = 0.01, gamma: Float = 0.55, seed: int = 0) -> GradientTransformation:
+    """Gaussian gradient noise with annealed variance, as optax's ``add_noise``.
+
+    u ← u + σₜ·z, σₜ² = eta / tᵍᵃᵐᵐᵃ (t the step count after increment, 1 on the first
+    step: optax's ``eta / (1 + count)**gamma``), z ~ N(0, 1) independent per element.
+
+    z is drawn from a counter-based hash of (seed, t, the leaf's position in the flattened
+    param tree, the element's row-major position in its leaf) by Box-Muller (see the
+    module docstring): the same seed gives the same noise on every backend and every call,
+    with no generator state. The uniforms are the same bits everywhere; z agrees to within
+    the ``log``/``cos`` of each backend's math library (a few float32 ulps of |z| + 1).
+    With ``skip_zeros`` no noise is added where the gradient is zero. The chunked CPU
+    evaluator does not run it (the eager torch ops do).
+
+    Args:
+        eta: the variance of the first step's noise, >= 0 (default: 0.01).
+        gamma: the decay exponent of the variance (default: 0.55).
+        seed: an int in [0, 2**32) (default: 0; optax's ``key``).
+    """
+    seed = check_int("add_noise", "seed", seed, 0)
+    if seed >= 1 << 32:
+        raise ValueError(f"add_noise: seed must be an int in [0, 2**32), got {seed}")
+    rule = Rule(
+        "add_noise",
+        _noise_body,
+        state_class=AddNoiseState,
+        hparams={"eta": eta, "gamma": gamma, "seed_lo": float(seed % _HALF),
+                 "seed_hi": float(seed // _HALF)},
+        domains={"eta": NONNEG},
+        scalars=_noise_scalars,
+        counted=True,
+        indexed=True,
+    )
+    return rule_transform(rule)
