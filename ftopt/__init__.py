@@ -4,8 +4,8 @@ from ftopt import dispatch, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
 from ftopt.alias_matrix import adafactor, muon
 from ftopt.alias_more import adan, madgrad, rprop
-from ftopt.alias_norms import fromage, novograd
 from ftopt.alias_noise import noisy_sgd
+from ftopt.alias_norms import fromage, novograd
 from ftopt.alias_variants import (
     adabelief,
     adadelta,

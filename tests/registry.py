@@ -644,6 +644,8 @@ TRANSFORMS += [
               ftopt.chain(inner[0], ftopt.scale_by_learning_rate(0.01)), 0.01, b1),
           options={"b1": (0.9, 0.5)}, kind="combinator", states=("z",), counted=True,
           uses_params=True, mixed_layout=True, bookkeeping=True, inner=("scale_by_rms",)),
+]
+
 # ---- per-leaf norm optimizers (ftopt.alias_norms): NovoGrad's per-leaf second moment is
 # a stage with torch ops before its fused momentum rule; Fromage is a trust ratio and a rule
 TRANSFORMS += [

@@ -15,8 +15,8 @@ from __future__ import annotations
 import optree
 import pytest
 import reference as R
-import reference_norms as RN
 import reference_noise as RZ
+import reference_norms as RN
 import reference_variants as RV
 import torch
 from registry import by_trait, names, require

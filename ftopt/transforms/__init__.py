@@ -39,12 +39,12 @@ from ftopt.transforms.momentum import (
     scale_by_optimistic_gradient,
     trace,
 )
+from ftopt.transforms.noise import AddNoiseState, add_noise
 from ftopt.transforms.novograd import (
     LeafSecondMomentState,
     NovogradMomentumState,
     scale_by_novograd,
 )
-from ftopt.transforms.noise import AddNoiseState, add_noise
 from ftopt.transforms.rprop import ScaleByRpropState, scale_by_rprop
 from ftopt.transforms.scaling import (
     ScaleByScheduleState,
