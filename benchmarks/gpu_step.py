@@ -16,6 +16,9 @@ Everything is measured in ONE run, so that ratios are same-run (absolute times d
    (the cost of the flag) and (b) grads whose embedding (wte) has 90% all-zero rows.
 6. ``host``: host time of one ``ftopt.step`` call on the 148-leaf tree (sync, then
    ``perf_counter`` around the call: launches are asynchronous), vs torch fused/foreach.
+8. ``layouts``: skip_zeros on every layout (fp32; bf16 params with fp32 or bf16 states;
+   8-bit states), GPT-2 tree, dense grads and 90% all-zero embedding rows; bf16 states
+   also against torch's fused Adam.
 7. ``eight_bit``: 8-bit states: bitsandbytes ``Adam8bit`` (CUDA) and its Triton 8-bit
    kernel called directly, flashoptim (int8 states), ftopt ``adam(state_bits=8)`` with
    ``backend="auto"`` (which backend ran is recorded, with ``ftopt.explain``).
@@ -964,6 +967,62 @@ def section_eight_bit(cfg: Config, clk: Clock) -> dict:
     return {"title": "7. 8-bit states", "single": single, "tree": tree}
 
 
+def _sparse_wte(grads: dict, cfg: Config) -> tuple[dict, float]:
+    """``grads`` with ``cfg.sparse_rows`` of the embedding's rows all zero."""
+    wte = "transformer.wte.weight"
+    gen = torch.Generator(device=cfg.device).manual_seed(7)
+    rows = torch.rand(grads[wte].shape[0], generator=gen, device=cfg.device) < cfg.sparse_rows
+    g = grads[wte].clone()
+    g[rows] = 0
+    return {**grads, wte: g}, rows.float().mean().item()
+
+
+LAYOUTS = {
+    # name: (param dtype, adam kwargs, state bytes per element for the nominal traffic)
+    "fp32": (torch.float32, {}, fp32_states),
+    "bf16 params, fp32 states": (torch.bfloat16, {}, fp32_states),
+    "bf16 params, bf16 states": (torch.bfloat16, {"state_dtype": torch.bfloat16},
+                                 param_dtype_states),
+    "fp32 params, 8-bit states": (torch.float32, {"state_bits": 8}, bnb_8bit_states),
+}
+
+
+def section_layouts(cfg: Config, clk: Clock) -> dict:
+    """skip_zeros on every state layout (GPT-2 tree): dense grads (its cost) and 90%
+    all-zero embedding rows (its gain); bf16 states also against torch's fused Adam (which
+    keeps bf16 states for bf16 params)."""
+    out, summary = {}, {}
+    for name, (dtype, kw, sbytes) in LAYOUTS.items():
+        params, grads = _tree(cfg, dtype, seed=21)
+        plain = lambda kw=kw: ftopt.adam(LR, **kw)
+        skip = lambda kw=kw: ftopt.adam(LR, skip_zeros=True, **kw)
+        for key, g in (("dense", grads), ("sparse", None)):
+            frac = 0.0
+            if g is None:
+                g, frac = _sparse_wte(grads, cfg)
+            specs = ftopt_specs(plain, params, g, cfg, state_bytes=sbytes)
+            specs += ftopt_specs(skip, params, g, cfg, label="ftopt fused skip_zeros",
+                                 state_bytes=sbytes)
+            if "bf16 states" in name:
+                specs.append(("torch Adam fused (bf16 states)",
+                              lambda p=params, g=g: make_torch(p, g, mode="fused", cfg=cfg)))
+            what = "dense grads" if key == "dense" else f"{frac:.0%} of wte rows all-zero"
+            table = measure_table(f"8. {name}, GPT-2, {what}", specs, cfg, clk, "ftopt fused")
+            out[f"{name}: {key}"] = table
+            by = {r["name"]: r for r in table["rows"] if r.get("available")}
+            a, b = by.get("ftopt fused"), by.get("ftopt fused skip_zeros")
+            if a and b:
+                summary[f"{name}: {key}"] = {
+                    "ms_without": a["ms"], "ms_with": b["ms"],
+                    "cost_pct": (b["ms"] / a["ms"] - 1) * 100, "speedup": a["ms"] / b["ms"]}
+        del params, grads
+        _free()
+    for k, v in summary.items():
+        print(f"  {k}: without {v['ms_without']:.3f} ms, with skip_zeros {v['ms_with']:.3f} ms "
+              f"({v['cost_pct']:+.1f}%, speedup {v['speedup']:.2f}x)")
+    return {"title": "8. layouts and skip_zeros", "tables": out, "summary": summary}
+
+
 def _reset_dynamo():
     with contextlib.suppress(Exception):
         torch._dynamo.reset()
@@ -1081,6 +1140,15 @@ def write_outputs(results: dict, out: Path) -> None:
     if "eight_bit" in sec:
         e = sec["eight_bit"]
         md += ["## " + e["title"], ""] + _md_table(e["single"]) + _md_table(e["tree"])
+    if "layouts" in sec:
+        lay = sec["layouts"]
+        md += ["## " + lay["title"], ""]
+        for table in lay["tables"].values():
+            md += _md_table(table)
+        for k, v in lay["summary"].items():
+            md.append(f"- {k}: without {v['ms_without']:.3f} ms, with {v['ms_with']:.3f} ms: "
+                      f"{v['cost_pct']:+.1f}% ({v['speedup']:.2f}x)")
+        md.append("")
     explains = []
     for key, table in _all_tables(sec):
         for row in table["rows"]:
@@ -1112,11 +1180,14 @@ def _all_tables(sec: dict):
     if "eight_bit" in sec:
         yield "8-bit single", sec["eight_bit"]["single"]
         yield "8-bit tree", sec["eight_bit"]["tree"]
+    if "layouts" in sec:
+        yield from sec["layouts"]["tables"].items()
 
 
 # --------------------------------------------------------------------------- main
 
-SECTIONS = ("copy", "single", "gpt2_fp32", "gpt2_bf16", "skip_zeros", "host", "eight_bit")
+SECTIONS = ("copy", "single", "gpt2_fp32", "gpt2_bf16", "skip_zeros", "host", "eight_bit",
+            "layouts")
 
 
 def parse_tiles(text: str) -> list:
@@ -1218,6 +1289,7 @@ def main(argv=None) -> int:
         "skip_zeros": lambda: section_skip(cfg, clk),
         "host": lambda: section_host(cfg, clk),
         "eight_bit": lambda: section_eight_bit(cfg, clk),
+        "layouts": lambda: section_layouts(cfg, clk),
     }
     with torch.no_grad():
         for name in SECTIONS:

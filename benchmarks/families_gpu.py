@@ -1,0 +1,125 @@
+"""Every optimizer family of the catalogue on GPT-2-small shapes (fp32), fused, one run.
+
+For each alias of the test registry (``tests/registry.py``) with no matrix stage of its
+own: the time of one donated ``ftopt.step`` on the 148-leaf GPT-2 tree, its nominal bytes
+per element (what ``ftopt.explain`` says its main kernel reads and writes) and the
+fraction of the device's copy bandwidth measured in the same run.
+
+    python3 benchmarks/families_gpu.py --out DIR        # GPU; writes families.json / .md
+    python3 benchmarks/families_gpu.py --smoke --out DIR  # CPU interpreter, tiny tree
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import pathlib
+import re
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+import torch  # noqa: E402
+
+import ftopt  # noqa: E402
+
+
+def copy_tbps(device, numel: int) -> float:
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(20):
+        dst.copy_(src)
+    e.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 4 * 20 / (s.elapsed_time(e) * 1e-3) / 1e12
+
+
+def time_family(tx, params, grads, iters: int, device) -> float:
+    p = {k: v.clone() for k, v in params.items()}
+    state = tx.init(p)
+    for _ in range(3):
+        p, state = ftopt.step(tx, p, grads, state, donate=True, backend="fused")
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            p, state = ftopt.step(tx, p, grads, state, donate=True, backend="fused")
+        return (time.perf_counter() - t0) / iters * 1e3
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        p, state = ftopt.step(tx, p, grads, state, donate=True, backend="fused")
+        e.record()
+        ts.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in ts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+    import gpu_step
+    import registry
+
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dims = ({"vocab": 257, "d": 32, "ctx": 64, "n_layer": 2} if args.smoke else
+            {"vocab": 50257, "d": 768, "ctx": 1024, "n_layer": 12})
+    shapes = gpu_step.gpt2_shapes(**dims)
+    params = gpu_step.random_tree(shapes, torch.float32, device, 1, 0.02)
+    grads = gpu_step.random_tree(shapes, torch.float32, device, 2, 0.01)
+    n = gpu_step.numel_of(params)
+    copy = None if args.smoke else copy_tbps(device, 1 << 28)
+    rows = []
+    for e in registry.TRANSFORMS:
+        if e.kind != "alias" or not e.fusible or e.mixes:
+            continue
+        tx = e.make(**e.example)
+        with contextlib.redirect_stdout(io.StringIO()):
+            plan = ftopt.explain(tx, params, grads, donate=True, backend="fused")
+        moved = re.search(r"main kernel reads (\d+), writes (\d+)", plan)
+        passes = re.search(r"\((\d+) norm pass", plan)
+        note = "torch stage + fused" if "matrix stage" in plan else ""
+        if passes and int(passes.group(1)):
+            note = (note + "; " if note else "") + f"{passes.group(1)} norm pass(es)"
+        ms = time_family(tx, params, grads, 2 if args.smoke else args.iters, device)
+        per_elt = int(moved.group(1)) + int(moved.group(2))
+        tbps = n * per_elt / (ms * 1e-3) / 1e12
+        rows.append({"name": e.name, "states": list(e.states), "ms": ms, "B_per_elt": per_elt,
+                     "tbps": tbps, "of_copy": tbps / copy if copy else None, "note": note})
+        frac = "" if copy is None else f"{tbps / copy:.2f} of copy"
+        print(f"{e.name:28s} {ms:8.3f} ms  {per_elt:3d} B/elt  {tbps:6.3f} TB/s  {frac}",
+              flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "copy_tbps": copy, "numel": n, "leaves": len(params),
+            "date": time.strftime("%Y-%m-%d")}
+    (args.out / "families.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = [f"# Fused families, GPT-2 fp32 ({n / 1e6:.1f}M params, {len(params)} leaves)", "",
+          f"device {meta['device']}, copy {copy and round(copy, 3)} TB/s, {meta['date']}", "",
+          "B/elt: the main kernel's bytes per element (explain); norm passes read more.", "",
+          "| family | states | ms | B/elt | TB/s | of copy | note |",
+          "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        oc = "-" if r["of_copy"] is None else f"{r['of_copy']:.2f}"
+        md.append(f"| {r['name']} | {', '.join(r['states']) or '-'} | {r['ms']:.3f} | "
+                  f"{r['B_per_elt']} | {r['tbps']:.3f} | {oc} | {r['note']} |")
+    (args.out / "families.md").write_text("\n".join(md) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
