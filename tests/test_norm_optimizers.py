@@ -102,8 +102,10 @@ def test_first_step_from_a_device_count():
             return sum(x.sum() for x in u.values()), u
 
         _, got = torch.func.grad(loss, has_aux=True)(grads)
+        # Within fp32 rounding (a CPU with other vector units sums the norm in another
+        # order under torch.func: 4e-6 measured); a wrong branch is off by far more.
         for k in SHAPES:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=0)
+            torch.testing.assert_close(got[k], want[k], rtol=2e-5, atol=0)
 
 
 def test_bad_per_leaf_state_names_the_leaf_and_writes_nothing():

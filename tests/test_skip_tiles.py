@@ -74,3 +74,42 @@ def test_only_donated_skip_aware_8bit_kernels_return_early():
     assert guard not in codegen.main_source(traced, variant)
     early = codegen.Variant(torch.float32, torch.float32, False, True, 256, skip_tiles=True)
     assert guard in codegen.main_source(traced, early)
+
+
+LAYOUTS = {"fp32": (torch.float32, {}), "bf16 params": (torch.bfloat16, {}),
+           "bf16 states": (torch.bfloat16, {"state_dtype": torch.bfloat16}),
+           "8-bit": (torch.float32, {"state_bits": 8})}
+
+
+@pytest.mark.parametrize("mode", ["in_place", "tiles", "in_place+tiles", "select"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
+    """Each way a donated step may skip zero gradients (tiles.SKIP_MODES) gives the
+    non-donated step's bytes, on every layout: whole zero tiles, part of a tile, a zero
+    leaf."""
+    dtype, kw = LAYOUTS[layout]
+    key = "8-bit" if "state_bits" in kw else ("fp32" if layout == "fp32" else "16-bit")
+    monkeypatch.setitem(tiles.SKIP_MODES, key, mode)
+    tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    tile = max(tiles.BLOCK, tiles.IN_PLACE_TILE[0], TILE)
+    n = 3 * tile + 300
+    params = {"w": torch.randn(n, generator=gen).to(DEVICE, dtype),
+              "b": torch.randn(5000, generator=gen).to(DEVICE, dtype)}
+    state = tx.init(params)
+    params, state = ftopt.step(tx, params, {k: torch.randn_like(v) for k, v in
+                                            params.items()}, state, backend="fused")
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    grads["w"][tile:2 * tile] = 0.0
+    grads["w"][10:700] = 0.0
+    grads["b"][:] = 0.0
+    full = ftopt.step(tx, params, grads, state, backend="fused")
+    donated = ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused",
+                         donate=True)
+    assert _same(donated, full)
+    groups = plan_chain(tx).prepared.groups
+    assert [g.skip_tiles for g in groups] == ["tiles" in mode] * len(groups)
+    in_place = "in_place" in mode and key != "8-bit"
+    assert [g.traced.in_place for g in groups] == [in_place] * len(groups)
+    assert not torch.equal(full[0]["w"][:10], params["w"][:10])
+    assert torch.equal(full[0]["w"][tile:2 * tile], params["w"][tile:2 * tile])

@@ -129,8 +129,9 @@ class PreparedStep:
                    _slot_dtypes(traced, slot_flat, i))
             by_key.setdefault(key, []).append(i)
         for (p_dtype, g_dtype, quant_block, slot_dtypes), leaves in by_key.items():
-            # 8-bit slots need every lane of a block: no skipped loads.
-            group_traced = plan.traced(donate and not quant_block, output)
+            # How zero gradients are skipped: per layout (tiles.skip_mode).
+            in_place, skip_tiles = tiles.skip_mode(p_dtype, quant_block, slot_dtypes)
+            group_traced = plan.traced(donate and in_place, output)
             work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
                                      tiles.tile(group_traced, quant_block)[0])
             group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work)
@@ -139,7 +140,7 @@ class PreparedStep:
             group.slot_dtypes = slot_dtypes
             # Donated, every stage skip-aware: an all-zero tile changes nothing (8-bit:
             # its blocks keep their bytes), so its program may return at once.
-            group.skip_tiles = bool(quant_block and donate and output == "p"
+            group.skip_tiles = bool(skip_tiles and donate and output == "p"
                                     and traced.skips and all(traced.skips))
             if quant_block:
                 group.qmaps = (quantized.table(True, self.device),

@@ -52,3 +52,28 @@ def quant_tile(quant_block: int) -> tuple[int, int]:
     if quant_block > block and quant_block % block == 0:
         return quant_block, min(8, warps * (quant_block // block))
     return block, warps
+
+
+# How a donated step of a skip_zeros chain skips zero gradients, per layout of a group
+# ("fp32", "16-bit": 16-bit params or states, "8-bit"): "in_place" (loads and stores
+# masked by g != 0: zero lanes move no bytes, but the masked loads are not vectorized),
+# "tiles" (a program whose gradients are all zero returns at once; other lanes keep their
+# old values by selects), "in_place+tiles", or "select" (selects only). 8-bit blocks need
+# every lane, so "in_place" does not apply to them. FTOPT_SKIP_MODES overrides
+# ("fp32=tiles,16-bit=select").
+SKIP_MODES = {"fp32": "in_place", "16-bit": "in_place", "8-bit": "tiles"}
+SKIP_MODES.update(dict(kv.split("=") for kv in os.environ.get(
+    "FTOPT_SKIP_MODES", "").split(",") if kv))
+
+
+def skip_mode(p_dtype, quant_block: int, slot_dtypes: tuple) -> tuple[bool, bool]:
+    """(in place, skip tiles) for a donated skip_zeros group of this layout."""
+    if quant_block:
+        layout = "8-bit"
+    elif p_dtype.itemsize == 2 or slot_dtypes:
+        layout = "16-bit"
+    else:
+        layout = "fp32"
+    mode = SKIP_MODES[layout]
+    return "in_place" in mode and not quant_block, "tiles" in mode
+
