@@ -40,13 +40,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
-from ftopt import shards
+from ftopt import dtensor_cache, shards
 from ftopt import tree as tree_lib
 from ftopt import update as update_lib
 from ftopt.quant import absmax_layout, quantize_blockwise
 from ftopt.rules import QuantizedSlot
 
-__all__ = ["step", "update", "quantize_shards"]
+__all__ = ["step", "cached_step", "update", "quantize_shards"]
 
 
 def step(tx, params, grads, state, donate: bool, backend: str):
@@ -55,10 +55,20 @@ def step(tx, params, grads, state, donate: bool, backend: str):
     local_params = call.unwrap(params, "params")
     local_grads = call.unwrap(grads, "grads", record=True)
     local_state = call.unwrap(state, "state")
-    with shards.local_shards(call.context()):
+    context = call.context()
+    with shards.local_shards(context):
         new_params, new_state = update_lib.step(tx, local_params, local_grads, local_state,
                                                 donate=donate, backend=backend)
-    return call.wrap(new_params, "params"), call.wrap(new_state, "state")
+    out = call.wrap(new_params, "params"), call.wrap(new_state, "state")
+    if donate and backend != "eager":
+        dtensor_cache.remember(tx, params, grads, state, backend, context)
+    return out
+
+
+def cached_step(tx, params, grads, state, backend: str):
+    """The donated step over the DTensors of the last one, written in place, or ``None``
+    (:mod:`ftopt.dtensor_cache`)."""
+    return dtensor_cache.cached_step(tx, params, grads, state, backend)
 
 
 def update(obj, updates, state, params, extra: dict):

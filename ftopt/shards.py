@@ -33,7 +33,8 @@ import optree
 import torch
 
 __all__ = ["dtensor_class", "is_dtensor", "any_dtensor", "LocalShards", "local_shards",
-           "full_numel", "leaf_split", "reduce_squares", "all_ranks", "in_local_shards"]
+           "full_numel", "leaf_split", "reduce_squares", "all_ranks", "in_local_shards",
+           "on_local_shards"]
 
 
 def dtensor_class() -> type | None:
@@ -135,3 +136,8 @@ def in_local_shards() -> bool:
     """Whether a call on local shards is running (its norms need :func:`reduce_squares`)."""
     context = _CURRENT.get()
     return context is not None and context.reduce is not None
+
+
+def on_local_shards() -> bool:
+    """Whether a call on local shards is running (whatever its norms need)."""
+    return _CURRENT.get() is not None

@@ -254,6 +254,66 @@ def check_pointer_guard(mesh, rank, device):
     return out
 
 
+def check_cached_step(mesh, rank, device):
+    """Donated fused steps over the same DTensors take the cached path (no unwrap, the
+    same DTensor objects back) and equal one process; a param whose storage was swapped
+    and a state leaf replaced by another DTensor send a step to the full path, which
+    writes the new tensors."""
+    if device is None:
+        return {"skipped": "fused kernels need two GPUs or the Triton interpreter"}
+    from ftopt import distributed as backend
+
+    full_calls = []
+    unwrap = backend._Call.unwrap
+
+    def counting(self, tree, what, **kwargs):
+        if what == "params":
+            full_calls.append(what)
+        return unwrap(self, tree, what, **kwargs)
+
+    data = batches(4, device)
+    model, ref = make_models(mesh, device)
+    tx = CHAINS["adamw_clip"]()  # a global norm: the cached step all-reduces it
+    out = {}
+    backend._Call.unwrap = counting
+    try:
+        params, state = train(model, tx, data[:3], backend="fused")
+        out["full_calls"] = len(full_calls)
+        leaves = ftopt.tree.leaves(state)
+        params, state = train(model, tx, data[3:], backend="fused", state=state,
+                              params=params)
+        out["same_objects"] = all(a is b for a, b in zip(ftopt.tree.leaves(state), leaves))
+        out["same_params"] = all(params[k] is v for k, v in model.named_parameters())
+        ref_params, _ = train(ref, CHAINS["adamw_clip"](), data, backend="fused")
+        out["diff"] = max_diff(params, ref_params)
+        # Swaps, on DTensors of no module (FSDP2 all-gathers from its own storage).
+        torch.manual_seed(5)
+        w, b, grads = torch.randn(6, 8), torch.randn(5), [torch.randn(6, 8) for _ in range(4)]
+        params = {"w": distribute_tensor(w, mesh, [Shard(0)]),
+                  "b": distribute_tensor(b, mesh, [Shard(0)])}
+        state = tx.init(params)
+        ref_tx = CHAINS["adamw_clip"]()  # (a transform's cache holds its last call)
+        ref, ref_state = {"w": w.clone(), "b": b.clone()}, ref_tx.init({"w": w, "b": b})
+        full_calls.clear()
+        for i, g in enumerate(grads):
+            if i == 2:  # what FSDP2 does when it reloads a param: new local storage
+                params["w"]._local_tensor = params["w"]._local_tensor.clone()
+            if i == 3:  # a state leaf replaced by another DTensor (new memory)
+                mu = state[1][0].mu
+                mu["b"] = mu["b"].clone()
+            dg = {"w": distribute_tensor(g, mesh, [Shard(0)]),
+                  "b": distribute_tensor(g[0, :5], mesh, [Shard(0)])}
+            params, state = ftopt.step(tx, params, dg, state, donate=True, backend="fused")
+            ref, ref_state = ftopt.step(ref_tx, ref, {"w": g, "b": g[0, :5]}, ref_state,
+                                        donate=True, backend="fused")
+        out["swap_full_calls"] = len(full_calls)
+        out["swap_diff"] = max_diff(params, ref)
+        out["swap_state_diff"] = float((full(state[1][0].mu["b"]) - ref_state[1][0].mu["b"]
+                                        ).abs().max())
+    finally:
+        backend._Call.unwrap = unwrap
+    return out
+
 def check_ddp(rank):
     torch.manual_seed(0)
     net = Net()
@@ -418,6 +478,7 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "fused": lambda: check_fused(mesh, rank, fused_device),
         "hsdp_and_tensor_parallel": lambda: check_hsdp_and_tensor_parallel(rank),
         "pointer_guard": lambda: check_pointer_guard(mesh, rank, fused_device),
+        "cached_step": lambda: check_cached_step(mesh, rank, fused_device),
         "ddp": lambda: check_ddp(rank),
         "dcp": lambda: check_dcp(mesh, rank, directory),
         "optimizer": lambda: check_optimizer(mesh, rank, directory),

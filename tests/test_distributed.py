@@ -98,6 +98,20 @@ def test_dtensor_pointer_guard(results):
         assert got["dtensor_grad_diff"] <= TOL, got
 
 
+def test_cached_dtensor_step(results):
+    """The donated DTensor step over the same trees skips unwrap and rewrap; a swapped
+    storage or state leaf sends it to the full path; the results equal one process."""
+    got = _check(results, "cached_step")
+    if "skipped" in got:
+        pytest.skip(got["skipped"])
+    assert got["full_calls"] == 1, got  # the first of 4 steps only
+    assert got["same_objects"] and got["same_params"], got
+    assert got["diff"] <= TOL, got
+    # Steps 1, 3 (param storage swapped) and 4 (state leaf replaced) take the full path.
+    assert got["swap_full_calls"] == 3, got
+    assert got["swap_diff"] <= TOL and got["swap_state_diff"] <= TOL, got
+
+
 def test_ddp_replicas_bit_identical(results):
     assert _check(results, "ddp")["replicas_equal"]
 
