@@ -114,12 +114,6 @@ def check_placements(what: str, path: str, d: DTensor) -> None:
                 "grad.redistribute(placements=[Replicate()]))")
 
 
-def split_dims(d: DTensor) -> frozenset[int]:
-    """The dims of ``d`` that its shards split (a ``Shard`` over more than one rank)."""
-    return frozenset(p.dim % max(d.ndim, 1) for i, p in enumerate(d.placements)
-                     if p.is_shard() and d.device_mesh.size(i) > 1)
-
-
 class _Call:
     """The DTensor leaves of one call: unwrapped on the way in, wrapped on the way out."""
 
@@ -139,7 +133,7 @@ class _Call:
                 self.local_shards.record(mine, leaf.numel())
                 if what in ("params", "grads", "updates"):
                     self.local_shards.splits[where] = (tuple(leaf.placements),
-                                                       split_dims(leaf))
+                                                       shards.split_dims(leaf))
                 given.append((leaf, mine))
                 local.append(mine)
             elif _is_slot(leaf) and isinstance(leaf.codes, DTensor):

@@ -34,7 +34,7 @@ import torch
 
 __all__ = ["dtensor_class", "is_dtensor", "any_dtensor", "LocalShards", "local_shards",
            "full_numel", "leaf_split", "reduce_squares", "all_ranks", "in_local_shards",
-           "on_local_shards"]
+           "on_local_shards", "split_dims"]
 
 
 def dtensor_class() -> type | None:
@@ -58,6 +58,15 @@ def any_dtensor(*trees: Any) -> bool:
             if isinstance(leaf, cls):
                 return True
     return False
+
+
+def split_dims(x: Any) -> frozenset[int]:
+    """The dims of the DTensor ``x`` that its shards split (a ``Shard`` over more than one
+    rank); empty for any other tensor."""
+    if not is_dtensor(x):
+        return frozenset()
+    return frozenset(p.dim % max(x.ndim, 1) for i, p in enumerate(x.placements)
+                     if p.is_shard() and x.device_mesh.size(i) > 1)
 
 
 @dataclass

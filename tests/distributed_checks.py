@@ -314,6 +314,37 @@ def check_cached_step(mesh, rank, device):
         backend._Call.unwrap = unwrap
     return out
 
+def check_factored(mesh, rank):
+    """Adafactor's factored stage: a factored leaf split over the ranks is refused at init,
+    naming it; unfactored leaves on Shard(0) and factored Replicate ones equal one
+    process."""
+    torch.manual_seed(6)
+    w, b = torch.randn(6, 10), torch.randn(10)
+    grads = [(torch.randn(6, 10), torch.randn(10)) for _ in range(3)]
+    make = lambda: ftopt.chain(ftopt.scale_by_factored_rms(min_dim_size_to_factor=4),  # noqa: E731
+                               ftopt.scale_by_learning_rate(1e-2))
+    out = {}
+    try:
+        ftopt.adafactor(1e-2, min_dim_size_to_factor=4).init(
+            {"w": distribute_tensor(w, mesh, [Shard(0)])})
+        out["split_error"] = None
+    except ValueError as err:
+        out["split_error"] = str(err)
+    tx, ref_tx = make(), make()
+    params = {"w": distribute_tensor(w, mesh, [Replicate()]),
+              "b": distribute_tensor(b, mesh, [Shard(0)])}
+    ref = {"w": w.clone(), "b": b.clone()}
+    state, ref_state = tx.init(params), ref_tx.init(ref)
+    out["v_is_dtensor"] = isinstance(state[0].v["b"], DTensor)
+    for gw, gb in grads:
+        params, state = ftopt.step(tx, params, {"w": distribute_tensor(gw, mesh, [Replicate()]),
+                                                "b": distribute_tensor(gb, mesh, [Shard(0)])},
+                                   state, donate=True)
+        ref, ref_state = ftopt.step(ref_tx, ref, {"w": gw, "b": gb}, ref_state, donate=True)
+    out["diff"] = max_diff(params, ref)
+    return out
+
+
 def check_ddp(rank):
     torch.manual_seed(0)
     net = Net()
@@ -479,6 +510,7 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "hsdp_and_tensor_parallel": lambda: check_hsdp_and_tensor_parallel(rank),
         "pointer_guard": lambda: check_pointer_guard(mesh, rank, fused_device),
         "cached_step": lambda: check_cached_step(mesh, rank, fused_device),
+        "factored": lambda: check_factored(mesh, rank),
         "ddp": lambda: check_ddp(rank),
         "dcp": lambda: check_dcp(mesh, rank, directory),
         "optimizer": lambda: check_optimizer(mesh, rank, directory),

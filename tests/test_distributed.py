@@ -112,6 +112,17 @@ def test_cached_dtensor_step(results):
     assert got["swap_diff"] <= TOL and got["swap_state_diff"] <= TOL, got
 
 
+def test_factored_on_shards(results):
+    """A factored leaf split over the ranks is refused at init (path, placements); the
+    unfactored Shard(0) and factored Replicate leaves of one tree equal one process."""
+    got = _check(results, "factored")
+    error = got["split_error"]
+    assert error is not None and "scale_by_factored_rms at ['w']" in error, error
+    assert "(Shard(dim=0),)" in error and "splitting dim 0" in error, error
+    assert got["v_is_dtensor"]
+    assert got["diff"] <= TOL, got
+
+
 def test_ddp_replicas_bit_identical(results):
     assert _check(results, "ddp")["replicas_equal"]
 
