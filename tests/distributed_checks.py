@@ -175,6 +175,19 @@ def check_hsdp_and_tensor_parallel(rank):
     params, _ = train(model, CHAINS["lamb"](), data)
     ref_params, _ = train(ref, CHAINS["lamb"](), data)
     out["hsdp_diff"] = max_diff(params, ref_params)
+    # HSDP leaves with a leaf replicated on both mesh dims: a norm over the mix is refused.
+    torch.manual_seed(2)
+    hw, hg = torch.randn(6, 4), torch.randn(6, 4)
+    hsdp = [Replicate(), Shard(0)]
+    both = [Replicate(), Replicate()]
+    tx = ftopt.chain(ftopt.clip_by_global_norm(0.1), ftopt.adamw(1e-2))
+    mix = {"w": distribute_tensor(hw, mesh2, hsdp), "b": distribute_tensor(hw[0], mesh2, both)}
+    try:
+        ftopt.step(tx, mix, {"w": distribute_tensor(hg, mesh2, hsdp),
+                             "b": distribute_tensor(hg[0], mesh2, both)}, tx.init(mix))
+        out["hsdp_mixed_error"] = None
+    except ValueError as err:
+        out["hsdp_mixed_error"] = str(err)
     # Tensor parallel: every leaf Shard(1) (norms right), then a mix (a clear error).
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(3)

@@ -86,6 +86,9 @@ def test_hsdp_tensor_parallel_and_refusals(results):
     assert got["mixed_elementwise_diff"] == 0.0
     assert "Shard(dim=1)" in got["mixed_error"] and "['w']" in got["mixed_error"]
     assert got["mixed_untouched"]
+    hsdp = got["hsdp_mixed_error"]
+    assert hsdp is not None and "(Replicate(), Shard(dim=0))" in hsdp, hsdp
+    assert "(Replicate(), Replicate())" in hsdp, hsdp
     assert "Partial(sum)" in got["partial_error"] and "grads at ['w']" in got["partial_error"]
     assert "inside a block" in got["misaligned_error"]
 
