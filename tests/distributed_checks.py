@@ -166,7 +166,23 @@ def check_fused(mesh, rank, device):
     return out
 
 
-def check_hsdp_and_tensor_parallel(rank):
+def mixed_norm_diff(make, leaves: dict, mesh, backend: str) -> float:
+    """Max difference of 3 donated steps of ``make()`` over DTensors laid out as
+    ``leaves`` (name -> (param, grad, placements)) against one process."""
+    tx, ref_tx = make(), make()
+    params = {k: distribute_tensor(p, mesh, pl) for k, (p, _, pl) in leaves.items()}
+    ref = {k: p.clone() for k, (p, _, _) in leaves.items()}
+    state, ref_state = tx.init(params), ref_tx.init(ref)
+    for i in range(3):
+        grads = {k: distribute_tensor(g * (i + 1), mesh, pl) for k, (_, g, pl) in leaves.items()}
+        params, state = ftopt.step(tx, params, grads, state, donate=True, backend=backend)
+        ref, ref_state = ftopt.step(ref_tx, ref, {k: g * (i + 1) for k, (_, g, _) in
+                                                  leaves.items()}, ref_state, donate=True,
+                                    backend=backend)
+    return max_diff(params, ref)
+
+
+def check_hsdp_and_tensor_parallel(rank, device):
     out = {}
     mesh2 = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
     model, ref = make_models(mesh2)
@@ -175,20 +191,17 @@ def check_hsdp_and_tensor_parallel(rank):
     params, _ = train(model, CHAINS["lamb"](), data)
     ref_params, _ = train(ref, CHAINS["lamb"](), data)
     out["hsdp_diff"] = max_diff(params, ref_params)
-    # HSDP leaves with a leaf replicated on both mesh dims: a norm over the mix is refused.
+    # Norms (global and per leaf) over a mix of layouts of one mesh equal one process:
+    # HSDP leaves with one replicated on both mesh dims; tensor parallel Shard(1) leaves
+    # with a replicated one (eager, and fused where kernels run).
+    # (sgd: an Adam after the clip would hide a wrong norm's scale.)
+    norms = lambda: ftopt.chain(ftopt.clip_by_global_norm(0.1),  # noqa: E731
+                                ftopt.clip_by_block_rms(0.05), ftopt.sgd(0.1))
     torch.manual_seed(2)
     hw, hg = torch.randn(6, 4), torch.randn(6, 4)
-    hsdp = [Replicate(), Shard(0)]
-    both = [Replicate(), Replicate()]
-    tx = ftopt.chain(ftopt.clip_by_global_norm(0.1), ftopt.adamw(1e-2))
-    mix = {"w": distribute_tensor(hw, mesh2, hsdp), "b": distribute_tensor(hw[0], mesh2, both)}
-    try:
-        ftopt.step(tx, mix, {"w": distribute_tensor(hg, mesh2, hsdp),
-                             "b": distribute_tensor(hg[0], mesh2, both)}, tx.init(mix))
-        out["hsdp_mixed_error"] = None
-    except ValueError as err:
-        out["hsdp_mixed_error"] = str(err)
-    # Tensor parallel: every leaf Shard(1) (norms right), then a mix (a clear error).
+    out["hsdp_mixed_diff"] = mixed_norm_diff(
+        norms, {"w": (hw, hg, [Replicate(), Shard(0)]),
+                "b": (hw[0], hg[0], [Replicate(), Replicate()])}, mesh2, "auto")
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(3)
     w, g = torch.randn(6, 10), torch.randn(6, 10)
@@ -198,14 +211,20 @@ def check_hsdp_and_tensor_parallel(rank):
                         tx.init(dw))
     want, _ = ftopt.step(tx, {"w": w}, {"w": g}, tx.init({"w": w}))
     out["tp_shard1_diff"] = float((full(new["w"]) - want["w"]).abs().max())
+    leaves = {"w": (w, g, [Shard(1)]), "b": (w[0], g[0], [Replicate()]),
+              "c": (w[:, 0], g[:, 0], [Shard(0)])}
+    for backend in ("auto",) + (("fused",) if device is not None else ()):
+        out[f"tp_mixed_{backend}_diff"] = mixed_norm_diff(norms, leaves, mesh, backend)
+    # A plain tensor among DTensors: whose shards it is, is not known: refused.
     mixed = {"w": distribute_tensor(w, mesh, [Shard(1)]),
              "b": distribute_tensor(w[0], mesh, [Replicate()])}
     grads = {"w": distribute_tensor(g, mesh, [Shard(1)]),
              "b": distribute_tensor(g[0], mesh, [Replicate()])}
-    state = tx.init(mixed)
+    with_plain = {"w": mixed["w"], "b": w[0].clone()}
+    state = tx.init(with_plain)
     before = full(mixed["w"]).clone()
     try:
-        ftopt.step(tx, mixed, grads, state, donate=True)
+        ftopt.step(tx, with_plain, {"w": grads["w"], "b": g[0].clone()}, state, donate=True)
         out["mixed_error"] = None
     except ValueError as err:
         out["mixed_error"] = str(err)
@@ -520,7 +539,8 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "fsdp_chains": lambda: check_fsdp_chains(mesh, rank),
         "update_and_non_donated": lambda: check_update_and_non_donated(mesh, rank),
         "fused": lambda: check_fused(mesh, rank, fused_device),
-        "hsdp_and_tensor_parallel": lambda: check_hsdp_and_tensor_parallel(rank),
+        "hsdp_and_tensor_parallel": lambda: check_hsdp_and_tensor_parallel(rank,
+                                                                           fused_device),
         "pointer_guard": lambda: check_pointer_guard(mesh, rank, fused_device),
         "cached_step": lambda: check_cached_step(mesh, rank, fused_device),
         "factored": lambda: check_factored(mesh, rank),
