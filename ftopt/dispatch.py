@@ -30,7 +30,7 @@ import torch
 from ftopt import shards
 from ftopt.base import GradientTransformation
 
-__all__ = ["install", "backend", "missing", "eager_updates", "in_eager_update",
+__all__ = ["install", "backend", "loaded", "missing", "eager_updates", "in_eager_update",
            "update_entry"]
 
 _MODULES: dict[str, str] = {}  # role -> module name
@@ -70,6 +70,11 @@ def backend(role: str) -> Any:
         return None
     _LOADED[role] = found
     return found
+
+
+def loaded(role: str) -> Any:
+    """The backend module of ``role`` if it has been imported already, else ``None``."""
+    return _LOADED.get(role)
 
 
 def missing(role: str) -> str | None:

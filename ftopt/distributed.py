@@ -16,10 +16,16 @@ a leaf of a step or an update is a ``torch.distributed.tensor.DTensor``
    stride of the leaf it replaces (``DTensor.from_local``: no collective), and hands
    back the given DTensor objects where the step wrote in place.
 
-Elementwise math never communicates. A norm needs every leaf of the call sharded over
-the same mesh dimensions of one mesh (FSDP2: ``Shard(0)``; HSDP: ``(Replicate(),
-Shard(0))``; tensor parallel with every leaf ``Shard(d)`` on the same mesh dimension);
-otherwise it raises, naming two leaves and their placements.
+Elementwise math never communicates. A norm sums the per-leaf squares over the mesh
+dimensions any leaf is sharded on, in one all-reduce; where leaves of one mesh are
+sharded over different mesh dimensions (tensor parallel ``Shard(1)`` next to
+``Replicate()``, HSDP next to a replicated leaf), a leaf's squares are kept only on the
+ranks at coordinate 0 of the dimensions it is replicated over, so it counts once (the
+reducer is told each entry's leaf path). Leaves on two meshes, or DTensors next to plain
+tensors, raise, naming two leaves and their placements.
+
+A donated step over the same DTensors as the last one skips all of this
+(:mod:`ftopt.dtensor_cache`).
 
 8-bit states on shards (:func:`quantize_shards`): a leaf's blocks are those of its full
 tensor's flat layout, so codes and absmax equal a single-process run's and a checkpoint
@@ -40,13 +46,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
-from ftopt import shards
+from ftopt import dtensor_cache, shards
 from ftopt import tree as tree_lib
 from ftopt import update as update_lib
 from ftopt.quant import absmax_layout, quantize_blockwise
 from ftopt.rules import QuantizedSlot
 
-__all__ = ["step", "update", "quantize_shards"]
+__all__ = ["step", "cached_step", "update", "quantize_shards"]
 
 
 def step(tx, params, grads, state, donate: bool, backend: str):
@@ -55,10 +61,20 @@ def step(tx, params, grads, state, donate: bool, backend: str):
     local_params = call.unwrap(params, "params")
     local_grads = call.unwrap(grads, "grads", record=True)
     local_state = call.unwrap(state, "state")
-    with shards.local_shards(call.context()):
+    context = call.context()
+    with shards.local_shards(context):
         new_params, new_state = update_lib.step(tx, local_params, local_grads, local_state,
                                                 donate=donate, backend=backend)
-    return call.wrap(new_params, "params"), call.wrap(new_state, "state")
+    out = call.wrap(new_params, "params"), call.wrap(new_state, "state")
+    if donate and backend != "eager":
+        dtensor_cache.remember(tx, params, grads, state, backend, context)
+    return out
+
+
+def cached_step(tx, params, grads, state, backend: str):
+    """The donated step over the DTensors of the last one, written in place, or ``None``
+    (:mod:`ftopt.dtensor_cache`)."""
+    return dtensor_cache.cached_step(tx, params, grads, state, backend)
 
 
 def update(obj, updates, state, params, extra: dict):
@@ -104,12 +120,6 @@ def check_placements(what: str, path: str, d: DTensor) -> None:
                 "grad.redistribute(placements=[Replicate()]))")
 
 
-def split_dims(d: DTensor) -> frozenset[int]:
-    """The dims of ``d`` that its shards split (a ``Shard`` over more than one rank)."""
-    return frozenset(p.dim % max(d.ndim, 1) for i, p in enumerate(d.placements)
-                     if p.is_shard() and d.device_mesh.size(i) > 1)
-
-
 class _Call:
     """The DTensor leaves of one call: unwrapped on the way in, wrapped on the way out."""
 
@@ -129,7 +139,7 @@ class _Call:
                 self.local_shards.record(mine, leaf.numel())
                 if what in ("params", "grads", "updates"):
                     self.local_shards.splits[where] = (tuple(leaf.placements),
-                                                       split_dims(leaf))
+                                                       shards.split_dims(leaf))
                 given.append((leaf, mine))
                 local.append(mine)
             elif _is_slot(leaf) and isinstance(leaf.codes, DTensor):
@@ -164,7 +174,7 @@ class _Call:
     def context(self) -> shards.LocalShards:
         context = self.local_shards
         layouts = _norm_layouts(self.norm_leaves)
-        context.reduce = _reducer(layouts)
+        context.reduce = _reducer(layouts, context.splits)
         context.agree = _agreement(layouts)
         return context
 
@@ -201,28 +211,48 @@ def _norm_layouts(leaves: list[tuple[str, Any]]) -> dict:
     return layouts
 
 
-def _reducer(layouts: dict):
-    if len(layouts) > 1:
-        (_, (a, pa)), (_, (b, pb)) = list(layouts.items())[:2]
-
-        def refuse(squares: torch.Tensor) -> torch.Tensor:
-            raise ValueError(
-                f"a norm over leaves sharded differently: {a} has placements {pa}, {b} "
-                f"has {pb}; a norm (clip_by_global_norm, trust ratios, "
-                "clip_by_param_norm_ratio) needs every leaf sharded over the same mesh "
-                "dimensions of one mesh")
-        return refuse
+def _reducer(layouts: dict, splits: dict):
     if not layouts:
         return None
-    (mesh, dims), = layouts.keys()
-    if mesh is None or not dims:
+    meshes = {mesh for mesh, _ in layouts}
+    if len(layouts) > 1 and (None in meshes or len(meshes) > 1):
+        return _refusal(layouts)
+    mesh = next(iter(meshes))
+    union = sorted({dim for _, dims in layouts for dim in dims})
+    if mesh is None or not union:
         return None  # every rank holds whole leaves: local norms are the norms
+    mixed = _refusal(layouts) if len(layouts) > 1 else None
+    coordinate = mesh.get_coordinate() or []
 
-    def reduce(squares: torch.Tensor) -> torch.Tensor:
-        for dim in dims:
+    def reduce(squares: torch.Tensor, paths: list | None) -> torch.Tensor:
+        if mixed is not None:
+            # Leaves sharded over different mesh dims of one mesh: a leaf replicated
+            # over a dim in ``union`` counts on the ranks at coordinate 0 of it only.
+            if not paths or squares.numel() % len(paths) or any(
+                    path not in splits for path in paths):
+                mixed(squares)  # which leaf an entry is of is not known: refused
+            keep = []
+            for path in paths:
+                dims = {i for i, p in enumerate(splits[path][0]) if p.is_shard()}
+                keep.append(all(coordinate[d] == 0 for d in union if d not in dims))
+            per_leaf = squares.numel() // len(keep)
+            mask = torch.tensor(keep, dtype=squares.dtype).repeat_interleave(per_leaf)
+            squares = squares * mask.to(squares.device)
+        for dim in union:
             dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
         return squares
     return reduce
+
+
+def _refusal(layouts: dict):
+    (_, (a, pa)), (_, (b, pb)) = list(layouts.items())[:2]
+
+    def refuse(squares: torch.Tensor, paths: list | None = None):
+        raise ValueError(
+            f"a norm over leaves sharded differently: {a} has placements {pa}, {b} "
+            f"has {pb}; a norm (clip_by_global_norm, trust ratios, "
+            "clip_by_param_norm_ratio) needs every leaf a DTensor of one mesh")
+    return refuse
 
 
 def _agreement(layouts: dict):

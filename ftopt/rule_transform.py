@@ -11,12 +11,13 @@ where one is installed (:mod:`ftopt.dispatch`); a user's call of ``update`` may 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import optree
 import torch
 
-from ftopt import dispatch, eager, program
+from ftopt import dispatch, eager, program, shards
 from ftopt import tree as tree_lib
 from ftopt._counts import device_decided, host_count, remember_count
 from ftopt.base import GradientTransformation, register_owner
@@ -158,8 +159,11 @@ class RuleTransform:
         new_u = _passed_through(u_flat, mask_flat, active)
         new_slots = {name: list(leaves) for name, leaves in slots_flat.items()}
         if active:
-            self._run(active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u,
-                      new_slots, carried)
+            # On shards, a norm's all-reduce is told whose squares it sums.
+            with (shards.norm_leaves([paths[i] for i in active])
+                  if shards.in_local_shards() else contextlib.nullcontext()):
+                self._run(active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u,
+                          new_slots, carried)
         values = {name: tree_lib.unflatten(spec, leaves) for name, leaves in new_slots.items()}
         values.update(running)
         if rule.counted:

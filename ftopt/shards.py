@@ -33,7 +33,8 @@ import optree
 import torch
 
 __all__ = ["dtensor_class", "is_dtensor", "any_dtensor", "LocalShards", "local_shards",
-           "full_numel", "leaf_split", "reduce_squares", "all_ranks", "in_local_shards"]
+           "full_numel", "leaf_split", "reduce_squares", "all_ranks", "in_local_shards",
+           "on_local_shards", "split_dims", "norm_leaves"]
 
 
 def dtensor_class() -> type | None:
@@ -59,19 +60,29 @@ def any_dtensor(*trees: Any) -> bool:
     return False
 
 
+def split_dims(x: Any) -> frozenset[int]:
+    """The dims of the DTensor ``x`` that its shards split (a ``Shard`` over more than one
+    rank); empty for any other tensor."""
+    if not is_dtensor(x):
+        return frozenset()
+    return frozenset(p.dim % max(x.ndim, 1) for i, p in enumerate(x.placements)
+                     if p.is_shard() and x.device_mesh.size(i) > 1)
+
+
 @dataclass
 class LocalShards:
     """The context of a call on local shards (built by :mod:`ftopt.distributed`).
 
     ``full_numels``: id of a local tensor -> the element count of its full tensor (the
     tensors are kept alive in ``keep``). ``reduce``: sums a 1-D buffer of per-leaf
-    squared norms over the ranks that hold the leaves' shards. ``agree``: a 0-d bool that
+    squared norms over the ranks that hold the leaves' shards (given the leaves' paths,
+    or ``None``, entry by entry). ``agree``: a 0-d bool that
     holds on every rank (a logical AND over the mesh).
     """
 
     full_numels: dict[int, int] = field(default_factory=dict)
     keep: list = field(default_factory=list)
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    reduce: Callable[[torch.Tensor, list | None], torch.Tensor] | None = None
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Pytree path of a param, gradient or update leaf -> (its placements, the tensor dims
     # its shards split over more than one rank).
@@ -114,13 +125,32 @@ def leaf_split(path: str) -> tuple[tuple, frozenset[int]] | None:
     return None if context is None else context.splits.get(path)
 
 
-def reduce_squares(squares: torch.Tensor) -> torch.Tensor:
+_NORM_PATHS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "ftopt_norm_paths", default=None)
+
+
+@contextlib.contextmanager
+def norm_leaves(paths: list[str]) -> Iterator[None]:
+    """Within it, a per-leaf buffer given to :func:`reduce_squares` without paths holds
+    the leaves at ``paths``, in order (an eager rule sets this around its body)."""
+    token = _NORM_PATHS.set(paths)
+    try:
+        yield
+    finally:
+        _NORM_PATHS.reset(token)
+
+
+def reduce_squares(squares: torch.Tensor, paths: list[str] | None = None) -> torch.Tensor:
     """Per-leaf sums of squares of the local shards -> those of the full leaves (one
-    all-reduce of the whole buffer; unchanged outside a call on local shards)."""
+    all-reduce of the whole buffer; unchanged outside a call on local shards).
+
+    ``paths``: the pytree path of each entry's leaf (else those of :func:`norm_leaves`),
+    which leaves sharded over different mesh dimensions need: a leaf replicated over a
+    mesh dimension that another leaf is sharded over counts once, not once per rank."""
     context = _CURRENT.get()
     if context is None or context.reduce is None:
         return squares
-    return context.reduce(squares)
+    return context.reduce(squares, paths if paths is not None else _NORM_PATHS.get())
 
 
 def all_ranks(flag: torch.Tensor) -> torch.Tensor:
@@ -135,3 +165,8 @@ def in_local_shards() -> bool:
     """Whether a call on local shards is running (its norms need :func:`reduce_squares`)."""
     context = _CURRENT.get()
     return context is not None and context.reduce is not None
+
+
+def on_local_shards() -> bool:
+    """Whether a call on local shards is running (whatever its norms need)."""
+    return _CURRENT.get() is not None

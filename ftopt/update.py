@@ -79,6 +79,12 @@ def step(
     compiling = torch.compiler.is_compiling()
     fused = dispatch.backend("fused") if backend != "eager" else None
     if fused is not None and not compiling:
+        distributed = dispatch.loaded("distributed") if donate else None
+        if distributed is not None:
+            # DTensors stepped before: the cached step over their local tensors.
+            result = distributed.cached_step(tx, params, grads, state, backend)
+            if result is not None:
+                return result
         # A cached fused step first: its tensor check proves the leaves plain tensors, so
         # the common step pays for no DTensor scan (a flatten of both trees).
         result = fused.cached_step(tx, params, grads, state, donate, backend)

@@ -166,7 +166,23 @@ def check_fused(mesh, rank, device):
     return out
 
 
-def check_hsdp_and_tensor_parallel(rank):
+def mixed_norm_diff(make, leaves: dict, mesh, backend: str) -> float:
+    """Max difference of 3 donated steps of ``make()`` over DTensors laid out as
+    ``leaves`` (name -> (param, grad, placements)) against one process."""
+    tx, ref_tx = make(), make()
+    params = {k: distribute_tensor(p, mesh, pl) for k, (p, _, pl) in leaves.items()}
+    ref = {k: p.clone() for k, (p, _, _) in leaves.items()}
+    state, ref_state = tx.init(params), ref_tx.init(ref)
+    for i in range(3):
+        grads = {k: distribute_tensor(g * (i + 1), mesh, pl) for k, (_, g, pl) in leaves.items()}
+        params, state = ftopt.step(tx, params, grads, state, donate=True, backend=backend)
+        ref, ref_state = ftopt.step(ref_tx, ref, {k: g * (i + 1) for k, (_, g, _) in
+                                                  leaves.items()}, ref_state, donate=True,
+                                    backend=backend)
+    return max_diff(params, ref)
+
+
+def check_hsdp_and_tensor_parallel(rank, device):
     out = {}
     mesh2 = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
     model, ref = make_models(mesh2)
@@ -175,7 +191,17 @@ def check_hsdp_and_tensor_parallel(rank):
     params, _ = train(model, CHAINS["lamb"](), data)
     ref_params, _ = train(ref, CHAINS["lamb"](), data)
     out["hsdp_diff"] = max_diff(params, ref_params)
-    # Tensor parallel: every leaf Shard(1) (norms right), then a mix (a clear error).
+    # Norms (global and per leaf) over a mix of layouts of one mesh equal one process:
+    # HSDP leaves with one replicated on both mesh dims; tensor parallel Shard(1) leaves
+    # with a replicated one (eager, and fused where kernels run).
+    # (sgd: an Adam after the clip would hide a wrong norm's scale.)
+    norms = lambda: ftopt.chain(ftopt.clip_by_global_norm(0.1),  # noqa: E731
+                                ftopt.clip_by_block_rms(0.05), ftopt.sgd(0.1))
+    torch.manual_seed(2)
+    hw, hg = torch.randn(6, 4), torch.randn(6, 4)
+    out["hsdp_mixed_diff"] = mixed_norm_diff(
+        norms, {"w": (hw, hg, [Replicate(), Shard(0)]),
+                "b": (hw[0], hg[0], [Replicate(), Replicate()])}, mesh2, "auto")
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(3)
     w, g = torch.randn(6, 10), torch.randn(6, 10)
@@ -185,14 +211,20 @@ def check_hsdp_and_tensor_parallel(rank):
                         tx.init(dw))
     want, _ = ftopt.step(tx, {"w": w}, {"w": g}, tx.init({"w": w}))
     out["tp_shard1_diff"] = float((full(new["w"]) - want["w"]).abs().max())
+    leaves = {"w": (w, g, [Shard(1)]), "b": (w[0], g[0], [Replicate()]),
+              "c": (w[:, 0], g[:, 0], [Shard(0)])}
+    for backend in ("auto",) + (("fused",) if device is not None else ()):
+        out[f"tp_mixed_{backend}_diff"] = mixed_norm_diff(norms, leaves, mesh, backend)
+    # A plain tensor among DTensors: whose shards it is, is not known: refused.
     mixed = {"w": distribute_tensor(w, mesh, [Shard(1)]),
              "b": distribute_tensor(w[0], mesh, [Replicate()])}
     grads = {"w": distribute_tensor(g, mesh, [Shard(1)]),
              "b": distribute_tensor(g[0], mesh, [Replicate()])}
-    state = tx.init(mixed)
+    with_plain = {"w": mixed["w"], "b": w[0].clone()}
+    state = tx.init(with_plain)
     before = full(mixed["w"]).clone()
     try:
-        ftopt.step(tx, mixed, grads, state, donate=True)
+        ftopt.step(tx, with_plain, {"w": grads["w"], "b": g[0].clone()}, state, donate=True)
         out["mixed_error"] = None
     except ValueError as err:
         out["mixed_error"] = str(err)
@@ -251,6 +283,97 @@ def check_pointer_guard(mesh, rank, device):
     for g in (g1, g2):
         ref, ref_state = ftopt.step(tx, ref, {"w": g}, ref_state, backend="eager")
     out["dtensor_grad_diff"] = max_diff(params, ref)
+    return out
+
+
+def check_cached_step(mesh, rank, device):
+    """Donated fused steps over the same DTensors take the cached path (no unwrap, the
+    same DTensor objects back) and equal one process; a param whose storage was swapped
+    and a state leaf replaced by another DTensor send a step to the full path, which
+    writes the new tensors."""
+    if device is None:
+        return {"skipped": "fused kernels need two GPUs or the Triton interpreter"}
+    from ftopt import distributed as backend
+
+    full_calls = []
+    unwrap = backend._Call.unwrap
+
+    def counting(self, tree, what, **kwargs):
+        if what == "params":
+            full_calls.append(what)
+        return unwrap(self, tree, what, **kwargs)
+
+    data = batches(4, device)
+    model, ref = make_models(mesh, device)
+    tx = CHAINS["adamw_clip"]()  # a global norm: the cached step all-reduces it
+    out = {}
+    backend._Call.unwrap = counting
+    try:
+        params, state = train(model, tx, data[:3], backend="fused")
+        out["full_calls"] = len(full_calls)
+        leaves = ftopt.tree.leaves(state)
+        params, state = train(model, tx, data[3:], backend="fused", state=state,
+                              params=params)
+        out["same_objects"] = all(a is b for a, b in zip(ftopt.tree.leaves(state), leaves))
+        out["same_params"] = all(params[k] is v for k, v in model.named_parameters())
+        ref_params, _ = train(ref, CHAINS["adamw_clip"](), data, backend="fused")
+        out["diff"] = max_diff(params, ref_params)
+        # Swaps, on DTensors of no module (FSDP2 all-gathers from its own storage).
+        torch.manual_seed(5)
+        w, b, grads = torch.randn(6, 8), torch.randn(5), [torch.randn(6, 8) for _ in range(4)]
+        params = {"w": distribute_tensor(w, mesh, [Shard(0)]),
+                  "b": distribute_tensor(b, mesh, [Shard(0)])}
+        state = tx.init(params)
+        ref_tx = CHAINS["adamw_clip"]()  # (a transform's cache holds its last call)
+        ref, ref_state = {"w": w.clone(), "b": b.clone()}, ref_tx.init({"w": w, "b": b})
+        full_calls.clear()
+        for i, g in enumerate(grads):
+            if i == 2:  # what FSDP2 does when it reloads a param: new local storage
+                params["w"]._local_tensor = params["w"]._local_tensor.clone()
+            if i == 3:  # a state leaf replaced by another DTensor (new memory)
+                mu = state[1][0].mu
+                mu["b"] = mu["b"].clone()
+            dg = {"w": distribute_tensor(g, mesh, [Shard(0)]),
+                  "b": distribute_tensor(g[0, :5], mesh, [Shard(0)])}
+            params, state = ftopt.step(tx, params, dg, state, donate=True, backend="fused")
+            ref, ref_state = ftopt.step(ref_tx, ref, {"w": g, "b": g[0, :5]}, ref_state,
+                                        donate=True, backend="fused")
+        out["swap_full_calls"] = len(full_calls)
+        out["swap_diff"] = max_diff(params, ref)
+        out["swap_state_diff"] = float((full(state[1][0].mu["b"]) - ref_state[1][0].mu["b"]
+                                        ).abs().max())
+    finally:
+        backend._Call.unwrap = unwrap
+    return out
+
+def check_factored(mesh, rank):
+    """Adafactor's factored stage: a factored leaf split over the ranks is refused at init,
+    naming it; unfactored leaves on Shard(0) and factored Replicate ones equal one
+    process."""
+    torch.manual_seed(6)
+    w, b = torch.randn(6, 10), torch.randn(10)
+    grads = [(torch.randn(6, 10), torch.randn(10)) for _ in range(3)]
+    make = lambda: ftopt.chain(ftopt.scale_by_factored_rms(min_dim_size_to_factor=4),  # noqa: E731
+                               ftopt.scale_by_learning_rate(1e-2))
+    out = {}
+    try:
+        ftopt.adafactor(1e-2, min_dim_size_to_factor=4).init(
+            {"w": distribute_tensor(w, mesh, [Shard(0)])})
+        out["split_error"] = None
+    except ValueError as err:
+        out["split_error"] = str(err)
+    tx, ref_tx = make(), make()
+    params = {"w": distribute_tensor(w, mesh, [Replicate()]),
+              "b": distribute_tensor(b, mesh, [Shard(0)])}
+    ref = {"w": w.clone(), "b": b.clone()}
+    state, ref_state = tx.init(params), ref_tx.init(ref)
+    out["v_is_dtensor"] = isinstance(state[0].v["b"], DTensor)
+    for gw, gb in grads:
+        params, state = ftopt.step(tx, params, {"w": distribute_tensor(gw, mesh, [Replicate()]),
+                                                "b": distribute_tensor(gb, mesh, [Shard(0)])},
+                                   state, donate=True)
+        ref, ref_state = ftopt.step(ref_tx, ref, {"w": gw, "b": gb}, ref_state, donate=True)
+    out["diff"] = max_diff(params, ref)
     return out
 
 
@@ -416,8 +539,11 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "fsdp_chains": lambda: check_fsdp_chains(mesh, rank),
         "update_and_non_donated": lambda: check_update_and_non_donated(mesh, rank),
         "fused": lambda: check_fused(mesh, rank, fused_device),
-        "hsdp_and_tensor_parallel": lambda: check_hsdp_and_tensor_parallel(rank),
+        "hsdp_and_tensor_parallel": lambda: check_hsdp_and_tensor_parallel(rank,
+                                                                           fused_device),
         "pointer_guard": lambda: check_pointer_guard(mesh, rank, fused_device),
+        "cached_step": lambda: check_cached_step(mesh, rank, fused_device),
+        "factored": lambda: check_factored(mesh, rank),
         "ddp": lambda: check_ddp(rank),
         "dcp": lambda: check_dcp(mesh, rank, directory),
         "optimizer": lambda: check_optimizer(mesh, rank, directory),

@@ -84,7 +84,11 @@ def test_hsdp_tensor_parallel_and_refusals(results):
     assert got["hsdp_placements"] == "(Replicate(), Shard(dim=0))"
     assert got["hsdp_diff"] <= TOL and got["tp_shard1_diff"] <= TOL, got
     assert got["mixed_elementwise_diff"] == 0.0
-    assert "Shard(dim=1)" in got["mixed_error"] and "['w']" in got["mixed_error"]
+    # Norms over a mix of layouts of one mesh: right (a replicated leaf counts once).
+    assert got["hsdp_mixed_diff"] <= TOL, got
+    assert got["tp_mixed_auto_diff"] <= TOL and got.get("tp_mixed_fused_diff", 0) <= TOL, got
+    error = got["mixed_error"]
+    assert error is not None and "Shard(dim=1)" in error and "a plain tensor" in error, error
     assert got["mixed_untouched"]
     assert "Partial(sum)" in got["partial_error"] and "grads at ['w']" in got["partial_error"]
     assert "inside a block" in got["misaligned_error"]
@@ -96,6 +100,31 @@ def test_dtensor_pointer_guard(results):
     assert "reached the fused kernels" in got["error"]
     if "dtensor_grad_diff" in got:  # (fused kernels run here)
         assert got["dtensor_grad_diff"] <= TOL, got
+
+
+def test_cached_dtensor_step(results):
+    """The donated DTensor step over the same trees skips unwrap and rewrap; a swapped
+    storage or state leaf sends it to the full path; the results equal one process."""
+    got = _check(results, "cached_step")
+    if "skipped" in got:
+        pytest.skip(got["skipped"])
+    assert got["full_calls"] == 1, got  # the first of 4 steps only
+    assert got["same_objects"] and got["same_params"], got
+    assert got["diff"] <= TOL, got
+    # Steps 1, 3 (param storage swapped) and 4 (state leaf replaced) take the full path.
+    assert got["swap_full_calls"] == 3, got
+    assert got["swap_diff"] <= TOL and got["swap_state_diff"] <= TOL, got
+
+
+def test_factored_on_shards(results):
+    """A factored leaf split over the ranks is refused at init (path, placements); the
+    unfactored Shard(0) and factored Replicate leaves of one tree equal one process."""
+    got = _check(results, "factored")
+    error = got["split_error"]
+    assert error is not None and "scale_by_factored_rms at ['w']" in error, error
+    assert "(Shard(dim=0),)" in error and "splitting dim 0" in error, error
+    assert got["v_is_dtensor"]
+    assert got["diff"] <= TOL, got
 
 
 def test_ddp_replicas_bit_identical(results):

@@ -25,7 +25,7 @@ from ftopt.lowering.plan import (
 )
 from ftopt.stages import check_state_tree
 
-__all__ = ["step", "update", "cached_step", "cached_update"]
+__all__ = ["step", "update", "cached_step", "cached_update", "has_prepared_step"]
 
 
 def cached_step(tx, params, grads, state, donate: bool, backend: str):
@@ -45,6 +45,15 @@ def cached_step(tx, params, grads, state, donate: bool, backend: str):
             return None
         return execute.fast_step(plan, params, grads, state)
     return _functional(plan, params, grads, state, "p", backend)
+
+
+def has_prepared_step(tx, backend: str) -> bool:
+    """Whether :func:`cached_step` may take a donated step of ``tx`` (tables built by
+    an earlier donated step, for this ``backend``)."""
+    plan = plan_chain(tx)
+    prepared = plan.prepared
+    return (not plan.reason and prepared is not None and prepared.donate
+            and fast_path_allowed(prepared, backend))
 
 
 def step(tx, params, grads, state, donate: bool, backend: str, *, cached: bool = True):

@@ -134,7 +134,8 @@ class PreparedStep:
             group_traced = plan.traced(donate and in_place, output)
             work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
                                      tiles.tile(group_traced, quant_block)[0])
-            group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work)
+            group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work,
+                                       paths=[paths[i] for i in leaves])
             group.traced = group_traced
             group.quant_block = quant_block
             group.slot_dtypes = slot_dtypes
@@ -303,7 +304,6 @@ def _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
 def _addresses(tensors, device) -> torch.Tensor:
     checks.refuse_dtensors(tensors)
     return launch.to_device([t.data_ptr() for t in tensors], device)
-
 
 
 def _empty_like(leaf):

@@ -107,6 +107,7 @@ class GroupLaunch:
     aligned: bool = False
     quant_block: int = 0  # 8-bit slots with this many elements per absmax (0: fp32 slots)
     qmaps: tuple = ()
+    paths: list = field(default_factory=list)  # each leaf's pytree path (norms on shards)
     slot_dtypes: tuple = ()  # (slot, dtype) of each 16-bit slot (codegen.Variant)
     skip_tiles: bool = False  # all-zero-gradient programs return at once (codegen.Variant)
     pick: object = None  # itemgetter of the group's leaves among the active ones
@@ -273,7 +274,8 @@ def run_reductions(traced, groups: list[GroupLaunch], scalars, device):
         if sharded:
             # Local shards: one all-reduce for every leaf of every group, between this
             # level's reduction pass and the kernels that read it.
-            level_sums = _reduced_over_shards(level_sums)
+            paths = [path for group in groups for path in group.paths for _ in reds]
+            level_sums = _reduced_over_shards(level_sums, paths)
         sums_of = iter(level_sums)
         for group, buf in zip(groups, leaf_bufs):
             w = group.work
@@ -290,11 +292,14 @@ def run_reductions(traced, groups: list[GroupLaunch], scalars, device):
     return leaf_bufs, global_buf
 
 
-def _reduced_over_shards(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The per-leaf sums of squares of the local shards, summed over the ranks."""
+def _reduced_over_shards(parts: list[torch.Tensor], paths: list) -> list[torch.Tensor]:
+    """The per-leaf sums of squares of the local shards, summed over the ranks (``paths``:
+    each entry's leaf)."""
     if not parts:
         return parts
-    total = shards.reduce_squares(torch.cat(parts) if len(parts) > 1 else parts[0])
+    total = shards.reduce_squares(torch.cat(parts) if len(parts) > 1 else parts[0],
+                                  paths if len(paths) == sum(p.numel() for p in parts)
+                                  else None)
     return list(total.split([p.numel() for p in parts]))
 
 

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from ftopt import shards
 from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
@@ -89,14 +90,17 @@ class FactoredRms:
         for path, p in zip(paths, flat):
             check_param(path, p)
         rows, cols, vs = [], [], []
-        for p in flat:
+        for path, p in zip(paths, flat):
             dtype, dims = state_dtype(p), self._dims(p.shape)
             one = torch.zeros((1,), dtype=dtype, device=p.device)
             if dims is None:
                 rows.append(one)
                 cols.append(one.clone())
-                vs.append(torch.zeros(p.shape, dtype=dtype, device=p.device))
+                # A DTensor's v is a DTensor sharded as the leaf (element-wise).
+                vs.append(torch.zeros_like(p, dtype=dtype) if shards.is_dtensor(p) else
+                          torch.zeros(p.shape, dtype=dtype, device=p.device))
                 continue
+            self._refuse_split(path, p)
             d1, d0 = dims
             rows.append(torch.zeros(_without(p.shape, d0), dtype=dtype, device=p.device))
             cols.append(torch.zeros(_without(p.shape, d1), dtype=dtype, device=p.device))
@@ -105,6 +109,18 @@ class FactoredRms:
         count = torch.zeros((), dtype=torch.int32, device=device)
         remember_count(count, 0)
         return FactoredState(count, *(tree_lib.unflatten(spec, x) for x in (rows, cols, vs)))
+
+    def _refuse_split(self, path: str, p: Any) -> None:
+        """A factored leaf's row and column means read the whole leaf: a DTensor whose
+        shards split it is refused at init (its state would not fit the local shards)."""
+        split = shards.split_dims(p)
+        if split:
+            raise ValueError(
+                f"{self.name} at {path}: the leaf of shape {tuple(p.shape)} is sharded with "
+                f"placements {tuple(p.placements)}, splitting dim {min(split)}, but its "
+                "factored second moments (row and column means) read the whole leaf: "
+                "replicate it (Replicate placements), or keep it unfactored (factored=False, "
+                "or min_dim_size_to_factor above its second largest dim)")
 
     # -- checks ----------------------------------------------------------------------------
     def check_state(self, state: Any, u_flat: Sequence[Any], p_flat: Sequence[Any],
