@@ -22,6 +22,7 @@ from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
 from ftopt.lowering import branches, checks, launch, quantized, tiles
 from ftopt.lowering.codegen import output_roles
+from ftopt.lowering.flat import flat_dict_getter, flat_dict_leaves
 from ftopt.lowering.plan import ChainPlan, host_step, planned_states, remember
 from ftopt.rules import QuantizedSlot, step_scalars
 
@@ -175,7 +176,8 @@ class PreparedStep:
             roles = _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
                                  x_flat)
             group.addresses = {r: _addresses(ts, self.device) for r, ts in roles.items()}
-            group.aligned = all(t.data_ptr() % 16 == 0 for ts in roles.values() for t in ts)
+            group.aligned = all(t.data_ptr() % 16 == 0 for ts in roles.values() for t in ts
+                                if t is not None)
             rows = [selection.row(traced.graph.leaf_values, leaf) for leaf in leaves
                     ] or [[0.0]]
             group.leaf_values = torch.tensor(rows, dtype=torch.float32).reshape(-1).to(
@@ -319,46 +321,27 @@ def _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
         roles["x"] = [x_flat[i] for i in leaves]
     for stage_i, name in traced.slot_roles:
         for io, source in (("in", slot_flat), ("out", slot_out)):
+            # (None: the leaf has no state at this position, which its flag leaves out.)
             items = [source[stage_i][name][i] for i in leaves]
-            if items and isinstance(items[0], QuantizedSlot):
-                roles[f"st{stage_i}_{name}_amax_{io}"] = [q.absmax for q in items]
-                items = [q.codes for q in items]
+            if any(isinstance(q, QuantizedSlot) for q in items):
+                roles[f"st{stage_i}_{name}_amax_{io}"] = [
+                    None if q is None else q.absmax for q in items]
+                items = [None if q is None else q.codes for q in items]
             roles[f"st{stage_i}_{name}_{io}"] = items
     return roles
 
 
 def _addresses(tensors, device) -> torch.Tensor:
-    checks.refuse_dtensors(tensors)
-    return launch.to_device([t.data_ptr() for t in tensors], device)
-
+    """The tensors' addresses; 0 for ``None`` (a slot the leaf's flag keeps the kernel
+    from reading or writing)."""
+    checks.refuse_dtensors([t for t in tensors if t is not None])
+    return launch.to_device([0 if t is None else t.data_ptr() for t in tensors], device)
 
 
 def _empty_like(leaf):
     if isinstance(leaf, QuantizedSlot):
         return QuantizedSlot(torch.empty_like(leaf.codes), torch.empty_like(leaf.absmax))
     return torch.empty_like(leaf)
-
-
-def flat_dict_getter(params) -> operator.itemgetter | None:
-    """An ``itemgetter`` of a flat ``{name: tensor}`` dict's keys in optree order (sorted),
-    or ``None`` for any other tree: it picks the leaves without a full flatten."""
-    if type(params) is not dict or not params or not all(
-            isinstance(v, torch.Tensor) for v in params.values()):
-        return None
-    return operator.itemgetter(*[path[0] for path in optree.tree_paths(
-        params, none_is_leaf=False, namespace="ftopt")])
-
-
-def flat_dict_leaves(getter, n: int, tree) -> tuple | None:
-    """The ``n`` leaves of ``tree`` through ``getter`` (see :func:`flat_dict_getter`);
-    ``None`` if ``tree`` is not a dict of exactly those keys."""
-    if getter is None or type(tree) is not dict or len(tree) != n:
-        return None
-    try:
-        leaves = getter(tree)
-    except KeyError:
-        return None
-    return leaves if n != 1 else (leaves,)
 
 
 def _flat_dict_leaves(tree, prepared) -> tuple | None:

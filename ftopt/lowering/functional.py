@@ -25,10 +25,9 @@ from ftopt.lowering.execute import (
     _advance_counts,
     _scalars,
     _uses_tensors,
-    flat_dict_getter,
-    flat_dict_leaves,
     misaligned,
 )
+from ftopt.lowering.flat import flat_dict_getter, flat_dict_leaves
 from ftopt.lowering.plan import planned_states
 from ftopt.rules import QuantizedSlot
 
