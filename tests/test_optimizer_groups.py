@@ -258,3 +258,26 @@ def test_a_bad_gradient_names_the_group_and_changes_nothing():
         opt.step()
     assert all(torch.equal(p, k) for p, k in zip(model.parameters(), kept))
     assert all(torch.equal(opt.state[bias][k], v) for k, v in state.items())
+
+
+def test_live_values_reach_the_kernel_as_numbers_or_tensors(launches):
+    """A group's numbers go to the kernel from their host mirror (no device work); a
+    group value given as a tensor is copied into the live tensor, which forgets the
+    mirror, and the step reads it on the device: both equal the eager optimizer."""
+    model, eager = _model(21), _model(21)
+    opt = ftopt.Optimizer(_groups(model), ftopt.adamw, lr=1e-2, backend="fused")
+    ref = ftopt.Optimizer(_groups(eager), ftopt.adamw, lr=1e-2, backend="eager")
+    batches = _batches(22, 3)
+    for k, (x, y) in enumerate(batches):
+        for o in (opt, ref):
+            o.param_groups[0]["lr"] = (2e-2, torch.tensor(0.0, device=DEVICE), 5e-3)[k]
+            o.param_groups[1]["lr"] = 1e-3 * (k + 1)
+        _train(model, opt, [(x, y)])
+        _train(eager, ref, [(x, y)])
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=f"step {k}")
+    assert len(launches) == 3
+    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    opt.param_groups[0]["lr"] = torch.tensor(0.0, device=DEVICE)
+    _train(model, opt, batches[:1])
+    assert all(torch.equal(p, b) for p, b in zip(opt.param_groups[0]["params"], before))

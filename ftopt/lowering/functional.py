@@ -23,12 +23,12 @@ from ftopt.lowering import checks, codegen, launch
 from ftopt.lowering.execute import (
     PreparedStep,
     _advance_counts,
-    _scalars,
     _uses_tensors,
     misaligned,
 )
 from ftopt.lowering.flat import flat_dict_getter, flat_dict_leaves
 from ftopt.lowering.plan import planned_states
+from ftopt.lowering.scalars import host_hparams, kernel_scalars
 from ftopt.rules import QuantizedSlot
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -238,8 +238,9 @@ def fast_functional(plan, params, grads, state, output: str):
               for stage, st in zip(plan.stages, stage_states)]
     if any(c is not None and not isinstance(c, torch.Tensor) for c in counts):
         return None
-    steps, new_counts, pairs = _advance_counts(plan, counts, False, _uses_tensors(plan),
-                                               device)
+    hparams = host_hparams(plan, device)
+    steps, new_counts, pairs = _advance_counts(plan, counts, False,
+                                               _uses_tensors(plan, hparams), device)
     if cache.whole:  # every output list is replaced by one group's views
         out, slot_out = None, [{name: None for name in slots} for slots in slot_flat]
     else:
@@ -270,7 +271,7 @@ def fast_functional(plan, params, grads, state, output: str):
             for i, view in zip(group.leaves, views):
                 target[i] = view
         _upload(group, addresses, device)
-    prep.launch(_scalars(plan, traced, steps, device), pairs)
+    prep.launch(kernel_scalars(plan, traced, steps, device, hparams), pairs)
     new_states = []
     for stage, st, slots, count in zip(plan.stages, stage_states, slot_out, new_counts):
         values = {name: optree.tree_unflatten(cache.spec, leaves)
