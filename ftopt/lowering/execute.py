@@ -333,6 +333,8 @@ def fast_step(plan: ChainPlan, params, grads, state):
     if s_flat is None:
         return None
     g_flat = _flat_dict_leaves(grads, prepared)
+    if g_flat is None and prepared.list_getter is not None:
+        g_flat = prepared.list_getter(grads, drop_none=False)
     if g_flat is None:
         try:
             g_flat = prepared.spec.flatten_up_to(grads)

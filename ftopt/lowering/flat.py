@@ -39,8 +39,15 @@ def dict_list_getter(tree) -> Callable | None:
     """For a list (or tuple) of dicts whose values are tensors or ``None`` (the joined
     param groups of :class:`ftopt.Optimizer`: the params, and each state slot widened to
     every group with ``None`` holes): a function giving such a tree's non-``None`` leaves
-    in optree order (sorted keys), or ``None`` for a tree of other keys or containers.
-    ``None`` here for any other kind of tree."""
+    (all leaves with ``drop_none=False``, for gradients) in optree order (sorted keys),
+    or ``None`` for a tree of other keys or containers.
+    A single such dict (a partition's state slot) is read the same way. ``None`` here
+    for any other kind of tree."""
+    if type(tree) is dict:
+        inner = dict_list_getter([tree])
+        return None if inner is None else (
+            lambda other, drop_none=True: inner([other], drop_none)
+            if type(other) is dict else None)
     if type(tree) not in (list, tuple) or not tree or not all(type(d) is dict for d in tree):
         return None
     if not all(v is None or type(v) in (torch.Tensor, torch.nn.Parameter)
@@ -53,7 +60,7 @@ def dict_list_getter(tree) -> Callable | None:
     kind, n = type(tree), len(tree)
     getters = [(len(keys), operator.itemgetter(*keys) if keys else None) for keys in orders]
 
-    def leaves(other) -> list | None:
+    def leaves(other, drop_none: bool = True) -> list | None:
         if type(other) is not kind or len(other) != n:
             return None
         out: list = []
@@ -66,6 +73,9 @@ def dict_list_getter(tree) -> Callable | None:
                 except KeyError:
                     return None
                 got = got if size > 1 else (got,)
+                if not drop_none:  # (gradients: a None is a leaf with no gradient)
+                    out += got
+                    continue
                 # By identity, in C (``tuple.count(None)`` would call ``Tensor.__eq__``).
                 kept = list(map(operator.is_not, got, repeat(None)))
                 n_kept = kept.count(True)
