@@ -2,7 +2,8 @@
 
 The GPT-2 tree (148 leaves; small widths: only the host work is measured) in two groups,
 AdamW with weight decay 0.1 for matrices and 0.0 for biases and norms, fused and
-donated. The kernel launch is stubbed (the step counts still advance), so the numbers
+donated, against the same leaves in one AdamW group. The kernel launch is stubbed
+(the step counts still advance), so the numbers
 are the Python work of a step: one partition over both groups (one launch per dtype
 group), against the groups stepped one by one (one launch each). Runs on the CPU
 (``TRITON_INTERPRET=1``, set here) or a GPU:
@@ -34,7 +35,7 @@ import ftopt  # noqa: E402
 from ftopt.lowering import execute  # noqa: E402
 
 
-def _optimizer(device: str, joined: bool) -> ftopt.Optimizer:
+def _optimizer(device: str, joined: bool, single: bool = False) -> ftopt.Optimizer:
     gen = torch.Generator().manual_seed(0)
     params = {}
     for name, shape in gpt2_shapes(vocab=64, d=16, ctx=32, n_layer=12).items():
@@ -45,6 +46,9 @@ def _optimizer(device: str, joined: bool) -> ftopt.Optimizer:
                "weight_decay": 0.1},
               {"params": [(n, p) for n, p in params.items() if p.ndim <= 1],
                "weight_decay": 0.0}]
+    if single:  # the reference: every leaf in one group
+        groups = [{"params": groups[0]["params"] + groups[1]["params"],
+                   "weight_decay": 0.1}]
     opt = ftopt.Optimizer(groups, ftopt.adamw, lr=1e-3, backend="fused")
     if not joined:
         opt._joiner.step = lambda *args, **kwargs: None
@@ -73,9 +77,11 @@ def main() -> None:
     # The stub: no kernel, the counts advance as the kernel would advance them.
     execute.PreparedStep.launch = lambda self, scalars, pairs: (
         launches.append(1), execute._increment(pairs))
-    rows = {}
-    for name, joined in (("joined (one partition)", True), ("group by group", False)):
-        opt = _optimizer(device, joined)
+    rows: dict = {}
+    for name, joined, single in (("one group (reference)", True, True),
+                                 ("joined (one partition)", True, False),
+                                 ("group by group", False, False)):
+        opt = _optimizer(device, joined, single)
         leaves = sum(len(g["params"]) for g in opt.param_groups)
         launches.clear()
         times = measure(opt, args.iters)
@@ -89,10 +95,14 @@ def main() -> None:
     for name, row in rows.items():
         lines.append(f"| {name} | {row['leaves']} | {row['launches_per_step']:.0f} | "
                      f"{row['median_us']:.0f} | {row['min_us']:.0f} |")
+    extra = (rows["joined (one partition)"]["median_us"]
+             - rows["one group (reference)"]["median_us"])
+    lines += ["", f"joined two groups cost {extra:+.0f} us per step over one group"]
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_groups.json").write_text(json.dumps(
-        {"device": device, "torch": torch.__version__, "rows": rows}, indent=2))
+        {"device": device, "torch": torch.__version__, "rows": rows,
+         "joined_minus_one_group_us": extra}, indent=2))
     (args.out / "host_groups.md").write_text("\n".join(lines) + "\n")
 
 

@@ -1,4 +1,5 @@
-"""Host mirror of step counts, so per-step scalars need no device synchronisation.
+"""Host mirror of step counts (and of hyperparameter tensors whose value the caller
+knows), so per-step scalars need no device synchronisation.
 
 A step count is a 0-d integer tensor on the params' device. When ftopt creates a count
 tensor it remembers its value here (keyed by the tensor object, dropped when the tensor
@@ -36,6 +37,19 @@ def host_count(count: torch.Tensor) -> int | None:
     if ref() is not count or count._version != version:
         return None
     return value
+
+
+def remember_value(tensor: torch.Tensor, value: float) -> None:
+    """Record that the 0-d hyperparameter ``tensor`` holds ``value`` (as for counts: an
+    in-place change of the tensor, which bumps its version, forgets it). The fused path
+    then passes the value as a kernel argument with no device work; see
+    :func:`ftopt.Optimizer.step`, which writes its groups' live values this way."""
+    remember_count(tensor, value)
+
+
+def host_value(tensor: torch.Tensor) -> float | None:
+    """The value of a tensor recorded by :func:`remember_value`, if still current."""
+    return host_count(tensor)
 
 
 def mark_device_decided(count: torch.Tensor) -> None:

@@ -226,9 +226,9 @@ class Optimizer(torch.optim.Optimizer):
                 _check_number(where, key, value)
                 copied.update({(key, i): v for i, v in
                                enumerate(value if key == "betas" else (value,))})
-                live[key] = (tuple(torch.tensor(float(v), dtype=dtype, device=device)
+                live[key] = (tuple(param_groups.live_tensor(v, dtype, device)
                                    for v in value) if key == "betas"
-                             else torch.tensor(float(value), dtype=dtype, device=device))
+                             else param_groups.live_tensor(value, dtype, device))
                 value = live[key]
             else:
                 fixed[key] = value
@@ -442,7 +442,7 @@ def _copy_live(run: _GroupRun, group: dict) -> None:
                 t.copy_(v)
                 run.copied.pop((key, i), None)
             elif run.copied.get((key, i)) != v:
-                t.fill_(v)
+                param_groups.fill_live(t, v)
                 run.copied[(key, i)] = v
 
 

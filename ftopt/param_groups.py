@@ -26,12 +26,13 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt import update
+from ftopt._counts import remember_value
 from ftopt.base import GradientTransformation
 from ftopt.combine import Masked, MaskedState, PartitionState, partition
 from ftopt.stages import chain_stages
 
-__all__ = ["GroupJoiner", "JoinedGroups", "join_groups", "name_group", "split_state",
-           "structure_key"]
+__all__ = ["GroupJoiner", "JoinedGroups", "fill_live", "join_groups", "live_tensor",
+           "name_group", "split_state", "structure_key"]
 
 
 @dataclass
@@ -97,6 +98,21 @@ class GroupJoiner:
             self.joined = None
             return list(range(len(groups)))
         return fresh
+
+
+def live_tensor(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A group's live hyperparameter tensor holding ``value``, its value mirrored on the
+    host (:func:`ftopt._counts.remember_value`): a fused step passes it to the kernel as
+    an argument, with no device work, until the tensor is changed in place."""
+    t = torch.tensor(float(value), dtype=dtype, device=device)
+    remember_value(t, float(value))
+    return t
+
+
+def fill_live(t: torch.Tensor, value: float) -> None:
+    """Write a group's new number into its live tensor ``t`` (and the host mirror)."""
+    t.fill_(value)
+    remember_value(t, float(value))
 
 
 def _join(runs: list, groups: list, tree_of, backend: str, key: tuple) -> JoinedGroups:

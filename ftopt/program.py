@@ -59,7 +59,8 @@ class Algebra(Protocol):
 
 
 def trace_chain(stages: Sequence[Any], skips: Sequence[bool], algebra: Algebra, g: Any,
-                *, selects: bool = True, zero_from: Any = None) -> Any:
+                *, selects: bool = True, zero_from: Any = None,
+                owner_skips: Sequence[bool] | None = None) -> Any:
     """Runs the chain's rules on ``algebra``'s values from the raw gradient ``g``; the
     slots go out through ``algebra.slot_out``; returns the chain's update.
 
@@ -71,6 +72,9 @@ def trace_chain(stages: Sequence[Any], skips: Sequence[bool], algebra: Algebra, 
     skip-aware.
     ``selects=False``: the caller keeps zero-gradient elements itself (a kernel that
     neither loads nor stores them), so no skip selects are traced.
+    ``owner_skips[i]``: stage ``i``'s ``skip_zeros`` is its branch's own (inside a
+    ``masked``/``partition``): the leaves its flag passes through keep their update, as
+    :class:`ftopt.combine.Masked` passes them through without the mask.
     """
     skipping = selects and any(skips)
     raw = g if zero_from is None else zero_from
@@ -79,6 +83,7 @@ def trace_chain(stages: Sequence[Any], skips: Sequence[bool], algebra: Algebra, 
     u = g
     for index, (stage, skip) in enumerate(zip(stages, skips)):
         rule = stage if isinstance(stage, Rule) else stage.rule
+        skip_u = skip
         inputs = algebra.stage_inputs(index, rule, u)
         if inputs is None:  # the leaf is not this stage's: u passes through
             u_new, slots = u, {}
@@ -88,10 +93,13 @@ def trace_chain(stages: Sequence[Any], skips: Sequence[bool], algebra: Algebra, 
             u_new = algebra.elem(body_u, u)
             flag = algebra.leaf_flag(index)
             if flag is not None:
+                if skip and zero is not None and owner_skips and owner_skips[index]:
+                    u_new = algebra.select(zero, neg_zero, u_new)
+                    skip_u = False
                 u_new = algebra.select(flag, u_new, u)
             slots = {s.name: (algebra.elem(body_slots[s.name], u), inputs[s.name])
                      for s in rule.slots}
-        if skip and zero is not None:
+        if skip_u and zero is not None:
             u_new = algebra.select(zero, neg_zero, u_new)
         for name, (new, old) in slots.items():
             if skip and zero is not None:

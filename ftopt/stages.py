@@ -54,10 +54,16 @@ class Stages:
     # program (one per branch of a partition whose branches are the same chain of rules,
     # differing in hyperparameter values); each leaf runs the one its labels select.
     # ``selects[i]``: the conditions a leaf must meet for stage ``i`` to apply to it;
-    # ``flagged[k]``: some leaves pass position ``k`` through (a mask leaves them out).
+    # ``flagged[k]``: some leaves pass position ``k`` through (a mask leaves them out, or
+    # the position is one of a partition's branches that differ in their rules: those
+    # run one after the other, each on its own leaves). ``owner_skips[k]``: the position's
+    # ``skip_zeros`` comes from inside the ``masked``/``partition`` branch, so the
+    # leaves it passes through keep their update (else they get ``-0.0`` where the raw
+    # gradient is zero, as :meth:`ftopt.combine.Masked.update` does).
     positions: tuple[tuple[int, ...], ...] = ()
     selects: tuple[tuple[Select, ...], ...] = ()
     flagged: tuple[bool, ...] = ()
+    owner_skips: tuple[bool, ...] = ()
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -99,25 +105,48 @@ def _branched_stages(tx) -> Stages:
         n = len(plain.stages)
         return Stages(plain.stages, plain.state_paths, plain.skips, plain.reason,
                       plain.matrix, plain.segmented, tuple((i,) for i in range(n)),
-                      ((),) * n, tuple(s.rule.leaf_mask is not None for s in plain.stages))
-    sources: list = []  # (stage, state path, skip, selects)
+                      ((),) * n, tuple(s.rule.leaf_mask is not None for s in plain.stages),
+                      (False,) * n)
+    sources: list = []  # (stage, state path, skip, selects, selects before the skip)
     positions = _branch_walk(tx, (), False, True, (), sources)
     if isinstance(positions, str):
         return Stages(reason=positions)
+    for stage, _, skip, selects, depth in sources:
+        if skip and 0 < depth < len(selects):
+            return Stages(reason=f"{stage.rule.name}: skip_zeros between nested masked or "
+                          "partition runs eagerly")
     stages = tuple(s[0] for s in sources)
-    flagged = tuple(any(stages[i].rule.leaf_mask is not None or any(
-        isinstance(c.owner, Masked) for c in sources[i][3]) for i in pos) for pos in positions)
+    flagged = tuple(_flagged(pos, sources) for pos in positions)
+    owner_skips = tuple(any(sources[i][2] and sources[i][3] and sources[i][4] == len(
+        sources[i][3]) for i in pos) for pos in positions)
     return Stages(stages, tuple(s[1] for s in sources), tuple(s[2] for s in sources), None,
                   (), False, tuple(map(tuple, positions)), tuple(s[3] for s in sources),
-                  flagged)
+                  flagged, owner_skips)
+
+
+def _flagged(pos: list, sources: list) -> bool:
+    """Whether some leaves pass position ``pos`` through: a mask (``masked`` or a rule's
+    own) leaves them out, or the position's alternatives cover only some labels of a
+    partition (branches that differ in their rules, one after the other)."""
+    covered: dict = {}
+    for i in pos:
+        stage, _, _, selects, _ = sources[i]
+        if stage.rule.leaf_mask is not None:
+            return True
+        for cond in selects:
+            if isinstance(cond.owner, Masked):
+                return True
+            covered.setdefault(id(cond.owner), (cond.owner, set()))[1].add(cond.label)
+    return any(labels != set(obj.labels) for obj, labels in covered.values())
 
 
 def _branch_walk(tx, path: tuple, skip: bool, at_input: bool, selects: tuple,
-                 sources: list):
-    """The positions of ``tx``'s program (lists of stage indices), or why it has none."""
+                 sources: list, depth: int = 0):
+    """The positions of ``tx``'s program (lists of stage indices), or why it has none.
+    ``depth``: how many of ``selects`` were entered before ``skip`` became true."""
     obj = owner(tx)
     if isinstance(obj, RuleTransform):
-        sources.append((obj, path, skip, selects))
+        sources.append((obj, path, skip, selects, depth))
         return [[len(sources) - 1]]
     if isinstance(obj, SkipZeros):
         return []
@@ -125,26 +154,24 @@ def _branch_walk(tx, path: tuple, skip: bool, at_input: bool, selects: tuple,
         if obj.skip_zeros and not skip and not at_input:
             return "skip_zeros in a nested chain that does not receive the raw gradient"
         out = []
+        if obj.skip_zeros and not skip:
+            depth = len(selects)
         for i, child in enumerate(obj.transforms):
             key = obj.names[i] if obj.names is not None else i
             found = _branch_walk(child, (*path, key), skip or obj.skip_zeros,
-                                 at_input and i == 0, selects, sources)
+                                 at_input and i == 0, selects, sources, depth)
             if isinstance(found, str):
                 return found
             out += found
         return out
     if isinstance(obj, Masked):
-        first = len(sources)
-        found = _branch_walk(obj.inner, (*path, 0), skip, at_input,
-                             (*selects, Select(obj)), sources)
-        if not isinstance(found, str) and any(s[0].rule.slots for s in sources[first:]):
-            return "masked(...) of a transform with per-element state runs eagerly"
-        return found
+        return _branch_walk(obj.inner, (*path, 0), skip, at_input, (*selects, Select(obj)),
+                            sources, depth)
     if isinstance(obj, Partition):
         branches = []
         for label in obj.labels:
             found = _branch_walk(obj.user_transforms[label], (*path, 0, label, 0), skip,
-                                 at_input, (*selects, Select(obj, label)), sources)
+                                 at_input, (*selects, Select(obj, label)), sources, depth)
             if isinstance(found, str):
                 return found
             branches.append(found)
@@ -160,10 +187,10 @@ def _branch_walk(tx, path: tuple, skip: bool, at_input: bool, selects: tuple,
 
 def _shape_of(source) -> tuple:
     """What must agree for stages to share a position (hyperparameter values need not)."""
-    stage, _, skip, _ = source
+    stage, _, skip, selects, depth = source
     rule = stage.rule
     return (rule.name, _body_key(rule.body), rule.slots, tuple(step_scalars(rule, 0, 1)),
-            rule.uses_params, stage.quant, stage.store, skip)
+            rule.uses_params, stage.quant, stage.store, skip, depth == len(selects))
 
 
 def _body_key(body) -> tuple:
@@ -174,14 +201,16 @@ def _body_key(body) -> tuple:
 
 
 def _merge(branches: list, sources: list, labels: list):
-    shapes = [[tuple(_shape_of(sources[i]) for i in pos) for pos in b] for b in branches]
-    for label, shape in zip(labels[1:], shapes[1:]):
-        if shape != shapes[0]:
-            names = lambda s: [x[0] for pos in s for x in pos]  # noqa: E731
-            return (f"partition branches differ in their rules ({labels[0]!r}: "
-                    f"{names(shapes[0])}, {label!r}: {names(shape)}): only branches that are "
-                    "the same chain of rules, with other hyperparameters, fuse")
-    return [[i for b in branches for i in b[k]] for k in range(len(branches[0]))]
+    """A partition's positions: branches that are the same chain of rules (other
+    hyperparameter values) share positions, a leaf picking its branch's scalars; such
+    classes of branches that differ in their rules follow one another, each position
+    flagged to pass the other classes' leaves through."""
+    classes: dict = {}  # shape -> the branches (positions) of that chain of rules
+    for b in branches:
+        shape = tuple(tuple(_shape_of(sources[i]) for i in pos) for pos in b)
+        classes.setdefault(shape, []).append(b)
+    return [[i for b in members for i in b[k]] for members in classes.values()
+            for k in range(len(members[0]))]
 
 
 def leaf_selection(selects: tuple, params: Any, n: int) -> list[bool]:

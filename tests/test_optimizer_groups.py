@@ -211,14 +211,20 @@ def test_joined_state_holds_the_groups_tensors():
             optree.tree_structure(own, namespace="ftopt")
 
 
-def test_groups_that_differ_step_one_by_one(launches):
-    model = _model(11)
+def test_groups_that_differ_in_their_rules_still_step_as_one(launches):
+    model, eager = _model(11), _model(11)
     groups = _groups(model)
-    groups[1]["nesterov"] = True  # another rule body: not one partition
+    groups[1]["nesterov"] = True  # another rule body: its stages follow the first's
     opt = ftopt.Optimizer(groups, ftopt.adamw, lr=1e-2, backend="fused")
-    _train(model, opt, _batches(12, 1))
-    assert len(launches) == 2
-    assert "differ in their rules" in opt._joiner.joined.reason
+    _train(model, opt, _batches(12, 2))
+    assert len(launches) == 2  # one per step
+    assert opt._joiner.joined.reason is None
+    eager_groups = _groups(eager)
+    eager_groups[1]["nesterov"] = True
+    _train(eager, ftopt.Optimizer(eager_groups, ftopt.adamw, lr=1e-2, backend="eager"),
+           _batches(12, 2))
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 def test_a_group_without_gradients_keeps_its_step_count(launches):
@@ -252,3 +258,26 @@ def test_a_bad_gradient_names_the_group_and_changes_nothing():
         opt.step()
     assert all(torch.equal(p, k) for p, k in zip(model.parameters(), kept))
     assert all(torch.equal(opt.state[bias][k], v) for k, v in state.items())
+
+
+def test_live_values_reach_the_kernel_as_numbers_or_tensors(launches):
+    """A group's numbers go to the kernel from their host mirror (no device work); a
+    group value given as a tensor is copied into the live tensor, which forgets the
+    mirror, and the step reads it on the device: both equal the eager optimizer."""
+    model, eager = _model(21), _model(21)
+    opt = ftopt.Optimizer(_groups(model), ftopt.adamw, lr=1e-2, backend="fused")
+    ref = ftopt.Optimizer(_groups(eager), ftopt.adamw, lr=1e-2, backend="eager")
+    batches = _batches(22, 3)
+    for k, (x, y) in enumerate(batches):
+        for o in (opt, ref):
+            o.param_groups[0]["lr"] = (2e-2, torch.tensor(0.0, device=DEVICE), 5e-3)[k]
+            o.param_groups[1]["lr"] = 1e-3 * (k + 1)
+        _train(model, opt, [(x, y)])
+        _train(eager, ref, [(x, y)])
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=f"step {k}")
+    assert len(launches) == 3
+    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    opt.param_groups[0]["lr"] = torch.tensor(0.0, device=DEVICE)
+    _train(model, opt, batches[:1])
+    assert all(torch.equal(p, b) for p, b in zip(opt.param_groups[0]["params"], before))

@@ -1116,8 +1116,6 @@ def test_leaves_a_mask_passes_through_keep_negative_zero_params(name, backend):
         for k in updates:
             assert updates[k].dtype == fused_updates[k].dtype, k
     else:
-        if backend == "fused" and name == "masked_trace":
-            backend = "auto"  # masked runs eagerly
         new, _ = ftopt.step(tx, params, grads, state, backend=backend)
     for k in params:
         got = new[k][zero[k]].view(torch.int32)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ftopt import program
-from ftopt.lowering import quantized
+from ftopt.lowering import lanes, quantized
 from ftopt.lowering.symbolic import Graph, Reduction, SymOps
 from ftopt.rule_transform import RuleTransform
 from ftopt.rules import step_scalars
@@ -55,22 +55,30 @@ class TracedChain:
     # position of several reads its per-step scalars by the leaf's ``branch`` value.
     positions: list = field(default_factory=list)
     flagged: list = field(default_factory=list)
+    owner_skips: list = field(default_factory=list)
+    # ``st{i}_{name}`` -> the per-leaf flag (node) of a flagged position with state: a
+    # leaf it leaves out has no state there (address 0), so its loads and stores are off.
+    slot_flags: dict = field(default_factory=dict)
 
 
 def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
                 output: str = "p", seeded: bool = False, positions: list | None = None,
-                flagged: list | None = None) -> TracedChain:
+                flagged: list | None = None, owner_skips: list | None = None
+                ) -> TracedChain:
     """Runs every position's body on symbols, feeding each position's ``u`` to the next.
 
     ``skips[i]``: stage ``i`` is inside a skip_zeros chain; its update is zero and its
     states keep their old values where the raw gradient is zero, as the eager path does.
     ``positions[k]``: the stages (alternatives, one per partition branch) at step ``k``
     (default: stage ``k`` alone); ``flagged[k]``: position ``k`` reads a per-leaf flag
-    (a mask leaves some leaves out: their ``u`` passes through).
+    (a mask leaves some leaves out: their ``u`` passes through); ``owner_skips[k]``: its
+    skip_zeros applies to the leaves the flag keeps only.
     """
     if positions is None:
         positions = [(i,) for i in range(len(stages))]
         flagged = [s.rule.leaf_mask is not None for s in stages]
+    if owner_skips is None:
+        owner_skips = [False] * len(positions)
     stage_skips, skips = skips, [skips[pos[0]] for pos in positions]
     g = Graph()
     g.add("tl.load(g_ptr + offs{GMASK}).to(tl.float32)", (), "elem", name="g")
@@ -80,13 +88,17 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     # versions (unary minus of a constant lowered as 0 - x).
     neg_zero = g.add("tl.abs(g) * -1.0", ("g",), "elem", name="neg_zero") if any(
         skips) else None
-    in_place = donate and output == "p" and bool(skips) and all(skips)
+    # (A leaf passed through a branch-own skip_zeros keeps its update where g is zero:
+    # the kernel must store p + u there, so it loads every lane.)
+    in_place = (donate and output == "p" and bool(skips) and all(skips)
+                and not any(o and f for o, f in zip(owner_skips, flagged)))
     if in_place:
         g.add("g != 0.0", ("g",), "elem", name="keep")
     p = g.add("tl.load(p_ptr + offs{LMASK}).to(tl.float32)", ("keep",) if in_place else (),
               "elem", name="p")
     traced = TracedChain(g, stages, list(skips), in_place, output, seeded=seeded,
-                         positions=list(positions), flagged=list(flagged))
+                         positions=list(positions), flagged=list(flagged),
+                         owner_skips=list(owner_skips))
     algebra = _SymbolicAlgebra(traced, p, zero_node, neg_zero)
     first = g.sym("g")
     if seeded:
@@ -94,7 +106,8 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
                       name="x")
     # (In place, zero-gradient lanes are neither loaded nor stored: no selects.)
     u = program.trace_chain([stages[pos[0]] for pos in positions], skips, algebra, first,
-                            selects=not in_place, zero_from=g.sym("g"))
+                            selects=not in_place, zero_from=g.sym("g"),
+                            owner_skips=owner_skips)
     if output == "p":
         traced.stores.append(("p_out", (p + u).name))
     else:
@@ -103,7 +116,7 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     if in_place and g.reductions:
         # Norms (of p, say) need every lane loaded: select old values instead.
         return trace_chain(stages, stage_skips, donate=False, output=output, seeded=seeded,
-                           positions=positions, flagged=flagged)
+                           positions=positions, flagged=flagged, owner_skips=owner_skips)
     return traced
 
 
@@ -115,6 +128,7 @@ class _SymbolicAlgebra:
         self.traced, self.graph, self.p = traced, traced.graph, p
         self.zero, self.negative_zero = zero, neg_zero
         self._ops = SymOps(self.graph)
+        self._flags: dict = {}
 
     def ops(self):
         return self._ops
@@ -137,12 +151,16 @@ class _SymbolicAlgebra:
             inputs["index"] = self.graph.add("offs.to(tl.uint32)", (), "elem", name="index")
             inputs["leaf"] = self._ops.u32(self.graph.leaf_value(None, "leaf"))
         in_place = self.traced.in_place
+        flag = self.leaf_flag(index) if rule.slots else None
         for slot in rule.slots:
             role = f"st{index}_{slot.name}"
             self.traced.slot_roles.append((index, slot.name))
-            inputs[slot.name] = self.graph.add(
-                f"tl.load({role}_in + offs{{LMASK}})", ("keep",) if in_place else (),
-                "elem", name=f"{role}_old")
+            deps, mask = ("keep",) if in_place else (), "{LMASK}"
+            if flag is not None:
+                self.traced.slot_flags[role] = flag.name
+                deps, mask = (*deps, flag.name), f"{{LMASK@{flag.name}}}"
+            inputs[slot.name] = self.graph.add(f"tl.load({role}_in + offs{mask})", deps,
+                                               "elem", name=f"{role}_old")
         alternatives = self.traced.positions[index]
         branch = (self.graph.leaf_value(index, "branch") if len(alternatives) > 1
                   else None)
@@ -158,7 +176,9 @@ class _SymbolicAlgebra:
     def leaf_flag(self, index: int):
         if not self.traced.flagged[index]:
             return None
-        return self.graph.leaf_value(index, "mask") != 0.0
+        if index not in self._flags:
+            self._flags[index] = self.graph.leaf_value(index, "mask") != 0.0
+        return self._flags[index]
 
     def slot_out(self, index: int, name: str, value) -> None:
         self.traced.stores.append((f"st{index}_{name}_out", _as_name(value, self.graph)))
@@ -275,31 +295,23 @@ def _slot_signs(traced: TracedChain) -> dict[str, bool]:
             for slot in traced.stages[pos[0]].rule.slots}
 
 
-def _masks(traced: TracedChain, tail: bool) -> dict[str, str]:
-    """Load and store masks of the full-block and the tail-block code."""
-    keep = " & keep" if traced.in_place else ""
-    if tail:
-        return {"GMASK": ", mask=in_range, other=0.0",
-                "LMASK": f", mask=in_range{keep}, other=0.0",
-                "SMASK": f", mask=in_range{keep}"}
-    if traced.in_place:
-        return {"GMASK": "", "LMASK": ", mask=keep, other=0.0", "SMASK": ", mask=keep"}
-    return {"GMASK": "", "LMASK": "", "SMASK": ""}
-
-
 def _body_lines(traced: TracedChain, nodes, masks: dict[str, str],
-                variant: Variant) -> list[str]:
+                variant: Variant, tail: bool) -> list[str]:
     signs = _slot_signs(traced) if variant.quant_block else {}
     half = dict(variant.slot_dtypes)
     lines = []
     for node in nodes:
         expr = node.expr.replace("{GMASK}", masks["GMASK"]).replace("{LMASK}", masks["LMASK"])
         role = node.name[: -len("_old")] if node.name.endswith("_old") else None
+        if role in traced.slot_flags:
+            expr = expr.replace(f"{{LMASK@{traced.slot_flags[role]}}}",
+                                lanes.load_mask(traced, masks, tail, role))
         if role in signs:
-            lines += quantized.load_lines(node.name, role, signs[role], masks["LMASK"])
+            lines += quantized.load_lines(node.name, role, signs[role],
+                                          lanes.load_mask(traced, masks, tail, role))
             continue
         if role in half:  # 16-bit storage: read exactly into fp32
-            load = f"tl.load({role}_in + offs{masks['LMASK']})"
+            load = f"tl.load({role}_in + offs{lanes.load_mask(traced, masks, tail, role)})"
             lines.append(f"{node.name} = " + (
                 f"({load}.to(tl.uint32) << 16).to(tl.float32, bitcast=True)"
                 if half[role] == torch.bfloat16 else f"{load}.to(tl.float32)"))
@@ -321,8 +333,9 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     quant = bool(variant.quant_block)
     roles = input_roles(traced, quant) + output_roles(traced, quant)
     dtypes = _role_dtypes(traced, variant)
-    nodes = traced.graph.closure([node for _, node in traced.stores])
-    bodies = [_body_and_stores(traced, nodes, _masks(traced, tail), variant, dtypes, tail)
+    nodes = traced.graph.closure([node for _, node in traced.stores]
+                                 + list(traced.slot_flags.values()))
+    bodies = [_body_and_stores(traced, nodes, lanes.masks(traced, tail), variant, dtypes, tail)
               for tail in (False, True)]
     count_args, count_lines = _count_lines(traced)
     body = _split_blocks(*bodies)
@@ -337,37 +350,27 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
 def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
                      dtypes: dict, tail: bool) -> list[str]:
     signs = _slot_signs(traced) if variant.quant_block else {}
-    lines = _body_lines(traced, nodes, masks, variant)
+    lines = _body_lines(traced, nodes, masks, variant, tail)
     for role, node in traced.stores:
         value = node
         if traced.graph.nodes[node].kind != "elem":  # broadcast a per-leaf value
             value = f"tl.full([BLOCK], 0.0, tl.float32) + {node}"
         slot = role[: -len("_out")]
+        flag = traced.slot_flags.get(slot)
+        store_mask = (masks["SMASK"] if flag is None
+                      else lanes.flag_mask(traced, flag, False))
         if slot in signs:
             stage = int(slot[2:].split("_", 1)[0])
             zero = "zero" if traced.skips[stage] else None
             lines += quantized.store_lines(slot, f"{slot}_old", value, signs[slot], zero,
-                                           tail, variant.encoder)
+                                           tail, variant.encoder, flag)
             continue
         if dict(variant.slot_dtypes).get(slot) == torch.bfloat16:
-            lines += _bf16_store_lines(role, slot, value, masks["SMASK"])
+            lines += lanes.bf16_store_lines(role, slot, value, store_mask)
             continue
         lines.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]})"
-                     f"{masks['SMASK']})")
+                     f"{store_mask})")
     return lines
-
-
-def _bf16_store_lines(role: str, slot: str, value: str, mask: str) -> list[str]:
-    """Stores fp32 ``value`` as bf16 bits, rounded to nearest even (NaN: 0x7FC0), as
-    torch's ``.to(torch.bfloat16)`` rounds."""
-    b = f"b_{slot}"
-    return [
-        f"{b}_x = {value} + tl.zeros([BLOCK], tl.float32)",
-        f"{b}_u = {b}_x.to(tl.uint32, bitcast=True)",
-        f"{b}_u = ({b}_u + 32767 + (({b}_u >> 16) & 1)) >> 16",
-        f"{b}_u = tl.where({b}_x == {b}_x, {b}_u, 32704)",
-        f"tl.store({role} + offs, {b}_u.to(tl.uint16){mask})",
-    ]
 
 
 def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
@@ -377,7 +380,7 @@ def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
     nodes = traced.graph.closure([r.source for r in reductions])
     bodies = []
     for tail in (False, True):
-        lines = _body_lines(traced, nodes, _masks(traced, tail), variant)
+        lines = _body_lines(traced, nodes, lanes.masks(traced, tail), variant, tail)
         for j, red in enumerate(reductions):
             x = red.source
             square = f"({x} * {x} + tl.zeros([BLOCK], tl.float32))"

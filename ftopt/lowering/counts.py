@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ftopt._counts import device_decided, host_count
 from ftopt.lowering.plan import ChainPlan, host_step, remember
 from ftopt.rules import running_step
 
@@ -24,13 +25,20 @@ def advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool, dev
             new_counts.append(None)
             continue
         count, t = host_step(count_tensor, tensor_mode)
+        if not isinstance(t, int) and not device_decided(count_tensor):
+            # Scalars on the device this step: the host mirror (a later step may use it,
+            # and the kernel's write does not bump the tensor's version) moves on too.
+            known = host_count(count_tensor)
+            t_host = None if known is None else known + 1
+        else:
+            t_host = t
         if in_kernel:
             new = count_tensor if donate else torch.empty_like(count_tensor)
             pairs += [count_tensor, new]
         else:
             new = count_tensor.add_(1) if donate else count_tensor + 1
-        if isinstance(t, int):
-            remember(new, t)
+        if isinstance(t_host, int):
+            remember(new, t_host)
         steps.append((count, t))
         new_counts.append(new)
     return steps, new_counts, pairs

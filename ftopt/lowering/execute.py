@@ -23,8 +23,10 @@ from ftopt.aliasing import check_disjoint
 from ftopt.lowering import branches, checks, launch, quantized, tiles
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.counts import advance_counts, advance_running, increment
+from ftopt.lowering.flat import dict_list_getter, flat_dict_getter, flat_dict_leaves
 from ftopt.lowering.plan import ChainPlan, planned_states
-from ftopt.rules import QuantizedSlot, step_scalars
+from ftopt.lowering.scalars import host_hparams, kernel_scalars
+from ftopt.rules import QuantizedSlot
 
 _data_ptr = torch.Tensor.data_ptr
 
@@ -39,74 +41,15 @@ def _as_tuple(picked) -> tuple:
     return picked if isinstance(picked, tuple) else (picked,)
 
 
-def _uses_tensors(plan: ChainPlan) -> bool:
+def _uses_tensors(plan: ChainPlan, hparams: list | None) -> bool:
+    """Whether the scalars are computed on the device: a hyperparameter is a tensor with
+    no host mirror (``hparams``: :func:`ftopt.lowering.scalars.host_hparams`)."""
     if plan.tensor_hparams is None:
         plan.tensor_hparams = any(isinstance(v, torch.Tensor) for s in plan.stages
                                   for v in s.rule.hparams.values())
-    return plan.tensor_hparams
+    return plan.tensor_hparams and hparams is None
 
 
-def _constant_hparams(plan: ChainPlan) -> list | None:
-    """Per stage, its hyperparameters when none is a schedule or a tensor (they are the
-    same every step: computed once), else ``None``."""
-    if plan.constant_hparams is None:
-        out = []
-        for stage in plan.stages:
-            h = stage.rule.hparams
-            out.append(None if any(callable(v) or isinstance(v, torch.Tensor)
-                                   for v in h.values()) else dict(h))
-        plan.constant_hparams = out
-    return plan.constant_hparams
-
-
-def _host_scalars(plan: ChainPlan, traced, steps) -> list | None:
-    """The kernel's scalars as host floats where every hyperparameter is constant and every
-    count a host int (the usual step: no dicts of schedules to evaluate), else ``None``."""
-    constant = _constant_hparams(plan)
-    if any(h is None for h in constant):
-        return None
-    per_stage = []
-    for stage, h, (_, t) in zip(plan.stages, constant, steps):
-        scalars = stage.rule.scalars
-        if scalars is None:
-            per_stage.append(h)
-        elif t is None or isinstance(t, int):
-            per_stage.append({**h, **scalars(t, h)})
-        else:
-            return None
-    return [float(per_stage[i][name]) for i, name in traced.graph.scalars]
-
-
-def _scalars(plan: ChainPlan, traced, steps, device,
-             carried: list | None = None) -> list[float] | torch.Tensor:
-    """Per-step scalars: kernel arguments when all are host numbers, else a device buffer
-    computed with torch ops (no host synchronisation; capturable in a CUDA graph).
-    ``carried``: per stage, the scalars of its running scalars (:func:`advance_running`),
-    device values."""
-    floats = None if carried else _host_scalars(plan, traced, steps)
-    if floats is None:
-        carried = carried or [None] * len(plan.stages)
-        per_stage = [step_scalars(stage.rule, *step, extra) for stage, step, extra in
-                     zip(plan.stages, steps, carried)]
-        values = [per_stage[i][name] for i, name in traced.graph.scalars]
-        if any(isinstance(v, torch.Tensor) for v in values):
-            # No host-to-device copies here: this path may be captured in a CUDA graph.
-            return torch.stack([
-                v.to(device=device, dtype=torch.float32).reshape(())
-                if isinstance(v, torch.Tensor)
-                else torch.full((), float(v), dtype=torch.float32, device=device)
-                for v in values])
-        floats = [float(v) for v in values]
-    if any([0.0 < abs(v) < _FP32_TINY for v in floats]):
-        # Triton types a Python float below fp32's smallest normal as an fp64 argument (a
-        # kernel of another signature, whose fp32 math then fails to compile): such
-        # values go to the kernel as an fp32 buffer instead, rounded as the eager path
-        # rounds them.
-        return torch.tensor(floats, dtype=torch.float32).to(device)
-    return floats
-
-
-_FP32_TINY = torch.finfo(torch.float32).tiny
 
 
 class PreparedStep:
@@ -149,7 +92,8 @@ class PreparedStep:
             roles = _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
                                  x_flat)
             group.addresses = {r: _addresses(ts, self.device) for r, ts in roles.items()}
-            group.aligned = all(t.data_ptr() % 16 == 0 for ts in roles.values() for t in ts)
+            group.aligned = all(t.data_ptr() % 16 == 0 for ts in roles.values() for t in ts
+                                if t is not None)
             rows = [selection.row(traced.graph.leaf_values, leaf) for leaf in leaves
                     ] or [[0.0]]
             group.leaf_values = torch.tensor(rows, dtype=torch.float32).reshape(-1).to(
@@ -164,6 +108,8 @@ class PreparedStep:
             group.grad_addresses = list(map(_data_ptr, _as_tuple(group.pick(
                 self._active(g_flat)))))
         self.check: checks.TensorCheck | None = None
+        self.slot_getters: dict = {}  # see _branch_leaves
+        self.list_getter = None  # the params' dict_list_getter (set for a donated step)
         # (scalars as floats?, count tensors, bound launches, launch.switches()): see
         # launch.bind_main.
         self._bound: tuple | None = None
@@ -190,21 +136,38 @@ class PreparedStep:
                 out.append(st.count)
             for slot in stage.rule.slots:
                 tree = getattr(st, slot.name)
+                if branched:
+                    # The non-None leaves (8-bit: codes, absmax) in leaf order; the tensor
+                    # check then proves each is the one the tables hold.
+                    out += self._branch_leaves(stage, slot.name, tree)
+                    continue
                 leaves = flat_dict_leaves(self.flat_getter, self.flat_len, tree)
                 if leaves is None:
                     try:
                         leaves = self.spec.flatten_up_to(tree)
                     except (ValueError, TypeError):
                         return None
-                if stage.quant is None and not branched:
+                if stage.quant is None:
                     out += leaves  # plain tensors, one per leaf (the common case)
                     continue
                 for leaf in leaves:
                     if isinstance(leaf, QuantizedSlot):
                         out += leaf
-                    elif leaf is not None:  # (None: a leaf of another partition branch)
+                    elif leaf is not None:
                         out.append(leaf)
         return out
+
+    def _branch_leaves(self, stage, name: str, tree) -> list:
+        """A branched slot's leaves: through a getter of the joined groups' layout (a
+        list of dicts, :func:`dict_list_getter`) where the tree has it, else a flatten."""
+        key = (id(stage), name)
+        getter = self.slot_getters.get(key, False)
+        if getter is False:
+            getter = self.slot_getters[key] = dict_list_getter(tree)
+        found = getter(tree) if getter is not None else None
+        if found is None:
+            found = optree.tree_leaves(tree, none_is_leaf=False, namespace="ftopt")
+        return found
 
     def still_valid(self, p_flat, s_flat, g_flat) -> bool:
         """Whether the tables point at exactly these tensors' memory (gradients may have
@@ -293,45 +256,26 @@ def _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
         roles["x"] = [x_flat[i] for i in leaves]
     for stage_i, name in traced.slot_roles:
         for io, source in (("in", slot_flat), ("out", slot_out)):
+            # (None: the leaf has no state at this position, which its flag leaves out.)
             items = [source[stage_i][name][i] for i in leaves]
-            if items and isinstance(items[0], QuantizedSlot):
-                roles[f"st{stage_i}_{name}_amax_{io}"] = [q.absmax for q in items]
-                items = [q.codes for q in items]
+            if any(isinstance(q, QuantizedSlot) for q in items):
+                roles[f"st{stage_i}_{name}_amax_{io}"] = [
+                    None if q is None else q.absmax for q in items]
+                items = [None if q is None else q.codes for q in items]
             roles[f"st{stage_i}_{name}_{io}"] = items
     return roles
 
 
 def _addresses(tensors, device) -> torch.Tensor:
-    checks.refuse_dtensors(tensors)
-    return launch.to_device([t.data_ptr() for t in tensors], device)
-
+    """The tensors' addresses; 0 for ``None`` (a slot the leaf's flag keeps the kernel
+    from reading or writing)."""
+    checks.refuse_dtensors([t for t in tensors if t is not None])
+    return launch.to_device([0 if t is None else t.data_ptr() for t in tensors], device)
 
 def _empty_like(leaf):
     if isinstance(leaf, QuantizedSlot):
         return QuantizedSlot(torch.empty_like(leaf.codes), torch.empty_like(leaf.absmax))
     return torch.empty_like(leaf)
-
-
-def flat_dict_getter(params) -> operator.itemgetter | None:
-    """An ``itemgetter`` of a flat ``{name: tensor}`` dict's keys in optree order (sorted),
-    or ``None`` for any other tree: it picks the leaves without a full flatten."""
-    if type(params) is not dict or not params or not all(
-            isinstance(v, torch.Tensor) for v in params.values()):
-        return None
-    return operator.itemgetter(*[path[0] for path in optree.tree_paths(
-        params, none_is_leaf=False, namespace="ftopt")])
-
-
-def flat_dict_leaves(getter, n: int, tree) -> tuple | None:
-    """The ``n`` leaves of ``tree`` through ``getter`` (see :func:`flat_dict_getter`);
-    ``None`` if ``tree`` is not a dict of exactly those keys."""
-    if getter is None or type(tree) is not dict or len(tree) != n:
-        return None
-    try:
-        leaves = getter(tree)
-    except KeyError:
-        return None
-    return leaves if n != 1 else (leaves,)
 
 
 def _flat_dict_leaves(tree, prepared) -> tuple | None:
@@ -344,12 +288,16 @@ def fast_step(plan: ChainPlan, params, grads, state):
     if prepared is None or not prepared.donate:
         return None
     p_flat = _flat_dict_leaves(params, prepared)
+    if p_flat is None and prepared.list_getter is not None:
+        p_flat = prepared.list_getter(params)
     if p_flat is None:
         p_flat = optree.tree_leaves(params, none_is_leaf=False, namespace="ftopt")
     s_flat = prepared.state_tensors(state)
     if s_flat is None:
         return None
     g_flat = _flat_dict_leaves(grads, prepared)
+    if g_flat is None and prepared.list_getter is not None:
+        g_flat = prepared.list_getter(grads, drop_none=False)
     if g_flat is None:
         try:
             g_flat = prepared.spec.flatten_up_to(grads)
@@ -357,12 +305,14 @@ def fast_step(plan: ChainPlan, params, grads, state):
             return None
     if not prepared.still_valid(p_flat, s_flat, g_flat):
         return None
-    steps, _, pairs = advance_counts(plan, prepared.counts, True, _uses_tensors(plan),
-                                      prepared.device)
+    hparams = host_hparams(plan, prepared.device)
+    steps, _, pairs = advance_counts(plan, prepared.counts, True,
+                                     _uses_tensors(plan, hparams), prepared.device)
     carried = None
     if plan.running:
         carried, _ = advance_running(plan, planned_states(plan, state), steps, True)
-    prepared.launch(_scalars(plan, prepared.traced, steps, prepared.device, carried), pairs)
+    prepared.launch(kernel_scalars(plan, prepared.traced, steps, prepared.device, hparams,
+                                   carried), pairs)
     return params, state
 
 
@@ -382,8 +332,9 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
     counts = [st.count if stage.rule.counted else None
               for stage, st in zip(plan.stages, stage_states)]
     device = p_flat[active[0]].device if active else torch.device("cpu")
-    steps, new_counts, pairs = advance_counts(plan, counts, donate, _uses_tensors(plan),
-                                               device)
+    hparams = host_hparams(plan, device)
+    steps, new_counts, pairs = advance_counts(plan, counts, donate,
+                                              _uses_tensors(plan, hparams), device)
     carried, running = advance_running(plan, stage_states, steps, donate)
     p_out = list(p_flat) if output == "p" else [None] * len(p_flat)
     slot_out = [{name: list(leaves) for name, leaves in slots.items()} for slots in slot_flat]
@@ -404,11 +355,14 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
                                 branches.merged_slots(plan, selection, slot_flat), p_out,
                                 branches.merged_slots(plan, selection, slot_out), active,
                                 selection, donate, output, x_flat)
-        prepared.launch(_scalars(plan, prepared.traced, steps, device, carried), pairs)
+        prepared.launch(kernel_scalars(plan, prepared.traced, steps, device, hparams,
+                                       carried), pairs)
         if donate and output == "p" and not plan.seeded:
             prepared.spec = spec
             prepared.flat_getter = flat_dict_getter(params)
             prepared.flat_len = len(params) if prepared.flat_getter else 0
+            if prepared.flat_getter is None:
+                prepared.list_getter = dict_list_getter(params)
             prepared.counts = counts
             prepared.watch(p_flat, prepared.state_tensors(state), g_flat)
             plan.prepared = prepared

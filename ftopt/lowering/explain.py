@@ -8,6 +8,8 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, check_transform
+from ftopt.combine import Masked, Partition
+from ftopt.lowering import branches
 from ftopt.lowering.codegen import level_reductions
 from ftopt.lowering.plan import _DTYPE_BYTES, call_reason, describe_segments, plan_chain
 from ftopt.validate import check_leaf
@@ -60,6 +62,12 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     if plan.segments is not None:
         lines.append(f"segments: {describe_segments(plan)}")
     quant = next((s.quant for s in plan.stages if s.quant is not None and s.rule.slots), None)
+    own_slots = None  # per leaf, the slots of the stages it runs (flags leave out others)
+    if plan.branched and plan.reason is None and plan.segments is None and active:
+        selection = branches.select(plan, spec, params, p_flat, paths)
+        own_slots = [sum(len(plan.stages[s].rule.slots) for s in (
+            owners[i] for owners in selection.stage_of) if s is not None)
+            for i in range(len(p_flat))]
     groups: dict[tuple, list[int]] = {}
     for i in active:
         eight_bit = quant is not None and p_flat[i].numel() >= quant.min_size
@@ -86,7 +94,8 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
         read = written = extra = levels = 0.0
         for k, part in enumerate(kernels):
             traced = part.traced(donate=False, output="p" if k == len(kernels) - 1 else "u")
-            slots = len(traced.slot_roles)
+            slots = len(traced.slot_roles) if own_slots is None else sum(
+                own_slots[i] * p_flat[i].numel() for i in leaves) / numel
             read += g_bytes + p_bytes + slot_bytes * slots + (4 if traced.seeded else 0)
             written += (p_bytes if traced.output == "p" else 4) + slot_bytes * slots
             extra += sum(_reduction_reads(traced, lv, p_bytes, g_bytes)
@@ -111,18 +120,38 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
 def _describe_branches(plan) -> str:
     """How ``masked``/``partition`` run in the one kernel: per-leaf branch and flags."""
     parts = []
-    widest = max(len(pos) for pos in plan.positions)
-    if widest > 1:
-        labels = [plan.selects[s][-1].label for s in plan.positions[0]]
-        parts.append(f"partition of {widest} branches {labels} as one program: each leaf "
-                     "reads its branch's hyperparameters (a per-leaf row), no launch per "
-                     "branch")
+    widest = max(pos for pos in plan.positions if len(pos) > 1) if any(
+        len(pos) > 1 for pos in plan.positions) else None
+    if widest is not None:
+        labels = [plan.selects[s][-1].label for s in widest]
+        parts.append(f"partition branches {labels} are the same chain of rules: one "
+                     "program, each leaf reads its branch's hyperparameters (a per-leaf "
+                     "row), no launch per branch")
+    classes = _rule_classes(plan)
+    if len(classes) > 1:
+        parts.append(f"partition branches {classes} differ in their rules: their stages "
+                     "follow one another in the one kernel, each leaf runs its own "
+                     "branch's (a per-leaf flag passes it through the others and turns "
+                     "their state loads and stores off), no launch per branch")
     masked = [plan.stages[pos[0]].rule.name for k, pos in enumerate(plan.positions)
-              if plan.flagged[k]]
+              if plan.flagged[k] and any(plan.stages[s].rule.leaf_mask is not None or any(
+                  isinstance(c.owner, Masked) for c in plan.selects[s]) for s in pos)]
     if masked:
-        parts.append(f"masked stages {masked}: a per-leaf flag passes the other leaves "
-                     "through")
+        parts.append(f"flagged stages {masked}: a per-leaf flag passes the leaves they "
+                     "leave out through, with no state read or written for them")
     return "branches: " + "; ".join(parts)
+
+
+def _rule_classes(plan) -> list:
+    """The label sets of the partition branch classes (the same chain of rules), in
+    program order."""
+    classes: list = []
+    for pos in plan.positions:
+        labels = [c.label for s in pos for c in plan.selects[s]
+                  if isinstance(c.owner, Partition)]
+        if labels and labels not in classes:
+            classes.append(labels)
+    return classes
 
 
 def _num(x: float) -> float | int:

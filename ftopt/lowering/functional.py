@@ -23,13 +23,12 @@ from ftopt.lowering import checks, codegen, launch
 from ftopt.lowering.counts import advance_counts, advance_running
 from ftopt.lowering.execute import (
     PreparedStep,
-    _scalars,
     _uses_tensors,
-    flat_dict_getter,
-    flat_dict_leaves,
     misaligned,
 )
+from ftopt.lowering.flat import flat_dict_getter, flat_dict_leaves
 from ftopt.lowering.plan import planned_states
+from ftopt.lowering.scalars import host_hparams, kernel_scalars
 from ftopt.rules import QuantizedSlot
 from ftopt.validate import check_running
 
@@ -243,8 +242,9 @@ def fast_functional(plan, params, grads, state, output: str):
     if plan.running and not all(_running_ok(stage.rule, st, device)
                                 for stage, st in zip(plan.stages, stage_states)):
         return None  # (the full path names what is wrong)
-    steps, new_counts, pairs = advance_counts(plan, counts, False, _uses_tensors(plan),
-                                               device)
+    hparams = host_hparams(plan, device)
+    steps, new_counts, pairs = advance_counts(plan, counts, False,
+                                              _uses_tensors(plan, hparams), device)
     carried, running = advance_running(plan, stage_states, steps, False)
     if cache.whole:  # every output list is replaced by one group's views
         out, slot_out = None, [{name: None for name in slots} for slots in slot_flat]
@@ -276,7 +276,7 @@ def fast_functional(plan, params, grads, state, output: str):
             for i, view in zip(group.leaves, views):
                 target[i] = view
         _upload(group, addresses, device)
-    prep.launch(_scalars(plan, traced, steps, device, carried), pairs)
+    prep.launch(kernel_scalars(plan, traced, steps, device, hparams, carried), pairs)
     new_states = []
     for k, (stage, st, slots, count) in enumerate(zip(plan.stages, stage_states, slot_out,
                                                       new_counts)):

@@ -52,6 +52,7 @@ class ChainPlan:
     positions: list | None = None
     selects: list | None = None
     flagged: list | None = None
+    owner_skips: list | None = None  # per position (see :class:`ftopt.stages.Stages`)
     _traced: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -59,6 +60,8 @@ class ChainPlan:
             self.positions = [(i,) for i in range(len(self.stages))]
             self.selects = [()] * len(self.stages)
             self.flagged = [s.rule.leaf_mask is not None for s in self.stages]
+        if self.owner_skips is None:
+            self.owner_skips = [False] * len(self.positions)
 
     @property
     def branched(self) -> bool:
@@ -75,7 +78,8 @@ class ChainPlan:
         key = (donate, output)
         if key not in self._traced:
             self._traced[key] = trace_chain(self.stages, self.skips, donate, output,
-                                            self.seeded, self.positions, self.flagged)
+                                            self.seeded, self.positions, self.flagged,
+                                            self.owner_skips)
         return self._traced[key]
 
 
@@ -97,6 +101,7 @@ def plan_chain(tx) -> ChainPlan:
         if found.positions:
             plan.positions, plan.selects = list(found.positions), list(found.selects)
             plan.flagged = list(found.flagged)
+            plan.owner_skips = list(found.owner_skips)
         plan.running = any(s.rule.running for s in plan.stages)
         if found.segmented:
             plan.segments = _segments(found)

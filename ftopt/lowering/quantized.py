@@ -268,8 +268,11 @@ def load_lines(name: str, role: str, signed: bool, load_mask: str) -> list[str]:
 
 
 def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
-                tail: bool, encoder: str = "arithmetic") -> list[str]:
-    """Quantize ``value`` (fp32, one per lane) into slot ``role``'s codes and absmax."""
+                tail: bool, encoder: str = "arithmetic", flag: str | None = None
+                ) -> list[str]:
+    """Quantize ``value`` (fp32, one per lane) into slot ``role``'s codes and absmax.
+    ``flag``: a per-leaf flag; a leaf it leaves out has no state here (nothing is read
+    or written)."""
     q = f"q_{role}"
     qmap = qmap_var(signed)
     shape = "(BLOCK // QBLOCK, QBLOCK)"
@@ -294,6 +297,8 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
         lines += _arithmetic_lines(q, qmap, signed, shape)
     lines.append(f"{q}_block = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK)")
     block_mask = f", mask={q}_block * QBLOCK < n" if tail else ""
+    if flag is not None:
+        block_mask = f", mask={q}_block * QBLOCK < tl.where({flag}, n, 0)"
     if zero is not None:
         skipped = f"tl.where(in_range, {zero}, True)" if tail else zero
         lines += [
@@ -304,6 +309,8 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
             f" {q}_amax)",
         ]
     store_mask = ", mask=in_range" if tail else ""
+    if flag is not None:
+        store_mask = f", mask=offs < tl.where({flag}, n, 0)"
     lines += [
         f"tl.store({role}_out + offs, tl.reshape({q}_code, (BLOCK,)).to(tl.uint8)"
         f"{store_mask})",

@@ -1,0 +1,88 @@
+"""Leaves of a flat ``{name: tensor}`` dict without a full tree flatten (the cached
+steps' fast way to the leaves of the trees they were built for)."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from itertools import compress, repeat
+
+import optree
+import torch
+
+__all__ = ["dict_list_getter", "flat_dict_getter", "flat_dict_leaves"]
+
+
+def flat_dict_getter(params) -> operator.itemgetter | None:
+    """An ``itemgetter`` of a flat ``{name: tensor}`` dict's keys in optree order (sorted),
+    or ``None`` for any other tree: it picks the leaves without a full flatten."""
+    if type(params) is not dict or not params or not all(
+            isinstance(v, torch.Tensor) for v in params.values()):
+        return None
+    return operator.itemgetter(*[path[0] for path in optree.tree_paths(
+        params, none_is_leaf=False, namespace="ftopt")])
+
+
+def flat_dict_leaves(getter, n: int, tree) -> tuple | None:
+    """The ``n`` leaves of ``tree`` through ``getter`` (see :func:`flat_dict_getter`);
+    ``None`` if ``tree`` is not a dict of exactly those keys."""
+    if getter is None or type(tree) is not dict or len(tree) != n:
+        return None
+    try:
+        leaves = getter(tree)
+    except KeyError:
+        return None
+    return leaves if n != 1 else (leaves,)
+
+
+def dict_list_getter(tree) -> Callable | None:
+    """For a list (or tuple) of dicts whose values are tensors or ``None`` (the joined
+    param groups of :class:`ftopt.Optimizer`: the params, and each state slot widened to
+    every group with ``None`` holes): a function giving such a tree's non-``None`` leaves
+    (all leaves with ``drop_none=False``, for gradients) in optree order (sorted keys),
+    or ``None`` for a tree of other keys or containers.
+    A single such dict (a partition's state slot) is read the same way. ``None`` here
+    for any other kind of tree."""
+    if type(tree) is dict:
+        inner = dict_list_getter([tree])
+        return None if inner is None else (
+            lambda other, drop_none=True: inner([other], drop_none)
+            if type(other) is dict else None)
+    if type(tree) not in (list, tuple) or not tree or not all(type(d) is dict for d in tree):
+        return None
+    if not all(v is None or type(v) in (torch.Tensor, torch.nn.Parameter)
+               for d in tree for v in d.values()):
+        return None  # (8-bit slots, nested trees: flattened instead)
+    try:
+        orders = [sorted(d) for d in tree]
+    except TypeError:  # keys optree keeps in insertion order
+        return None
+    kind, n = type(tree), len(tree)
+    getters = [(len(keys), operator.itemgetter(*keys) if keys else None) for keys in orders]
+
+    def leaves(other, drop_none: bool = True) -> list | None:
+        if type(other) is not kind or len(other) != n:
+            return None
+        out: list = []
+        for d, (size, get) in zip(other, getters):
+            if type(d) is not dict or len(d) != size:
+                return None
+            if size:
+                try:
+                    got = get(d)
+                except KeyError:
+                    return None
+                got = got if size > 1 else (got,)
+                if not drop_none:  # (gradients: a None is a leaf with no gradient)
+                    out += got
+                    continue
+                # By identity, in C (``tuple.count(None)`` would call ``Tensor.__eq__``).
+                kept = list(map(operator.is_not, got, repeat(None)))
+                n_kept = kept.count(True)
+                if n_kept == size:
+                    out += got
+                elif n_kept:
+                    out += compress(got, kept)
+        return out
+
+    return leaves

@@ -1,0 +1,107 @@
+"""The per-step scalars of a fused kernel: host floats (kernel arguments) where every
+hyperparameter is a number, a schedule-free constant or a tensor with a host mirror,
+and every count a host int; else a small device buffer computed with torch ops."""
+
+from __future__ import annotations
+
+import torch
+
+from ftopt._counts import host_value
+from ftopt.lowering.plan import ChainPlan
+from ftopt.rules import step_scalars
+
+__all__ = ["host_hparams", "kernel_scalars"]
+
+
+def _constant_hparams(plan: ChainPlan) -> list | None:
+    """Per stage, its hyperparameters when none is a schedule or a tensor (they are the
+    same every step: computed once), else ``None``."""
+    if plan.constant_hparams is None:
+        out = []
+        for stage in plan.stages:
+            h = stage.rule.hparams
+            out.append(None if any(callable(v) or isinstance(v, torch.Tensor)
+                                   for v in h.values()) else dict(h))
+        plan.constant_hparams = out
+    return plan.constant_hparams
+
+
+def _mirrored_hparams(plan: ChainPlan, constant: list, device) -> list | None:
+    """Per stage, its hyperparameters with each tensor replaced by its host mirror
+    (:func:`ftopt._counts.remember_value`: ``ftopt.Optimizer``'s live values), or ``None``
+    where one has none or is a schedule (and while a CUDA graph is captured: a kernel
+    argument would be frozen into it)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    out = []
+    for stage, h in zip(plan.stages, constant):
+        if h is None:
+            h = {}
+            for k, v in stage.rule.hparams.items():
+                if isinstance(v, torch.Tensor):
+                    v = host_value(v)
+                if v is None or callable(v):
+                    return None
+                h[k] = v
+        out.append(h)
+    return out
+
+
+def host_hparams(plan: ChainPlan, device) -> list | None:
+    """Per stage, this step's hyperparameters as host numbers (constants, and tensors
+    through their host mirrors), or ``None`` where the scalars need the device (a tensor
+    with no mirror) or a schedule call (see :func:`kernel_scalars`)."""
+    constant = _constant_hparams(plan)
+    if all(h is not None for h in constant):
+        return constant
+    return _mirrored_hparams(plan, constant, device)
+
+
+def _host_scalars(plan: ChainPlan, traced, steps, hparams: list | None) -> list | None:
+    """The kernel's scalars as host floats where every hyperparameter is a host number
+    (``hparams``, from :func:`host_hparams`) and every count a host int (the usual step:
+    no dicts of schedules to evaluate), else ``None``."""
+    if hparams is None:
+        return None
+    per_stage = []
+    for stage, h, (_, t) in zip(plan.stages, hparams, steps):
+        scalars = stage.rule.scalars
+        if scalars is None:
+            per_stage.append(h)
+        elif t is None or isinstance(t, int):
+            per_stage.append({**h, **scalars(t, h)})
+        else:
+            return None
+    return [float(per_stage[i][name]) for i, name in traced.graph.scalars]
+
+
+def kernel_scalars(plan: ChainPlan, traced, steps, device, hparams: list | None,
+                   carried: list | None = None) -> list[float] | torch.Tensor:
+    """Per-step scalars: kernel arguments when all are host numbers, else a device buffer
+    computed with torch ops (no host synchronisation; capturable in a CUDA graph).
+    ``hparams``: :func:`host_hparams` of this step; ``carried``: per stage, the scalars of
+    its running scalars (:func:`ftopt.lowering.counts.advance_running`), device values."""
+    floats = None if carried else _host_scalars(plan, traced, steps, hparams)
+    if floats is None:
+        carried = carried or [None] * len(plan.stages)
+        per_stage = [step_scalars(stage.rule, *step, extra) for stage, step, extra in
+                     zip(plan.stages, steps, carried)]
+        values = [per_stage[i][name] for i, name in traced.graph.scalars]
+        if any(isinstance(v, torch.Tensor) for v in values):
+            # No host-to-device copies here: this path may be captured in a CUDA graph.
+            return torch.stack([
+                v.to(device=device, dtype=torch.float32).reshape(())
+                if isinstance(v, torch.Tensor)
+                else torch.full((), float(v), dtype=torch.float32, device=device)
+                for v in values])
+        floats = [float(v) for v in values]
+    if any([0.0 < abs(v) < _FP32_TINY for v in floats]):
+        # Triton types a Python float below fp32's smallest normal as an fp64 argument (a
+        # kernel of another signature, whose fp32 math then fails to compile): such
+        # values go to the kernel as an fp32 buffer instead, rounded as the eager path
+        # rounds them.
+        return torch.tensor(floats, dtype=torch.float32).to(device)
+    return floats
+
+
+_FP32_TINY = torch.finfo(torch.float32).tiny

@@ -1,0 +1,194 @@
+"""``masked`` of stateful transforms and ``partition`` branches that differ in their rules,
+in the fused kernel, against the eager path.
+
+A leaf a mask (or another branch's label) leaves out passes the position through and
+has no state there (``None``, as the eager path keeps it): its flag turns the slot loads
+and stores off. Small sizes: the kernels run in the Triton interpreter on the CPU.
+"""
+
+from __future__ import annotations
+
+import io
+
+import optree
+import pytest
+import torch
+
+import ftopt
+from ftopt.lowering import launch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SHAPES = {"w": (24, 40), "b": (40,), "ln": (33,), "v": (3, 5)}
+LABELS = {"w": "a", "b": "b", "ln": "a", "v": "b"}
+
+
+def _matrices(tree):
+    return {k: v.ndim > 1 for k, v in tree.items()}
+
+
+def _params(shapes=SHAPES):
+    g = torch.Generator().manual_seed(0)
+    return {k: torch.randn(s, generator=g).to(DEVICE) for k, s in shapes.items()}
+
+
+def _grads(params, step: int, zero_rows: bool = False):
+    g = torch.Generator().manual_seed(100 + step)
+    out = {k: torch.randn(p.shape, generator=g).to(DEVICE) for k, p in params.items()}
+    if zero_rows:
+        out["w"][::3] = 0.0
+        out["b"][:7] = -0.0
+        out["v"][1] = 0.0
+    return out
+
+
+CASES = {
+    "masked_adam": lambda skip=False: ftopt.masked(ftopt.adam(1e-2, skip_zeros=skip),
+                                                   _matrices),
+    "masked_trace": lambda skip=False: ftopt.masked(
+        ftopt.chain(ftopt.trace(0.9), ftopt.skip_zeros() if skip else ftopt.identity()),
+        _matrices),
+    "masked_decay_then_adam": lambda skip=False: ftopt.chain(
+        ftopt.masked(ftopt.add_decayed_weights(0.1), _matrices), ftopt.adam(1e-2),
+        ftopt.skip_zeros() if skip else ftopt.identity()),
+    "outer_skip_masked_adam": lambda skip=False: ftopt.chain(
+        ftopt.masked(ftopt.adam(1e-2), _matrices), ftopt.scale(0.5),
+        ftopt.skip_zeros() if skip else ftopt.identity()),
+    "partition_adamw_lion": lambda skip=False: ftopt.partition(
+        {"a": ftopt.adamw(1e-2, weight_decay=0.1, skip_zeros=skip),
+         "b": ftopt.lion(1e-3, skip_zeros=skip)}, LABELS),
+    "partition_three_branches": lambda skip=False: ftopt.partition(
+        {"a": ftopt.adamw(1e-2, skip_zeros=skip),
+         "b": ftopt.sgd(1e-2, momentum=0.9, skip_zeros=skip),
+         "c": ftopt.adamw(3e-2, b1=0.5, skip_zeros=skip)},
+        {"w": "a", "b": "b", "ln": "c", "v": "b"}),
+}
+
+
+def _run(tx, backend: str, steps: int = 3, donate: bool = False, zero_rows: bool = False,
+         state=None, params=None, start: int = 0):
+    params = {k: v.clone() for k, v in (params or _params()).items()}
+    state = tx.init(params) if state is None else optree.tree_map(
+        torch.clone, state, namespace="ftopt")
+    for t in range(start, start + steps):
+        params, state = ftopt.step(tx, params, _grads(params, t, zero_rows), state,
+                                   donate=donate, backend=backend)
+    return params, state
+
+
+def _close(a, b, rtol=1e-6, atol=1e-7):
+    la, sa = optree.tree_flatten(a, namespace="ftopt")
+    lb, sb = optree.tree_flatten(b, namespace="ftopt")
+    assert sa == sb
+    for x, y in zip(la, lb):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+def _count_launches(monkeypatch) -> list:
+    calls: list = []
+    real = launch._launch
+    monkeypatch.setattr(launch, "_launch", lambda *a, **k: (calls.append(a[0]),
+                                                           real(*a, **k)))
+    return calls
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_launch_and_equal_to_eager(name, donate, monkeypatch):
+    tx = CASES[name]()
+    text = ftopt.explain(tx, _params(), backend="fused", file=None)
+    assert text.count("path: fused") == 1 and "kernel launches per step: 1 " in text
+    eager = _run(tx, "eager")
+    calls = _count_launches(monkeypatch)
+    fused = _run(tx, "fused", donate=donate)
+    assert len(calls) == 3  # one kernel per step for every branch and mask
+    _close(fused, eager)  # params and every state, the same tree structure (None holes)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_skip_zeros_against_the_control(name):
+    """At the second step, where the raw gradient is zero, the skipping chain keeps the
+    params and states of the leaves its rules run on bit for bit; the same chain without
+    skip_zeros (the control) moves them; elsewhere both agree bit for bit, and the eager
+    path agrees with the fused one."""
+    first = _run(CASES[name](skip=True), "fused", steps=1)
+    skipping = _run(CASES[name](skip=True), "fused", steps=1, zero_rows=True, donate=True,
+                    params=first[0], state=first[1], start=1)
+    control = _run(CASES[name](skip=False), "fused", steps=1, zero_rows=True,
+                   params=first[0], state=first[1], start=1)
+    eager = _run(CASES[name](skip=True), "eager", steps=1, zero_rows=True,
+                 params=first[0], state=first[1], start=1)
+    _close(skipping, eager)
+    zeros = {k: g == 0 for k, g in _grads(first[0], 1, True).items()}
+    before = dict(_slots(first[1]))
+    moved_by_control = False
+    for (key, old), (_, new), (_, ctrl) in zip(
+            [*first[0].items(), *before.items()], [*skipping[0].items(), *_slots(skipping[1])],
+            [*control[0].items(), *_slots(control[1])]):
+        leaf = key.split("/")[-1]
+        zero = zeros[leaf]
+        if _runs_skip(name, leaf):
+            assert torch.equal(new[zero], old[zero]), key
+            moved_by_control |= not torch.equal(ctrl[zero], old[zero])
+        assert torch.equal(new[~zero], ctrl[~zero]), key
+    assert moved_by_control  # the test can fail: without skip_zeros the zeros move
+
+
+def _slots(state) -> list:
+    """(path ending in the leaf's name, tensor) of every per-element state."""
+    paths, leaves, _ = optree.tree_flatten_with_path(state, namespace="ftopt")
+    return [("/".join(map(str, p)), x) for p, x in zip(paths, leaves) if x.ndim > 0]
+
+
+def _runs_skip(name: str, leaf: str) -> bool:
+    """Whether the leaf's update comes from a skip-aware stage (a masked-out leaf of a
+    mask inside the skip_zeros chain passes its raw gradient through)."""
+    inner_only = name in ("masked_adam", "masked_trace")
+    return not inner_only or len(SHAPES[leaf]) > 1
+
+
+@pytest.mark.parametrize("name", ["masked_adam", "partition_adamw_lion"])
+def test_checkpoint_round_trip(name):
+    """The fused state has the eager layout (``None`` where a leaf has no state), saves
+    and loads with ``weights_only=True``, and the loaded state continues the run."""
+    tx = CASES[name]()
+    params, state = _run(tx, "fused", steps=2)
+    layout = optree.tree_structure(tx.init(_params()), namespace="ftopt")
+    assert optree.tree_structure(state, namespace="ftopt") == layout
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    resumed = _run(tx, "fused", steps=2, state=loaded, params=params, start=2, donate=True)
+    straight = _run(tx, "eager", steps=4)
+    _close(resumed, straight, rtol=1e-5, atol=1e-6)
+
+
+def test_8bit_branches_and_mask_match_eager():
+    """8-bit states of a masked transform and of differing branches: leaves outside the
+    mask have no codes (4 code tensors: trace and adam's mu, nu of "big", lion's mu of
+    "odd"); the fused step equals the eager one (to a code at a boundary)."""
+    shapes = {"big": (12, 130), "odd": (517,), "small": (3, 5)}
+    tx = ftopt.chain(
+        ftopt.masked(ftopt.quantize_states(ftopt.trace(0.9), min_size=256),
+                     lambda p: {k: k != "odd" for k in p}),
+        ftopt.partition({"a": ftopt.quantize_states(ftopt.adam(1e-2), min_size=256),
+                         "b": ftopt.quantize_states(ftopt.lion(1e-3), min_size=256)},
+                        {"big": "a", "odd": "b", "small": "b"}))
+    eager = _run(tx, "eager", steps=2, params=_params(shapes))
+    fused = _run(tx, "fused", steps=2, params=_params(shapes))
+    for k in shapes:
+        torch.testing.assert_close(fused[0][k], eager[0][k], rtol=2e-4, atol=2e-5)
+    codes = [(a, b) for a, b in zip(optree.tree_leaves(eager[1], namespace="ftopt"),
+                                    optree.tree_leaves(fused[1], namespace="ftopt"))
+             if a.dtype == torch.uint8]
+    assert len(codes) == 4 and all((a != b).float().mean() < 1e-2 for a, b in codes)
+
+
+def test_matrix_stage_in_a_branch_runs_eagerly_with_the_reason():
+    params = {"w": torch.randn(8, 6, device=DEVICE), "b": torch.randn(6, device=DEVICE)}
+    tx = ftopt.muon(1e-2)
+    text = ftopt.explain(tx, params, backend="fused", file=None)
+    assert "matrix stage inside masked or partition" in text
