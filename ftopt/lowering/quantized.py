@@ -255,16 +255,19 @@ def qmap_var(signed: bool) -> str:
 
 
 def load_lines(name: str, role: str, signed: bool, load_mask: str) -> list[str]:
-    """Dequantize slot ``role`` into variable ``name``. A program of one block loads its
-    absmax once (one load, not one per element)."""
-    return [
-        f"{name}_code = tl.load({role}_in + offs{load_mask}).to(tl.int32)",
-        "if BLOCK == QBLOCK:",
-        f"    {name}_scale = tl.load({role}_amax_in + start // QBLOCK)",
-        "else:",
-        f"    {name}_scale = tl.load({role}_amax_in + offs // QBLOCK{load_mask})",
-        f"{name} = tl.load({qmap_var(signed)} + {name}_code) * {name}_scale",
-    ]
+    """Dequantize slot ``role`` into variable ``name``. A full program of one block loads
+    its absmax once (one load, not one per element); a masked load (a tail, a slot a
+    per-leaf flag may turn off, whose address is then 0) loads it per lane, masked."""
+    scale = f"tl.load({role}_amax_in + offs // QBLOCK{load_mask})"
+    lines = [f"{name}_code = tl.load({role}_in + offs{load_mask}).to(tl.int32)"]
+    if load_mask:
+        lines.append(f"{name}_scale = {scale}")
+    else:
+        lines += ["if BLOCK == QBLOCK:",
+                  f"    {name}_scale = tl.load({role}_amax_in + start // QBLOCK)",
+                  "else:",
+                  f"    {name}_scale = {scale}"]
+    return lines + [f"{name} = tl.load({qmap_var(signed)} + {name}_code) * {name}_scale"]
 
 
 def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
