@@ -210,9 +210,13 @@ class Masked:
     def init(self, params):
         return MaskedState(self.inner.init(_select(params, self._mask_for(params))))
 
-    def update(self, updates, state, params=None, **extra):
+    def check_state(self, state) -> None:
+        """Raises unless ``state`` is this transform's kind of state (its containers)."""
         if not isinstance(state, MaskedState):
             raise ValueError(f"masked expects a MaskedState, got {type(state).__name__}")
+
+    def update(self, updates, state, params=None, **extra):
+        self.check_state(state)
         mask = self._mask_for(params if params is not None else updates)
         sub = _select(updates, mask)
         sub_params = _select(params, mask, "params") if params is not None else None
@@ -296,13 +300,17 @@ class Partition:
         self._check(params)
         return PartitionState({k: t.init(params) for k, t in self.inner.items()})
 
-    def update(self, updates, state, params=None, **extra):
+    def check_state(self, state) -> None:
+        """Raises unless ``state`` is this transform's kind of state (its containers)."""
         if not isinstance(state, PartitionState) or not isinstance(state.inner_states, Mapping) \
                 or set(state.inner_states) != set(self.labels):
             got = (f"PartitionState with {_describe(state.inner_states)}"
                    if isinstance(state, PartitionState) else _describe(state))
             raise ValueError(f"partition expects a PartitionState with labels {self.labels}, "
                              f"got {got}")
+
+    def update(self, updates, state, params=None, **extra):
+        self.check_state(state)
         self._check(params if params is not None else updates)
         new_states = {}
         for label, tx in self.inner.items():

@@ -300,3 +300,10 @@ def check_state_tree(obj: Any, state: Any) -> None:
     elif isinstance(obj, Chain):
         for t, s in zip(obj.transforms, obj._inner_states(state)):
             check_state_tree(owner(t), s)
+    elif isinstance(obj, Masked):
+        obj.check_state(state)
+        check_state_tree(owner(obj.inner), state.inner_state)
+    elif isinstance(obj, Partition):
+        obj.check_state(state)
+        for label, t in obj.inner.items():
+            check_state_tree(owner(t), state.inner_states[label])
