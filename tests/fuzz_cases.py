@@ -119,7 +119,9 @@ class Structure:
     @property
     def exact_off_zeros(self) -> bool:
         """Whether skip_zeros leaves the non-zero-gradient elements bit-identical to the
-        plain chain: no norm reads an update that skip_zeros changed (SPEC §3)."""
+        plain chain: no norm or matrix stage reads an update (or its own state) that
+        skip_zeros changed (SPEC §3). A matrix stage (Muon's orthogonalisation) mixes every
+        element of its leaf, its momentum kept at the zeros included."""
         changed = False
         for top in self.parts:
             for p in top.flat():
@@ -127,6 +129,8 @@ class Structure:
                 if e.kind == "combinator":
                     continue
                 if e.norms and (changed or e.kind == "alias"):
+                    return False
+                if e.mixes and (changed or e.states):
                     return False
                 changed = changed or not e.keeps_zero
         return True
