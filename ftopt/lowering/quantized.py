@@ -263,8 +263,10 @@ def load_lines(name: str, role: str, signed: bool, load_mask: str) -> list[str]:
     if load_mask:
         lines.append(f"{name}_scale = {scale}")
     else:
+        # (Both branches are of the same type: Triton may type-check the one it drops.)
         lines += ["if BLOCK == QBLOCK:",
-                  f"    {name}_scale = tl.load({role}_amax_in + start // QBLOCK)",
+                  f"    {name}_scale = tl.load({role}_amax_in + start // QBLOCK) + "
+                  "tl.zeros([BLOCK], tl.float32)",
                   "else:",
                   f"    {name}_scale = {scale}"]
     return lines + [f"{name} = tl.load({qmap_var(signed)} + {name}_code) * {name}_scale"]
