@@ -29,7 +29,7 @@ from ftopt._counts import host_count, remember_count
 from ftopt.lowering import branches
 from ftopt.lowering.calls import checked_call, launch_call
 from ftopt.lowering.plan import ChainPlan
-from ftopt.stages import leaf_selection, state_at, with_state_at
+from ftopt.stages import state_at, with_state_at
 
 __all__ = ["run", "leaves_of"]
 
@@ -44,15 +44,15 @@ def leaves_of(plan: ChainPlan, spec, params, p_flat, g_flat, paths) -> list:
     parts = plan.segments
     produced = [False] * n
     out: list = []
+    memo: dict = {}  # conditions -> leaves, judged once per call
     for k, part in enumerate(parts):
         if not isinstance(part, ChainPlan):
-            selects = part[3]
-            on = leaf_selection(selects, tree, n) if selects else [True] * n
+            on = branches.applying(part[3], tree, n, memo)
             on = [o and g is not None for o, g in zip(on, g_flat)]
             produced = [a or b for a, b in zip(produced, on)]
             out.append(on)
             continue
-        selection = branches.select(part, spec, params, p_flat, paths)
+        selection = branches.select(part, spec, params, p_flat, paths, memo)
         last = k == len(parts) - 1
         on = [g is not None and (last or any(owners[i] is not None
                                              for owners in selection.stage_of))
