@@ -13,6 +13,11 @@ CPU): ``--warmup`` untimed steps, then ``--iters`` steps between two synchronisa
 ``--quick`` checks 2 steps and times 5 (after 2 untimed). The trees are drawn on the
 device (seeded) so that setup costs seconds, not minutes. Writes ``muon_gpu.json`` and
 ``muon_gpu.md`` to ``--out``. Target on an H200: ftopt >= 2x faster than the loop.
+
+ftopt is timed on the path ``ftopt.step`` takes for a donated step (fused in segments on
+a GPU: ``backend="fused"``, which raises rather than fall back; ``auto`` elsewhere), and
+on the eager path for comparison; the path that ran is reported (from
+``ftopt.explain``), with the kernel launches per step.
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ def _tree(shapes, device, seed, scale=1.0):
     return {k: scale * torch.randn(s, generator=gen, device=device) for k, s in shapes.items()}
 
 
-def check_same(shapes, device, steps: int = 3) -> float:
+def check_same(shapes, device, steps: int = 3, backend: str = "auto") -> float:
     """Max relative difference of the params after ``steps`` steps (fp32 iterations)."""
     params = _tree(shapes, device, 0)
     tx = ftopt.muon(0.02, ns_dtype=torch.float32)
@@ -101,7 +106,7 @@ def check_same(shapes, device, steps: int = 3) -> float:
     state, ref = tx.init(params), dict(params)
     for s in range(steps):
         grads = _tree(shapes, device, 100 + s)
-        params, state = ftopt.step(tx, params, grads, state)
+        params, state = ftopt.step(tx, params, grads, state, backend=backend)
         ref = loop.step(ref, grads)
     worst = max(float((params[k] - ref[k]).abs().max() / ref[k].abs().max()) for k in params)
     if not worst < 1e-4:  # NaN included
@@ -123,6 +128,19 @@ def _time(fn, device, iters, warmup) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
+def path_of(tx, params, grads, backend: str) -> tuple[str, str]:
+    """(a short name of the path a donated step takes, ``ftopt.explain``'s text)."""
+    text = ftopt.explain(tx, params, grads, donate=True, backend=backend,
+                         file=open(os.devnull, "w"))
+    paths = sorted({line.strip()[len("path: "):] for line in text.splitlines()
+                    if line.strip().startswith("path: ")})
+    launches = [line.split(":", 1)[1].strip() for line in text.splitlines()
+                if "kernel launches per step" in line]
+    name = "; ".join(paths) + (f"; kernel launches per step: {launches[0]}" if launches
+                               else "")
+    return name, text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -141,38 +159,52 @@ def main() -> None:
         iters, warmup, check_steps = 5, 2, 2
     shapes = gpt2_shapes(**dims)
     torch.set_float32_matmul_precision("highest")  # no TF32 in the fp32 check
+    backend = "fused" if device.type == "cuda" else "auto"
     start = time.perf_counter()
-    worst = check_same(shapes, device, check_steps)
+    worst = check_same(shapes, device, check_steps, backend)
     print(f"check: ftopt.muon and the per-leaf loop agree to {worst:.1e} after "
           f"{check_steps} steps ({time.perf_counter() - start:.1f} s)", flush=True)
     ns = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
           "bf16": torch.bfloat16, "fp32": torch.float32}[args.ns_dtype]
     params, grads = _tree(shapes, device, 1), _tree(shapes, device, 2)
     tx = ftopt.muon(0.02, ns_dtype=ns)
-    box = {"p": params, "s": tx.init(params)}
+    path, explained = path_of(tx, params, grads, backend)
+    print(f"ftopt path ({backend}): {path}", flush=True)
+    boxes = {b: {"p": {k: v.clone() for k, v in params.items()}, "s": tx.init(params)}
+             for b in (backend, "eager")}  # (ftopt donates its params)
     loop = LoopMuon(0.02, ns_dtype=ns)
-    lbox = {"p": {k: v.clone() for k, v in params.items()}}  # ftopt donates its params
+    lbox = {"p": {k: v.clone() for k, v in params.items()}}
 
-    def ftopt_step():
-        box["p"], box["s"] = ftopt.step(tx, box["p"], grads, box["s"], donate=True)
+    def ftopt_step(b):
+        box = boxes[b]
+        box["p"], box["s"] = ftopt.step(tx, box["p"], grads, box["s"], donate=True,
+                                        backend=b)
 
     def loop_step():
         lbox["p"] = loop.step(lbox["p"], grads)
 
-    t_ftopt = _time(ftopt_step, device, iters, warmup)
+    t_ftopt = _time(lambda: ftopt_step(backend), device, iters, warmup)
+    t_eager = _time(lambda: ftopt_step("eager"), device, iters, warmup)
     t_loop = _time(loop_step, device, iters, warmup)
     n = sum(math.prod(s) for s in shapes.values())
     matrices = [s for s in shapes.values() if len(s) == 2]
-    rows = [("ftopt.muon (batched Newton-Schulz)", t_ftopt), ("per-leaf torch loop", t_loop)]
+    short = "fused in segments" if path.startswith("fused") else "eager"
+    rows = [(f"ftopt.muon, backend={backend!r} (ran: {short})", t_ftopt),
+            ("ftopt.muon, backend='eager' (foreach ops, batched Newton-Schulz)", t_eager),
+            ("per-leaf torch loop", t_loop)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     title = (f"Muon step, {len(shapes)} leaves ({len(matrices)} matrices in "
              f"{len(set(matrices))} shapes), {n / 1e6:.1f}M params, {name}, "
              f"Newton-Schulz in {str(ns).replace('torch.', '')}")
     lines = [f"## {title}", "", "| implementation | ms / step |", "| --- | ---: |"]
     lines += [f"| {label} | {ms:.2f} |" for label, ms in rows]
-    lines += ["", f"speed-up: {t_loop / t_ftopt:.2f}x (target on an H200: >= 2x); "
-              f"params agree to {worst:.1e} (relative, fp32 iterations, {check_steps} steps); "
+    lines += ["", f"ftopt path: {path}"]
+    lines += ["", f"speed-up over the loop: {t_loop / t_ftopt:.2f}x (target on an H200: "
+              f">= 2x; eager ftopt: {t_loop / t_eager:.2f}x); params agree to {worst:.1e} "
+              f"(relative, fp32 iterations, {check_steps} steps, backend={backend!r}); "
               f"{iters} timed steps after {warmup} untimed"]
+    lines += ["", "`ftopt.explain(tx, params, grads, donate=True, backend=...)`:", "",
+              "```", explained, "```"]
     text = "\n".join(lines)
     print(text)
     os.makedirs(args.out, exist_ok=True)
@@ -183,8 +215,10 @@ def main() -> None:
     with open(os.path.join(args.out, "muon_gpu.json"), "w") as f:
         json.dump({"title": title, "device": name, "torch": torch.__version__,
                    "ns_dtype": str(ns), "iters": iters, "warmup": warmup,
-                   "check_steps": check_steps, "ms_ftopt": t_ftopt, "ms_loop": t_loop,
-                   "speedup": t_loop / t_ftopt, "max_rel_diff": worst,
+                   "check_steps": check_steps, "backend": backend, "path": path,
+                   "ms_ftopt": t_ftopt, "ms_ftopt_eager": t_eager, "ms_loop": t_loop,
+                   "speedup": t_loop / t_ftopt, "speedup_eager": t_loop / t_eager,
+                   "max_rel_diff": worst,
                    "leaves": len(shapes), "matrices": len(matrices),
                    "matrix_shapes": len(set(matrices)), "params": n,
                    "peak_cuda_bytes": peak}, f, indent=1)

@@ -17,7 +17,7 @@ from ftopt.rule_transform import RuleTransform
 from ftopt.rules import step_scalars
 from ftopt.validate import check_state_class
 
-__all__ = ["Stages", "Select", "chain_stages", "state_at", "with_state_at",
+__all__ = ["Stages", "Select", "Barrier", "chain_stages", "state_at", "with_state_at",
            "check_state_tree", "leaf_selection"]
 
 
@@ -31,6 +31,19 @@ class Select:
 
 
 @dataclass(frozen=True)
+class Barrier:
+    """A matrix stage met while walking ``masked``/``partition`` branches: the stage, its
+    ``skip_zeros``, its state path, the conditions on the leaves it applies to and how
+    many of them were entered before ``skip`` became true."""
+
+    stage: Any
+    skip: bool
+    path: tuple
+    selects: tuple
+    depth: int
+
+
+@dataclass(frozen=True)
 class Stages:
     """The rules of a transform with where their states live, or why it has none.
 
@@ -38,9 +51,12 @@ class Stages:
     and named_chain names); ``skips[i]`` says whether a ``skip_zeros`` mask applies to it.
 
     ``matrix``: the chain's matrix stages (:mod:`ftopt.matrix`) as ``(position, stage,
-    skip, state_path)``, ``position`` the number of rules before it. A chain with matrix stages also
-    has a ``reason`` (for a backend that runs a chain as one program); the fused backend
-    splits it into elementwise segments there instead.
+    skip, state_path)``, ``position`` the number of rules (with ``branches=True``: of
+    positions) before it. A chain with matrix stages also has a ``reason`` (for a backend
+    that runs a chain as one program); the fused backend splits it into elementwise
+    segments there instead. Inside ``masked``/``partition`` branches, a matrix stage
+    applies to its branch's leaves (``matrix_selects``) and the branches are aligned on
+    their last matrix stage (see :func:`_merge_segmented`).
     """
 
     stages: tuple[RuleTransform, ...] = ()
@@ -64,6 +80,9 @@ class Stages:
     selects: tuple[tuple[Select, ...], ...] = ()
     flagged: tuple[bool, ...] = ()
     owner_skips: tuple[bool, ...] = ()
+    # With ``branches=True`` and matrix stages inside branches: per entry of ``matrix``
+    # (``position`` then counts positions), the conditions on the leaves it applies to.
+    matrix_selects: tuple[tuple[Select, ...], ...] = ()
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -108,20 +127,32 @@ def _branched_stages(tx) -> Stages:
                       ((),) * n, tuple(s.rule.leaf_mask is not None for s in plain.stages),
                       (False,) * n)
     sources: list = []  # (stage, state path, skip, selects, selects before the skip)
-    positions = _branch_walk(tx, (), False, True, (), sources)
-    if isinstance(positions, str):
-        return Stages(reason=positions)
-    for stage, _, skip, selects, depth in sources:
+    items = _branch_walk(tx, (), False, True, (), sources)
+    if isinstance(items, str):
+        return Stages(reason=items)
+    barriers = [x for x in items if isinstance(x, Barrier)]
+    for name, skip, selects, depth in [
+            *((s[0].rule.name, s[2], s[3], s[4]) for s in sources),
+            *((b.stage.name, b.skip, b.selects, b.depth) for b in barriers)]:
         if skip and 0 < depth < len(selects):
-            return Stages(reason=f"{stage.rule.name}: skip_zeros between nested masked or "
-                          "partition runs eagerly")
+            return Stages(reason=f"{name}: skip_zeros between nested masked or partition "
+                          "runs eagerly")
+    positions, matrix = [], []
+    for x in items:
+        if isinstance(x, Barrier):
+            matrix.append((len(positions), x.stage, x.skip, x.path))
+        else:
+            positions.append(x)
     stages = tuple(s[0] for s in sources)
     flagged = tuple(_flagged(pos, sources) for pos in positions)
     owner_skips = tuple(any(sources[i][2] and sources[i][3] and sources[i][4] == len(
         sources[i][3]) for i in pos) for pos in positions)
-    return Stages(stages, tuple(s[1] for s in sources), tuple(s[2] for s in sources), None,
-                  (), False, tuple(map(tuple, positions)), tuple(s[3] for s in sources),
-                  flagged, owner_skips)
+    reason = (f"{barriers[0].stage.name} is a matrix stage (the fused backend runs the "
+              "chain in segments)") if barriers else None
+    return Stages(stages, tuple(s[1] for s in sources), tuple(s[2] for s in sources), reason,
+                  tuple(matrix), bool(barriers), tuple(map(tuple, positions)),
+                  tuple(s[3] for s in sources), flagged, owner_skips,
+                  tuple(b.selects for b in barriers))
 
 
 def _flagged(pos: list, sources: list) -> bool:
@@ -142,8 +173,9 @@ def _flagged(pos: list, sources: list) -> bool:
 
 def _branch_walk(tx, path: tuple, skip: bool, at_input: bool, selects: tuple,
                  sources: list, depth: int = 0):
-    """The positions of ``tx``'s program (lists of stage indices), or why it has none.
-    ``depth``: how many of ``selects`` were entered before ``skip`` became true."""
+    """The positions of ``tx``'s program (lists of stage indices) with a :class:`Barrier`
+    at each matrix stage, or why it has none. ``depth``: how many of ``selects`` were
+    entered before ``skip`` became true."""
     obj = owner(tx)
     if isinstance(obj, RuleTransform):
         sources.append((obj, path, skip, selects, depth))
@@ -175,9 +207,11 @@ def _branch_walk(tx, path: tuple, skip: bool, at_input: bool, selects: tuple,
             if isinstance(found, str):
                 return found
             branches.append(found)
+        if any(isinstance(x, Barrier) for b in branches for x in b):
+            return _merge_segmented(branches, sources, obj.labels)
         return _merge(branches, sources, obj.labels)
     if getattr(obj, "matrix_stage", False):
-        return f"{obj.name} is a matrix stage inside masked or partition"
+        return [Barrier(obj, skip, path, selects, depth)]
     reason = getattr(obj, "unfused_reason", None)
     if reason:
         return reason
@@ -211,6 +245,48 @@ def _merge(branches: list, sources: list, labels: list):
         classes.setdefault(shape, []).append(b)
     return [[i for b in members for i in b[k]] for members in classes.values()
             for k in range(len(members[0]))]
+
+
+def _merge_segmented(branches: list, sources: list, labels: list) -> list:
+    """A partition whose branches hold matrix stages: each branch split at its matrix
+    stages (consecutive ones kept together) into pieces, the pieces aligned on the last
+    (a branch with fewer matrix stages starts later: a branch with none runs whole in the
+    last segment, where the others finish) and merged piece by piece as :func:`_merge`
+    does, the matrix stages of every branch at the same place between them (each applies
+    to its own branch's leaves)."""
+    split = [_pieces(b) for b in branches]
+    n = max(len(groups) for _, groups in split)
+    pieces: list = [[] for _ in range(n + 1)]
+    groups: list = [[] for _ in range(n)]
+    for own_pieces, own_groups in split:
+        offset = n - len(own_groups)
+        for j, piece in enumerate(own_pieces):
+            if piece:
+                pieces[offset + j].append(piece)
+        for j, group in enumerate(own_groups):
+            groups[offset + j] += group
+    out: list = []
+    for k in range(n + 1):
+        out += _merge(pieces[k], sources, labels)
+        if k < n:
+            out += groups[k]
+    return out
+
+
+def _pieces(items: list) -> tuple[list, list]:
+    """``items`` (positions and :class:`Barrier`) as pieces of positions and the groups
+    of consecutive barriers between them (one piece more than groups)."""
+    pieces: list = [[]]
+    groups: list = []
+    for x in items:
+        if not isinstance(x, Barrier):
+            pieces[-1].append(x)
+        elif groups and not pieces[-1]:
+            groups[-1].append(x)
+        else:
+            groups.append([x])
+            pieces.append([])
+    return pieces, groups
 
 
 def leaf_selection(selects: tuple, params: Any, n: int) -> list[bool]:

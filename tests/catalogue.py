@@ -54,7 +54,7 @@ def row(e: registry.Entry) -> str:
     """One row of the table for a registry entry."""
     tx32 = registry.standalone(e)
     tx8 = registry.standalone(e, state_bits=8)
-    found = chain_stages(registry.standalone(e))
+    found = chain_stages(registry.standalone(e), branches=True)
     fused = "yes" if found.reason is None or found.segmented else "no"
     matrix = "yes" if found.segmented else "no"
     inner = [s for n in e.inner for s in registry.BY_NAME[n].states]

@@ -191,7 +191,9 @@ def draw_structure(src: Source, fusible: bool = False, skip: bool = False) -> St
                 skip_at=src.integers(0, len(parts)), named=mode == "chain" and src.boolean(0.2))
     if any(p.entry.eight_bit for top in parts for p in top.flat()) and src.boolean(0.35):
         quant = "keyword" if s.alias is not None and src.boolean(0.15) else "wrapper"
-        s = replace(s, bits=8, quant=quant, min_size=src.choice([0, 1, 64, 200]))
+        eight = replace(s, bits=8, quant=quant, min_size=src.choice([0, 1, 64, 200]))
+        if eight.fusible or not fusible:  # (8-bit mixed layouts run eagerly)
+            s = eight
     s = replace(s, tensors=src.boolean(0.3), schedules=src.boolean(0.2))
     if any(p.entry.eight_bit for top in parts for p in top.flat()) and src.boolean(0.2):
         s = replace(s, state_dtype=src.choice(["bfloat16", "float16"]))

@@ -488,7 +488,7 @@ TRANSFORMS: list[Entry] = [
     Entry("lars[masked]", _lars, export="lars",
           floats={"learning_rate": LR, "weight_decay": WD, "momentum": DECAY},
           options={"trust_ratio_mask": ("ndim", "odd")}, kind="alias", states=("trace",),
-          norms="leaf", uses_params=True, fusible=False, eight_bit=True,
+          norms="leaf", uses_params=True, eight_bit=True,
           example={"learning_rate": 0.1, "weight_decay": 0.01}),
     Entry("ademamix", _mask_kw(ftopt.ademamix),
           floats={"learning_rate": LR, **_ADAM_FLOATS, "b3": HP(0.0, 0.9999),
@@ -704,13 +704,13 @@ TRANSFORMS += [
           kind="alias", states=("v",), counted=True, norms="leaf", uses_params=True,
           mixes=True,
           example={"learning_rate": 1e-2, "weight_decay_rate": 0.01}),
-    # optax's routing: a partition (2-D leaves Muon, others AdamW), which runs eagerly.
+    # optax's routing: a partition (2-D leaves Muon, others AdamW), fused in segments.
     Entry("muon", _mask_kw(ftopt.muon, "weight_decay_mask"),
           floats={"learning_rate": LR, "beta": BETA, "eps": EPS, "weight_decay": WD},
           options={"ns_dtype": (torch.float32,), "nesterov": (True, False),
                    "adaptive": (False, True), "weight_decay_mask": ("none", "ndim")},
           kind="alias", states=("mu", "nu"), counted=True, uses_params=True,
-          fusible=False, eight_bit=True,
+          eight_bit=True,
           mixes=True,
           example={"learning_rate": 1e-2, "beta": 0.95, "weight_decay": 0.01}),
 ]

@@ -37,7 +37,7 @@ def _unchanged(snapshot, *trees) -> bool:
 # Schedule-Free's update c·(z − y) + (c·b1 + 1 − b1)·u reads param-sized values: the one
 # ulp of a param (~1e-7) by which the fused and eager z differ after a step moves an update
 # of size ~lr by ~1e-5 of itself (the params agree to 1e-6: tests/test_fused.py).
-TOLERANCE = {"scale_by_muon": 1e-5, "schedule_free": 1e-5, "schedule_free_sgd": 1e-5,
+TOLERANCE = {"scale_by_muon": 1e-5, "muon": 1e-5, "schedule_free": 1e-5, "schedule_free_sgd": 1e-5,
              "schedule_free_adamw": 1e-5}
 
 

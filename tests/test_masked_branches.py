@@ -196,8 +196,10 @@ def test_8bit_branches_and_mask_match_eager():
     assert len(codes) == 4 and all((a != b).float().mean() < 1e-2 for a, b in codes)
 
 
-def test_matrix_stage_in_a_branch_runs_eagerly_with_the_reason():
+def test_matrix_stage_in_a_branch_runs_in_segments():
+    """(The fused segments of branches with matrix stages: tests/test_muon_fused.py.)"""
     params = {"w": torch.randn(8, 6, device=DEVICE), "b": torch.randn(6, device=DEVICE)}
     tx = ftopt.muon(1e-2)
     text = ftopt.explain(tx, params, backend="fused", file=None)
-    assert "matrix stage inside masked or partition" in text
+    assert "newton_schulz (matrix stage on 'muon' leaves" in text
+    assert "path: fused" in text and "eager" not in text

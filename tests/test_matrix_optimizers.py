@@ -183,14 +183,13 @@ def test_adafactor_matches_float64_reference(case, backend):
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_muon_matches_float64_reference(adaptive):
-    """The alias is a ``partition`` (optax's routing), which runs eagerly (``auto``)."""
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_muon_matches_float64_reference(adaptive, backend):
+    """The alias is a ``partition`` (optax's routing): fused in segments, the Muon and
+    Adam branches in the same kernels (see tests/test_muon_fused.py)."""
     tx = ftopt.muon(0.02, weight_decay=0.01, adaptive=adaptive, ns_dtype=torch.float32)
     ref = MuonRef(0.02, wd=0.01, adaptive=adaptive)
-    _check_against(tx, ref, "auto", rtol=2e-4)
-    with pytest.raises(RuntimeError, match="partition"):
-        params = _tree(torch.Generator().manual_seed(1))
-        ftopt.step(tx, params, params, tx.init(params), backend="fused")
+    _check_against(tx, ref, backend, rtol=2e-4)
 
 
 @pytest.mark.parametrize("backend", ["eager", "fused"])

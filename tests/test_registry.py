@@ -78,7 +78,7 @@ def test_entries_build_and_traits_hold(name):
         assert set(e.states) <= fields, (e.states, fields)
         has_count = any("count" in type(st)._fields for st in _states(state))
         assert has_count == e.counted, name
-        found = chain_stages(tx)
+        found = chain_stages(tx, branches=True)  # (the fused planner's view)
         assert (found.reason is None or found.segmented) == e.fusible, found.reason
         if e.eight_bit:
             q = ftopt.quantize_states(tx, bits=8, min_size=0)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ftopt import tree as tree_lib
 from ftopt.stages import leaf_selection
 
-__all__ = ["Selection", "select", "merged_slots"]
+__all__ = ["Selection", "select", "applying", "merged_slots"]
 
 
 @dataclass
@@ -31,12 +31,14 @@ class Selection:
         return [self.values[key][leaf] for key in keys]
 
 
-def select(plan, spec, params, p_flat, paths) -> Selection:
+def select(plan, spec, params, p_flat, paths, memo: dict | None = None) -> Selection:
     """The selection of ``plan`` over the leaves (``params`` may be ``None`` for an update
-    without params: the conditions then see the updates, ``p_flat``, as eager does)."""
+    without params: the conditions then see the updates, ``p_flat``, as eager does).
+    ``memo``: conditions -> leaves, shared by the calls of one step (the segments of a
+    plan with matrix stages judge the same conditions)."""
     n = len(p_flat)
     tree = params if params is not None else tree_lib.unflatten(spec, p_flat)
-    applies = [leaf_selection(sel, tree, n) if sel else [True] * n for sel in plan.selects]
+    applies = [applying(sel, tree, n, memo) for sel in plan.selects]
     stage_of, values = [], {}
     for k, pos in enumerate(plan.positions):
         owners = [next((s for s in pos if applies[s][i]), None) for i in range(n)]
@@ -53,6 +55,19 @@ def select(plan, spec, params, p_flat, paths) -> Selection:
     # Each leaf's position in the flattened tree (read by indexed rules: ``add_noise``).
     values[(None, "leaf")] = [float(i) for i in range(n)]
     return Selection(stage_of, values)
+
+
+def applying(selects: tuple, tree, n: int, memo: dict | None = None) -> list[bool]:
+    """Whether each leaf meets ``selects`` (:func:`ftopt.stages.leaf_selection`), looked
+    up in ``memo`` first."""
+    if not selects:
+        return [True] * n
+    if memo is not None and selects in memo:
+        return memo[selects]
+    found = leaf_selection(selects, tree, n)
+    if memo is not None:
+        memo[selects] = found
+    return found
 
 
 def _own_mask(stage, spec, params, applies, n, paths) -> list[bool]:

@@ -14,10 +14,11 @@ __all__ = ["checked_call", "launch_call", "with_stage_states"]
 
 
 def checked_call(plan: ChainPlan, params, state, paths, p_flat, g_flat, backend: str,
-                 donate: bool, output: str, spec):
+                 donate: bool, output: str, spec, selection=None):
     """The eager path's checks of a call (the same functions, before anything is
     written) and the fused path's conditions: ``((stage states, slots, active,
-    selection), None)``, or ``(None, reason)``."""
+    selection), None)``, or ``(None, reason)``. ``selection``: the plan's
+    (:func:`branches.select`), if the caller has it."""
     stage_states = [get_checked(state, path, stage) for path, stage in
                     zip(plan.state_paths, plan.stages)]
     slot_flat = [
@@ -26,7 +27,8 @@ def checked_call(plan: ChainPlan, params, state, paths, p_flat, g_flat, backend:
         for stage, st in zip(plan.stages, stage_states)
     ]
     active = [i for i, g in enumerate(g_flat) if g is not None]
-    selection = branches.select(plan, spec, params, p_flat, paths)
+    if selection is None:
+        selection = branches.select(plan, spec, params, p_flat, paths)
     runs = [set() for _ in plan.stages]  # the leaves each stage runs on
     for owners in selection.stage_of:
         for i, s in enumerate(owners):

@@ -40,6 +40,8 @@ class TracedChain:
     the chain's update in fp32 and reads params only where a rule uses them).
     ``seeded``: a segment after a matrix stage: the first stage's ``u`` is read from the
     ``x`` role (fp32), and ``g``, the raw gradient, only decides ``skip_zeros``.
+    ``"mixed"``: only for the leaves whose per-leaf ``seeded`` value is set (the others,
+    branches that start in this segment, read ``g``; their ``x`` address is 0).
     """
 
     graph: Graph
@@ -50,7 +52,7 @@ class TracedChain:
     slot_roles: list[tuple[int, str]] = field(default_factory=list)  # (stage, slot name)
     stores: list[tuple[str, str]] = field(default_factory=list)  # (role, node)
     levels: int = 0
-    seeded: bool = False
+    seeded: bool | str = False
     # The stages that are alternatives at each position (``masked``/``partition``): a
     # position of several reads its per-step scalars by the leaf's ``branch`` value.
     positions: list = field(default_factory=list)
@@ -62,7 +64,7 @@ class TracedChain:
 
 
 def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
-                output: str = "p", seeded: bool = False, positions: list | None = None,
+                output: str = "p", seeded: bool | str = False, positions: list | None = None,
                 flagged: list | None = None, owner_skips: list | None = None
                 ) -> TracedChain:
     """Runs every position's body on symbols, feeding each position's ``u`` to the next.
@@ -101,7 +103,13 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
                          owner_skips=list(owner_skips))
     algebra = _SymbolicAlgebra(traced, p, zero_node, neg_zero)
     first = g.sym("g")
-    if seeded:
+    if seeded == "mixed":
+        flag = g.leaf_value(None, "seeded") != 0.0
+        traced.slot_flags["x"] = flag.name  # (no x address where the flag is off)
+        x = g.add(f"tl.load(x_ptr + offs{{LMASK@{flag.name}}})",
+                  ("keep", flag.name) if in_place else (flag.name,), "elem", name="x_old")
+        first = algebra.ops().where(flag, x, first)
+    elif seeded:
         first = g.add("tl.load(x_ptr + offs{LMASK})", ("keep",) if in_place else (), "elem",
                       name="x")
     # (In place, zero-gradient lanes are neither loaded nor stored: no selects.)

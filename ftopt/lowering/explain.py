@@ -9,9 +9,15 @@ import torch
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, check_transform
 from ftopt.combine import Masked, Partition
-from ftopt.lowering import branches
+from ftopt.lowering import branches, segments
 from ftopt.lowering.codegen import level_reductions
-from ftopt.lowering.plan import _DTYPE_BYTES, call_reason, describe_segments, plan_chain
+from ftopt.lowering.plan import (
+    _DTYPE_BYTES,
+    ChainPlan,
+    call_reason,
+    describe_segments,
+    plan_chain,
+)
 from ftopt.validate import check_leaf
 
 _BACKENDS = ("auto", "fused", "eager")
@@ -62,12 +68,9 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     if plan.segments is not None:
         lines.append(f"segments: {describe_segments(plan)}")
     quant = next((s.quant for s in plan.stages if s.quant is not None and s.rule.slots), None)
-    own_slots = None  # per leaf, the slots of the stages it runs (flags leave out others)
-    if plan.branched and plan.reason is None and plan.segments is None and active:
-        selection = branches.select(plan, spec, params, p_flat, paths)
-        own_slots = [sum(len(plan.stages[s].rule.slots) for s in (
-            owners[i] for owners in selection.stage_of) if s is not None)
-            for i in range(len(p_flat))]
+    parts = plan.segments if plan.segments is not None else [plan]
+    runs = _runs(plan, spec, params, p_flat, g_flat, paths) if (
+        reason is None and active) else None
     groups: dict[tuple, list[int]] = {}
     for i in active:
         eight_bit = quant is not None and p_flat[i].numel() >= quant.min_size
@@ -86,24 +89,20 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
         if reason is not None:
             lines.append(f"  path: eager ({reason})")
             continue
-        p_bytes = _DTYPE_BYTES[p_dtype]
-        g_bytes = _DTYPE_BYTES[g_dtype]
-        slot_bytes = 1 + 4 / quant.block_size if eight_bit else state_bytes
-        parts = plan.segments if plan.segments is not None else [plan]
-        kernels = [part for part in parts if not isinstance(part, tuple)]
+        sizes = (_DTYPE_BYTES[p_dtype], _DTYPE_BYTES[g_dtype],
+                 1 + 4 / quant.block_size if eight_bit else state_bytes)
+        kernels = [k for k, part in enumerate(parts) if isinstance(part, ChainPlan)]
         read = written = extra = levels = 0.0
-        for k, part in enumerate(kernels):
-            traced = part.traced(donate=False, output="p" if k == len(kernels) - 1 else "u")
-            slots = len(traced.slot_roles) if own_slots is None else sum(
-                own_slots[i] * p_flat[i].numel() for i in leaves) / numel
-            read += g_bytes + p_bytes + slot_bytes * slots + (4 if traced.seeded else 0)
-            written += (p_bytes if traced.output == "p" else 4) + slot_bytes * slots
-            extra += sum(_reduction_reads(traced, lv, p_bytes, g_bytes)
-                         for lv in range(1, traced.levels + 1))
+        for k in kernels:
+            traced = parts[k].traced(donate=False, output="p" if k == kernels[-1] else "u")
+            r, w, x = _kernel_bytes(parts[k], traced, runs[k], leaves, p_flat, sizes)
+            read, written, extra = read + r, written + w, extra + x
             levels += traced.levels
         launches = len(kernels) + 2 * int(levels)
         lines.append("  path: fused (one Triton kernel over all leaves of the group"
                      + (" per segment)" if plan.segments is not None else ")"))
+        if plan.segments is not None:
+            lines += _where(parts, runs, leaves, p_flat)
         lines.append(f"  kernel launches per step: {launches} "
                      f"({int(levels)} norm pass(es) + {len(kernels)} main)")
         main = ("main kernel reads {}, writes {}" if len(kernels) == 1 else
@@ -115,6 +114,67 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     text = "\n".join(lines)
     print(text, file=file)
     return text
+
+
+def _runs(plan: ChainPlan, spec, params, p_flat, g_flat, paths) -> list:
+    """Per part of the plan (the plan itself if it has no segments), the leaves it runs
+    on, as :func:`ftopt.lowering.segments.leaves_of` gives them."""
+    if plan.segments is not None:
+        return segments.leaves_of(plan, spec, params, p_flat, g_flat, paths)
+    selection = (branches.select(plan, spec, params, p_flat, paths) if plan.branched
+                 else None)
+    on = [g is not None for g in g_flat]
+    return [(selection, on, [False] * len(g_flat))]
+
+
+def _kernel_bytes(part: ChainPlan, traced, run, leaves, p_flat, sizes) -> tuple:
+    """(read, written, read by norm passes) bytes of a main kernel per element of the
+    group: each leaf counted with the slots of the stages it runs (a flag turns the
+    others off) and its ``x`` read where it is seeded."""
+    selection, on, seeded = run
+    p_bytes, g_bytes, slot_bytes = sizes
+    numel = sum(p_flat[i].numel() for i in leaves)
+    read = written = 0.0
+    for i in leaves:
+        if not on[i]:
+            continue
+        slots = len(traced.slot_roles) if selection is None or not part.branched else sum(
+            len(part.stages[s].rule.slots) for s in (
+                owners[i] for owners in selection.stage_of) if s is not None)
+        share = p_flat[i].numel() / numel
+        read += share * (g_bytes + p_bytes + slot_bytes * slots + (4 if seeded[i] else 0))
+        written += share * ((p_bytes if traced.output == "p" else 4) + slot_bytes * slots)
+    extra = sum(_reduction_reads(traced, lv, p_bytes, g_bytes)
+                for lv in range(1, traced.levels + 1))
+    return read, written, extra
+
+
+def _where(parts: list, runs: list, leaves: list, p_flat) -> list[str]:
+    """What each part of a segmented plan runs on, in the group's leaves."""
+    out = []
+    number = 0
+    for part, run in zip(parts, runs):
+        if isinstance(part, ChainPlan):
+            number += 1
+            _, on, seeded = run
+            mine = [i for i in leaves if on[i]]
+            names = ", ".join(s.rule.name for s in part.position_stages()) or "p + u"
+            fed = sum(1 for i in mine if seeded[i])
+            source = ("" if not mine else f"; input: the previous part's output "
+                      f"({fed} leaves), the raw gradient ({len(mine) - fed})")
+            out.append(f"  segment {number} [{names}]: {_count(mine, p_flat)}{source}")
+            continue
+        mine = [i for i in leaves if run[i]]
+        applies = getattr(part[0], "applies", None)
+        shapes = {tuple(p_flat[i].shape) for i in mine if applies is None or applies(
+            p_flat[i])}
+        out.append(f"  {part[0].name} (torch): {_count(mine, p_flat)}, {len(shapes)} "
+                   f"shape(s), one batched call per shape")
+    return out
+
+
+def _count(mine: list, p_flat) -> str:
+    return f"{len(mine)} leaves, {sum(p_flat[i].numel() for i in mine)} elements"
 
 
 def _describe_branches(plan) -> str:

@@ -42,10 +42,14 @@ class ChainPlan:
     constant_hparams: list | None = None  # per stage: its hparams if constant (see execute)
     functional: dict = field(default_factory=dict)  # see lowering.functional
     # A chain with matrix stages: its parts in order, each a ChainPlan of the rules
-    # between two matrix stages or a (matrix stage, skip, state path) triple (see
+    # between two matrix stages or a (matrix stage, skip, state path, selects) tuple
+    # (``selects``: the leaves it applies to, inside masked/partition; see
     # lowering.segments).
     segments: list | None = None
-    seeded: bool = False  # a segment after a matrix stage: its input is not the gradient
+    # A segment after a matrix stage: its input is not the gradient (True), or not for
+    # every leaf ("mixed": a per-leaf flag picks the input; set per call by
+    # lowering.segments).
+    seeded: bool | str = False
     # ``masked``/``partition`` (see :class:`ftopt.stages.Stages`): the stages that are
     # alternatives at each step of the program, each stage's leaf conditions, and the
     # positions some leaves pass through. ``None``: stage ``k`` is position ``k``.
@@ -75,7 +79,7 @@ class ChainPlan:
     def traced(self, donate: bool = False, output: str = "p"):
         """The chain's graph (donated steps may skip loads of zero-gradient lanes) for a
         step (``output="p"``) or an update (``"u"``)."""
-        key = (donate, output)
+        key = (donate, output, self.seeded)
         if key not in self._traced:
             self._traced[key] = trace_chain(self.stages, self.skips, donate, output,
                                             self.seeded, self.positions, self.flagged,
@@ -112,21 +116,37 @@ def plan_chain(tx) -> ChainPlan:
 
 
 def _segments(found) -> list:
-    """The rules between matrix stages as sub-plans, with the matrix stages between."""
+    """The positions between matrix stages as sub-plans, with the matrix stages between
+    (as ``(stage, skip, state path, selects)``)."""
     out: list = []
     start = 0
-    bounds = [(position, (stage, skip, path)) for position, stage, skip, path in found.matrix]
-    for end, matrix in [*bounds, (len(found.stages), None)]:
+    selects = found.matrix_selects or ((),) * len(found.matrix)
+    bounds = [(position, (stage, skip, path, sel)) for (position, stage, skip, path), sel
+              in zip(found.matrix, selects)]
+    for end, matrix in [*bounds, (len(found.positions), None)]:
         if end > start or matrix is None:
-            part = ChainPlan(list(found.stages[start:end]),
-                             list(found.state_paths[start:end]), list(found.skips[start:end]))
-            part.running = any(s.rule.running for s in part.stages)
+            part = _sub_plan(found, start, end)
             part.seeded = bool(out)
             out.append(part)
         if matrix is not None:
             out.append(matrix)
         start = end
     return out
+
+
+def _sub_plan(found, start: int, end: int) -> ChainPlan:
+    """The plan of positions ``start`` to ``end`` of ``found`` (stages renumbered)."""
+    positions = found.positions[start:end]
+    used = sorted({i for pos in positions for i in pos})
+    index = {old: new for new, old in enumerate(used)}
+    part = ChainPlan([found.stages[i] for i in used], [found.state_paths[i] for i in used],
+                     [found.skips[i] for i in used],
+                     positions=[tuple(index[i] for i in pos) for pos in positions],
+                     selects=[found.selects[i] for i in used],
+                     flagged=list(found.flagged[start:end]),
+                     owner_skips=list(found.owner_skips[start:end]))
+    part.running = any(s.rule.running for s in part.stages)
+    return part
 
 
 def describe_segments(plan: ChainPlan) -> str:
@@ -137,7 +157,11 @@ def describe_segments(plan: ChainPlan) -> str:
             names = ", ".join(s.rule.name for s in part.stages)
             items.append(f"[{names}] fused" if names else "[p + u] fused")
         else:
-            items.append(f"{part[0].name} (matrix stage: torch, leaves batched by shape)")
+            labels = [c.label for c in part[3] if c.label is not None]
+            where = f" on {labels[-1]!r} leaves" if labels else (
+                " on masked leaves" if part[3] else "")
+            items.append(f"{part[0].name} (matrix stage{where}: torch, leaves batched by "
+                         "shape)")
     return " -> ".join(items)
 
 

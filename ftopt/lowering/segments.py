@@ -7,6 +7,15 @@ fused step (or update) kernel that reads M's output as its input (the ``x`` role
 the raw gradient for ``skip_zeros`` (SPEC §3: the mask is always the raw gradient's). A
 chain that ends in a matrix stage has an empty last segment: ``p + u`` in one kernel.
 
+Inside ``masked``/``partition`` (``ftopt.muon``: a Muon branch for matrices, an Adam
+branch for the rest) a segment holds the branches' pieces between their matrix stages
+(:func:`ftopt.stages.chain_stages` aligns the branches on their last matrix stage) and
+runs on the leaves some piece of it applies to (the last segment on every leaf: it
+writes the params); a matrix stage runs on its branch's leaves only. A leaf whose
+branch starts in a later segment reads its raw gradient there, the others their
+previous part's output: a per-leaf flag (``seeded="mixed"``) picks, so each segment
+stays one launch per group.
+
 Every segment's checks run before the first kernel, so a call that cannot fuse falls
 back to the eager path with nothing written.
 """
@@ -17,11 +26,48 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
+from ftopt.lowering import branches
 from ftopt.lowering.calls import checked_call, launch_call
 from ftopt.lowering.plan import ChainPlan
 from ftopt.stages import state_at, with_state_at
 
-__all__ = ["run"]
+__all__ = ["run", "leaves_of"]
+
+
+def leaves_of(plan: ChainPlan, spec, params, p_flat, g_flat, paths) -> list:
+    """Per part of ``plan.segments``, the leaves it runs on: for a matrix stage a list
+    (per leaf: it has a gradient and the stage applies to it), for a segment
+    ``(selection, runs on, seeded)`` (``seeded``: the leaf's input there is an earlier
+    part's output). Sets each segment plan's ``seeded`` mode for this call."""
+    n = len(p_flat)
+    tree = params if params is not None else tree_lib.unflatten(spec, p_flat)
+    parts = plan.segments
+    produced = [False] * n
+    out: list = []
+    memo: dict = {}  # conditions -> leaves, judged once per call
+    for k, part in enumerate(parts):
+        if not isinstance(part, ChainPlan):
+            on = branches.applying(part[3], tree, n, memo)
+            on = [o and g is not None for o, g in zip(on, g_flat)]
+            produced = [a or b for a, b in zip(produced, on)]
+            out.append(on)
+            continue
+        selection = branches.select(part, spec, params, p_flat, paths, memo)
+        last = k == len(parts) - 1
+        on = [g is not None and (last or any(owners[i] is not None
+                                             for owners in selection.stage_of))
+              for i, g in enumerate(g_flat)]
+        seeded = [a and b for a, b in zip(on, produced)]
+        if not any(seeded):
+            part.seeded = False
+        elif seeded == on:
+            part.seeded = True
+        else:
+            part.seeded = "mixed"
+            selection.values[(None, "seeded")] = [float(x) for x in seeded]
+        produced = [a or b for a, b in zip(produced, on)]
+        out.append((selection, on, seeded))
+    return out
 
 
 def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: str,
@@ -29,42 +75,55 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
     """A step (``output="p"``) or an update (``"u"``) of a segmented plan:
     ``((new params or updates, new state), None)``, or ``(None, reason)``."""
     parts = plan.segments
+    found = leaves_of(plan, spec, params, p_flat, g_flat, paths)
     checked = {}
-    for k, part in enumerate(parts):
+    for k, (part, mine) in enumerate(zip(parts, found)):
         if not isinstance(part, ChainPlan):
-            part[0].check_shards(paths, g_flat)  # before any kernel writes a state
+            own = _only(g_flat, mine)
+            part[0].check_shards(paths, own)  # before any kernel writes a state
             if hasattr(part[0], "check_state"):
-                part[0].check_state(state_at(state, part[2]), g_flat, p_flat, spec, paths)
-        else:
-            out = output if k == len(parts) - 1 else "u"
-            found, reason = checked_call(part, params, state, paths, p_flat, g_flat,
-                                         backend, donate, out, spec)
-            if reason is not None:
-                return None, reason
-            checked[k] = found
-    u_flat = None  # the input of the next segment (None: the raw gradient)
+                part[0].check_state(state_at(state, part[2]), own, p_flat, spec, paths)
+            continue
+        out = output if k == len(parts) - 1 else "u"
+        got, reason = checked_call(part, params, state, paths, p_flat,
+                                   _only(g_flat, mine[1]), backend, donate, out, spec,
+                                   selection=mine[0])
+        if reason is not None:
+            return None, reason
+        checked[k] = got
+    u_flat = list(g_flat)  # each leaf's input to the next part (first: the raw gradient)
     zero_flat = None
     new = None
-    for k, part in enumerate(parts):
+    for k, (part, mine) in enumerate(zip(parts, found)):
         if not isinstance(part, ChainPlan):
-            stage, skip, path = part
+            stage, skip, path, _ = part
             if skip and zero_flat is None:
                 zero_flat = [None if g is None else g == 0 for g in g_flat]
             out_flat, stage_state = stage.run_flat(
-                g_flat if u_flat is None else u_flat, zero_flat if skip else None,
+                _only(u_flat, mine), _only(zero_flat, mine) if skip else None,
                 state_at(state, path), p_flat, spec, paths)
             if donate:
                 stage_state = _write_back(state_at(state, path), stage_state)
             state = with_state_at(state, path, stage_state)
-            u_flat = [None if u is None else u.contiguous() for u in out_flat]
+            u_flat = [u.contiguous() if on else old
+                      for u, old, on in zip(out_flat, u_flat, mine)]
             continue
+        _, on, seeded = mine
         last = k == len(parts) - 1
         new, state = launch_call(part, checked[k], params, state, spec, paths, p_flat,
-                                 g_flat, donate, output if last else "u", x_flat=u_flat,
-                                 remember=False)
+                                 _only(g_flat, on), donate, output if last else "u",
+                                 x_flat=_only(u_flat, seeded), remember=False)
         if not last:
-            u_flat = tree_lib.flatten_like(spec, new, "updates", paths)
+            got = tree_lib.flatten_like(spec, new, "updates", paths)
+            u_flat = [u if o else old for u, old, o in zip(got, u_flat, on)]
     return (new, state), None
+
+
+def _only(flat, keep):
+    """``flat`` with ``None`` where ``keep`` is false."""
+    if flat is None:
+        return None
+    return [x if k else None for x, k in zip(flat, keep)]
 
 
 def _write_back(old, new):
