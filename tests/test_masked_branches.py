@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import ftopt
-from ftopt.lowering import launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -86,24 +85,16 @@ def _close(a, b, rtol=1e-6, atol=1e-7):
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
 
 
-def _count_launches(monkeypatch) -> list:
-    calls: list = []
-    real = launch._launch
-    monkeypatch.setattr(launch, "_launch", lambda *a, **k: (calls.append(a[0]),
-                                                           real(*a, **k)))
-    return calls
-
-
 @pytest.mark.parametrize("donate", [False, True])
 @pytest.mark.parametrize("name", list(CASES))
-def test_one_launch_and_equal_to_eager(name, donate, monkeypatch):
+def test_one_launch_and_equal_to_eager(name, donate, kernel_launches):
     tx = CASES[name]()
     text = ftopt.explain(tx, _params(), backend="fused", file=None)
     assert text.count("path: fused") == 1 and "kernel launches per step: 1 " in text
     eager = _run(tx, "eager")
-    calls = _count_launches(monkeypatch)
+    kernel_launches.clear()
     fused = _run(tx, "fused", donate=donate)
-    assert len(calls) == 3  # one kernel per step for every branch and mask
+    assert len(kernel_launches) == 3  # one kernel per step for every branch and mask
     _close(fused, eager)  # params and every state, the same tree structure (None holes)
 
 
