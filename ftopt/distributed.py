@@ -45,6 +45,7 @@ import optree
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ftopt import dtensor_cache, shards
 from ftopt import tree as tree_lib
@@ -127,6 +128,7 @@ class _Call:
         self.given: dict[str, list] = {}  # tree -> per leaf: (original, local) or None
         self.local_shards = shards.LocalShards()
         self.norm_leaves: list[tuple[str, Any]] = []  # (path, leaf) deciding the norms
+        self.specs: dict[str, Any] = {}  # path -> DTensorSpec of a param, grad or update
 
     def unwrap(self, tree: Any, what: str, *, record: bool = False) -> Any:
         paths, leaves, spec = _flatten(tree)
@@ -140,6 +142,7 @@ class _Call:
                 if what in ("params", "grads", "updates"):
                     self.local_shards.splits[where] = (tuple(leaf.placements),
                                                        shards.split_dims(leaf))
+                    self.specs[where] = leaf._spec
                 given.append((leaf, mine))
                 local.append(mine)
             elif _is_slot(leaf) and isinstance(leaf.codes, DTensor):
@@ -176,6 +179,7 @@ class _Call:
         layouts = _norm_layouts(self.norm_leaves)
         context.reduce = _reducer(layouts, context.splits)
         context.agree = _agreement(layouts)
+        context.offset = shard_offsets(self.specs)
         return context
 
 
@@ -196,6 +200,30 @@ def _rewrap(x: Any, original: Any, local: Any) -> Any:
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
         return _as_dtensor(x, original)
     return x
+
+
+def shard_offsets(specs: dict[str, Any]):
+    """``path -> `` where this rank's shard of the leaf at ``path`` starts in the full
+    tensor's row-major order, or ``None`` where the shard is not one run of it
+    (:func:`ftopt.shards.flat_offset`); computed on first use, then kept."""
+    known: dict[str, int | None] = {}
+
+    def offset(path: str) -> int | None:
+        if path not in known:
+            spec = specs.get(path)
+            known[path] = 0 if spec is None else _flat_offset(spec)
+        return known[path]
+    return offset
+
+
+def _flat_offset(spec) -> int | None:
+    shape = tuple(spec.shape)
+    if not any(p.is_shard() for p in spec.placements):
+        return 0
+    if any(p.is_shard() and type(p) is not Shard for p in spec.placements):
+        return None  # (a strided shard: not one run)
+    local, start = compute_local_shape_and_global_offset(shape, spec.mesh, spec.placements)
+    return shards.flat_offset(shape, tuple(local), tuple(start))
 
 
 def _norm_layouts(leaves: list[tuple[str, Any]]) -> dict:

@@ -89,7 +89,7 @@ class StepCache:
                      if type(params) is dict and type(grads) is dict
                      and len(params) == len(p_leaves) else None)
         self.context = shards.LocalShards(reduce=context.reduce, agree=context.agree,
-                                          splits=context.splits)
+                                          splits=context.splits, offset=context.offset)
         return self
 
     def _leaves(self, tree: Any, spec) -> list | None:

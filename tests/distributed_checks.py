@@ -528,6 +528,60 @@ def check_matrix_stages(mesh, rank, device):
     return out
 
 
+def check_noise(rank, device):
+    """``noisy_sgd`` on shards draws the single process's noise, bit for bit: an
+    element's position is the one in the full tensor (uneven Shard(0) on one mesh dim and
+    on both of a 2-D mesh, HSDP, Replicate), eager, fused and through ``tx.update``; a
+    leaf split on dim 1 is refused before anything is written, naming it."""
+    torch.manual_seed(8)
+    # fc-like (5 rows over 2 ranks: 3 and 2), a vector (7: 4 and 3), a replicated leaf.
+    full_params = {"w": torch.randn(5, 6), "v": torch.randn(7), "r": torch.randn(3, 2)}
+    grads = [{k: torch.randn_like(p) for k, p in full_params.items()} for _ in range(3)]
+    mesh = init_device_mesh("cpu", (2,))
+    mesh2 = init_device_mesh("cpu", (1, 2))
+    layouts = {
+        "shard0": (mesh, {"w": [Shard(0)], "v": [Shard(0)], "r": [Replicate()]}),
+        "hsdp": (mesh2, {"w": [Replicate(), Shard(0)], "v": [Shard(0), Shard(0)],
+                         "r": [Replicate(), Replicate()]}),
+    }
+    make = lambda: ftopt.noisy_sgd(0.1, eta=1.0, seed=11)  # noqa: E731
+    out = {}
+    for backend in ("eager",) + (("fused",) if device is not None else ()):
+        ref_tx = make()
+        ref, ref_state = dict(full_params), ref_tx.init(full_params)
+        ref_updates = []
+        for g in grads:
+            ref_updates.append(ref_tx.update(g, ref_state, ref)[0])
+            ref, ref_state = ftopt.step(ref_tx, ref, g, ref_state, backend=backend)
+        for name, (m, placements) in layouts.items():
+            tx = make()
+            params = {k: distribute_tensor(p.clone(), m, placements[k]) for k, p in
+                      full_params.items()}
+            state = tx.init(params)
+            for i, g in enumerate(grads):
+                dg = {k: distribute_tensor(x, m, placements[k]) for k, x in g.items()}
+                if i == 0 and backend == "eager":
+                    updates, _ = tx.update(dg, state, params)
+                    out[f"{name}_update_diff"] = max_diff(updates, ref_updates[0])
+                params, state = ftopt.step(tx, params, dg, state, donate=True,
+                                           backend=backend)
+            out[f"{name}_{backend}_diff"] = max_diff(params, ref)
+        # Shard(1) splits rows: refused, nothing written.
+        tx = make()
+        params = {"w": distribute_tensor(full_params["w"].clone(), mesh, [Shard(1)])}
+        state = tx.init(params)
+        before = full(params["w"]).clone()
+        try:
+            ftopt.step(tx, params, {"w": distribute_tensor(grads[0]["w"], mesh, [Shard(1)])},
+                       state, donate=True, backend=backend)
+            out[f"shard1_{backend}_error"] = None
+        except ValueError as err:
+            out[f"shard1_{backend}_error"] = str(err)
+        out[f"shard1_{backend}_untouched"] = bool(torch.equal(full(params["w"]), before))
+        out[f"shard1_{backend}_count"] = int(state[0].count)
+    return out
+
+
 def run(rank: int, world: int, directory: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -548,6 +602,7 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "dcp": lambda: check_dcp(mesh, rank, directory),
         "optimizer": lambda: check_optimizer(mesh, rank, directory),
         "matrix_stages": lambda: check_matrix_stages(mesh, rank, fused_device),
+        "noise": lambda: check_noise(rank, fused_device),
     }
     results = {}
     for name, check in checks.items():

@@ -182,3 +182,33 @@ def test_dcp_loads_on_one_process(results, name):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_noise_on_shards_equals_one_process(results):
+    """noisy_sgd over Shard(0) (uneven), HSDP and Replicate leaves draws the noise of one
+    process bit for bit (eager, fused, tx.update); Shard(1) is refused, naming the leaf
+    and its placements, before the params or the count change."""
+    got = _check(results, "noise")
+    for key in [k for k in got if k.endswith("_diff")]:
+        assert got[key] == 0.0, (key, got[key])
+    assert "shard0_update_diff" in got and "hsdp_eager_diff" in got
+    for key in [k for k in got if k.endswith("_error")]:
+        error = got[key]
+        assert error is not None and "add_noise at ['w']" in error, (key, error)
+        assert "(Shard(dim=1),)" in error, error
+        assert got[key.replace("_error", "_untouched")]
+        assert got[key.replace("_error", "_count")] == 0
+
+
+@pytest.mark.parametrize("shape, local, start, want", [
+    ((5, 6), (3, 6), (0, 0), 0),
+    ((5, 6), (2, 6), (3, 0), 18),  # the second of an uneven Shard(0)
+    ((7,), (3,), (4,), 4),
+    ((1, 6), (1, 3), (0, 3), 3),  # Shard(1) of one row: still one run
+    ((4, 6), (4, 3), (0, 3), None),  # Shard(1): every row split
+    ((4, 6), (2, 3), (2, 3), None),  # split on two dims
+    ((4, 6), (0, 6), (4, 0), 0),  # an empty shard
+    ((4, 6), (4, 6), (0, 0), 0),
+])
+def test_flat_offset(shape, local, start, want):
+    assert ftopt.shards.flat_offset(shape, local, start) == want
