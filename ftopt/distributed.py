@@ -50,10 +50,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ftopt import dtensor_cache, shards
 from ftopt import tree as tree_lib
 from ftopt import update as update_lib
+from ftopt.combine import owner
+from ftopt.dtensor_cache import as_dtensor
 from ftopt.quant import absmax_layout, quantize_blockwise
 from ftopt.rules import QuantizedSlot
 
-__all__ = ["step", "cached_step", "update", "quantize_shards"]
+__all__ = ["step", "cached_step", "cached_call", "update", "cached_update",
+           "quantize_shards"]
 
 
 def step(tx, params, grads, state, donate: bool, backend: str):
@@ -69,6 +72,9 @@ def step(tx, params, grads, state, donate: bool, backend: str):
     out = call.wrap(new_params, "params"), call.wrap(new_state, "state")
     if donate and backend != "eager":
         dtensor_cache.remember(tx, params, grads, state, backend, context)
+    elif not donate:
+        dtensor_cache.remember_call("step", owner(tx), (params, grads), state, backend,
+                                    context)
     return out
 
 
@@ -78,16 +84,39 @@ def cached_step(tx, params, grads, state, backend: str):
     return dtensor_cache.cached_step(tx, params, grads, state, backend)
 
 
+def cached_call(tx, params, grads, state, backend: str):
+    """The non-donated step over DTensors laid out as the last one's, or ``None``
+    (:class:`ftopt.dtensor_cache.CallCache`)."""
+    def inner(local_params, local_grads, local_state):
+        return update_lib.step(tx, local_params, local_grads, local_state, donate=False,
+                               backend=backend)
+    return dtensor_cache.cached_call("step", owner(tx), (params, grads), state, backend,
+                                     inner)
+
+
 def update(obj, updates, state, params, extra: dict):
     """``tx.update`` over trees holding DTensors (see the module docstring)."""
     call = _Call()
     local_updates = call.unwrap(updates, "updates", record=True)
     local_state = call.unwrap(state, "state")
     local_params = call.unwrap(params, "params") if params is not None else None
-    with shards.local_shards(call.context()):
+    context = call.context()
+    with shards.local_shards(context):
         new_updates, new_state = obj.update(local_updates, local_state, local_params,
                                             **extra)
-    return call.wrap(new_updates, "updates"), call.wrap(new_state, "state")
+    out = call.wrap(new_updates, "updates"), call.wrap(new_state, "state")
+    dtensor_cache.remember_call("update", obj, (updates, params), state,
+                                extra.get("backend", "auto"), context, extra)
+    return out
+
+
+def cached_update(obj, updates, state, params, extra: dict):
+    """``tx.update`` over DTensors laid out as the last call's, or ``None``
+    (:class:`ftopt.dtensor_cache.CallCache`)."""
+    def inner(local_updates, local_params, local_state):
+        return obj.update(local_updates, local_state, local_params, **extra)
+    return dtensor_cache.cached_call("update", obj, (updates, params), state,
+                                     extra.get("backend", "auto"), inner, extra)
 
 
 def _is_slot(x: Any) -> bool:
@@ -103,11 +132,6 @@ def local_tensor(d: DTensor) -> torch.Tensor:
     """The shard of ``d`` held by this rank: its own storage, outside autograd."""
     with torch.no_grad():
         return d.to_local()
-
-
-def _as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
 
 
 def check_placements(what: str, path: str, d: DTensor) -> None:
@@ -189,16 +213,16 @@ def _rewrap(x: Any, original: Any, local: Any) -> Any:
     if _is_slot(original):
         if not _is_slot(x):
             return x
-        codes = original.codes if x.codes is local.codes else _as_dtensor(x.codes,
+        codes = original.codes if x.codes is local.codes else as_dtensor(x.codes,
                                                                          original.codes)
         if x.absmax is local.absmax:
             absmax = original.absmax
         else:
             shape = local_tensor(original.absmax).shape
-            absmax = _as_dtensor(x.absmax.view(shape), original.absmax)
+            absmax = as_dtensor(x.absmax.view(shape), original.absmax)
         return QuantizedSlot(codes, absmax)
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-        return _as_dtensor(x, original)
+        return as_dtensor(x, original)
     return x
 
 

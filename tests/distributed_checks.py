@@ -528,6 +528,94 @@ def check_matrix_stages(mesh, rank, device):
     return out
 
 
+def check_call_cache(mesh, rank, device):
+    """Non-donated steps and ``tx.update`` over the same DTensor trees unwrap and rewrap
+    through the cache after the first call: new DTensors on the given leaves' specs, the
+    inputs untouched, equal to one process (8-bit states and a global norm too); trees
+    laid out otherwise take the full path."""
+    from ftopt import distributed as backend
+
+    full_calls = []
+    unwrap = backend._Call.unwrap
+
+    def counting(self, tree, what, **kwargs):
+        if what in ("grads", "updates"):
+            full_calls.append(what)
+        return unwrap(self, tree, what, **kwargs)
+
+    torch.manual_seed(9)
+    # 33 rows of 256 (8-bit blocks align: 17 and 16 rows), a vector (3 and 2).
+    w, b = torch.randn(33, 256), torch.randn(5)
+    grads = [(torch.randn(33, 256), torch.randn(5)) for _ in range(3)]
+    make = lambda: ftopt.chain(ftopt.clip_by_global_norm(1.0),  # noqa: E731
+                               ftopt.adamw(1e-2, state_bits=8))
+    out = {}
+    backend._Call.unwrap = counting
+    try:
+        for name in ("auto",) + (("fused",) if device is not None else ()):
+            for kind in ("step", "update"):
+                tx, ref_tx = make(), make()
+                layout = [Shard(0)]
+                params = {"w": distribute_tensor(w, mesh, layout),
+                          "b": distribute_tensor(b, mesh, layout)}
+                first = {k: full(v).clone() for k, v in params.items()}
+                ref = {"w": w.clone(), "b": b.clone()}
+                state, ref_state = tx.init(params), ref_tx.init(ref)
+                first_state = [full(t).clone() for t in ftopt.tree.leaves(state)]
+                given = params, state
+                full_calls.clear()
+                diffs, dtensors = [], []
+                for gw, gb in grads:
+                    dg = {"w": distribute_tensor(gw, mesh, layout),
+                          "b": distribute_tensor(gb, mesh, layout)}
+                    if kind == "step":
+                        params, state = ftopt.step(tx, params, dg, state, backend=name)
+                        ref, ref_state = ftopt.step(ref_tx, ref, {"w": gw, "b": gb},
+                                                    ref_state, backend=name)
+                        diffs.append(max_diff(params, ref))
+                        new = params
+                    else:
+                        new, state = tx.update(dg, state, params, backend=name)
+                        want, ref_state = ref_tx.update({"w": gw, "b": gb}, ref_state, ref,
+                                                        backend=name)
+                        diffs.append(max_diff(new, want))
+                    dtensors.append(all(isinstance(x, DTensor) and x.placements ==
+                                        tuple(layout) for x in new.values()))
+                key = f"{kind}_{name}"
+                out[f"{key}_full_calls"] = len(full_calls)
+                out[f"{key}_diff"] = max(diffs)
+                out[f"{key}_dtensors"] = all(dtensors)
+                mu = state[1][0].mu["w"]
+                out[f"{key}_8bit"] = (isinstance(mu, ftopt.rules.QuantizedSlot)
+                                      and isinstance(mu.absmax, DTensor))
+                out[f"{key}_state_diff"] = max(
+                    float((full(a).double().reshape(-1) - b.double().reshape(-1)).abs().max())
+                    for a, b in zip(ftopt.tree.leaves(state), ftopt.tree.leaves(ref_state)))
+                out[f"{key}_untouched"] = max_diff(given[0], first) == 0.0 and all(
+                    torch.equal(full(a), b) for a, b in
+                    zip(ftopt.tree.leaves(given[1]), first_state))
+        # Another layout of the same shapes (Replicate): the full path, then its cache.
+        tx = make()
+        rep = {"w": distribute_tensor(w, mesh, [Replicate()]),
+               "b": distribute_tensor(b, mesh, [Replicate()])}
+        rep_state = tx.init(rep)
+        full_calls.clear()
+        for layout in ([Shard(0)], [Replicate()], [Replicate()]):
+            p = {"w": distribute_tensor(w, mesh, layout), "b": distribute_tensor(b, mesh,
+                                                                                 layout)}
+            s = tx.init(p) if layout == [Shard(0)] else rep_state
+            new, _ = ftopt.step(tx, p, {"w": distribute_tensor(grads[0][0], mesh, layout),
+                                        "b": distribute_tensor(grads[0][1], mesh, layout)},
+                                s)
+        want, _ = ftopt.step(make(), {"w": w, "b": b}, {"w": grads[0][0], "b": grads[0][1]},
+                             make().init({"w": w, "b": b}))
+        out["relayout_full_calls"] = len(full_calls)
+        out["relayout_diff"] = max_diff(new, want)
+    finally:
+        backend._Call.unwrap = unwrap
+    return out
+
+
 def check_noise(rank, device):
     """``noisy_sgd`` on shards draws the single process's noise, bit for bit: an
     element's position is the one in the full tensor (uneven Shard(0) on one mesh dim and
@@ -603,6 +691,7 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "optimizer": lambda: check_optimizer(mesh, rank, directory),
         "matrix_stages": lambda: check_matrix_stages(mesh, rank, fused_device),
         "noise": lambda: check_noise(rank, fused_device),
+        "call_cache": lambda: check_call_cache(mesh, rank, fused_device),
     }
     results = {}
     for name, check in checks.items():

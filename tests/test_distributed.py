@@ -116,6 +116,25 @@ def test_cached_dtensor_step(results):
     assert got["swap_diff"] <= TOL and got["swap_state_diff"] <= TOL, got
 
 
+def test_cached_non_donated_step_and_update(results):
+    """Non-donated steps and tx.update over the same DTensor trees skip the unwrap after
+    the first call and give new DTensors (placements kept, 8-bit absmax too), equal to one
+    process, the inputs untouched; another layout takes the full path once."""
+    got = _check(results, "call_cache")
+    kinds = [k[:-len("_full_calls")] for k in got if k.endswith("_full_calls")
+             and not k.startswith("relayout")]
+    assert len(kinds) >= 2, got
+    for key in kinds:
+        assert got[f"{key}_full_calls"] == 1, (key, got)  # the first of 3 calls only
+        assert got[f"{key}_diff"] <= TOL and got[f"{key}_state_diff"] <= TOL, (key, got)
+        assert got[f"{key}_dtensors"] and got[f"{key}_8bit"], (key, got)
+        assert got[f"{key}_untouched"], (key, got)
+    # Shard(0), then Replicate twice: the second call's specs differ from the cached
+    # ones (the full path), the third is cached.
+    assert got["relayout_full_calls"] == 2, got
+    assert got["relayout_diff"] <= TOL, got
+
+
 def test_factored_on_shards(results):
     """A factored leaf split over the ranks is refused at init (path, placements); the
     unfactored Shard(0) and factored Replicate leaves of one tree equal one process."""
