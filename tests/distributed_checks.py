@@ -396,6 +396,71 @@ def check_ddp(rank):
     return {"replicas_equal": bool(torch.equal(gathered[0], gathered[1]))}
 
 
+# States with 0-d tensors: a step count only (noisy_sgd), running scalars
+# (schedule_free), one 0-d second moment per leaf (novograd).
+SCALAR_CHAINS = {
+    "noisy_sgd": lambda: ftopt.noisy_sgd(3e-2, eta=0.01, seed=3),
+    "schedule_free": lambda: ftopt.schedule_free_adamw(3e-3, warmup_steps=2),
+    "novograd": lambda: ftopt.novograd(3e-3, weight_decay=0.1),
+}
+
+
+def check_dcp_scalars(mesh, rank, directory):
+    """DCP of states with 0-d tensors across numbers of ranks: two ranks save (the test
+    loads it in one process, :func:`test_dcp_loads_on_one_process`); a one-process
+    checkpoint (written by rank 0 alone) loads on two ranks and resumes as the one
+    process does, bit for bit. Uneven Shard(0) leaves (novograd, which reads whole
+    leaves: Replicate)."""
+    torch.manual_seed(10)
+    start = {"w": torch.randn(5, 6), "b": torch.randn(7)}
+    grads = [{k: torch.randn_like(v) for k, v in start.items()} for _ in range(6)]
+
+    def run(tx, params, state, steps, layout=None):
+        for g in steps:
+            if layout is not None:
+                g = {k: distribute_tensor(v, mesh, layout) for k, v in g.items()}
+            params, state = ftopt.step(tx, params, g, state, donate=True)
+        return params, state
+
+    out = {}
+    for name, make in SCALAR_CHAINS.items():
+        layout = [Replicate()] if name == "novograd" else [Shard(0)]
+
+        def sharded(layout=layout):
+            return {k: distribute_tensor(v.clone(), mesh, layout) for k, v in start.items()}
+
+        tx, ref_tx = make(), make()
+        params = sharded()
+        params, state = run(tx, params, tx.init(params), grads[:3], layout)
+        ref = {k: v.clone() for k, v in start.items()}
+        ref, ref_state = run(ref_tx, ref, ref_tx.init(ref), grads[:3])
+        out[f"{name}_diff"] = max_diff(params, ref)
+        dcp.save({"opt": ftopt.state_dict(state, tx, params), "model": params},
+                 checkpoint_id=os.path.join(directory, f"dcp_{name}"))
+        one = os.path.join(directory, f"dcp_one_{name}")
+        if rank == 0:
+            torch.save({"params": ref, "state": ref_state},
+                       os.path.join(directory, f"ref_{name}.pt"))
+            dcp.save({"opt": ftopt.state_dict(ref_state, ref_tx, ref), "model": ref},
+                     checkpoint_id=one, no_dist=True)
+        dist.barrier()
+        # The one-process checkpoint, loaded on two ranks into fresh DTensor states.
+        tx2 = make()
+        params2 = sharded()
+        state2 = tx2.init(params2)
+        sd = {"opt": ftopt.state_dict(state2, tx2, params2), "model": params2}
+        dcp.load(sd, checkpoint_id=one)
+        state2 = ftopt.load_state_dict(state2, tx2, params2, sd["opt"])
+        got, want = ftopt.tree.leaves(state2), ftopt.tree.leaves(ref_state)
+        out[f"{name}_state_loaded"] = len(got) == len(want) and all(
+            torch.equal(full(a), b) for a, b in zip(got, want))
+        out[f"{name}_scalars"] = sum(t.ndim == 0 for t in want)
+        end2, _ = run(tx2, params2, state2, grads[3:], layout)
+        ref_end, _ = run(ref_tx, ref, ref_state, grads[3:])
+        out[f"{name}_resumed_diff"] = max_diff(end2, ref_end)
+    return out
+
+
 def check_dcp(mesh, rank, directory):
     out = {}
     data = batches(2 * 5)
@@ -692,6 +757,7 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "matrix_stages": lambda: check_matrix_stages(mesh, rank, fused_device),
         "noise": lambda: check_noise(rank, fused_device),
         "call_cache": lambda: check_call_cache(mesh, rank, fused_device),
+        "dcp_scalars": lambda: check_dcp_scalars(mesh, rank, directory),
     }
     results = {}
     for name, check in checks.items():

@@ -179,7 +179,20 @@ def test_matrix_stages_on_shards(results):
             assert "Replicate only" in got[key], got[key]
 
 
-@pytest.mark.parametrize("name", ["adamw", "adamw_8bit"])
+def test_dcp_scalar_states_across_ranks(results):
+    """States with 0-d tensors (a step count, Schedule-Free's running scalars, NovoGrad's
+    per-leaf second moments): a one-process checkpoint loads on two ranks bit for bit and
+    resumes as one process does (the other way: test_dcp_loads_on_one_process)."""
+    got = _check(results, "dcp_scalars")
+    for name, scalars in (("noisy_sgd", 1), ("schedule_free", 3), ("novograd", 3)):
+        assert got[f"{name}_scalars"] >= scalars, got  # (0-d leaves the state holds)
+        assert got[f"{name}_diff"] == 0.0, got
+        assert got[f"{name}_state_loaded"], got
+        assert got[f"{name}_resumed_diff"] == 0.0, got
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_8bit", "noisy_sgd", "schedule_free",
+                                  "novograd"])
 def test_dcp_loads_on_one_process(results, name):
     """The checkpoint of two ranks, loaded without a process group into a plain state,
     equals the single-process run's state bit for bit."""
@@ -189,7 +202,7 @@ def test_dcp_loads_on_one_process(results, name):
     directory = results["_directory"]
     ref = torch.load(os.path.join(directory, f"ref_{name}.pt"), weights_only=True)
     params = {k: torch.zeros_like(v) for k, v in ref["params"].items()}
-    tx = distributed_checks.CHAINS[name]()
+    tx = {**distributed_checks.CHAINS, **distributed_checks.SCALAR_CHAINS}[name]()
     state = tx.init(params)
     sd = {"opt": ftopt.state_dict(state, tx, params), "model": params}
     dcp.load(sd, checkpoint_id=os.path.join(directory, f"dcp_{name}"), no_dist=True)
