@@ -231,8 +231,7 @@ class CallCache(_TreesCache):
         out = self._leaves(new)
         new_leaves, found_tree = _flatten(new_state)
         if out is None or found_tree != self.s_tree:
-            raise RuntimeError("the result of a cached DTensor call does not have the "
-                               "structure of its input")
+            return None  # (a state that changed shape: the full path wraps it; pure)
         wrapped = [given if x is local else as_dtensor(x, given)
                    for x, local, given in zip(out, locals_[0], found[0])]
         state_leaves = _flatten(state)[0]
