@@ -1,5 +1,6 @@
-"""Host cost of a donated fused ``ftopt.step`` over DTensor params (FSDP2's ``Shard(0)``),
-on the CPU: the cached DTensor step against the full path, with the full path's phases.
+"""Host cost of fused ``ftopt.step`` and ``tx.update`` over DTensor params (FSDP2's
+``Shard(0)``), on the CPU: the cached DTensor calls against the full path (a donated step,
+a non-donated one and an update), with the full path's phases of the donated step.
 
 One process, a gloo group of one rank, 148 ``Shard(0)`` leaves, adamw; the kernel launch
 is stubbed after two real steps (the Triton interpreter), so only the host path is timed.
@@ -14,6 +15,7 @@ Prints a table and writes ``dtensor_host.json`` and ``dtensor_host.md`` to ``--o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -76,6 +78,20 @@ def phases(call, number: int) -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def no_dtensor_caches():
+    """Every DTensor call takes the full path (unwrap, checks, rewrap)."""
+    names = [n for n in ("cached_step", "cached_call") if hasattr(dtensor_cache, n)]
+    saved = [getattr(dtensor_cache, n) for n in names]
+    for n in names:
+        setattr(dtensor_cache, n, lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        for n, fn in zip(names, saved):
+            setattr(dtensor_cache, n, fn)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -98,16 +114,24 @@ def main() -> None:
     def call():
         ftopt.step(tx, params, grads, state, donate=True, backend="fused")
 
-    rows = {"cached DTensor step": per_step_us(call, args.number)}
-    saved = dtensor_cache.cached_step
-    dtensor_cache.cached_step = lambda *a: None
-    try:
-        rows["full DTensor path"] = per_step_us(call, args.number)
+    def fresh():
+        ftopt.step(tx, params, grads, state, donate=False, backend="fused")
+
+    def update():
+        tx.update(grads, state, params, backend="fused")
+
+    fresh(), update()  # (their fused tables)
+    rows = {}
+    for name, fn in (("donated step", call), ("non-donated step", fresh),
+                     ("tx.update", update)):
+        rows[f"{name}: cached"] = per_step_us(fn, args.number)
+        with no_dtensor_caches():
+            rows[f"{name}: full DTensor path"] = per_step_us(fn, args.number)
+        rows[f"{name}: speed-up"] = (rows[f"{name}: full DTensor path"]
+                                     / rows[f"{name}: cached"])
+    with no_dtensor_caches():
         full = phases(call, args.number)
-    finally:
-        dtensor_cache.cached_step = saved
-    rows["speed-up"] = rows["full DTensor path"] / rows["cached DTensor step"]
-    lines = [f"| donated fused step, {LEAVES} Shard(0) leaves, launch stubbed | us per step |",
+    lines = [f"| fused, {LEAVES} Shard(0) leaves, launch stubbed | us per call |",
              "| --- | ---: |"] + [f"| {k} | {v:.1f} |" for k, v in rows.items()]
     lines += ["", "| full path, phase | us per step |", "| --- | ---: |"]
     lines += [f"| {k} | {v:.1f} |" for k, v in full.items()]

@@ -111,8 +111,14 @@ def update_entry(obj: Any, updates: Any, state: Any, params: Any, extra: dict, r
     choice = extra.get("backend", "auto")
     if choice not in _UPDATE_BACKENDS:
         raise ValueError(f"backend must be one of {_UPDATE_BACKENDS}, got {choice!r}")
-    fusible = (choice != "eager" and set(extra) <= {"backend"}
-               and not torch.compiler.is_compiling())
+    compiling = torch.compiler.is_compiling()
+    distributed = loaded("distributed") if not compiling else None
+    if distributed is not None:
+        # DTensors updated before: their unwrap and rewrap, cached.
+        result = distributed.cached_update(obj, updates, state, params, extra)
+        if result is not None:
+            return result
+    fusible = choice != "eager" and set(extra) <= {"backend"} and not compiling
     fused = backend("fused") if fusible else None
     tx = GradientTransformation(obj.init, obj.update) if fused is not None else None
     if fused is not None:

@@ -45,14 +45,18 @@ import optree
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ftopt import dtensor_cache, shards
 from ftopt import tree as tree_lib
 from ftopt import update as update_lib
+from ftopt.combine import owner
+from ftopt.dtensor_cache import as_dtensor
 from ftopt.quant import absmax_layout, quantize_blockwise
 from ftopt.rules import QuantizedSlot
 
-__all__ = ["step", "cached_step", "update", "quantize_shards"]
+__all__ = ["step", "cached_step", "cached_call", "update", "cached_update",
+           "quantize_shards"]
 
 
 def step(tx, params, grads, state, donate: bool, backend: str):
@@ -68,6 +72,9 @@ def step(tx, params, grads, state, donate: bool, backend: str):
     out = call.wrap(new_params, "params"), call.wrap(new_state, "state")
     if donate and backend != "eager":
         dtensor_cache.remember(tx, params, grads, state, backend, context)
+    elif not donate:
+        dtensor_cache.remember_call("step", owner(tx), (params, grads), state, backend,
+                                    context)
     return out
 
 
@@ -77,16 +84,39 @@ def cached_step(tx, params, grads, state, backend: str):
     return dtensor_cache.cached_step(tx, params, grads, state, backend)
 
 
+def cached_call(tx, params, grads, state, backend: str):
+    """The non-donated step over DTensors laid out as the last one's, or ``None``
+    (:class:`ftopt.dtensor_cache.CallCache`)."""
+    def inner(local_params, local_grads, local_state):
+        return update_lib.step(tx, local_params, local_grads, local_state, donate=False,
+                               backend=backend)
+    return dtensor_cache.cached_call("step", owner(tx), (params, grads), state, backend,
+                                     inner)
+
+
 def update(obj, updates, state, params, extra: dict):
     """``tx.update`` over trees holding DTensors (see the module docstring)."""
     call = _Call()
     local_updates = call.unwrap(updates, "updates", record=True)
     local_state = call.unwrap(state, "state")
     local_params = call.unwrap(params, "params") if params is not None else None
-    with shards.local_shards(call.context()):
+    context = call.context()
+    with shards.local_shards(context):
         new_updates, new_state = obj.update(local_updates, local_state, local_params,
                                             **extra)
-    return call.wrap(new_updates, "updates"), call.wrap(new_state, "state")
+    out = call.wrap(new_updates, "updates"), call.wrap(new_state, "state")
+    dtensor_cache.remember_call("update", obj, (updates, params), state,
+                                extra.get("backend", "auto"), context, extra)
+    return out
+
+
+def cached_update(obj, updates, state, params, extra: dict):
+    """``tx.update`` over DTensors laid out as the last call's, or ``None``
+    (:class:`ftopt.dtensor_cache.CallCache`)."""
+    def inner(local_updates, local_params, local_state):
+        return obj.update(local_updates, local_state, local_params, **extra)
+    return dtensor_cache.cached_call("update", obj, (updates, params), state,
+                                     extra.get("backend", "auto"), inner, extra)
 
 
 def _is_slot(x: Any) -> bool:
@@ -102,11 +132,6 @@ def local_tensor(d: DTensor) -> torch.Tensor:
     """The shard of ``d`` held by this rank: its own storage, outside autograd."""
     with torch.no_grad():
         return d.to_local()
-
-
-def _as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
 
 
 def check_placements(what: str, path: str, d: DTensor) -> None:
@@ -127,6 +152,7 @@ class _Call:
         self.given: dict[str, list] = {}  # tree -> per leaf: (original, local) or None
         self.local_shards = shards.LocalShards()
         self.norm_leaves: list[tuple[str, Any]] = []  # (path, leaf) deciding the norms
+        self.specs: dict[str, Any] = {}  # path -> DTensorSpec of a param, grad or update
 
     def unwrap(self, tree: Any, what: str, *, record: bool = False) -> Any:
         paths, leaves, spec = _flatten(tree)
@@ -140,6 +166,7 @@ class _Call:
                 if what in ("params", "grads", "updates"):
                     self.local_shards.splits[where] = (tuple(leaf.placements),
                                                        shards.split_dims(leaf))
+                    self.specs[where] = leaf._spec
                 given.append((leaf, mine))
                 local.append(mine)
             elif _is_slot(leaf) and isinstance(leaf.codes, DTensor):
@@ -176,6 +203,7 @@ class _Call:
         layouts = _norm_layouts(self.norm_leaves)
         context.reduce = _reducer(layouts, context.splits)
         context.agree = _agreement(layouts)
+        context.offset = shard_offsets(self.specs)
         return context
 
 
@@ -185,17 +213,41 @@ def _rewrap(x: Any, original: Any, local: Any) -> Any:
     if _is_slot(original):
         if not _is_slot(x):
             return x
-        codes = original.codes if x.codes is local.codes else _as_dtensor(x.codes,
+        codes = original.codes if x.codes is local.codes else as_dtensor(x.codes,
                                                                          original.codes)
         if x.absmax is local.absmax:
             absmax = original.absmax
         else:
             shape = local_tensor(original.absmax).shape
-            absmax = _as_dtensor(x.absmax.view(shape), original.absmax)
+            absmax = as_dtensor(x.absmax.view(shape), original.absmax)
         return QuantizedSlot(codes, absmax)
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-        return _as_dtensor(x, original)
+        return as_dtensor(x, original)
     return x
+
+
+def shard_offsets(specs: dict[str, Any]):
+    """``path -> `` where this rank's shard of the leaf at ``path`` starts in the full
+    tensor's row-major order, or ``None`` where the shard is not one run of it
+    (:func:`ftopt.shards.flat_offset`); computed on first use, then kept."""
+    known: dict[str, int | None] = {}
+
+    def offset(path: str) -> int | None:
+        if path not in known:
+            spec = specs.get(path)
+            known[path] = 0 if spec is None else _flat_offset(spec)
+        return known[path]
+    return offset
+
+
+def _flat_offset(spec) -> int | None:
+    shape = tuple(spec.shape)
+    if not any(p.is_shard() for p in spec.placements):
+        return 0
+    if any(p.is_shard() and type(p) is not Shard for p in spec.placements):
+        return None  # (a strided shard: not one run)
+    local, start = compute_local_shape_and_global_offset(shape, spec.mesh, spec.placements)
+    return shards.flat_offset(shape, tuple(local), tuple(start))
 
 
 def _norm_layouts(leaves: list[tuple[str, Any]]) -> dict:

@@ -163,7 +163,7 @@ class RuleTransform:
             with (shards.norm_leaves([paths[i] for i in active])
                   if shards.in_local_shards() else contextlib.nullcontext()):
                 self._run(active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u,
-                          new_slots, carried)
+                          new_slots, carried, paths)
         values = {name: tree_lib.unflatten(spec, leaves) for name, leaves in new_slots.items()}
         values.update(running)
         if rule.counted:
@@ -220,7 +220,7 @@ class RuleTransform:
         return known, new_count, known + 1
 
     def _run(self, active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u, new_slots,
-             carried=None):
+             carried=None, paths=None):
         rule = self.rule
         us = [u_flat[i] for i in active]
         ps = [p_flat[i] for i in active] if rule.uses_params else []
@@ -240,7 +240,9 @@ class RuleTransform:
             if chunked is not None:
                 result = chunked.evaluate(rule, us, ps, old, masks, scalars)
         if result is None:
-            result = _run_vec(rule, mode, us, ps, old, masks, scalars, active)
+            starts = ([shards.element_offset(paths[i], rule.name) for i in active]
+                      if rule.indexed and paths is not None else None)
+            result = _run_vec(rule, mode, us, ps, old, masks, scalars, active, starts)
         u_items, slot_items = result
         for j, i in enumerate(active):
             # A 0-d leaf whose per-step scalars are float64 tensors (a device count) would
@@ -287,11 +289,13 @@ def _passed_through(u_flat: list, mask_flat: list, active: list[int]) -> list:
 
 
 def _run_vec(rule: Rule, mode: str, us, ps, old: dict, masks: list, scalars: dict,
-             leaves: list[int]):
+             leaves: list[int], starts: list[int] | None = None):
     """The body on :class:`eager.Vec` values over whole leaves: the updates and the new
     slots (in the compute dtype), zero-gradient elements masked (the one-stage case of
-    :func:`ftopt.program.trace_chain`). ``leaves``: each one's position in the tree."""
-    algebra = _VecAlgebra(rule, mode, us, ps, old, masks, scalars, leaves)
+    :func:`ftopt.program.trace_chain`). ``leaves``: each one's position in the tree;
+    ``starts``: where each one's elements start in its full tensor (a shard's offset, read
+    by indexed rules; ``None``: 0)."""
+    algebra = _VecAlgebra(rule, mode, us, ps, old, masks, scalars, leaves, starts)
     g = eager.elem([u.to(compute_dtype(u)) for u in us], mode)
     u = program.trace_chain([rule], [masks[0] is not None], algebra, g)
     return _as_elem_items(u, us), algebra.slots
@@ -301,9 +305,10 @@ class _VecAlgebra:
     """Tensors per leaf (:class:`eager.Vec`) for :func:`ftopt.program.trace_chain`."""
 
     def __init__(self, rule: Rule, mode: str, us, ps, old: dict, masks: list, scalars: dict,
-                 leaves: list[int]):
+                 leaves: list[int], starts: list[int] | None = None):
         self.rule, self.mode, self.us, self.ps, self.old = rule, mode, us, ps, old
         self.masks, self.scalars, self.leaves = masks, scalars, leaves
+        self.starts = starts or [0] * len(us)
         self._ops = eager.EagerOps(mode)
         self.slots: dict[str, list] = {}
 
@@ -327,7 +332,8 @@ class _VecAlgebra:
         if rule.uses_params:
             inputs["p"] = eager.elem([p.to(compute_dtype(p)) for p in self.ps], self.mode)
         if rule.indexed:
-            inputs["index"] = eager.elem([element_index(u) for u in self.us], self.mode)
+            inputs["index"] = eager.elem([element_index(u, start) for u, start in
+                                          zip(self.us, self.starts)], self.mode)
             inputs["leaf"] = eager.leafwise(self.leaves, self.mode)
         inputs.update({k: eager.scalar(v, self.mode) for k, v in self.scalars.items()})
         return inputs
@@ -339,9 +345,12 @@ class _VecAlgebra:
         self.slots[name] = _as_elem_items(value, self.us)
 
 
-def element_index(u: torch.Tensor) -> torch.Tensor:
-    """Each element's row-major position in its leaf (int64, shaped like ``u``)."""
-    return torch.arange(u.numel(), dtype=torch.int64, device=u.device).view(u.shape)
+def element_index(u: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Each element's row-major position in its leaf, plus ``start`` (where a shard's
+    elements start in the full tensor), modulo 2**32 as the kernels' uint32 (int64,
+    shaped like ``u``)."""
+    index = torch.arange(start, start + u.numel(), dtype=torch.int64, device=u.device)
+    return (index & 0xFFFFFFFF).view(u.shape)
 
 
 def _as_elem_items(value, like: list[torch.Tensor]) -> list[torch.Tensor]:

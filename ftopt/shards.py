@@ -34,7 +34,8 @@ import torch
 
 __all__ = ["dtensor_class", "is_dtensor", "any_dtensor", "LocalShards", "local_shards",
            "full_numel", "leaf_split", "reduce_squares", "all_ranks", "in_local_shards",
-           "on_local_shards", "split_dims", "norm_leaves"]
+           "on_local_shards", "split_dims", "norm_leaves", "element_offset",
+           "flat_offset"]
 
 
 def dtensor_class() -> type | None:
@@ -87,6 +88,10 @@ class LocalShards:
     # Pytree path of a param, gradient or update leaf -> (its placements, the tensor dims
     # its shards split over more than one rank).
     splits: dict[str, tuple[tuple, frozenset[int]]] = field(default_factory=dict)
+    # Pytree path of a param, gradient or update leaf -> where its local shard starts in
+    # the full tensor's row-major order (``None``: the shard is not one run of it).
+    # Computed on first use (see :func:`element_offset`).
+    offset: Callable[[str], int | None] | None = None
 
     def record(self, local: torch.Tensor, numel: int) -> None:
         self.full_numels[id(local)] = numel
@@ -159,6 +164,47 @@ def all_ranks(flag: torch.Tensor) -> torch.Tensor:
     if context is None or context.agree is None:
         return flag
     return context.agree(flag)
+
+
+def flat_offset(shape: tuple, local_shape: tuple, offsets: tuple) -> int | None:
+    """Where a block of a tensor of ``shape`` (``local_shape`` elements from the
+    coordinates ``offsets``) starts in its row-major order, if the block is one run of
+    it (a whole range of the first dim it splits, all dims before it of size 1); else
+    ``None``. An empty block starts anywhere: 0."""
+    if any(n == 0 for n in local_shape):
+        return 0
+    split = next((d for d, (a, b) in enumerate(zip(local_shape, shape)) if a != b), None)
+    if split is None:
+        return 0
+    if any(n != 1 for n in shape[:split]) or tuple(local_shape[split + 1:]) != tuple(
+            shape[split + 1:]):
+        return None
+    row = 1
+    for n in shape[split + 1:]:
+        row *= n
+    return offsets[split] * row
+
+
+def element_offset(path: str, who: str) -> int:
+    """The row-major position in the full tensor of the first element of the local
+    leaf at ``path`` (a param, gradient or update) in a call on local shards; 0 outside
+    one or for a leaf that is not a DTensor. Rules that read element positions
+    (``add_noise``) add it, so a shard's elements keep their single-process positions.
+
+    Raises ``ValueError`` (naming ``who``, the path and the placements) where the shard
+    is not one run of the full tensor (a split of a dim other than the first)."""
+    context = _CURRENT.get()
+    if context is None or context.offset is None:
+        return 0
+    start = context.offset(path)
+    if start is None:
+        placements = context.splits.get(path, ("?",))[0]
+        raise ValueError(
+            f"{who} at {path}: the leaf is sharded with placements {placements}, so its "
+            "local shard is not one run of the full tensor's elements; the element "
+            "positions it reads would not be the single-process ones. Shard it on its "
+            "first dim (Shard(0)) or replicate it")
+    return start
 
 
 def in_local_shards() -> bool:

@@ -77,6 +77,13 @@ def step(
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     compiling = torch.compiler.is_compiling()
+    if not donate and not compiling:
+        distributed = dispatch.loaded("distributed")
+        if distributed is not None:
+            # DTensors stepped before: their unwrap and rewrap, cached.
+            result = distributed.cached_call(tx, params, grads, state, backend)
+            if result is not None:
+                return result
     fused = dispatch.backend("fused") if backend != "eager" else None
     if fused is not None and not compiling:
         distributed = dispatch.loaded("distributed") if donate else None

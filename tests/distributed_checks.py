@@ -396,6 +396,71 @@ def check_ddp(rank):
     return {"replicas_equal": bool(torch.equal(gathered[0], gathered[1]))}
 
 
+# States with 0-d tensors: a step count only (noisy_sgd), running scalars
+# (schedule_free), one 0-d second moment per leaf (novograd).
+SCALAR_CHAINS = {
+    "noisy_sgd": lambda: ftopt.noisy_sgd(3e-2, eta=0.01, seed=3),
+    "schedule_free": lambda: ftopt.schedule_free_adamw(3e-3, warmup_steps=2),
+    "novograd": lambda: ftopt.novograd(3e-3, weight_decay=0.1),
+}
+
+
+def check_dcp_scalars(mesh, rank, directory):
+    """DCP of states with 0-d tensors across numbers of ranks: two ranks save (the test
+    loads it in one process, :func:`test_dcp_loads_on_one_process`); a one-process
+    checkpoint (written by rank 0 alone) loads on two ranks and resumes as the one
+    process does, bit for bit. Uneven Shard(0) leaves (novograd, which reads whole
+    leaves: Replicate)."""
+    torch.manual_seed(10)
+    start = {"w": torch.randn(5, 6), "b": torch.randn(7)}
+    grads = [{k: torch.randn_like(v) for k, v in start.items()} for _ in range(6)]
+
+    def run(tx, params, state, steps, layout=None):
+        for g in steps:
+            if layout is not None:
+                g = {k: distribute_tensor(v, mesh, layout) for k, v in g.items()}
+            params, state = ftopt.step(tx, params, g, state, donate=True)
+        return params, state
+
+    out = {}
+    for name, make in SCALAR_CHAINS.items():
+        layout = [Replicate()] if name == "novograd" else [Shard(0)]
+
+        def sharded(layout=layout):
+            return {k: distribute_tensor(v.clone(), mesh, layout) for k, v in start.items()}
+
+        tx, ref_tx = make(), make()
+        params = sharded()
+        params, state = run(tx, params, tx.init(params), grads[:3], layout)
+        ref = {k: v.clone() for k, v in start.items()}
+        ref, ref_state = run(ref_tx, ref, ref_tx.init(ref), grads[:3])
+        out[f"{name}_diff"] = max_diff(params, ref)
+        dcp.save({"opt": ftopt.state_dict(state, tx, params), "model": params},
+                 checkpoint_id=os.path.join(directory, f"dcp_{name}"))
+        one = os.path.join(directory, f"dcp_one_{name}")
+        if rank == 0:
+            torch.save({"params": ref, "state": ref_state},
+                       os.path.join(directory, f"ref_{name}.pt"))
+            dcp.save({"opt": ftopt.state_dict(ref_state, ref_tx, ref), "model": ref},
+                     checkpoint_id=one, no_dist=True)
+        dist.barrier()
+        # The one-process checkpoint, loaded on two ranks into fresh DTensor states.
+        tx2 = make()
+        params2 = sharded()
+        state2 = tx2.init(params2)
+        sd = {"opt": ftopt.state_dict(state2, tx2, params2), "model": params2}
+        dcp.load(sd, checkpoint_id=one)
+        state2 = ftopt.load_state_dict(state2, tx2, params2, sd["opt"])
+        got, want = ftopt.tree.leaves(state2), ftopt.tree.leaves(ref_state)
+        out[f"{name}_state_loaded"] = len(got) == len(want) and all(
+            torch.equal(full(a), b) for a, b in zip(got, want))
+        out[f"{name}_scalars"] = sum(t.ndim == 0 for t in want)
+        end2, _ = run(tx2, params2, state2, grads[3:], layout)
+        ref_end, _ = run(ref_tx, ref, ref_state, grads[3:])
+        out[f"{name}_resumed_diff"] = max_diff(end2, ref_end)
+    return out
+
+
 def check_dcp(mesh, rank, directory):
     out = {}
     data = batches(2 * 5)
@@ -528,6 +593,148 @@ def check_matrix_stages(mesh, rank, device):
     return out
 
 
+def check_call_cache(mesh, rank, device):
+    """Non-donated steps and ``tx.update`` over the same DTensor trees unwrap and rewrap
+    through the cache after the first call: new DTensors on the given leaves' specs, the
+    inputs untouched, equal to one process (8-bit states and a global norm too); trees
+    laid out otherwise take the full path."""
+    from ftopt import distributed as backend
+
+    full_calls = []
+    unwrap = backend._Call.unwrap
+
+    def counting(self, tree, what, **kwargs):
+        if what in ("grads", "updates"):
+            full_calls.append(what)
+        return unwrap(self, tree, what, **kwargs)
+
+    torch.manual_seed(9)
+    # 33 rows of 256 (8-bit blocks align: 17 and 16 rows), a vector (3 and 2).
+    w, b = torch.randn(33, 256), torch.randn(5)
+    grads = [(torch.randn(33, 256), torch.randn(5)) for _ in range(3)]
+    make = lambda: ftopt.chain(ftopt.clip_by_global_norm(1.0),  # noqa: E731
+                               ftopt.adamw(1e-2, state_bits=8))
+    out = {}
+    backend._Call.unwrap = counting
+    try:
+        for name in ("auto",) + (("fused",) if device is not None else ()):
+            for kind in ("step", "update"):
+                tx, ref_tx = make(), make()
+                layout = [Shard(0)]
+                params = {"w": distribute_tensor(w, mesh, layout),
+                          "b": distribute_tensor(b, mesh, layout)}
+                first = {k: full(v).clone() for k, v in params.items()}
+                ref = {"w": w.clone(), "b": b.clone()}
+                state, ref_state = tx.init(params), ref_tx.init(ref)
+                first_state = [full(t).clone() for t in ftopt.tree.leaves(state)]
+                given = params, state
+                full_calls.clear()
+                diffs, dtensors = [], []
+                for gw, gb in grads:
+                    dg = {"w": distribute_tensor(gw, mesh, layout),
+                          "b": distribute_tensor(gb, mesh, layout)}
+                    if kind == "step":
+                        params, state = ftopt.step(tx, params, dg, state, backend=name)
+                        ref, ref_state = ftopt.step(ref_tx, ref, {"w": gw, "b": gb},
+                                                    ref_state, backend=name)
+                        diffs.append(max_diff(params, ref))
+                        new = params
+                    else:
+                        new, state = tx.update(dg, state, params, backend=name)
+                        want, ref_state = ref_tx.update({"w": gw, "b": gb}, ref_state, ref,
+                                                        backend=name)
+                        diffs.append(max_diff(new, want))
+                    dtensors.append(all(isinstance(x, DTensor) and x.placements ==
+                                        tuple(layout) for x in new.values()))
+                key = f"{kind}_{name}"
+                out[f"{key}_full_calls"] = len(full_calls)
+                out[f"{key}_diff"] = max(diffs)
+                out[f"{key}_dtensors"] = all(dtensors)
+                mu = state[1][0].mu["w"]
+                out[f"{key}_8bit"] = (isinstance(mu, ftopt.rules.QuantizedSlot)
+                                      and isinstance(mu.absmax, DTensor))
+                out[f"{key}_state_diff"] = max(
+                    float((full(a).double().reshape(-1) - b.double().reshape(-1)).abs().max())
+                    for a, b in zip(ftopt.tree.leaves(state), ftopt.tree.leaves(ref_state)))
+                out[f"{key}_untouched"] = max_diff(given[0], first) == 0.0 and all(
+                    torch.equal(full(a), b) for a, b in
+                    zip(ftopt.tree.leaves(given[1]), first_state))
+        # Another layout of the same shapes (Replicate): the full path, then its cache.
+        tx = make()
+        rep = {"w": distribute_tensor(w, mesh, [Replicate()]),
+               "b": distribute_tensor(b, mesh, [Replicate()])}
+        rep_state = tx.init(rep)
+        full_calls.clear()
+        for layout in ([Shard(0)], [Replicate()], [Replicate()]):
+            p = {"w": distribute_tensor(w, mesh, layout), "b": distribute_tensor(b, mesh,
+                                                                                 layout)}
+            s = tx.init(p) if layout == [Shard(0)] else rep_state
+            new, _ = ftopt.step(tx, p, {"w": distribute_tensor(grads[0][0], mesh, layout),
+                                        "b": distribute_tensor(grads[0][1], mesh, layout)},
+                                s)
+        want, _ = ftopt.step(make(), {"w": w, "b": b}, {"w": grads[0][0], "b": grads[0][1]},
+                             make().init({"w": w, "b": b}))
+        out["relayout_full_calls"] = len(full_calls)
+        out["relayout_diff"] = max_diff(new, want)
+    finally:
+        backend._Call.unwrap = unwrap
+    return out
+
+
+def check_noise(rank, device):
+    """``noisy_sgd`` on shards draws the single process's noise, bit for bit: an
+    element's position is the one in the full tensor (uneven Shard(0) on one mesh dim and
+    on both of a 2-D mesh, HSDP, Replicate), eager, fused and through ``tx.update``; a
+    leaf split on dim 1 is refused before anything is written, naming it."""
+    torch.manual_seed(8)
+    # fc-like (5 rows over 2 ranks: 3 and 2), a vector (7: 4 and 3), a replicated leaf.
+    full_params = {"w": torch.randn(5, 6), "v": torch.randn(7), "r": torch.randn(3, 2)}
+    grads = [{k: torch.randn_like(p) for k, p in full_params.items()} for _ in range(3)]
+    mesh = init_device_mesh("cpu", (2,))
+    mesh2 = init_device_mesh("cpu", (1, 2))
+    layouts = {
+        "shard0": (mesh, {"w": [Shard(0)], "v": [Shard(0)], "r": [Replicate()]}),
+        "hsdp": (mesh2, {"w": [Replicate(), Shard(0)], "v": [Shard(0), Shard(0)],
+                         "r": [Replicate(), Replicate()]}),
+    }
+    make = lambda: ftopt.noisy_sgd(0.1, eta=1.0, seed=11)  # noqa: E731
+    out = {}
+    for backend in ("eager",) + (("fused",) if device is not None else ()):
+        ref_tx = make()
+        ref, ref_state = dict(full_params), ref_tx.init(full_params)
+        ref_updates = []
+        for g in grads:
+            ref_updates.append(ref_tx.update(g, ref_state, ref)[0])
+            ref, ref_state = ftopt.step(ref_tx, ref, g, ref_state, backend=backend)
+        for name, (m, placements) in layouts.items():
+            tx = make()
+            params = {k: distribute_tensor(p.clone(), m, placements[k]) for k, p in
+                      full_params.items()}
+            state = tx.init(params)
+            for i, g in enumerate(grads):
+                dg = {k: distribute_tensor(x, m, placements[k]) for k, x in g.items()}
+                if i == 0 and backend == "eager":
+                    updates, _ = tx.update(dg, state, params)
+                    out[f"{name}_update_diff"] = max_diff(updates, ref_updates[0])
+                params, state = ftopt.step(tx, params, dg, state, donate=True,
+                                           backend=backend)
+            out[f"{name}_{backend}_diff"] = max_diff(params, ref)
+        # Shard(1) splits rows: refused, nothing written.
+        tx = make()
+        params = {"w": distribute_tensor(full_params["w"].clone(), mesh, [Shard(1)])}
+        state = tx.init(params)
+        before = full(params["w"]).clone()
+        try:
+            ftopt.step(tx, params, {"w": distribute_tensor(grads[0]["w"], mesh, [Shard(1)])},
+                       state, donate=True, backend=backend)
+            out[f"shard1_{backend}_error"] = None
+        except ValueError as err:
+            out[f"shard1_{backend}_error"] = str(err)
+        out[f"shard1_{backend}_untouched"] = bool(torch.equal(full(params["w"]), before))
+        out[f"shard1_{backend}_count"] = int(state[0].count)
+    return out
+
+
 def run(rank: int, world: int, directory: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -548,6 +755,9 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "dcp": lambda: check_dcp(mesh, rank, directory),
         "optimizer": lambda: check_optimizer(mesh, rank, directory),
         "matrix_stages": lambda: check_matrix_stages(mesh, rank, fused_device),
+        "noise": lambda: check_noise(rank, fused_device),
+        "call_cache": lambda: check_call_cache(mesh, rank, fused_device),
+        "dcp_scalars": lambda: check_dcp_scalars(mesh, rank, directory),
     }
     results = {}
     for name, check in checks.items():

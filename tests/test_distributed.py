@@ -116,6 +116,25 @@ def test_cached_dtensor_step(results):
     assert got["swap_diff"] <= TOL and got["swap_state_diff"] <= TOL, got
 
 
+def test_cached_non_donated_step_and_update(results):
+    """Non-donated steps and tx.update over the same DTensor trees skip the unwrap after
+    the first call and give new DTensors (placements kept, 8-bit absmax too), equal to one
+    process, the inputs untouched; another layout takes the full path once."""
+    got = _check(results, "call_cache")
+    kinds = [k[:-len("_full_calls")] for k in got if k.endswith("_full_calls")
+             and not k.startswith("relayout")]
+    assert len(kinds) >= 2, got
+    for key in kinds:
+        assert got[f"{key}_full_calls"] == 1, (key, got)  # the first of 3 calls only
+        assert got[f"{key}_diff"] <= TOL and got[f"{key}_state_diff"] <= TOL, (key, got)
+        assert got[f"{key}_dtensors"] and got[f"{key}_8bit"], (key, got)
+        assert got[f"{key}_untouched"], (key, got)
+    # Shard(0), then Replicate twice: the second call's specs differ from the cached
+    # ones (the full path), the third is cached.
+    assert got["relayout_full_calls"] == 2, got
+    assert got["relayout_diff"] <= TOL, got
+
+
 def test_factored_on_shards(results):
     """A factored leaf split over the ranks is refused at init (path, placements); the
     unfactored Shard(0) and factored Replicate leaves of one tree equal one process."""
@@ -160,7 +179,20 @@ def test_matrix_stages_on_shards(results):
             assert "Replicate only" in got[key], got[key]
 
 
-@pytest.mark.parametrize("name", ["adamw", "adamw_8bit"])
+def test_dcp_scalar_states_across_ranks(results):
+    """States with 0-d tensors (a step count, Schedule-Free's running scalars, NovoGrad's
+    per-leaf second moments): a one-process checkpoint loads on two ranks bit for bit and
+    resumes as one process does (the other way: test_dcp_loads_on_one_process)."""
+    got = _check(results, "dcp_scalars")
+    for name, scalars in (("noisy_sgd", 1), ("schedule_free", 3), ("novograd", 3)):
+        assert got[f"{name}_scalars"] >= scalars, got  # (0-d leaves the state holds)
+        assert got[f"{name}_diff"] == 0.0, got
+        assert got[f"{name}_state_loaded"], got
+        assert got[f"{name}_resumed_diff"] == 0.0, got
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_8bit", "noisy_sgd", "schedule_free",
+                                  "novograd"])
 def test_dcp_loads_on_one_process(results, name):
     """The checkpoint of two ranks, loaded without a process group into a plain state,
     equals the single-process run's state bit for bit."""
@@ -170,7 +202,7 @@ def test_dcp_loads_on_one_process(results, name):
     directory = results["_directory"]
     ref = torch.load(os.path.join(directory, f"ref_{name}.pt"), weights_only=True)
     params = {k: torch.zeros_like(v) for k, v in ref["params"].items()}
-    tx = distributed_checks.CHAINS[name]()
+    tx = {**distributed_checks.CHAINS, **distributed_checks.SCALAR_CHAINS}[name]()
     state = tx.init(params)
     sd = {"opt": ftopt.state_dict(state, tx, params), "model": params}
     dcp.load(sd, checkpoint_id=os.path.join(directory, f"dcp_{name}"), no_dist=True)
@@ -182,3 +214,33 @@ def test_dcp_loads_on_one_process(results, name):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_noise_on_shards_equals_one_process(results):
+    """noisy_sgd over Shard(0) (uneven), HSDP and Replicate leaves draws the noise of one
+    process bit for bit (eager, fused, tx.update); Shard(1) is refused, naming the leaf
+    and its placements, before the params or the count change."""
+    got = _check(results, "noise")
+    for key in [k for k in got if k.endswith("_diff")]:
+        assert got[key] == 0.0, (key, got[key])
+    assert "shard0_update_diff" in got and "hsdp_eager_diff" in got
+    for key in [k for k in got if k.endswith("_error")]:
+        error = got[key]
+        assert error is not None and "add_noise at ['w']" in error, (key, error)
+        assert "(Shard(dim=1),)" in error, error
+        assert got[key.replace("_error", "_untouched")]
+        assert got[key.replace("_error", "_count")] == 0
+
+
+@pytest.mark.parametrize("shape, local, start, want", [
+    ((5, 6), (3, 6), (0, 0), 0),
+    ((5, 6), (2, 6), (3, 0), 18),  # the second of an uneven Shard(0)
+    ((7,), (3,), (4,), 4),
+    ((1, 6), (1, 3), (0, 3), 3),  # Shard(1) of one row: still one run
+    ((4, 6), (4, 3), (0, 3), None),  # Shard(1): every row split
+    ((4, 6), (2, 3), (2, 3), None),  # split on two dims
+    ((4, 6), (0, 6), (4, 0), 0),  # an empty shard
+    ((4, 6), (4, 6), (0, 0), 0),
+])
+def test_flat_offset(shape, local, start, want):
+    assert ftopt.shards.flat_offset(shape, local, start) == want

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ftopt import shards
 from ftopt import tree as tree_lib
 from ftopt.stages import leaf_selection
 
@@ -54,6 +55,14 @@ def select(plan, spec, params, p_flat, paths, memo: dict | None = None) -> Selec
         values[(k, "mask")] = [1.0 if f else 0.0 for f in flags]
     # Each leaf's position in the flattened tree (read by indexed rules: ``add_noise``).
     values[(None, "leaf")] = [float(i) for i in range(n)]
+    indexed = [s.rule.name for s in plan.stages if s.rule.indexed]
+    if indexed:
+        # Where a shard's elements start in its full tensor, as two 16-bit halves
+        # (float32 holds them exactly): the kernel adds it to each element's position.
+        starts = [shards.element_offset(paths[i], indexed[0]) & 0xFFFFFFFF
+                  for i in range(n)]
+        values[(None, "start_lo")] = [float(s & 0xFFFF) for s in starts]
+        values[(None, "start_hi")] = [float(s >> 16) for s in starts]
     return Selection(stage_of, values)
 
 

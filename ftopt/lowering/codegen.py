@@ -156,8 +156,13 @@ class _SymbolicAlgebra:
     def stage_inputs(self, index: int, rule, u) -> dict:
         inputs = {"p": self.p}
         if rule.indexed:  # (the leaf's position in the tree: a per-leaf value)
-            inputs["index"] = self.graph.add("offs.to(tl.uint32)", (), "elem", name="index")
-            inputs["leaf"] = self._ops.u32(self.graph.leaf_value(None, "leaf"))
+            o = self._ops
+            # Where the leaf's elements start in its full tensor (a shard's offset).
+            start = o.add32(o.u32(self.graph.leaf_value(None, "start_lo")),
+                            o.mul32(o.u32(self.graph.leaf_value(None, "start_hi")), 1 << 16))
+            offs = self.graph.add("offs.to(tl.uint32)", (), "elem", name="index")
+            inputs["index"] = o.add32(offs, start)
+            inputs["leaf"] = o.u32(self.graph.leaf_value(None, "leaf"))
         in_place = self.traced.in_place
         flag = self.leaf_flag(index) if rule.slots else None
         for slot in rule.slots:

@@ -109,7 +109,10 @@ def add_noise(eta: Float = 0.01, gamma: Float = 0.55, seed: int = 0) -> Gradient
     z is drawn from a counter-based hash of (seed, t, the leaf's position in the flattened
     param tree, the element's row-major position in its leaf) by Box-Muller (see the
     module docstring): the same seed gives the same noise on every backend and every call,
-    with no generator state. The uniforms are the same bits everywhere; z agrees to within
+    with no generator state. On DTensor shards the element's position is the one in the
+    full tensor, so a sharded run draws the single-process noise on any number of ranks
+    (a shard that is not one run of the full tensor, ``Shard(1)`` of a matrix, is
+    refused). The uniforms are the same bits everywhere; z agrees to within
     the ``log``/``cos`` of each backend's math library (a few float32 ulps of |z| + 1).
     With ``skip_zeros`` no noise is added where the gradient is zero. The chunked CPU
     evaluator does not run it (the eager torch ops do).
