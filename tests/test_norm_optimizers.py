@@ -140,3 +140,55 @@ def test_fromage_fused_equals_eager_donated(schedule):
             torch.testing.assert_close(p_f[k], p_e[k], rtol=1e-6, atol=1e-7)
     text = str(ftopt.explain(tx, p_e))  # one fused program: no stage runs in torch
     assert "scale_by_trust_ratio, fromage_step" in text and "matrix stage" not in text
+
+
+def _stage_ops(n_leaves: int) -> dict:
+    """The ATen ops (by name) of one run of NovoGrad's per-leaf stage over ``n_leaves``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ftopt import tree as tree_lib
+    from ftopt.transforms.novograd import LeafSecondMoment
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: dict = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "promote_types" not in str(func):  # (a host query, not a kernel)
+                self.seen[str(func)] = self.seen.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(7)
+    g = {f"l{i}": torch.randn(3 + i % 4, 5, generator=gen).to(DEVICE) for i in range(n_leaves)}
+    stage = LeafSecondMoment(0.5, 1e-6, 0.0)
+    paths, flat, spec = tree_lib.flatten_with_paths(g)
+    state = stage.init(g)
+    with Ops() as ops:
+        stage.run_flat(flat, None, state, flat, spec, paths)
+    return ops.seen
+
+
+def test_novograd_stage_is_batched_over_leaves():
+    """The per-leaf stage costs the same ops for 4 leaves as for 40 (one _foreach_norm, the
+    nu vector, one _foreach_div), not a handful per leaf."""
+    few, many = _stage_ops(4), _stage_ops(40)
+    assert few == many, (few, many)
+    assert sum(many.values()) <= 20, many
+
+
+def test_fused_novograd_launches_do_not_grow_with_leaves(kernel_launches):
+    """The fused momentum rule after the stage is one kernel launch for any number of
+    leaves of one dtype."""
+    gen = torch.Generator().manual_seed(8)
+    counts = []
+    for n in (3, 12):
+        params = {f"l{i}": torch.randn(4, 3 + i % 3, generator=gen).to(DEVICE)
+                  for i in range(n)}
+        tx = ftopt.novograd(1e-2, weight_decay=0.01)
+        state = tx.init(params)
+        grads = {k: torch.randn(v.shape, generator=gen).to(DEVICE) for k, v in params.items()}
+        before = len(kernel_launches)
+        ftopt.step(tx, params, grads, state, backend="fused")
+        counts.append(len(kernel_launches) - before)
+    assert counts[0] == counts[1] == 1, counts

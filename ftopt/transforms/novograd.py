@@ -17,8 +17,10 @@ and nowhere else (the per-leaf state kind of ftopt):
   and their ``mu`` keeps its bits, as for every per-element state.
 
 How it runs: the norm and the normalisation are a stage with torch ops (a matrix stage,
-:mod:`ftopt.matrix`: one ``_foreach_norm`` over all leaves, then per leaf a 0-d update of
-``nu`` and one division of the leaf; no host synchronisation, the first step is a
+:mod:`ftopt.matrix`), batched over the leaves of one dtype and device: one
+``_foreach_norm``, the ``nu`` of every leaf updated as one stacked vector (the new 0-d
+``nu`` leaves are views of it), one ``_foreach_div`` by the denominators; a handful of
+launches whatever the number of leaves, no host synchronisation (the first step is a
 ``where`` on the count when the count is only on the device); the momentum, the weight
 decay and whatever follows in a chain (the learning rate) are an elementwise rule, so on
 the fused backend they run as one fused kernel after the stage (segments, see
@@ -132,29 +134,46 @@ class LeafSecondMoment:
         return tree_lib.unflatten(spec, out), new
 
     def run_flat(self, u_flat, zero_flat, state, p_flat, spec, paths):
-        """The normalised updates and the new state for flat leaves (:mod:`ftopt.matrix`)."""
+        """The normalised updates and the new state for flat leaves (:mod:`ftopt.matrix`):
+        per (dtype, device) group of leaves, one ``_foreach_norm``, the new ``nu`` of every
+        leaf as one vector, one ``_foreach_div`` by the denominators; the new ``nu`` leaves
+        are views of that vector."""
         del p_flat
         nu_flat = tree_lib.flatten_like(spec, state.nu, "state nu", paths)
         first, new_count = _first_step(state.count)
         out, new_nu = list(u_flat), list(nu_flat)
-        active = [i for i, u in enumerate(u_flat) if u is not None]
-        if not active:
+        groups: dict[tuple, list[int]] = {}
+        for i, u in enumerate(u_flat):
+            if u is not None:
+                groups.setdefault((compute_dtype(u), u.device), []).append(i)
+        if not groups:
             return out, LeafSecondMomentState(new_count, state.nu)
-        us = [u_flat[i].to(compute_dtype(u_flat[i])) for i in active]
+        for (dtype, _), leaves in groups.items():
+            us = [u_flat[i].to(dtype) for i in leaves]
+            zeros = None if zero_flat is None else [zero_flat[i] for i in leaves]
+            results, nus = self._normalise(us, zeros, [nu_flat[i] for i in leaves], first)
+            for j, i in enumerate(leaves):
+                out[i], new_nu[i] = results[j], nus[j]
+        return out, LeafSecondMomentState(new_count, tree_lib.unflatten(spec, new_nu))
+
+    def _normalise(self, us: list, zeros: list | None, olds: list, first: Any):
+        """One group's normalised updates and new ``nu`` (views of one vector)."""
         mode = eager.choose_mode(us + [v for v in (self.b2, self.eps, self.eps_root)
                                        if isinstance(v, torch.Tensor)])
-        norms = eager.EagerOps(mode).leaf_norm(eager.elem(us, mode)).items
-        for j, i in enumerate(active):
-            u, old = us[j], nu_flat[i]
-            square = norms[j] * norms[j]
-            nu = _lerp_or_first(old.to(u.dtype), square, self.b2, first)
-            zero = None if zero_flat is None else zero_flat[i]
-            if zero is not None:  # a leaf whose raw gradient is all zero keeps its nu
-                nu = torch.where(zero.all(), old.to(u.dtype), nu)
-            result = u / (torch.sqrt(nu + _as(self.eps_root, u)) + _as(self.eps, u))
-            out[i] = result if zero is None else skip_update(result, zero)
-            new_nu[i] = nu.to(old.dtype)
-        return out, LeafSecondMomentState(new_count, tree_lib.unflatten(spec, new_nu))
+        norms = torch.stack(eager.EagerOps(mode).leaf_norm(eager.elem(us, mode)).items)
+        old = torch.stack(olds)
+        old_wide = old.to(norms.dtype)
+        nu = _lerp_or_first(old_wide, norms * norms, self.b2, first)
+        if zeros is not None:  # a leaf whose raw gradient is all zero keeps its nu
+            nu = torch.where(torch.stack([z.all() for z in zeros]), old_wide, nu)
+        denominators = (torch.sqrt(nu + _as(self.eps_root, nu)) + _as(self.eps, nu)).unbind()
+        if mode == "foreach":
+            results = list(torch._foreach_div(us, denominators))
+        else:
+            results = [u / d for u, d in zip(us, denominators)]
+        if zeros is not None:
+            results = [skip_update(r, z) for r, z in zip(results, zeros)]
+        return results, nu.to(old.dtype).unbind()
 
 
 def _as(value: Any, like: torch.Tensor) -> Any:
