@@ -38,15 +38,13 @@ def prodigy(
     device, moved without a host read.
 
     ``learning_rate`` multiplies the estimate (a schedule that starts near 1.0, e.g. a
-    linear decay to 0 after a warmup). ``state_bits``: 32 only (the states are fp32: they
-    feed global sums that 8-bit codes would bias). ``skip_zeros``: see
+    linear decay to 0 after a warmup). ``state_bits`` is accepted as by every alias, but
+    the states stay in the params' compute dtype (they feed global sums that 8-bit codes
+    would bias; as NovoGrad's per-leaf ``nu``, a stage's state is never quantized). ``skip_zeros``: see
     :mod:`ftopt.transforms.prodigy`. The math and the other arguments:
     :func:`ftopt.transforms.prodigy.scale_by_prodigy`.
     """
     check_state_options("prodigy", state_bits)
-    if state_bits != 32:
-        raise ValueError("prodigy: state_bits must be 32 (its states feed the global sums "
-                         f"of the estimate, kept in fp32), got {state_bits}")
     return finish([scale_by_prodigy(learning_rate, betas, beta3, eps, estim_lr0,
                                     estim_lr_coef, weight_decay, safeguard_warmup,
-                                    weight_decay_mask)], skip_zeros, 32)
+                                    weight_decay_mask)], skip_zeros, state_bits)

@@ -373,6 +373,12 @@ CASES = {
         changes={"params", "mu", "nu", "trace"},
     ),
 }
+CASES["prodigy"] = _alias(  # its estimate reads Σ|s| over the kept state: a global norm
+    lambda **kw: T.prodigy(1.0, betas=(0.8, 0.9), estim_lr0=1e-3, weight_decay=WD, **kw),
+    lambda: [ftopt.transforms.prodigy.scale_by_prodigy(1.0, (0.8, 0.9), None, 1e-8, 1e-3,
+                                                       1.0, WD)],
+    norm="global", changes={"params", "exp_avg", "exp_avg_sq", "grad_sum"},
+)
 CASES["noisy_sgd"] = _alias(  # the noise moves params where the gradient is zero, so the
     lambda **kw: T.noisy_sgd(1e-2, eta=0.05, gamma=0.5, seed=3, **kw),  # warm-up has none
     lambda: [T.add_noise(0.05, 0.5, seed=3), T.scale_by_learning_rate(1e-2)],

@@ -160,8 +160,9 @@ class ScaleByProdigy:
         for name in ("estim_lr", "numerator_weighted"):
             s = getattr(state, name)
             if not isinstance(s, torch.Tensor) or s.ndim != 0 or not s.is_floating_point():
-                raise TypeError(f"{self.name}: state {name} must be a 0-d float tensor, got "
-                                f"{getattr(s, 'shape', type(s).__name__)}")
+                raise TypeError(f"{self.name}: state {name} must be a 0-d floating-point "
+                                f"tensor, got {getattr(s, 'dtype', type(s).__name__)} "
+                                f"{tuple(getattr(s, 'shape', ()))}")
         for name in _SLOTS:
             leaves = tree_lib.flatten_like(spec, getattr(state, name), f"state {name}", paths)
             for i, u in enumerate(u_flat):
