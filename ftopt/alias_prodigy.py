@@ -40,7 +40,7 @@ def prodigy(
     ``learning_rate`` multiplies the estimate (a schedule that starts near 1.0, e.g. a
     linear decay to 0 after a warmup). ``state_bits`` is accepted as by every alias, but
     the states stay in the params' compute dtype (they feed global sums that 8-bit codes
-    would bias; as NovoGrad's per-leaf ``nu``, a stage's state is never quantized). ``skip_zeros``: see
+    would bias; a stage's state is never quantized, as NovoGrad's ``nu``). ``skip_zeros``: see
     :mod:`ftopt.transforms.prodigy`. The math and the other arguments:
     :func:`ftopt.transforms.prodigy.scale_by_prodigy`.
     """
