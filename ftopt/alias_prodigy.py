@@ -30,6 +30,7 @@ def prodigy(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Prodigy (as optax.contrib.prodigy, same arguments and defaults): AdamW whose step
     is d·lr with d a running estimate of the distance to the solution, grown from a global
@@ -38,13 +39,15 @@ def prodigy(
     device, moved without a host read.
 
     ``learning_rate`` multiplies the estimate (a schedule that starts near 1.0, e.g. a
-    linear decay to 0 after a warmup). ``state_bits`` is accepted as by every alias, but
-    the states stay in the params' compute dtype (they feed global sums that 8-bit codes
-    would bias; a stage's state is never quantized, as NovoGrad's ``nu``). ``skip_zeros``: see
+    linear decay to 0 after a warmup). ``state_bits=8`` stores m, v and s as 8-bit
+    blockwise codes (leaves of at least 4096 elements; :func:`ftopt.quantize_states`), and
+    ``state_dtype`` in bf16 or fp16; each step reads them, runs the math (Σ|s| included)
+    in the compute dtype and stores them once; ``params0``, a copy of the params, stays in
+    their compute dtype (as MADGRAD's ``x0``). ``skip_zeros``: see
     :mod:`ftopt.transforms.prodigy`. The math and the other arguments:
     :func:`ftopt.transforms.prodigy.scale_by_prodigy`.
     """
-    check_state_options("prodigy", state_bits)
+    check_state_options("prodigy", state_bits, state_dtype)
     return finish([scale_by_prodigy(learning_rate, betas, beta3, eps, estim_lr0,
                                     estim_lr_coef, weight_decay, safeguard_warmup,
-                                    weight_decay_mask)], skip_zeros, state_bits)
+                                    weight_decay_mask)], skip_zeros, state_bits, state_dtype)

@@ -23,6 +23,14 @@ step that a rule's per-step scalars, computed before the kernel, do not have.
 ``skip_zeros`` (SPEC §3): where the raw gradient is zero, m, v and s keep their bits and
 the update is ``-0.0``; Σ|s| is the norm of the state as kept (a skipped element adds its
 old |s|), the dot product gets nothing from it (g = 0); E, num and the count advance.
+
+State storage (``quantize_states``, an alias' ``state_bits=8`` or ``state_dtype``): m, v
+and s are stored as every rule's slots are (SPEC §5: 8-bit blockwise codes for leaves of at
+least ``min_size`` elements, v with the unsigned map; or bf16/fp16): a step reads them in
+the compute dtype, runs the math above (Σ|s| over the new s before it is stored) and stores
+each once; with ``skip_zeros`` a block whose gradients are all zero keeps its bytes.
+``params0``, a copy of the params, stays in their compute dtype (a rounded copy would bias
+Σ g·(x0 − p)), as MADGRAD's x0 does.
 """
 
 from __future__ import annotations
@@ -41,10 +49,10 @@ from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, POSITIVE, UNIT_OPEN, check_hparam
 from ftopt.matrix import check_shards
 from ftopt.program import skip_update
-from ftopt.rule_transform import flatten_params_like
-from ftopt.rules import check_param, compute_dtype, state_dtype
+from ftopt.rule_transform import flatten_params_like, read_slot, stored_slot, write_slot
+from ftopt.rules import QuantConfig, check_param, compute_dtype, state_dtype
 from ftopt.schedules import ScalarOrSchedule
-from ftopt.validate import check_count, check_leaf
+from ftopt.validate import check_count, check_leaf, check_slots
 
 __all__ = ["ProdigyState", "scale_by_prodigy"]
 
@@ -68,6 +76,9 @@ class ProdigyState(NamedTuple):
 
 
 _SLOTS = ("exp_avg", "exp_avg_sq", "grad_sum", "params0")
+# The slots 8-bit and 16-bit storage apply to, each with its map (signed or not); params0,
+# a copy of the params, stays in their compute dtype (as MADGRAD's x0, rules.Slot).
+_STORED = {"exp_avg": True, "exp_avg_sq": False, "grad_sum": True}
 
 
 class _Lists:
@@ -118,13 +129,33 @@ class ScaleByProdigy:
     mask_aware = True
     name = "prodigy"
 
+    full_width_slots = ("params0",)
+
     def __init__(self, learning_rate, b1, b2, b3, eps, estim_lr0, estim_lr_coef,
-                 weight_decay, safeguard_warmup: bool, weight_decay_mask):
+                 weight_decay, safeguard_warmup: bool, weight_decay_mask,
+                 quant: QuantConfig | None = None, store: torch.dtype | None = None):
+        self.args = (learning_rate, b1, b2, b3, eps, estim_lr0, estim_lr_coef, weight_decay,
+                     safeguard_warmup, weight_decay_mask)
         self.learning_rate, self.b1, self.b2, self.b3 = learning_rate, b1, b2, b3
         self.eps, self.estim_lr0, self.coef = eps, estim_lr0, estim_lr_coef
         self.weight_decay, self.safeguard = weight_decay, safeguard_warmup
         self.mask = weight_decay_mask
+        # m, v and s as quantize_states asks (8-bit codes for leaves of >= min_size
+        # elements, or 16-bit storage): read, updated in the compute dtype, stored once.
+        self.quant, self.store = quant, store
         register_owner(self)
+
+    def with_quant(self, quant: QuantConfig | None,
+                   store: torch.dtype | None = None) -> ScaleByProdigy:
+        """The same stage with m, v and s stored as ``quantize_states`` says."""
+        return ScaleByProdigy(*self.args, quant=quant, store=store)
+
+    def as_transform(self) -> GradientTransformation:
+        return GradientTransformation(self.init, self.update)
+
+    def _quant_for(self, p: torch.Tensor) -> QuantConfig | None:
+        return self.quant if self.quant is not None and p.numel() >= self.quant.min_size \
+            else None
 
     def check_shards(self, paths, u_flat) -> None:
         """The reductions read whole leaves: their shards may split no dim."""
@@ -134,9 +165,10 @@ class ScaleByProdigy:
         paths, flat, spec = tree_lib.flatten_with_paths(params)
         for path, p in zip(paths, flat):
             check_param(path, p)
-        zeros = [torch.zeros_like(p, dtype=state_dtype(p)) for p in flat]
-        slots = {name: tree_lib.unflatten(spec, [z.clone() for z in zeros])
-                 for name in ("exp_avg", "exp_avg_sq", "grad_sum")}
+        slots = {name: tree_lib.unflatten(spec, [
+            stored_slot(torch.zeros_like(p, dtype=state_dtype(p)), signed,
+                        self._quant_for(p), self.store) for p in flat])
+            for name, signed in _STORED.items()}
         slots["params0"] = tree_lib.unflatten(spec, [p.to(state_dtype(p), copy=True)
                                                      for p in flat])
         device = flat[0].device if flat else torch.device("cpu")
@@ -151,8 +183,8 @@ class ScaleByProdigy:
 
     def check_state(self, state: Any, u_flat, p_flat, spec, paths) -> None:
         """Raise (naming the leaf's path) unless ``state`` is a ProdigyState whose slots
-        hold one tensor shaped like each leaf, on its device, and whose E and num are 0-d
-        float tensors."""
+        hold one tensor shaped like each leaf, on its device (m, v and s 8-bit where this
+        stage makes them so), and whose E and num are 0-d float tensors."""
         if not isinstance(state, ProdigyState):
             raise TypeError(f"{self.name}: expected a ProdigyState, got "
                             f"{type(state).__name__}")
@@ -170,6 +202,9 @@ class ScaleByProdigy:
                     continue
                 check_leaf(paths[i], u, p_flat[i], True)
                 s, where = leaves[i], f"state {name} at {paths[i]}"
+                if name in _STORED:
+                    check_slots(self, paths[i], u, p_flat[i], {name: s})
+                    continue
                 if not isinstance(s, torch.Tensor) or not s.is_floating_point():
                     raise TypeError(f"{where}: expected a float tensor, got "
                                     f"{getattr(s, 'dtype', type(s).__name__)}")
@@ -206,9 +241,13 @@ class ScaleByProdigy:
 
     def run_flat(self, u_flat, zero_flat, state, p_flat, spec, paths, params=None):
         """The updates and the new state for flat leaves (:mod:`ftopt.matrix`)."""
-        slots = {name: list(tree_lib.flatten_like(spec, getattr(state, name),
-                                                  f"state {name}", paths))
-                 for name in _SLOTS}
+        stored = {name: list(tree_lib.flatten_like(spec, getattr(state, name),
+                                                   f"state {name}", paths))
+                  for name in _SLOTS}
+        slots = {name: [leaf if u is None or name not in _STORED else
+                        read_slot(leaf, _STORED[name], self.quant, u)
+                        for leaf, u in zip(leaves, u_flat)]
+                 for name, leaves in stored.items()}
         if params is None:
             params = tree_lib.unflatten(spec, p_flat)
         count, t, new_count = _counts(state.count)
@@ -222,26 +261,26 @@ class ScaleByProdigy:
             groups.setdefault((compute_dtype(u_flat[i]), u_flat[i].device), []).append(i)
         dot = torch.zeros((), dtype=est.dtype, device=est.device)
         l1 = torch.zeros((), dtype=est.dtype, device=est.device)
-        new_slots = {name: list(leaves) for name, leaves in slots.items()}
+        new_slots = {name: list(leaves) for name, leaves in stored.items()}
         kept = {}
         for (dtype, device), leaves in groups.items():
             part = self._moments(dtype, device, leaves, u_flat, p_flat, slots, zero_flat,
                                  est, dlr)
-            for name in ("exp_avg", "exp_avg_sq", "grad_sum"):
+            for name, signed in _STORED.items():
                 for i, value in zip(leaves, part[name]):
-                    new_slots[name][i] = value
+                    zero = None if zero_flat is None else zero_flat[i]
+                    new_slots[name][i] = write_slot(stored[name][i], value, signed,
+                                                    self.quant, zero)
             dot = dot + part["dot"].to(est.device, est.dtype)
             l1 = l1 + part["l1"].to(est.device, est.dtype)
-            kept[(dtype, device)] = part["lists"]
+            kept[(dtype, device)] = (part["lists"], part["exp_avg"], part["exp_avg_sq"])
         b3 = _as(self.b3, est)
         num = b3 * state.numerator_weighted + (est / self.estim_lr0) * dlr * dot
         new_est = torch.maximum(est, _as(self.coef, est) * num / l1)
         out = list(u_flat)
         decayed = self._decayed(spec, paths, params) if self.weight_decay is not None else None
         for (dtype, device), leaves in groups.items():
-            ops = kept[(dtype, device)]
-            m = [new_slots["exp_avg"][i] for i in leaves]
-            v = [new_slots["exp_avg_sq"][i] for i in leaves]
+            ops, m, v = kept[(dtype, device)]
             denom = ops.add_scalar(ops.sqrt(v), (new_est * _as(self.eps, new_est)).to(
                 device, dtype))
             result = ops.mul(ops.binary("div", m, denom), (-dlr).to(device, dtype))
@@ -265,7 +304,7 @@ class ScaleByProdigy:
         mode = eager.choose_mode(g + [v for v in (self.b1, self.b2, self.b3)
                                       if isinstance(v, torch.Tensor)])
         ops = _Lists(mode)
-        old = {name: [slots[name][i] for i in leaves] for name in _SLOTS}
+        old = {name: [slots[name][i].to(dtype) for i in leaves] for name in _SLOTS}
         b1, b2, b3 = (_as(b, est).to(device, dtype) if isinstance(b, torch.Tensor) else b
                       for b in (self.b1, self.b2, self.b3))
         dg = ops.mul(g, est.to(device, dtype))
