@@ -6,6 +6,7 @@ from ftopt.alias_matrix import adafactor, muon
 from ftopt.alias_more import adan, madgrad, rprop
 from ftopt.alias_noise import noisy_sgd
 from ftopt.alias_norms import fromage, novograd
+from ftopt.alias_prodigy import prodigy
 from ftopt.alias_variants import (
     adabelief,
     adadelta,
@@ -122,6 +123,7 @@ from ftopt.transforms.muon import (
     scale_by_shape,
 )
 from ftopt.transforms.noise import AddNoiseState, add_noise
+from ftopt.transforms.prodigy import ProdigyState
 from ftopt.transforms.utility import (
     centralize,
     clip,
@@ -288,3 +290,5 @@ __all__ += ["LeafSecondMomentState", "NovogradMomentumState", "fromage", "novogr
             "scale_by_novograd"]
 # Gradient noise
 __all__ += ["AddNoiseState", "add_noise", "noisy_sgd"]
+# Prodigy (ftopt.alias_prodigy)
+__all__ += ["ProdigyState", "prodigy"]

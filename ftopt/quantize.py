@@ -22,7 +22,8 @@ STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _rebuild(tx: GradientTransformation, quant: QuantConfig | None,
              store: torch.dtype | None) -> GradientTransformation:
     obj = getattr(tx.update, "__self__", None)
-    if isinstance(obj, RuleTransform):
+    if isinstance(obj, RuleTransform) or callable(getattr(obj, "with_quant", None)):
+        # (a stage with per-element states of its own, Prodigy's, stores them as asked too)
         return obj.with_quant(quant, store).as_transform()
     children = getattr(obj, "transforms", None)
     if children is not None and hasattr(obj, "rebuild"):

@@ -83,15 +83,8 @@ class RuleTransform:
             return p.detach().to(slot.dtype or state_dtype(p), copy=True)
         value = 0.0 if slot.init is None else self.rule.hparams[slot.init]
         x = torch.full_like(p, float(value), dtype=state_dtype(p))
-        if self.store is not None and not self.quantized(p):
-            return x.to(self.store)
-        if self.quantized(p):  # (a DTensor's numel is its full size)
-            qmap = dynamic_map(slot.signed, p.device)
-            if is_dtensor(x):  # blocks of the full tensor's flat layout, on each shard
-                return dispatch.backend("distributed").quantize_shards(
-                    x, qmap, self.quant.block_size)
-            return QuantizedSlot(*quantize_blockwise(x.float(), qmap, self.quant.block_size))
-        return x
+        return stored_slot(x, slot.signed, self.quant if self.quantized(p) else None,
+                           self.store)
 
     def init(self, params):
         paths, flat, spec = tree_lib.flatten_with_paths(params)
@@ -109,22 +102,10 @@ class RuleTransform:
         return self.rule.state_class(**values)
 
     def _read_slot(self, slot: Slot, leaf, p_like: torch.Tensor) -> torch.Tensor:
-        if isinstance(leaf, QuantizedSlot):
-            qmap = dynamic_map(slot.signed, leaf.codes.device)
-            return dequantize_blockwise(leaf.codes, leaf.absmax, qmap, self.quant.block_size)
-        if leaf.dtype in (torch.float16, torch.bfloat16):  # read in the compute dtype
-            return leaf.to(compute_dtype(p_like))
-        return leaf
+        return read_slot(leaf, slot.signed, self.quant, p_like)
 
     def _write_slot(self, slot: Slot, old_leaf, new: torch.Tensor, mask):
-        if not isinstance(old_leaf, QuantizedSlot):
-            return new.to(old_leaf.dtype)  # one rounding (to nearest) per store
-        qmap = dynamic_map(slot.signed, new.device)
-        codes, absmax = quantize_blockwise(new.float(), qmap, self.quant.block_size)
-        if mask is not None:
-            # A block whose gradients are all zero keeps its bytes.
-            codes, absmax = _keep_skipped_blocks(old_leaf, codes, absmax, mask, self.quant)
-        return QuantizedSlot(codes, absmax)
+        return write_slot(old_leaf, new, slot.signed, self.quant, mask)
 
     # -- update --------------------------------------------------------------------------
     def update(self, updates, state, params=None, *, zero_mask=None, **extra):
@@ -365,6 +346,45 @@ def _as_elem_items(value, like: list[torch.Tensor]) -> list[torch.Tensor]:
             x = x.expand(ref.shape).clone()
         out.append(x)
     return out
+
+
+def stored_slot(x: torch.Tensor, signed: bool, quant: QuantConfig | None,
+                store: torch.dtype | None):
+    """The first stored value of a per-element state ``x`` (in the compute dtype): 8-bit
+    blockwise codes where ``quant`` is given (the leaf is at least ``min_size``; the
+    signed or unsigned map), else ``x`` in ``store`` (``None``: as it is)."""
+    if quant is not None:
+        qmap = dynamic_map(signed, x.device)
+        if is_dtensor(x):  # blocks of the full tensor's flat layout, on each shard
+            return dispatch.backend("distributed").quantize_shards(x, qmap, quant.block_size)
+        return QuantizedSlot(*quantize_blockwise(x.float(), qmap, quant.block_size))
+    return x if store is None else x.to(store)
+
+
+def read_slot(leaf, signed: bool, quant: QuantConfig | None,
+              p_like: torch.Tensor) -> torch.Tensor:
+    """A stored per-element state as a tensor for the math: 8-bit codes dequantized (fp32),
+    16-bit storage read in the compute dtype of ``p_like``, anything else as it is."""
+    if isinstance(leaf, QuantizedSlot):
+        qmap = dynamic_map(signed, leaf.codes.device)
+        return dequantize_blockwise(leaf.codes, leaf.absmax, qmap, quant.block_size)
+    if leaf.dtype in (torch.float16, torch.bfloat16):  # read in the compute dtype
+        return leaf.to(compute_dtype(p_like))
+    return leaf
+
+
+def write_slot(old_leaf, new: torch.Tensor, signed: bool, quant: QuantConfig | None, mask):
+    """``new`` stored as ``old_leaf`` is: re-encoded per block (SPEC §5) if it is 8-bit,
+    where a block whose gradients are all zero (``mask``, skip_zeros) keeps its bytes;
+    else rounded once to the old leaf's dtype."""
+    if not isinstance(old_leaf, QuantizedSlot):
+        return new.to(old_leaf.dtype)  # one rounding (to nearest) per store
+    qmap = dynamic_map(signed, new.device)
+    codes, absmax = quantize_blockwise(new.float(), qmap, quant.block_size)
+    if mask is not None:
+        # A block whose gradients are all zero keeps its bytes.
+        codes, absmax = _keep_skipped_blocks(old_leaf, codes, absmax, mask, quant)
+    return QuantizedSlot(codes, absmax)
 
 
 def _keep_skipped_blocks(old: QuantizedSlot, codes, absmax, mask, quant: QuantConfig):

@@ -96,7 +96,11 @@ def _at_least(numel: int | None, size: int) -> bool:
 
 
 def _full_width(stage: Any) -> set[str]:
-    """The slots ``stage`` keeps in the compute dtype whatever its state format."""
+    """The slots ``stage`` keeps in the compute dtype whatever its state format (a rule's
+    ``from_params`` slots, or a stage's ``full_width_slots``)."""
+    names = getattr(stage, "full_width_slots", None)
+    if names is not None:
+        return set(names)
     return {slot.name for slot in stage.rule.slots if slot.from_params}
 
 

@@ -665,6 +665,21 @@ TRANSFORMS += [
           example={"learning_rate": 1e-2}),
 ]
 
+# ---- Prodigy (ftopt.alias_prodigy): one stage of torch ops batched over leaves (its
+# global dot product and L1 norm read whole leaves), then the fused p + u. Under
+# state_bits=8 / state_dtype its m, v and s are stored as asked and params0, a copy of the
+# params, stays in their dtype (mixed_layout, as MADGRAD's x0).
+TRANSFORMS += [
+    Entry("prodigy", ftopt.prodigy,
+          floats={"learning_rate": HP(0.1, 1.0, schedule=True), "eps": EPS,
+                  "estim_lr0": HP(1e-6, 1e-2, log=True, tensor=False),
+                  "estim_lr_coef": HP(0.5, 1.0), "weight_decay": WD},
+          options={"betas": ((0.9, 0.999), (0.8, 0.99)), "safeguard_warmup": (False, True)},
+          kind="alias", states=("exp_avg", "exp_avg_sq", "grad_sum", "params0"),
+          counted=True, norms="global", uses_params=True, mixed_layout=True,
+          bookkeeping=True, example={"learning_rate": 1.0, "estim_lr0": 1e-3}),
+]
+
 # ---- matrix-stage optimizers and their parts (ftopt.transforms.factored, .muon)
 TRANSFORMS += [
     # A stateful matrix stage: its row/column means are not per-element states. The
@@ -744,7 +759,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ScaleByAmsgradState", "ScaleByBeliefState", "ScaleByAdaDeltaState",
     "ScaleBySimplifiedAdEMAMixState", "EmaState", "ScaleByOptimisticGradientState",
     "ScaleByAdanState", "MadgradState", "ScaleByRpropState",
-    "ScheduleFreeState", "schedule_free_eval_params",
+    "ScheduleFreeState", "schedule_free_eval_params", "ProdigyState",
     "LeafSecondMomentState", "NovogradMomentumState",
     "apply_updates", "step", "explain", "schedules", "tree",
     "Optimizer", "from_torch_state_dict", "to_torch_state_dict", "state_dict",

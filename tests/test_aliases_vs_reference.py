@@ -17,6 +17,7 @@ import pytest
 import reference as R
 import reference_noise as RZ
 import reference_norms as RN
+import reference_prodigy as RP
 import reference_variants as RV
 import torch
 from registry import by_trait, names, require
@@ -252,6 +253,11 @@ CASES = {
     ),
     "fromage": (lambda: ftopt.fromage(0.05, min_norm=1e-3),
                 lambda: RN.RefFromage(0.05, min_norm=1e-3)),
+    # ---- ftopt.alias_prodigy (reference_prodigy.py): a larger first estimate, so that
+    # the estimate grows within the test's steps
+    "prodigy": (lambda: ftopt.prodigy(1.0, betas=(0.9, 0.99), estim_lr0=1e-3,
+                                      weight_decay=0.05),
+                lambda: RP.RefProdigy(1.0, 0.9, 0.99, estim_lr0=1e-3, weight_decay=0.05)),
     # ---- bitsandbytes rows of SPEC §4 (Adam/AdamW, AdEMAMix, Lion rows are the aliases above)
     "bnb_sgd": (
         lambda: sc.chain(sc.add_decayed_weights(0.05), sc.trace(decay=0.7),
@@ -306,7 +312,7 @@ REGISTRY_CASES = {
     "simplified_ademamix": "simplified_ademamix",
     "adan": "adan", "madgrad": "madgrad", "rprop": "rprop", "noisy_sgd": "noisy_sgd",
     "schedule_free_sgd": "schedule_free_sgd", "schedule_free_adamw": "schedule_free_adamw",
-    "novograd": "novograd", "fromage": "fromage",
+    "novograd": "novograd", "fromage": "fromage", "prodigy": "prodigy",
 }
 PATHS = ["update", "step_eager"]
 

@@ -42,6 +42,7 @@ from collections.abc import Callable
 
 import optree
 import pytest
+import reference_prodigy as RP
 import torch
 from registry import BY_NAME, TRANSFORMS, by_trait, names, require
 
@@ -60,10 +61,11 @@ SHAPES = {
 QUANTIZED = ("w", "v")
 WARMUP = 3
 SIGNED_SLOTS = {"mu", "trace", "m1", "m2", "m", "ema", "previous_gradient", "v", "g", "s",
-                "x0", "prev_updates", "z"}
+                "x0", "prev_updates", "z", "exp_avg", "grad_sum", "params0"}
 UNSIGNED_SLOTS = {"nu", "sum_of_squares", "nu_max", "n", "e_g", "e_x", "grad_sum_sq",
-                  "step_sizes"}
-FULL_WIDTH_SLOTS = {"x0", "z"}  # copies of the params: fp32 under state_bits=8 too (rules.Slot)
+                  "step_sizes", "exp_avg_sq"}
+# Copies of the params: fp32 under state_bits=8 too (rules.Slot; Prodigy's params0)
+FULL_WIDTH_SLOTS = {"x0", "z", "params0"}
 QMAP = {True: create_dynamic_map(signed=True), False: create_dynamic_map(signed=False)}
 NAN_AT = {"w": 2000, "s": 40}  # flat indices; block 7 of "w" has no zero grads
 
@@ -86,6 +88,14 @@ class Case:
     sizes, where a NaN comparison picks a factor, and its sign(NaN) = 0 steps); every other
     slot must be NaN there. ``warm_grads(params, gen)``: warm-up grads where random signs
     would leave much state at 0 (Rprop zeroes its step where the sign flips).
+    ``step_grads(params, gen)``: the dense grads the zero-grad step starts from (default:
+    dense_grads), for a chain whose norm only sees the skipped elements where the step's
+    grads go on as the warm-up's did (Prodigy's estimate grows only then).
+    ``reference(params, grads, state, mask)``: for a chain whose norm reads its state as
+    kept (Prodigy's Σ|s|, where a skipped element adds its old |s|), which the parts'
+    oracle (run, then restore) cannot build: a float64 step with §3 applied from the
+    formula, giving (params, state) as the chain's; the 32-bit result must match it within
+    rounding (the bit-exact checks at the zero-grad elements stay).
     """
 
     make: Callable[..., ftopt.GradientTransformation]
@@ -95,10 +105,14 @@ class Case:
     changes: frozenset
     nan_free: frozenset = frozenset()
     warm_grads: Callable | None = None  # the warm-up grads (default: dense_grads)
+    step_grads: Callable | None = None  # the zero-grad step's, before zeros (dense_grads)
+    reference: Callable | None = None  # in place of the parts' oracle (see above)
 
 
-def _alias(fn, parts, norm=None, changes=(), nan_free=(), warm_grads=None):
-    return Case(fn, parts, True, norm, frozenset(changes), frozenset(nan_free), warm_grads)
+def _alias(fn, parts, norm=None, changes=(), nan_free=(), warm_grads=None, step_grads=None,
+           reference=None):
+    return Case(fn, parts, True, norm, frozenset(changes), frozenset(nan_free), warm_grads,
+                step_grads, reference)
 
 
 def _bnb(parts, norm=None, changes=()):
@@ -373,6 +387,44 @@ CASES = {
         changes={"params", "mu", "nu", "trace"},
     ),
 }
+_PRODIGY = {"lr": 5.0, "betas": (0.8, 0.9), "eps": 0.1, "estim_lr0": 1e-3}
+
+
+def _prodigy_reference(params, grads, state, mask):
+    """RefProdigy (float64, tests/reference_prodigy.py) one step on from ``state``."""
+    (st,) = state
+    b1, b2 = _PRODIGY["betas"]
+    ref = RP.RefProdigy(_PRODIGY["lr"], b1, b2, eps=_PRODIGY["eps"],
+                        estim_lr0=_PRODIGY["estim_lr0"], weight_decay=WD)
+    ref.t, ref.estim = int(st.count), float(st.estim_lr)
+    ref.num = float(st.numerator_weighted)
+    names = {"m": "exp_avg", "v": "exp_avg_sq", "s": "grad_sum", "x0": "params0"}
+    ref.state = {k: {short: getattr(st, name)[k].double() for short, name in names.items()}
+                 for k in params}
+    new_params = ref.step(params, grads, skip=mask)
+    slots = {name: {k: ref.state[k][short] for k in params} for short, name in names.items()}
+    f64 = torch.float64
+    return new_params, (type(st)(**slots, estim_lr=torch.tensor(ref.estim, dtype=f64),
+                                 numerator_weighted=torch.tensor(ref.num, dtype=f64),
+                                 count=st.count + 1),)
+
+
+# Prodigy's estimate reads Σ|s| over the kept state, a global norm; it grows only while the
+# params go on moving along the gradients (steady signs, in the zero-grad step too) and
+# lr·bias correction > 1 makes it grow within the warm-up; the new estimate reaches the
+# update only through estim·eps in the denominator, hence a large eps: so the control (no
+# skip_zeros) differs off the zero-grad elements for every dtype.
+CASES["prodigy"] = _alias(
+    lambda **kw: T.prodigy(_PRODIGY["lr"], betas=_PRODIGY["betas"], eps=_PRODIGY["eps"],
+                           estim_lr0=_PRODIGY["estim_lr0"], weight_decay=WD, **kw),
+    lambda: [ftopt.transforms.prodigy.scale_by_prodigy(
+        _PRODIGY["lr"], _PRODIGY["betas"], None, _PRODIGY["eps"], _PRODIGY["estim_lr0"],
+        1.0, WD)],
+    norm="global", changes={"params", "exp_avg", "exp_avg_sq", "grad_sum"},
+    warm_grads=lambda params, gen: steady_sign_grads(params, gen),
+    step_grads=lambda params, gen: steady_sign_grads(params, gen),
+    reference=_prodigy_reference,
+)
 CASES["noisy_sgd"] = _alias(  # the noise moves params where the gradient is zero, so the
     lambda **kw: T.noisy_sgd(1e-2, eta=0.05, gamma=0.5, seed=3, **kw),  # warm-up has none
     lambda: [T.add_noise(0.05, 0.5, seed=3), T.scale_by_learning_rate(1e-2)],
@@ -582,9 +634,10 @@ def steady_sign_grads(params: dict, gen: torch.Generator) -> dict:
     return out
 
 
-def zero_grads(params: dict, gen: torch.Generator, nan_leaves: tuple) -> dict:
+def zero_grads(params: dict, gen: torch.Generator, nan_leaves: tuple,
+               dense: Callable = dense_grads) -> dict:
     """Random grads with exact zeros of both signs: scattered, whole rows, a whole block."""
-    g = dense_grads(params, gen)
+    g = dense(params, gen)
     for k, x in g.items():
         flat = x.view(-1)
         scatter = torch.rand(flat.shape, generator=gen) < 0.3
@@ -639,6 +692,26 @@ def oracle_step(case: Case, params, grads, state, mask):
     new_params = ftopt.apply_updates(params, u)
     new_params = {k: torch.where(mask[k], params[k], p) for k, p in new_params.items()}
     return new_params, tuple(new_states)
+
+
+def assert_near_reference(tree, ref, old=None) -> None:
+    """Each float leaf of ``tree`` within rounding of the float64 ``ref``: the leaf dtype's
+    eps relative to the value, plus 1e-5 of the step (``old``: the values before it) or of
+    the value (states computed in fp32 from sums over every element); ints equal."""
+    leaves, spec = optree.tree_flatten(tree, namespace="ftopt")
+    ref_leaves, ref_spec = optree.tree_flatten(ref, namespace="ftopt")
+    assert spec == ref_spec, (spec, ref_spec)
+    old_leaves = optree.tree_leaves(old, namespace="ftopt") if old is not None else \
+        [None] * len(leaves)
+    for i, (x, r, o) in enumerate(zip(leaves, ref_leaves, old_leaves)):
+        if not x.is_floating_point():
+            assert torch.equal(x, r.to(x.dtype)), i
+            continue
+        r = r.double()
+        scale = (r - o.double()).abs() if o is not None else r.abs()
+        bound = torch.finfo(x.dtype).eps * r.abs() + 1e-5 * scale + 1e-30
+        err = (x.double() - r).abs()
+        assert bool((err <= bound).all()), (i, float((err - bound).max()))
 
 
 def expected_8bit(state_8bit, state_fp32_new, mask, skip: bool):
@@ -733,7 +806,7 @@ def test_skip_zeros(name, mode, bits, dtype, entry):
         assert tree_bit_equal(from_skip(skip_state), state)
 
     nan_leaves = {None: ("w", "s"), "leaf": ("s",)}.get(case.norm, ())
-    grads = zero_grads(params, gen, nan_leaves)
+    grads = zero_grads(params, gen, nan_leaves, case.step_grads or dense_grads)
     mask = {k: g == 0 for k, g in grads.items()}
     # Params of exactly ±0.0 at zero grads must keep their sign bit too.
     params = {k: p.clone() for k, p in params.items()}
@@ -800,10 +873,14 @@ def _check_32bit(case, params, grads, state, mask, nan, new_p, new_s, ctl_p, ctl
         else:
             assert not bool(moved.any()), (where, "control: state should not change")
 
-    # The whole result is the oracle's (norms see the skipped elements as 0).
-    or_p, or_s = oracle_step(case, params, grads, state, mask)
-    assert tree_bit_equal(new_p, or_p)
-    assert tree_bit_equal(new_s, or_s)
+    if case.reference is not None:  # a norm of the kept state: the float64 reference's
+        ref_p, ref_s = case.reference(params, grads, state, mask)
+        assert_near_reference(new_p, ref_p, params)
+        assert_near_reference(new_s, ref_s)
+    else:  # The whole result is the oracle's (norms see the skipped elements as 0).
+        or_p, or_s = oracle_step(case, params, grads, state, mask)
+        assert tree_bit_equal(new_p, or_p)
+        assert tree_bit_equal(new_s, or_s)
 
     _check_param_control(case, params, ctl_p, mask)
 

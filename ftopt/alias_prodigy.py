@@ -1,0 +1,53 @@
+"""``prodigy`` (optax.contrib): learning-rate-free AdamW (see :mod:`ftopt.transforms.prodigy`
+for the math and how it runs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ftopt.alias import check_state_options, finish
+from ftopt.base import GradientTransformation
+from ftopt.schedules import ScalarOrSchedule
+from ftopt.transforms.prodigy import scale_by_prodigy
+
+__all__ = ["prodigy"]
+
+Float = float | torch.Tensor
+
+
+def prodigy(
+    learning_rate: ScalarOrSchedule = 1.0,
+    betas: tuple[Float, Float] = (0.9, 0.999),
+    beta3: Float | None = None,
+    eps: Float = 1e-8,
+    estim_lr0: float = 1e-6,
+    estim_lr_coef: Float = 1.0,
+    weight_decay: Float = 0.0,
+    safeguard_warmup: bool = False,
+    weight_decay_mask: Any = None,
+    *,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Prodigy (as optax.contrib.prodigy, same arguments and defaults): AdamW whose step
+    is d·lr with d a running estimate of the distance to the solution, grown from a global
+    dot product Σ g·(x0 − p) and a global L1 norm of its state s. The state is optax's
+    ``ProdigyState``; d (``estim_lr``) and its numerator are 0-d tensors on the params'
+    device, moved without a host read.
+
+    ``learning_rate`` multiplies the estimate (a schedule that starts near 1.0, e.g. a
+    linear decay to 0 after a warmup). ``state_bits=8`` stores m, v and s as 8-bit
+    blockwise codes (leaves of at least 4096 elements; :func:`ftopt.quantize_states`), and
+    ``state_dtype`` in bf16 or fp16; each step reads them, runs the math (Σ|s| included)
+    in the compute dtype and stores them once; ``params0``, a copy of the params, stays in
+    their compute dtype (as MADGRAD's ``x0``). ``skip_zeros``: see
+    :mod:`ftopt.transforms.prodigy`. The math and the other arguments:
+    :func:`ftopt.transforms.prodigy.scale_by_prodigy`.
+    """
+    check_state_options("prodigy", state_bits, state_dtype)
+    return finish([scale_by_prodigy(learning_rate, betas, beta3, eps, estim_lr0,
+                                    estim_lr_coef, weight_decay, safeguard_warmup,
+                                    weight_decay_mask)], skip_zeros, state_bits, state_dtype)
