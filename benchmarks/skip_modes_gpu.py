@@ -1,0 +1,80 @@
+"""skip_zeros per layout and mode on one GPU (``ftopt.lowering.tiles.SKIP_MODES``).
+
+For each layout of ``gpu_step.LAYOUTS`` and each way a donated step may skip zero
+gradients, the time of Adam with skip_zeros against without, with dense gradients and with
+90% of the embedding's rows zero (GPT-2 tree); then each compiled kernel's registers.
+
+    python3 benchmarks/skip_modes_gpu.py OUT
+"""
+import json
+import pathlib
+import statistics
+import sys
+
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")]
+import gpu_step  # noqa: E402
+import torch  # noqa: E402
+
+import ftopt  # noqa: E402
+from ftopt.lowering import tiles  # noqa: E402
+
+dev = torch.device("cuda")
+cfg = gpu_step.Config(device=dev, smoke=False, quick=True, iters=30, warmup=3, rounds=1,
+                      copy_numel=1, single_numel=1,
+                      tree_dims={"vocab": 50257, "d": 768, "ctx": 1024, "n_layer": 12},
+                      compile_single=False, compile_trees=False, tiles=[], sections=[])
+
+
+def t(tx, params, grads, n=40, reps=3):
+    p = {k: v.clone() for k, v in params.items()}
+    s = tx.init(p)
+    for _ in range(3):
+        p, s = ftopt.step(tx, p, grads, s, donate=True, backend="fused")
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            p, s = ftopt.step(tx, p, grads, s, donate=True, backend="fused")
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / n)
+    return statistics.median(out)
+
+
+res = []
+for name, (dtype, kw, _) in gpu_step.LAYOUTS.items():
+    key = "8-bit" if "state_bits" in kw else ("fp32" if name == "fp32" else "16-bit")
+    params, grads = gpu_step._tree(cfg, dtype, seed=21)
+    sparse, frac = gpu_step._sparse_wte(grads, cfg)
+    pairs = (("dense", grads), ("sparse", sparse))
+    base = {g: t(ftopt.adam(1e-3, **kw), params, gr) for g, gr in pairs}
+    modes = (["tiles", "select"] if key == "8-bit"
+             else ["in_place", "tiles", "in_place+tiles", "select"])
+    for mode in modes:
+        tiles.SKIP_MODES[key] = mode
+        gpu_step._clear_lowering_caches()
+        for g, gr in (("dense", grads), ("sparse", sparse)):
+            ms = t(ftopt.adam(1e-3, skip_zeros=True, **kw), params, gr)
+            res.append(dict(layout=name, mode=mode, grads=g, base=base[g], skip=ms))
+            print(f"{name:26s} {mode:15s} {g:6s} base {base[g]:.3f} skip {ms:.3f} "
+                  f"({(ms / base[g] - 1) * 100:+.1f}%)", flush=True)
+    del params, grads, sparse
+    torch.cuda.empty_cache()
+out = pathlib.Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+(out / "skipmodes.json").write_text(json.dumps(res, indent=1))
+
+from ftopt.lowering import codegen  # noqa: E402
+
+for key, mod in codegen._MODULES.items():
+    src = open(mod.__file__).read()
+    tags = " ".join(t for t, on in (
+        ("8bit", "qmap" in src), ("tiles", "if tl.sum((tl.load(g_ptr" in src),
+        ("inplace", "mask=keep" in src or "& keep" in src), ("bf16", "uint16" in src)) if on)
+    fn = getattr(mod, "ftopt_main", None)
+    for cache in (fn.device_caches.values() if fn is not None else ()):
+        for k in cache[0].values():
+            print(f"kernel {key[:8]} {tags:24s} regs {k.n_regs} spills {k.n_spills} "
+                  f"warps {k.metadata.num_warps}")
