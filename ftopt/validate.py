@@ -147,11 +147,13 @@ def check_count(rule_name: str, count: Any) -> None:
 
 
 def check_running(rule: Rule, state: Any) -> None:
-    """A rule's running scalars (:attr:`Rule.running`) are 0-d fp32 tensors with values."""
+    """A rule's running scalars (:attr:`Rule.running`) are 0-d fp32 tensors with values
+    (fp64 too: a float64 computation keeps them in float64)."""
     for name in rule.running:
         value = getattr(state, name)
         if (not isinstance(value, torch.Tensor) or value.ndim != 0
-                or value.dtype != torch.float32 or value.layout != torch.strided):
+                or value.dtype not in (torch.float32, torch.float64)
+                or value.layout != torch.strided):
             got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
                    if isinstance(value, torch.Tensor) else type(value).__name__)
             raise ValueError(f"{rule.name}: state.{name} must be a 0-d float32 tensor, got "
