@@ -9,7 +9,7 @@ import torch
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, check_transform
 from ftopt.combine import Masked, Partition
-from ftopt.lowering import branches
+from ftopt.lowering import branches, runs
 from ftopt.lowering.codegen import level_reductions
 from ftopt.lowering.plan import (
     _DTYPE_BYTES,
@@ -118,12 +118,9 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
 
 def _runs(plan: ChainPlan, spec, params, p_flat, g_flat, paths) -> list:
     """Per part of the plan (the plan itself if it has no segments), the leaves it runs
-    on, as :func:`ftopt.lowering.segments.leaves_of` gives them."""
+    on, as :func:`ftopt.lowering.runs.leaves_of` gives them."""
     if plan.segments is not None:
-        # (imported here: the segments import the kernels, and so Triton)
-        from ftopt.lowering import segments
-
-        return segments.leaves_of(plan, spec, params, p_flat, g_flat, paths)
+        return runs.leaves_of(plan, spec, params, p_flat, g_flat, paths)
     selection = (branches.select(plan, spec, params, p_flat, paths) if plan.branched
                  else None)
     on = [g is not None for g in g_flat]
