@@ -192,3 +192,102 @@ def test_fused_novograd_launches_do_not_grow_with_leaves(kernel_launches):
         ftopt.step(tx, params, grads, state, backend="fused")
         counts.append(len(kernel_launches) - before)
     assert counts[0] == counts[1] == 1, counts
+
+
+def _fused_against_eager(tx, params, steps, zero_rows=5):
+    """``tx`` stepped fused (donated) and eager from ``params`` on the same fresh
+    gradients (``w``'s first rows zero; at step 2 the whole of ``b``): both results."""
+    gen = torch.Generator().manual_seed(9)
+    p_e = {k: v.clone() for k, v in params.items()}
+    p_f = {k: v.clone() for k, v in params.items()}
+    s_e, s_f = tx.init(p_e), tx.init(p_f)
+    for t in range(steps):
+        g = _tree(gen, 0.1)
+        g["w"][:zero_rows] = 0.0
+        if t == 2:
+            g["b"] = torch.zeros_like(g["b"])
+        p_e, s_e = ftopt.step(tx, p_e, g, s_e, backend="eager")
+        p_f, s_f = ftopt.step(tx, p_f, g, s_f, backend="fused", donate=True)
+    return (p_e, s_e), (p_f, s_f)
+
+
+@pytest.mark.parametrize("skip_zeros", [False, True])
+def test_fused_novograd_divides_in_the_kernel_as_eager_does(skip_zeros):
+    """The fused step (the stage hands per-leaf denominators to the kernel, which divides)
+    against the eager one (the stage divides with torch): params, mu and nu within fp32
+    rounding over 4 steps, a partly zero and an all-zero leaf included; the fused plan
+    reads the raw gradient after the stage (no fp32 copy of a normalised update)."""
+    params = _tree(torch.Generator().manual_seed(10))
+    tx = ftopt.novograd(1e-2, b1=0.8, b2=0.5, eps=1e-6, weight_decay=0.1,
+                        skip_zeros=skip_zeros)
+    (p_e, s_e), (p_f, s_f) = _fused_against_eager(tx, params, 4)
+    for k in SHAPES:
+        torch.testing.assert_close(p_f[k], p_e[k], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(s_f[0][1].mu[k], s_e[0][1].mu[k], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(_nu(s_f)[k], _nu(s_e)[k], rtol=1e-6, atol=0)
+        assert not torch.equal(p_f[k], params[k])
+    text = str(ftopt.explain(tx, params))
+    assert "scale_by_novograd (per-leaf stage" in text, text
+    from ftopt.lowering.plan import plan_chain
+
+    after = plan_chain(tx).segments[1]
+    assert after.divided == ("skip" if skip_zeros else True) and after.seeded is False
+
+
+def test_fused_novograd_divisors_reach_only_the_stage_leaves():
+    """Inside ``masked`` the stage runs on some leaves: the others read 1.0 as their
+    divisor (their update is the plain gradient times the learning rate), fused as eager;
+    after a fused segment (global-norm clipping) the stage divides that segment's
+    output."""
+    params = _tree(torch.Generator().manual_seed(11))
+    mask = {"w": True, "b": False, "z": True}
+    for tx in (ftopt.chain(ftopt.masked(ftopt.scale_by_novograd(0.8, 0.5, weight_decay=0.1),
+                                        mask), ftopt.scale_by_learning_rate(1e-2),
+                           ftopt.skip_zeros()),
+               ftopt.chain(ftopt.clip_by_global_norm(0.5), ftopt.scale_by_novograd(0.8, 0.5),
+                           ftopt.scale_by_learning_rate(1e-2))):
+        (p_e, _), (p_f, _) = _fused_against_eager(tx, params, 3)
+        for k in SHAPES:
+            torch.testing.assert_close(p_f[k], p_e[k], rtol=1e-6, atol=1e-7)
+
+
+def _step_ops(n_leaves: int, skip_zeros: bool) -> dict:
+    """The ATen ops (by name) of a donated fused NovoGrad step (its second) over
+    ``n_leaves``: stage, nu write-back, tables and kernel launch together."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: dict = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "promote_types" not in str(func):  # (a host query, not a kernel)
+                self.seen[str(func)] = self.seen.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(12)
+    params = {f"l{i}": torch.randn(3 + i % 4, 5, generator=gen).to(DEVICE)
+              for i in range(n_leaves)}
+    tx = ftopt.novograd(1e-2, weight_decay=0.01, skip_zeros=skip_zeros)
+    state = tx.init(params)
+    for _ in range(2):
+        grads = {k: torch.randn(v.shape, generator=gen).to(DEVICE) for k, v in params.items()}
+        grads["l0"][0] = 0.0
+        with Ops() as ops:
+            params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+    return ops.seen
+
+
+@pytest.mark.parametrize("skip_zeros", [False, True])
+def test_fused_novograd_step_ops_do_not_grow_with_leaves(skip_zeros):
+    """A whole donated fused step dispatches the same ops for 4 leaves as for 24: one
+    ``_foreach_norm`` (two with skip_zeros: max |g| finds the all-zero leaves), the nu
+    vector, one ``_foreach_copy_`` back into the caller's 0-d nu leaves, no division
+    and no per-leaf ``all``/``where`` (the kernel divides and skips)."""
+    few, many = _step_ops(4, skip_zeros), _step_ops(24, skip_zeros)
+    assert few == many, {k: (few.get(k), many.get(k)) for k in set(few) | set(many)
+                         if few.get(k) != many.get(k)}
+    assert many["aten._foreach_norm.Scalar"] == (2 if skip_zeros else 1), many
+    assert many["aten._foreach_copy_.default"] == 1, many
+    assert not [k for k in many if "div" in k or ".all." in k], many

@@ -61,16 +61,23 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
     for k, (part, mine) in enumerate(zip(parts, found)):
         if not isinstance(part, ChainPlan):
             stage, skip, path, _ = part
-            if skip and zero_flat is None:
-                zero_flat = [None if g is None else g == 0 for g in g_flat]
-            out_flat, stage_state = stage.run_flat(
-                _only(u_flat, mine), _only(zero_flat, mine) if skip else None,
-                state_at(state, path), p_flat, spec, paths)
+            dividing = k + 1 < len(parts) and getattr(parts[k + 1], "divided", False)
+            if dividing:  # u passes through; the next kernel divides by the divisors
+                divisors, stage_state = stage.leaf_divisors(
+                    _only(u_flat, mine), _only(g_flat, mine) if skip else None,
+                    state_at(state, path), spec, paths)
+                found[k + 1][0].device_values[(None, "divisor")] = divisors
+            else:
+                if skip and zero_flat is None:
+                    zero_flat = [None if g is None else g == 0 for g in g_flat]
+                out_flat, stage_state = stage.run_flat(
+                    _only(u_flat, mine), _only(zero_flat, mine) if skip else None,
+                    state_at(state, path), p_flat, spec, paths)
+                u_flat = [u.contiguous() if on else old
+                          for u, old, on in zip(out_flat, u_flat, mine)]
             if donate:
                 stage_state = _write_back(state_at(state, path), stage_state)
             state = with_state_at(state, path, stage_state)
-            u_flat = [u.contiguous() if on else old
-                      for u, old, on in zip(out_flat, u_flat, mine)]
             continue
         _, on, seeded = mine
         last = k == len(parts) - 1
@@ -95,11 +102,21 @@ def _write_back(old, new):
     host mirror, so the next step reads no device value)."""
     old_flat = tree_lib.leaves(old)
     new_flat = tree_lib.structure(old).flatten_up_to(new)
+    olds, news, counts = [], [], []
+    for o, n in zip(old_flat, new_flat):
+        if isinstance(o, torch.Tensor) and o is not n:
+            olds.append(o)
+            news.append(n)
+            if n.ndim == 0 and not n.is_floating_point():
+                counts.append((o, host_count(n)))
     with torch.no_grad():
-        for o, n in zip(old_flat, new_flat):
-            if isinstance(o, torch.Tensor) and o is not n:
-                known = host_count(n) if n.ndim == 0 and not n.is_floating_point() else None
+        if olds and all(type(t) is torch.Tensor for t in olds + news):
+            # One multi-tensor copy (NovoGrad's 0-d nu leaves: not a launch per leaf).
+            torch._foreach_copy_(olds, news)
+        else:
+            for o, n in zip(olds, news):
                 o.copy_(n)
-                if known is not None:
-                    remember_count(o, known)
+    for o, known in counts:
+        if known is not None:
+            remember_count(o, known)
     return old

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ftopt import eager
+from ftopt import eager, shards
 from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
@@ -74,6 +74,7 @@ class LeafSecondMoment:
 
     matrix_stage = True
     mask_aware = True
+    divides_leaves = True  # fused: the next kernel divides by the per-leaf denominators
     name = "scale_by_novograd"
 
     def __init__(self, b2: Float, eps: Float, eps_root: Float):
@@ -161,19 +162,70 @@ class LeafSecondMoment:
         mode = eager.choose_mode(us + [v for v in (self.b2, self.eps, self.eps_root)
                                        if isinstance(v, torch.Tensor)])
         norms = torch.stack(eager.EagerOps(mode).leaf_norm(eager.elem(us, mode)).items)
-        old = torch.stack(olds)
-        old_wide = old.to(norms.dtype)
-        nu = _lerp_or_first(old_wide, norms * norms, self.b2, first)
-        if zeros is not None:  # a leaf whose raw gradient is all zero keeps its nu
-            nu = torch.where(torch.stack([z.all() for z in zeros]), old_wide, nu)
-        denominators = (torch.sqrt(nu + _as(self.eps_root, nu)) + _as(self.eps, nu)).unbind()
+        kept = None if zeros is None else torch.stack([z.all() for z in zeros])
+        denominators, nu = self._denominators(norms, kept, olds, first)
+        denominators = denominators.unbind()
         if mode == "foreach":
             results = list(torch._foreach_div(us, denominators))
         else:
             results = [u / d for u, d in zip(us, denominators)]
         if zeros is not None:
             results = [skip_update(r, z) for r, z in zip(results, zeros)]
-        return results, nu.to(old.dtype).unbind()
+        return results, nu
+
+    def _denominators(self, norms: torch.Tensor, kept: torch.Tensor | None, olds: list,
+                      first: Any) -> tuple[torch.Tensor, tuple]:
+        """Per leaf of a group, ``√(nu + eps_root) + eps`` (one vector) and the new ``nu``
+        leaves (views of one vector in ``nu``'s dtype) from the leaves' norms; ``kept``:
+        per leaf, whether its raw gradient is all zero (its ``nu`` stays as it was)."""
+        old = torch.stack(olds)
+        old_wide = old.to(norms.dtype)
+        nu = _lerp_or_first(old_wide, norms * norms, self.b2, first)
+        if kept is not None:  # a leaf whose raw gradient is all zero keeps its nu
+            nu = torch.where(kept, old_wide, nu)
+        denominators = torch.sqrt(nu + _as(self.eps_root, nu)) + _as(self.eps, nu)
+        return denominators, nu.to(old.dtype).unbind()
+
+    def leaf_divisors(self, u_flat, raw_flat, state, spec, paths):
+        """The stage in a segmented fused step that divides in the next kernel
+        (:mod:`ftopt.lowering.segments`): the updates pass through, and per (dtype,
+        device) group of leaves ``(leaves, denominators)`` (one fp32 vector, the divisor
+        of each of ``leaves`` in order) goes to the kernel, which reads it as a per-leaf
+        value; and the new state. ``raw_flat``: the raw gradients of a skip_zeros chain
+        (``None`` otherwise): a leaf whose raw gradient is all zero (max |g| = 0; NaN is
+        not zero) keeps its ``nu``. One ``_foreach_norm`` per group (two with
+        skip_zeros) and a few ops on the stacked vectors, whatever the number of leaves:
+        no per-leaf op, no host synchronisation."""
+        nu_flat = tree_lib.flatten_like(spec, state.nu, "state nu", paths)
+        first, new_count = _first_step(state.count)
+        new_nu = list(nu_flat)
+        groups: dict[tuple, list[int]] = {}
+        for i, u in enumerate(u_flat):
+            if u is not None:
+                groups.setdefault((compute_dtype(u), u.device), []).append(i)
+        divisors = []
+        for (dtype, _), leaves in groups.items():
+            norms = _leaf_norms([u_flat[i] for i in leaves], dtype)
+            kept = None
+            if raw_flat is not None:
+                largest = torch._foreach_norm([raw_flat[i] for i in leaves], float("inf"))
+                kept = torch.stack(largest) == 0
+            denominators, nus = self._denominators(norms, kept,
+                                                   [nu_flat[i] for i in leaves], first)
+            for j, i in enumerate(leaves):
+                new_nu[i] = nus[j]
+            divisors.append((leaves, denominators.to(torch.float32)))
+        nu = tree_lib.unflatten(spec, new_nu) if groups else state.nu
+        return divisors, LeafSecondMomentState(new_count, nu)
+
+
+def _leaf_norms(us: list, dtype: torch.dtype) -> torch.Tensor:
+    """‖u‖ of each leaf, summed in ``dtype`` (16-bit updates are not copied first), as one
+    vector; on local shards the eager norms, which sum the squares over the ranks."""
+    if shards.in_local_shards():
+        items = eager.elem([u.to(dtype) for u in us], "foreach")
+        return torch.stack(eager.EagerOps("foreach").leaf_norm(items).items)
+    return torch.stack(torch._foreach_norm(us, 2.0, dtype=dtype))
 
 
 def _as(value: Any, like: torch.Tensor) -> Any:
