@@ -16,6 +16,13 @@ branch starts in a later segment reads its raw gradient there, the others their
 previous part's output: a per-leaf flag (``seeded="mixed"``) picks, so each segment
 stays one launch per group.
 
+A stage with ``divides_leaves`` (NovoGrad's, :mod:`ftopt.transforms.novograd`) divides
+each leaf by one value of its own: it runs ``leaf_divisors`` instead of ``run_flat``,
+its input passes through, and the next segment divides that input (the raw gradient
+where no segment ran before) by the leaf's value, which the stage computed on the device
+and the per-leaf value table carries (``divisor``; 1.0 where the stage does not run): no
+torch op per leaf, no fp32 copy of the divided update.
+
 Every segment's checks run before the first kernel, so a call that cannot fuse falls
 back to the eager path with nothing written.
 """
@@ -110,9 +117,14 @@ def _write_back(old, new):
             if n.ndim == 0 and not n.is_floating_point():
                 counts.append((o, host_count(n)))
     with torch.no_grad():
-        if olds and all(type(t) is torch.Tensor for t in olds + news):
-            # One multi-tensor copy (NovoGrad's 0-d nu leaves: not a launch per leaf).
-            torch._foreach_copy_(olds, news)
+        if all(type(t) is torch.Tensor for t in olds + news):
+            # One multi-tensor copy per dtype (NovoGrad's 0-d nu leaves: not a launch per
+            # leaf; torch's fast route takes lists of one dtype only).
+            kinds: dict = {}
+            for o, n in zip(olds, news):
+                kinds.setdefault((o.dtype, n.dtype, o.device), []).append((o, n))
+            for pairs in kinds.values():
+                torch._foreach_copy_([o for o, _ in pairs], [n for _, n in pairs])
         else:
             for o, n in zip(olds, news):
                 o.copy_(n)

@@ -16,16 +16,19 @@ and nowhere else (the per-leaf state kind of ftopt):
   (the same norm a norm-based transform sees); the skipped elements' update is ``-0.0``
   and their ``mu`` keeps its bits, as for every per-element state.
 
-How it runs: the norm and the normalisation are a stage with torch ops (a matrix stage,
+How it runs: the norm and the new ``nu`` are a stage with torch ops (a matrix stage,
 :mod:`ftopt.matrix`), batched over the leaves of one dtype and device: one
 ``_foreach_norm``, the ``nu`` of every leaf updated as one stacked vector (the new 0-d
-``nu`` leaves are views of it), one ``_foreach_div`` by the denominators; a handful of
-launches whatever the number of leaves, no host synchronisation (the first step is a
-``where`` on the count when the count is only on the device); the momentum, the weight
-decay and whatever follows in a chain (the learning rate) are an elementwise rule, so on
-the fused backend they run as one fused kernel after the stage (segments, see
-:mod:`ftopt.lowering.segments`). The normalised update is one extra pass over the
-gradients' memory compared with a kernel that would read ``nu`` itself.
+``nu`` leaves are views of it), no host synchronisation (the first step is a ``where``
+on the count when the count is only on the device). The momentum, the weight decay and
+whatever follows in a chain (the learning rate) are an elementwise rule. On the eager
+backend the stage also divides (one ``_foreach_div`` by the denominators). On the fused
+backend it does not (:meth:`LeafSecondMoment.leaf_divisors`): it hands the vector of
+denominators √(nu + eps_root) + eps to the kernel that runs the rest of the chain
+(segments, see :mod:`ftopt.lowering.segments`), which reads it as a per-leaf value and
+divides the raw gradient itself, zero-gradient elements skipped there too; a step is
+one ``_foreach_norm`` (two with ``skip_zeros``: max |g| = 0 finds the all-zero leaves),
+a few ops on the stacked vectors and one kernel launch, whatever the number of leaves.
 """
 
 from __future__ import annotations
