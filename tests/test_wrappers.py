@@ -63,7 +63,22 @@ def test_multisteps_skip_fn_changes_nothing():
         assert torch.equal(a, b)
 
 
-def test_inject_hyperparams_matches_float64_adam_and_changes_without_recompiling():
+def _adam_reference(ref, mu, nu, grads, t, lr, b1):
+    """One float64 Adam step (b2 = 0.999, eps = 1e-8), written from the formula."""
+    for n in ref:
+        g = grads[n].double()
+        mu[n] = b1 * mu[n] + (1 - b1) * g
+        nu[n] = 0.999 * nu[n] + 0.001 * g * g
+        m_hat, v_hat = mu[n] / (1 - b1 ** t), nu[n] / (1 - 0.999 ** t)
+        ref[n] = ref[n] - lr * m_hat / (v_hat.sqrt() + 1e-8)
+
+
+@pytest.mark.parametrize("how", ["update", "step", "donated step"])
+def test_inject_hyperparams_matches_float64_adam_and_changes_without_recompiling(how):
+    """Values changed in the state between steps take effect on the next step: a number
+    assigned (known on the host: kernel arguments, nothing compiled), then in-place
+    changes (read on the device: at most one kernel variant that reads its scalars
+    from a buffer, compiled once, then nothing more)."""
     gen = torch.Generator().manual_seed(5)
     tx = ftopt.inject_hyperparams(ftopt.adam)(learning_rate=1e-2, b1=0.9)
     params = _tree(gen)
@@ -72,24 +87,34 @@ def test_inject_hyperparams_matches_float64_adam_and_changes_without_recompiling
     ref = {n: v.double() for n, v in params.items()}
     mu = {n: torch.zeros_like(v) for n, v in ref.items()}
     nu = {n: torch.zeros_like(v) for n, v in ref.items()}
-    modules = None
+    modules = {}
+    lr, b1 = 1e-2, 0.9
     for t in range(1, 23):
-        lr = 1e-2 if t <= 10 else 3e-2  # changed in the state between steps
-        if t == 2:
-            modules = len(codegen._MODULES)
-        if t == 11:
-            state.hyperparams["learning_rate"].fill_(3e-2)
+        modules[t] = len(codegen._MODULES)
+        if t == 8:
+            lr = 3e-2
+            state.hyperparams["learning_rate"] = lr  # a number: known on the host
+        if t == 13:
+            lr = 5e-3
+            state.hyperparams["learning_rate"].fill_(lr)  # in place: read on the device
+        if t == 17:
+            lr, b1 = 2e-2, 0.8
+            state.hyperparams["learning_rate"].fill_(lr)
+            state.hyperparams["b1"].fill_(b1)
         grads = _tree(gen)
-        u, state = tx.update(grads, state, params, backend="fused")  # the inner update fuses
-        params = ftopt.apply_updates(params, u)
+        if how == "update":
+            u, state = tx.update(grads, state, params, backend="fused")  # inner update fuses
+            params = ftopt.apply_updates(params, u)
+        else:
+            params, state = ftopt.step(tx, params, grads, state, backend="fused",
+                                       donate=how == "donated step")
+        _adam_reference(ref, mu, nu, grads, t, lr, b1)
         for n in ref:
-            g = grads[n].double()
-            mu[n] = 0.9 * mu[n] + 0.1 * g
-            nu[n] = 0.999 * nu[n] + 0.001 * g * g
-            m_hat, v_hat = mu[n] / (1 - 0.9 ** t), nu[n] / (1 - 0.999 ** t)
-            ref[n] = ref[n] - lr * m_hat / (v_hat.sqrt() + 1e-8)
             assert torch.allclose(params[n].double(), ref[n], rtol=1e-5, atol=1e-6), (t, n)
-    assert len(codegen._MODULES) == modules, "changing a hyperparameter compiled a kernel"
+    assert modules[13] == modules[2], "a hyperparameter known on the host compiled a kernel"
+    assert modules[14] <= modules[13] + 1
+    assert len(codegen._MODULES) == modules[14], "changing a hyperparameter compiled a kernel"
+    assert int(state.count) == 22
 
 
 def test_inject_hyperparams_schedules_follow_the_count():
