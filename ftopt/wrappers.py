@@ -224,8 +224,12 @@ class InjectHyperparamsState(NamedTuple):
     Attributes:
         count: steps taken (0-d int32; schedules are called with it).
         hyperparams: name -> 0-d fp32 tensor on the params' device. Change a value between
-            steps (``state.hyperparams["learning_rate"].fill_(1e-4)``, or a new dict):
-            the next step uses it, and no kernel is compiled for it.
+            steps and the next step uses it: assign a number
+            (``state.hyperparams["learning_rate"] = 1e-4``: a fused step passes it to the
+            kernel as an argument, no device work), or change a tensor in place
+            (``.fill_(1e-4)``) or put in a new one: read on the device, no host read (the
+            first such fused step compiles the kernel variant that reads its scalars from
+            a buffer, once). No value change compiles anything else.
         inner_state: the inner transform's state.
     """
 
@@ -404,8 +408,10 @@ def inject_hyperparams(
     Every keyword that is a number, a 0-d tensor or a schedule (a function of the step
     count) becomes a 0-d fp32 tensor in ``state.hyperparams``; a schedule is evaluated with
     the count on every step. The inner transform is built once with tensor hyperparameters,
-    so changing a value in the state between steps takes effect at the next step and
-    compiles nothing. Names in ``static_args`` and non-numeric values (masks, booleans)
+    so changing a value in the state between steps takes effect at the next step (see
+    :class:`InjectHyperparamsState`). ``ftopt.step`` runs the inner transform's step (the
+    same fused kernel as the plain chain) when the wrapper is the outermost transform.
+    Names in ``static_args`` and non-numeric values (masks, booleans)
     are passed to ``inner_factory`` as they are.
     """
     static_names = {static_args} if isinstance(static_args, str) else set(static_args)
