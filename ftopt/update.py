@@ -77,6 +77,11 @@ def step(
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     compiling = torch.compiler.is_compiling()
+    wrapper_step = getattr(getattr(tx.update, "__self__", None), "wrapper_step", None)
+    if wrapper_step is not None and not compiling:
+        # A wrapper whose bookkeeping runs around its inner transform's step
+        # (inject_hyperparams): that step fuses as the plain chain's does.
+        return wrapper_step(params, grads, state, donate=donate, backend=backend)
     if not donate and not compiling:
         distributed = dispatch.loaded("distributed")
         if distributed is not None:

@@ -2,22 +2,32 @@
 ``inject_hyperparams`` (hyperparameters held in the state, changeable between steps).
 
 Both run their own bookkeeping eagerly with torch ops and call the inner transform's
-``update``, which fuses as usual (``backend=`` reaches it).
+``update``, which fuses as usual (``backend=`` reaches it). ``ftopt.step`` of an
+``inject_hyperparams`` optimizer runs its inner transform's step: the same fused kernel
+as the plain chain, the state's hyperparameters read as kernel scalars.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from ftopt import tree as tree_lib
-from ftopt._counts import host_count, mark_device_decided, remember_count
+from ftopt._counts import (
+    host_count,
+    host_value,
+    mark_device_decided,
+    remember_count,
+    remember_value,
+)
 from ftopt.base import GradientTransformation, check_transform, register_owner, register_state
 from ftopt.domains import check_int
 from ftopt.rules import check_param
-from ftopt.validate import check_layout, check_leaf
+from ftopt.update import step
+from ftopt.validate import check_count, check_layout, check_leaf
 
 __all__ = ["MultiSteps", "MultiStepsState", "InjectHyperparamsState", "inject_hyperparams"]
 
@@ -214,8 +224,12 @@ class InjectHyperparamsState(NamedTuple):
     Attributes:
         count: steps taken (0-d int32; schedules are called with it).
         hyperparams: name -> 0-d fp32 tensor on the params' device. Change a value between
-            steps (``state.hyperparams["learning_rate"].fill_(1e-4)``, or a new dict):
-            the next step uses it, and no kernel is compiled for it.
+            steps and the next step uses it: assign a number
+            (``state.hyperparams["learning_rate"] = 1e-4``: a fused step passes it to the
+            kernel as an argument, no device work), or change a tensor in place
+            (``.fill_(1e-4)``) or put in a new one: read on the device, no host read (the
+            first such fused step compiles the kernel variant that reads its scalars from
+            a buffer, once). No value change compiles anything else.
         inner_state: the inner transform's state.
     """
 
@@ -226,11 +240,21 @@ class InjectHyperparamsState(NamedTuple):
 
 class _Injected:
     """The object behind :func:`inject_hyperparams`: the inner transform is built once
-    per device with 0-d tensors as its numeric hyperparameters; each step copies the
-    state's values into them (on the device, no host read)."""
+    per device with 0-d tensors ("holders") as its numeric hyperparameters; each step
+    loads the state's values into them (a host number where the value is known on the
+    host, else a copy on the device: never a host read).
 
-    unfused_reason = ("inject_hyperparams runs eagerly: it copies the state's "
-                      "hyperparameters, then the inner transform's update fuses")
+    ``ftopt.step`` runs :meth:`wrapper_step`: the holders are loaded, the inner
+    transform's own step runs (fused where it can be: the same kernel as the plain
+    chain, the holders read as kernel scalars) and the count and schedules move on.
+    """
+
+    unfused_reason = ("inject_hyperparams fuses as the outermost transform of ftopt.step "
+                      "(its inner step fuses); inside another transform it runs eagerly, "
+                      "its inner update fused")
+    step_note = ("inject_hyperparams: the inner transform's step, its hyperparameters read "
+                 "from the state as kernel scalars (host numbers where known, else a device "
+                 "buffer)")
 
     def __init__(self, factory: Callable[..., GradientTransformation], static: dict,
                  numeric: dict):
@@ -250,38 +274,128 @@ class _Injected:
             self.built[key] = (inner, holders)
         return self.built[key]
 
-    def _values(self, count, device) -> dict:
-        out = {}
-        for k, v in self.numeric.items():
-            value = v(count) if callable(v) else v
-            out[k] = torch.as_tensor(value, dtype=torch.float32).to(device).reshape(())
-        return out
+    def stepped_inner(self, device) -> GradientTransformation:
+        """The transform whose step :meth:`wrapper_step` runs for params on ``device``
+        (``ftopt.explain`` shows its plan)."""
+        return self._inner(device)[0]
+
+    def _scheduled(self, k: str, count, known: int | None) -> float | torch.Tensor:
+        """Hyperparameter ``k`` at step count ``count`` (``known``: its host value): a host
+        number (fp32-rounded) where its value is known on the host, else a 0-d tensor."""
+        v = self.numeric[k]
+        if callable(v):
+            v = v(known if known is not None else count)
+        if isinstance(v, torch.Tensor):
+            return v.reshape(()) if v.requires_grad else v.detach().reshape(())
+        return _fp32(v)
 
     def init(self, params) -> InjectHyperparamsState:
         device = _device_of(params)
         inner, _ = self._inner(device)
         count = _count(0, device)
-        return InjectHyperparamsState(count, self._values(count, device), inner.init(params))
+        hyper = {k: _as_tensor(self._scheduled(k, count, 0), device) for k in self.numeric}
+        return InjectHyperparamsState(count, hyper, inner.init(params))
 
-    def update(self, updates, state, params=None, **extra):
+    def _load(self, state) -> GradientTransformation:
+        """Checks ``state`` (before anything is written), loads its hyperparameters into
+        the holders and returns the inner transform."""
         if not isinstance(state, InjectHyperparamsState):
             raise ValueError(f"inject_hyperparams expects an InjectHyperparamsState, got "
                              f"{type(state).__name__} (a state made by another transform?)")
-        device = state.count.device
-        inner, holders = self._inner(device)
-        for k, holder in holders.items():
+        check_count("inject_hyperparams", state.count)
+        if not isinstance(state.hyperparams, dict):
+            raise ValueError(f"inject_hyperparams: state.hyperparams must be a dict, got "
+                             f"{type(state.hyperparams).__name__}")
+        for k in self.numeric:
             if k not in state.hyperparams:
                 raise ValueError(f"inject_hyperparams: state.hyperparams has no {k!r}")
-            holder.copy_(state.hyperparams[k])
-        out, inner_state = inner.update(updates, state.inner_state, params, **extra)
-        count = state.count + 1
+            _check_value(k, state.hyperparams[k])
+        inner, holders = self._inner(state.count.device)
+        capturing = (state.count.device.type == "cuda"
+                     and torch.cuda.is_current_stream_capturing())
+        for k, holder in holders.items():
+            value = state.hyperparams[k]
+            if isinstance(value, torch.Tensor):
+                known = None if capturing else host_value(value)
+                if known is None:
+                    holder.copy_(value)  # on the device; the holder's mirror is forgotten
+                    continue
+            else:
+                known = _fp32(value)
+            if host_value(holder) != known:
+                holder.fill_(known)
+                remember_value(holder, known)
+        return inner
+
+    def _advance(self, state, inner_state, donate: bool) -> InjectHyperparamsState:
+        """The state after a step: the count advanced, schedules called with it, numbers
+        the caller put in ``state.hyperparams`` made tensors (donated: in place)."""
+        device = state.count.device
         known = host_count(state.count)
+        count = state.count.add_(1) if donate else state.count + 1
         if known is not None:
             remember_count(count, known + 1)
-        # Schedules move on with the count; plain values stay as the caller left them.
-        hyper = {k: (self._values(count, device)[k] if callable(self.numeric[k])
-                     else state.hyperparams[k]) for k in self.numeric}
-        return out, InjectHyperparamsState(count, hyper, inner_state)
+        hyper = state.hyperparams if donate else dict(state.hyperparams)
+        for k, v in self.numeric.items():
+            old = hyper[k]
+            if not callable(v):  # plain values stay as the caller left them
+                if not isinstance(old, torch.Tensor):
+                    hyper[k] = _as_tensor(_fp32(old), device)
+                continue
+            value = self._scheduled(k, count, None if known is None else known + 1)
+            if not (donate and isinstance(old, torch.Tensor)):
+                hyper[k] = _as_tensor(value, device)
+            elif isinstance(value, torch.Tensor):
+                old.copy_(value)
+            else:
+                old.fill_(value)
+                remember_value(old, value)
+        return InjectHyperparamsState(count, hyper, inner_state)
+
+    def update(self, updates, state, params=None, **extra):
+        """The inner transform's update with the state's hyperparameters."""
+        inner = self._load(state)
+        out, inner_state = inner.update(updates, state.inner_state, params, **extra)
+        return out, self._advance(state, inner_state, False)
+
+    def wrapper_step(self, params, grads, state, *, donate: bool = False,
+                     backend: str = "auto"):
+        """``ftopt.step`` of the wrapped optimizer: the inner transform's step (fused
+        where it can be) with the state's hyperparameters, then the count and schedules
+        move on. Donated: every tensor of ``state`` is written in place."""
+        inner = self._load(state)
+        new_params, inner_state = step(inner, params, grads, state.inner_state,
+                                       donate=donate, backend=backend)
+        return new_params, self._advance(state, inner_state, donate)
+
+
+def _as_tensor(value: float | torch.Tensor, device) -> torch.Tensor:
+    """A 0-d fp32 tensor on ``device`` holding ``value``; a number's value is mirrored on
+    the host (a fused step passes it to the kernel as an argument)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float32).reshape(())
+    out = torch.full((), value, dtype=torch.float32, device=device)
+    remember_value(out, value)
+    return out
+
+
+def _fp32(value) -> float:
+    """``value`` rounded to fp32, as a 0-d fp32 tensor holds it."""
+    return struct.unpack("f", struct.pack("f", float(value)))[0]
+
+
+def _check_value(k: str, value) -> None:
+    """A value of ``state.hyperparams``: a number or a 0-d floating-point tensor."""
+    where = f"inject_hyperparams: state.hyperparams[{k!r}]"
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            raise TypeError(f"{where}: expected a floating-point tensor, got {value.dtype}")
+        if value.ndim != 0:
+            raise ValueError(f"{where}: expected a 0-d tensor, got shape "
+                             f"{tuple(value.shape)}")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: expected a number or a 0-d floating-point tensor, got "
+                        f"{type(value).__name__}")
 
 
 def inject_hyperparams(
@@ -294,8 +408,10 @@ def inject_hyperparams(
     Every keyword that is a number, a 0-d tensor or a schedule (a function of the step
     count) becomes a 0-d fp32 tensor in ``state.hyperparams``; a schedule is evaluated with
     the count on every step. The inner transform is built once with tensor hyperparameters,
-    so changing a value in the state between steps takes effect at the next step and
-    compiles nothing. Names in ``static_args`` and non-numeric values (masks, booleans)
+    so changing a value in the state between steps takes effect at the next step (see
+    :class:`InjectHyperparamsState`). ``ftopt.step`` runs the inner transform's step (the
+    same fused kernel as the plain chain) when the wrapper is the outermost transform.
+    Names in ``static_args`` and non-numeric values (masks, booleans)
     are passed to ``inner_factory`` as they are.
     """
     static_names = {static_args} if isinstance(static_args, str) else set(static_args)

@@ -8,7 +8,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, check_transform
-from ftopt.combine import Masked, Partition
+from ftopt.combine import Masked, Partition, owner
 from ftopt.lowering import branches, runs
 from ftopt.lowering.codegen import level_reductions
 from ftopt.lowering.plan import (
@@ -48,6 +48,17 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     check_transform(tx, "explain: argument tx")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    wrapper = owner(tx)
+    if hasattr(wrapper, "stepped_inner"):
+        # A wrapper whose step is its inner transform's (inject_hyperparams): that plan.
+        first = next(iter(tree_lib.leaves(params)), None)
+        inner = wrapper.stepped_inner(first.device if isinstance(first, torch.Tensor)
+                                      else torch.device("cpu"))
+        text = explain(inner, params, grads, donate=donate, backend=backend,
+                       file=_Discard())
+        text = f"{wrapper.step_note}\n{text}"
+        print(text, file=file)
+        return text
     paths, p_flat, spec = tree_lib.flatten_with_paths(params)
     g_flat = (tree_lib.flatten_like(spec, grads, "grads", paths) if grads is not None
               else list(p_flat))
@@ -114,6 +125,16 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     text = "\n".join(lines)
     print(text, file=file)
     return text
+
+
+class _Discard:
+    """A file that drops what is written to it."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
 
 
 def _runs(plan: ChainPlan, spec, params, p_flat, g_flat, paths) -> list:
