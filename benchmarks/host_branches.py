@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import gpt2_shapes  # noqa: E402
+from timing import host_us  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import execute  # noqa: E402
@@ -47,17 +47,6 @@ def _branches() -> dict:
 
 def _label(tree: dict) -> dict:
     return {k: "adamw" if v.ndim > 1 else "lion" for k, v in tree.items()}
-
-
-def _time(fn, iters: int, warmup: int = 5) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return times
 
 
 def main() -> None:
@@ -91,7 +80,7 @@ def main() -> None:
     for name, fn in (("one partition", joined), ("branch by branch", apart)):
         launches.clear()
         try:
-            times = _time(fn, args.iters)
+            times = host_us(fn, args.iters)
         except RuntimeError as err:  # a partition that cannot fuse
             rows[name] = {"error": str(err)}
             continue

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import gpt2_shapes  # noqa: E402
+from timing import host_us  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import execute  # noqa: E402
@@ -57,14 +57,7 @@ def _optimizer(device: str, joined: bool, single: bool = False) -> ftopt.Optimiz
 
 def measure(opt: ftopt.Optimizer, iters: int, warmup: int = 5) -> list[float]:
     """Host time per ``opt.step()`` (us), ``iters`` times after ``warmup`` steps."""
-    for _ in range(warmup):
-        opt.step()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return times
+    return host_us(opt.step, iters, warmup)
 
 
 def main() -> None:
