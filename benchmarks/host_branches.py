@@ -31,6 +31,7 @@ from timing import host_us  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import execute  # noqa: E402
+from ftopt.lowering.counts import increment  # noqa: E402
 
 
 def _tree(device: str) -> tuple[dict, dict]:
@@ -57,7 +58,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     launches: list = []
     execute.PreparedStep.launch = lambda self, scalars, pairs: (
-        launches.append(1), execute._increment(pairs))
+        launches.append(1), increment(pairs))
     params, grads = _tree(device)
     rows: dict = {}
 

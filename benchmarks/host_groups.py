@@ -33,6 +33,7 @@ from timing import host_us  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import execute  # noqa: E402
+from ftopt.lowering.counts import increment  # noqa: E402
 
 
 def _optimizer(device: str, joined: bool, single: bool = False) -> ftopt.Optimizer:
@@ -69,7 +70,7 @@ def main() -> None:
     launches = []
     # The stub: no kernel, the counts advance as the kernel would advance them.
     execute.PreparedStep.launch = lambda self, scalars, pairs: (
-        launches.append(1), execute._increment(pairs))
+        launches.append(1), increment(pairs))
     rows: dict = {}
     for name, joined, single in (("one group (reference)", True, True),
                                  ("joined (one partition)", True, False),
