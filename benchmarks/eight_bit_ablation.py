@@ -15,6 +15,7 @@ import sys
 sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")]
 import gpu_step  # noqa: E402
 import torch  # noqa: E402
+from timing import donated_step_ms  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import quantized, tiles  # noqa: E402
@@ -61,22 +62,8 @@ def time_variant(params, encoder, tile, n=40, reps=5):
     quantized.ENCODER = encoder
     tiles.QUANT_TILE = tile
     gpu_step._clear_lowering_caches()
-    tx = ftopt.adam(1e-3, state_bits=8)
-    p = {k: v.clone() for k, v in params.items()}
-    grads = {k: torch.randn_like(v) * 1e-2 for k, v in p.items()}
-    state = tx.init(p)
-    for _ in range(3):
-        p, state = ftopt.step(tx, p, grads, state, donate=True, backend="fused")
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(n):
-            p, state = ftopt.step(tx, p, grads, state, donate=True, backend="fused")
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) / n)
+    grads = {k: torch.randn_like(v) * 1e-2 for k, v in params.items()}
+    ts = donated_step_ms(ftopt.adam(1e-3, state_bits=8), params, grads, n, reps)
     return statistics.median(ts), min(ts)
 
 

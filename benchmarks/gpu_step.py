@@ -92,6 +92,9 @@ sys.path.insert(0, str(ROOT))
 import ftopt  # noqa: E402
 from ftopt import tree as tree_lib  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from timing import Clock  # noqa: E402
+
 LR, B1, B2, EPS = 1e-3, 0.9, 0.999, 1e-8
 MIN_8BIT = 4096  # bitsandbytes' and ftopt's default: smaller leaves keep fp32 states
 QBLOCK = 256  # bitsandbytes' and ftopt's 8-bit block
@@ -124,66 +127,6 @@ class Skip(Exception):
 
 
 # --------------------------------------------------------------------------- timing
-
-
-class Clock:
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def time_steps(self, fn: Callable, n: int) -> list[float]:
-        """ms of each of ``n`` consecutive calls (CUDA events around each, one sync)."""
-        if self.cuda:
-            starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-            ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-            self.sync()
-            for s, e in zip(starts, ends):
-                s.record()
-                fn()
-                e.record()
-            self.sync()
-            return [s.elapsed_time(e) for s, e in zip(starts, ends)]
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return out
-
-    def wall(self, fn: Callable, n: int) -> float:
-        """ms per call over ``n`` back-to-back calls with one sync at the end."""
-        self.sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        self.sync()
-        return (time.perf_counter() - t0) * 1e3 / n
-
-    def call(self, fn: Callable, n: int) -> list[float]:
-        """ms of each whole call as a caller that waits for it sees it: sync, then
-        ``perf_counter`` around the call and a sync (host work + GPU time)."""
-        out = []
-        for _ in range(n):
-            self.sync()
-            t0 = time.perf_counter()
-            fn()
-            self.sync()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return out
-
-    def host(self, fn: Callable, n: int) -> list[float]:
-        """ms of host time of each call: sync, then perf_counter around the call."""
-        out = []
-        for _ in range(n):
-            self.sync()
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-        self.sync()
-        return out
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -28,7 +28,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_step import Clock, gpt2_shapes, random_tree  # noqa: E402
+from gpu_step import gpt2_shapes, random_tree  # noqa: E402
+from timing import Clock  # noqa: E402
 
 import ftopt  # noqa: E402
 

@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,9 +27,11 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import gpt2_shapes  # noqa: E402
+from timing import host_us  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import execute  # noqa: E402
+from ftopt.lowering.counts import increment  # noqa: E402
 
 
 def _tree(device: str) -> tuple[dict, dict]:
@@ -49,17 +50,6 @@ def _label(tree: dict) -> dict:
     return {k: "adamw" if v.ndim > 1 else "lion" for k, v in tree.items()}
 
 
-def _time(fn, iters: int, warmup: int = 5) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return times
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -68,7 +58,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     launches: list = []
     execute.PreparedStep.launch = lambda self, scalars, pairs: (
-        launches.append(1), execute._increment(pairs))
+        launches.append(1), increment(pairs))
     params, grads = _tree(device)
     rows: dict = {}
 
@@ -91,7 +81,7 @@ def main() -> None:
     for name, fn in (("one partition", joined), ("branch by branch", apart)):
         launches.clear()
         try:
-            times = _time(fn, args.iters)
+            times = host_us(fn, args.iters)
         except RuntimeError as err:  # a partition that cannot fuse
             rows[name] = {"error": str(err)}
             continue

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,9 +29,11 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import gpt2_shapes  # noqa: E402
+from timing import host_us  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import execute  # noqa: E402
+from ftopt.lowering.counts import increment  # noqa: E402
 
 
 def _optimizer(device: str, joined: bool, single: bool = False) -> ftopt.Optimizer:
@@ -57,14 +58,7 @@ def _optimizer(device: str, joined: bool, single: bool = False) -> ftopt.Optimiz
 
 def measure(opt: ftopt.Optimizer, iters: int, warmup: int = 5) -> list[float]:
     """Host time per ``opt.step()`` (us), ``iters`` times after ``warmup`` steps."""
-    for _ in range(warmup):
-        opt.step()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return times
+    return host_us(opt.step, iters, warmup)
 
 
 def main() -> None:
@@ -76,7 +70,7 @@ def main() -> None:
     launches = []
     # The stub: no kernel, the counts advance as the kernel would advance them.
     execute.PreparedStep.launch = lambda self, scalars, pairs: (
-        launches.append(1), execute._increment(pairs))
+        launches.append(1), increment(pairs))
     rows: dict = {}
     for name, joined, single in (("one group (reference)", True, True),
                                  ("joined (one partition)", True, False),

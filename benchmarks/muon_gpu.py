@@ -32,6 +32,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import wall_ms  # noqa: E402
+
 import ftopt  # noqa: E402
 
 COEFFS = (3.4445, -4.7750, 2.0315)
@@ -115,19 +118,6 @@ def check_same(shapes, device, steps: int = 3, backend: str = "auto") -> float:
     return worst
 
 
-def _time(fn, device, iters, warmup) -> float:
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e3
-
-
 def path_of(tx, params, grads, backend: str) -> tuple[str, str]:
     """(a short name of the path a donated step takes, ``ftopt.explain``'s text)."""
     text = ftopt.explain(tx, params, grads, donate=True, backend=backend,
@@ -183,9 +173,9 @@ def main() -> None:
     def loop_step():
         lbox["p"] = loop.step(lbox["p"], grads)
 
-    t_ftopt = _time(lambda: ftopt_step(backend), device, iters, warmup)
-    t_eager = _time(lambda: ftopt_step("eager"), device, iters, warmup)
-    t_loop = _time(loop_step, device, iters, warmup)
+    t_ftopt = wall_ms(lambda: ftopt_step(backend), device, iters, warmup)
+    t_eager = wall_ms(lambda: ftopt_step("eager"), device, iters, warmup)
+    t_loop = wall_ms(loop_step, device, iters, warmup)
     n = sum(math.prod(s) for s in shapes.values())
     matrices = [s for s in shapes.values() if len(s) == 2]
     short = "fused in segments" if path.startswith("fused") else "eager"

@@ -44,7 +44,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from muon_gpu import _time, _tree, gpt2_shapes  # noqa: E402
+from muon_gpu import _tree, gpt2_shapes  # noqa: E402
+from timing import wall_ms  # noqa: E402
 
 import ftopt  # noqa: E402
 
@@ -156,8 +157,8 @@ def main() -> None:
         def loop_step(lbox=lbox, loop=loop):
             lbox["p"] = loop.step(lbox["p"], grads)
 
-        t_f = _time(ftopt_step, device, args.iters, args.warmup)
-        t_l = _time(loop_step, device, args.iters, args.warmup)
+        t_f = wall_ms(ftopt_step, device, args.iters, args.warmup)
+        t_l = wall_ms(loop_step, device, args.iters, args.warmup)
         launches = count_launches(ftopt_step, device)
         rows += [(f"ftopt.{name}", t_f), (f"{name}: per-leaf torch loop", t_l)]
         results[name] = {"ms_ftopt": t_f, "ms_loop": t_l, "speedup": t_l / t_f,
@@ -169,7 +170,7 @@ def main() -> None:
     def adamw_step():
         abox["p"], abox["s"] = ftopt.step(adamw, abox["p"], grads, abox["s"], donate=True)
 
-    rows.append(("ftopt.adamw (yardstick)", _time(adamw_step, device, args.iters,
+    rows.append(("ftopt.adamw (yardstick)", wall_ms(adamw_step, device, args.iters,
                                                   args.warmup)))
     n = sum(math.prod(s) for s in shapes.values())
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

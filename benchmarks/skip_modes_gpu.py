@@ -14,6 +14,7 @@ import sys
 sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")]
 import gpu_step  # noqa: E402
 import torch  # noqa: E402
+from timing import donated_step_ms  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import tiles  # noqa: E402
@@ -26,21 +27,7 @@ cfg = gpu_step.Config(device=dev, smoke=False, quick=True, iters=30, warmup=3, r
 
 
 def t(tx, params, grads, n=40, reps=3):
-    p = {k: v.clone() for k, v in params.items()}
-    s = tx.init(p)
-    for _ in range(3):
-        p, s = ftopt.step(tx, p, grads, s, donate=True, backend="fused")
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            p, s = ftopt.step(tx, p, grads, s, donate=True, backend="fused")
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / n)
-    return statistics.median(out)
+    return statistics.median(donated_step_ms(tx, params, grads, n, reps))
 
 
 res = []

@@ -13,6 +13,9 @@ Hyperparameters passed through to a transform are checked by it at construction 
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,23 +71,63 @@ def finish(parts: list, skip_zeros: bool, state_bits: int,
     return quantize_states(tx, bits=state_bits, state_dtype=state_dtype)
 
 
+_KEYWORD = inspect.Parameter.KEYWORD_ONLY
+# What every alias takes after its own arguments (annotations as strings, as the alias
+# modules write theirs).
+STATE_OPTIONS = (
+    inspect.Parameter("skip_zeros", _KEYWORD, default=False, annotation="bool"),
+    inspect.Parameter("state_bits", _KEYWORD, default=32, annotation="int"),
+    inspect.Parameter("state_dtype", _KEYWORD, default=None, annotation="torch.dtype | None"),
+)
+
+
+def chain_alias(
+    build: Callable[..., list[GradientTransformation]],
+) -> Callable[..., GradientTransformation]:
+    """Make ``build`` (an alias' own arguments -> the parts of its chain) the alias.
+
+    The alias also takes the keyword-only ``skip_zeros``, ``state_bits`` and
+    ``state_dtype``: they are checked before ``build`` runs (errors name the alias), and the
+    parts become one chain through :func:`finish`. It keeps ``build``'s name and docstring;
+    its signature (``inspect.signature``, ``help()``) is ``build``'s plus the three options.
+    """
+    name = build.__name__
+    signature = inspect.signature(build)
+    taken = [option.name for option in STATE_OPTIONS if option.name in signature.parameters]
+    if taken:
+        raise TypeError(f"{name}: chain_alias adds {taken} itself; leave them out of the "
+                        f"signature")
+
+    @functools.wraps(build)
+    def alias(*args: Any, skip_zeros: bool = False, state_bits: int = 32,
+              state_dtype: torch.dtype | None = None, **kwargs: Any) -> GradientTransformation:
+        check_state_options(name, state_bits, state_dtype)
+        return finish(build(*args, **kwargs), skip_zeros, state_bits, state_dtype)
+
+    alias.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[*signature.parameters.values(), *STATE_OPTIONS],
+        return_annotation="GradientTransformation")
+    # Evaluated here, so that typing.get_type_hints resolves them in any alias module.
+    own = {key: value for key, value in build.__annotations__.items() if key != "return"}
+    alias.__annotations__ = {**own, "skip_zeros": bool, "state_bits": int,
+                             "state_dtype": torch.dtype | None,
+                             "return": GradientTransformation}
+    return alias
+
+
+@chain_alias
 def sgd(
     learning_rate: ScalarOrSchedule,
     momentum: Float | None = None,
     nesterov: bool = False,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """SGD, with optional (Nesterov) momentum: ``chain(trace(momentum), lr)``."""
     _check_momentum("sgd", momentum)
-    check_state_options("sgd", state_bits, state_dtype)
     parts = [] if momentum is None else [trace(momentum, nesterov)]
-    return finish([*parts, scale_by_learning_rate(learning_rate)], skip_zeros, state_bits,
-                   state_dtype)
+    return [*parts, scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def adam(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
@@ -93,17 +136,13 @@ def adam(
     eps_root: Float = 0.0,
     *,
     nesterov: bool = False,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr))``."""
-    check_state_options("adam", state_bits, state_dtype)
-    parts = [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
-             scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
+            scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def adamw(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
@@ -114,40 +153,31 @@ def adamw(
     mask: Any = None,
     *,
     nesterov: bool = False,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """AdamW: ``chain(scale_by_adam, add_decayed_weights(wd, mask), scale_by_learning_rate)``.
 
     The decay is multiplied by the learning rate: p ← p − lr·(m̂/(√v̂+eps) + wd·p), which
     is torch.optim.AdamW and bitsandbytes' Adam/AdamW.
     """
-    check_state_options("adamw", state_bits, state_dtype)
-    parts = [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
-             add_decayed_weights(weight_decay, mask),
-             scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
+            add_decayed_weights(weight_decay, mask),
+            scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def lion(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
     b2: Float = 0.99,
     weight_decay: Float = 1e-3,
     mask: Any = None,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Lion: ``chain(scale_by_lion(b1, b2), add_decayed_weights(wd, mask), lr)``."""
-    check_state_options("lion", state_bits, state_dtype)
-    parts = [scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask),
-             scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask),
+            scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def rmsprop(
     learning_rate: ScalarOrSchedule,
     decay: Float = 0.9,
@@ -156,37 +186,28 @@ def rmsprop(
     eps_in_sqrt: bool = True,
     momentum: Float | None = None,
     nesterov: bool = False,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """RMSprop: ``chain(scale_by_rms(...), lr, trace(momentum))`` (optax's order)."""
     _check_momentum("rmsprop", momentum)
-    check_state_options("rmsprop", state_bits, state_dtype)
     parts = [scale_by_rms(decay, eps, initial_scale, eps_in_sqrt=eps_in_sqrt),
              scale_by_learning_rate(learning_rate)]
     if momentum is not None:
         parts.append(trace(momentum, nesterov))
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return parts
 
 
+@chain_alias
 def adagrad(
     learning_rate: ScalarOrSchedule,
     initial_accumulator_value: float = 0.1,
     eps: Float = 1e-7,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Adagrad: ``chain(scale_by_rss(initial_accumulator_value, eps), lr)``."""
-    check_state_options("adagrad", state_bits, state_dtype)
-    parts = [scale_by_rss(initial_accumulator_value, eps),
-             scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_rss(initial_accumulator_value, eps),
+            scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def lamb(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
@@ -195,18 +216,13 @@ def lamb(
     eps_root: Float = 0.0,
     weight_decay: Float = 0.0,
     mask: Any = None,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """LAMB: ``chain(scale_by_adam, add_decayed_weights, scale_by_trust_ratio, lr)``."""
-    check_state_options("lamb", state_bits, state_dtype)
-    parts = [scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
-             scale_by_trust_ratio(), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
+            scale_by_trust_ratio(), scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def lars(
     learning_rate: ScalarOrSchedule,
     weight_decay: Float = 0.0,
@@ -216,23 +232,17 @@ def lars(
     trust_ratio_mask: Any = True,
     momentum: Float = 0.9,
     nesterov: bool = False,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """LARS (optax order): ``chain(add_decayed_weights, masked(scale_by_trust_ratio),
     lr, trace(momentum))``."""
     _check_momentum("lars", momentum)
-    check_state_options("lars", state_bits, state_dtype)
-    parts = [
+    return [
         add_decayed_weights(weight_decay, mask=_all_or(weight_decay_mask)),
         _maybe_masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps),
                       trust_ratio_mask),
         scale_by_learning_rate(learning_rate),
         trace(momentum, nesterov),
     ]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
 
 
 def _all_or(mask: Any) -> Any:
@@ -243,6 +253,7 @@ def _maybe_masked(tx: GradientTransformation, mask: Any) -> GradientTransformati
     return tx if mask is True else masked(tx, mask)
 
 
+@chain_alias
 def ademamix(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
@@ -253,13 +264,7 @@ def ademamix(
     eps_root: Float = 0.0,
     weight_decay: Float = 0.0,
     mask: Any = None,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """AdEMAMix (as optax.contrib): ``chain(scale_by_ademamix, add_decayed_weights, lr)``."""
-    check_state_options("ademamix", state_bits, state_dtype)
-    parts = [scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root),
-             add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root),
+            add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]

@@ -6,9 +6,7 @@ As in :mod:`ftopt.alias`, the alias takes keyword-only ``skip_zeros``, ``state_b
 
 from __future__ import annotations
 
-import torch
-
-from ftopt.alias import check_state_options, finish
+from ftopt.alias import Float, chain_alias
 from ftopt.base import GradientTransformation
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.transforms.noise import add_noise
@@ -16,19 +14,14 @@ from ftopt.transforms.scaling import scale_by_learning_rate
 
 __all__ = ["noisy_sgd"]
 
-Float = float | torch.Tensor
 
-
+@chain_alias
 def noisy_sgd(
     learning_rate: ScalarOrSchedule,
     eta: Float = 0.01,
     gamma: Float = 0.55,
     seed: int = 0,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Noisy SGD: ``chain(add_noise(eta, gamma, seed), scale_by_learning_rate(lr))``, as
     optax: u ← −lr·(g + σₜ·z), σₜ² = eta / tᵍᵃᵐᵐᵃ (t = 1 on the first step), z ~ N(0, 1)
     from a counter-based hash of (seed, t, leaf, element) (see :func:`ftopt.add_noise`).
@@ -38,6 +31,4 @@ def noisy_sgd(
         tx = ftopt.noisy_sgd(1e-2, eta=0.01, gamma=0.55, seed=0)
         params, state = ftopt.step(tx, params, grads, tx.init(params))
     """
-    check_state_options("noisy_sgd", state_bits, state_dtype)
-    parts = [add_noise(eta, gamma, seed), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [add_noise(eta, gamma, seed), scale_by_learning_rate(learning_rate)]

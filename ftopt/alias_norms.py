@@ -7,9 +7,7 @@ As in :mod:`ftopt.alias`, every alias takes keyword-only ``skip_zeros``, ``state
 
 from __future__ import annotations
 
-import torch
-
-from ftopt.alias import check_state_options, finish
+from ftopt.alias import Float, chain_alias
 from ftopt.base import GradientTransformation
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.transforms import scale_by_learning_rate, scale_by_novograd, scale_by_trust_ratio
@@ -17,9 +15,8 @@ from ftopt.transforms.fromage import fromage_step
 
 __all__ = ["fromage", "novograd"]
 
-Float = float | torch.Tensor
 
-
+@chain_alias
 def novograd(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
@@ -27,36 +24,25 @@ def novograd(
     eps: Float = 1e-6,
     eps_root: Float = 0.0,
     weight_decay: Float = 0.0,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """NovoGrad: ``chain(scale_by_novograd(b1, b2, eps, eps_root, weight_decay),
     scale_by_learning_rate(lr))``, as optax (whose alias defaults ``eps`` to 1e-6, its
     transform to 1e-8). The second moment is one value per leaf (fp32, never 8-bit);
     ``state_bits``/``state_dtype`` store the first moment. See
     :func:`ftopt.scale_by_novograd` for the math, how it runs and ``skip_zeros``."""
-    check_state_options("novograd", state_bits, state_dtype)
-    parts = [scale_by_novograd(b1, b2, eps, eps_root, weight_decay),
-             scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_novograd(b1, b2, eps, eps_root, weight_decay),
+            scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def fromage(
     learning_rate: ScalarOrSchedule,
     min_norm: Float = 1e-6,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Fromage, as optax: per leaf u ← u·max(‖p‖, min_norm)/max(‖u‖, min_norm) (ratio 1
     where either norm is 0), then p ← m·(p − lr·u) with m = 1/√(1 + lr²):
     ``chain(scale_by_trust_ratio(min_norm), fromage_step(lr))`` (optax's
     ``scale_by_learning_rate(lr·m)`` and ``add_decayed_weights(m − 1)`` as one rule).
     Stateless (``state_bits``/``state_dtype`` are accepted and change nothing); fuses,
     the two norms in a reduction pass. ``min_norm`` >= 0."""
-    check_state_options("fromage", state_bits, state_dtype)
-    parts = [scale_by_trust_ratio(min_norm), fromage_step(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_trust_ratio(min_norm), fromage_step(learning_rate)]

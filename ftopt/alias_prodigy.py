@@ -5,18 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from ftopt.alias import check_state_options, finish
+from ftopt.alias import Float, chain_alias
 from ftopt.base import GradientTransformation
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.transforms.prodigy import scale_by_prodigy
 
 __all__ = ["prodigy"]
 
-Float = float | torch.Tensor
 
-
+@chain_alias
 def prodigy(
     learning_rate: ScalarOrSchedule = 1.0,
     betas: tuple[Float, Float] = (0.9, 0.999),
@@ -27,11 +24,7 @@ def prodigy(
     weight_decay: Float = 0.0,
     safeguard_warmup: bool = False,
     weight_decay_mask: Any = None,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Prodigy (as optax.contrib.prodigy, same arguments and defaults): AdamW whose step
     is d·lr with d a running estimate of the distance to the solution, grown from a global
     dot product Σ g·(x0 − p) and a global L1 norm of its state s. The state is optax's
@@ -47,7 +40,5 @@ def prodigy(
     :mod:`ftopt.transforms.prodigy`. The math and the other arguments:
     :func:`ftopt.transforms.prodigy.scale_by_prodigy`.
     """
-    check_state_options("prodigy", state_bits, state_dtype)
-    return finish([scale_by_prodigy(learning_rate, betas, beta3, eps, estim_lr0,
-                                    estim_lr_coef, weight_decay, safeguard_warmup,
-                                    weight_decay_mask)], skip_zeros, state_bits, state_dtype)
+    return [scale_by_prodigy(learning_rate, betas, beta3, eps, estim_lr0, estim_lr_coef,
+                             weight_decay, safeguard_warmup, weight_decay_mask)]

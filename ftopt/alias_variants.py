@@ -15,9 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from ftopt.alias import adam, adamw, check_state_options, finish
+from ftopt.alias import Float, chain_alias
 from ftopt.base import GradientTransformation
 from ftopt.domains import UNIT, check_hparam
 from ftopt.schedules import ScalarOrSchedule
@@ -26,6 +24,7 @@ from ftopt.transforms import (
     ema,
     quarter_power,
     scale_by_adadelta,
+    scale_by_adam,
     scale_by_adamax,
     scale_by_adopt,
     scale_by_amsgrad,
@@ -42,26 +41,20 @@ __all__ = ["adabelief", "adadelta", "adamax", "adamaxw", "adopt", "amsgrad", "na
            "nadamw", "optimistic_gradient_descent", "radam", "sign_sgd", "signum",
            "simplified_ademamix", "yogi"]
 
-Float = float | torch.Tensor
 
-
+@chain_alias
 def adamax(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
     b2: Float = 0.999,
     eps: Float = 1e-8,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Adamax: ``chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(lr))``
     (torch.optim.Adamax without weight decay)."""
-    check_state_options("adamax", state_bits, state_dtype)
-    parts = [scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def adamaxw(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
@@ -69,19 +62,14 @@ def adamaxw(
     eps: Float = 1e-8,
     weight_decay: Float = 1e-4,
     mask: Any = None,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Adamax with decoupled weight decay: ``chain(scale_by_adamax,
     add_decayed_weights(wd, mask), scale_by_learning_rate)``: p ← p − lr·(û + wd·p)."""
-    check_state_options("adamaxw", state_bits, state_dtype)
-    parts = [scale_by_adamax(b1, b2, eps), add_decayed_weights(weight_decay, mask),
-             scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_adamax(b1, b2, eps), add_decayed_weights(weight_decay, mask),
+            scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def amsgrad(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
@@ -91,22 +79,18 @@ def amsgrad(
     *,
     bias_correction_mu: bool = True,
     bias_correction_nu: bool = True,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """AMSGrad: ``chain(scale_by_amsgrad(...), scale_by_learning_rate(lr))``.
 
     The bias-correction switches are keyword-only here (optax takes ``mu_dtype`` before
     them). See :func:`ftopt.scale_by_amsgrad` for how torch's ``amsgrad=True`` differs.
     """
-    check_state_options("amsgrad", state_bits, state_dtype)
-    parts = [scale_by_amsgrad(b1, b2, eps, eps_root, bias_correction_mu=bias_correction_mu,
-                              bias_correction_nu=bias_correction_nu),
-             scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_amsgrad(b1, b2, eps, eps_root, bias_correction_mu=bias_correction_mu,
+                             bias_correction_nu=bias_correction_nu),
+            scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def nadam(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
@@ -115,22 +99,18 @@ def nadam(
     eps_root: Float = 0.0,
     *,
     nesterov: bool = True,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """NAdam as optax defines it: ``adam(..., nesterov=True)``.
 
     m̂ = b1·mu/(1−b1ᵗ⁺¹) + (1−b1)·u/(1−b1ᵗ). torch.optim.NAdam differs: it warms the
     momentum up (b1·(1 − 0.5·0.96^(0.004·t)), ``momentum_decay``) and bias-corrects with
     the product of those coefficients.
     """
-    check_state_options("nadam", state_bits, state_dtype)
-    return adam(learning_rate, b1, b2, eps, eps_root, nesterov=nesterov,
-                skip_zeros=skip_zeros, state_bits=state_bits,
-                state_dtype=state_dtype)
+    return [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
+            scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def nadamw(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
@@ -141,18 +121,14 @@ def nadamw(
     mask: Any = None,
     *,
     nesterov: bool = True,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """NAdamW as optax defines it: ``adamw(..., nesterov=True)`` (decoupled decay,
     multiplied by the learning rate; see :func:`nadam` for torch's NAdam)."""
-    check_state_options("nadamw", state_bits, state_dtype)
-    return adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mask,
-                 nesterov=nesterov, skip_zeros=skip_zeros, state_bits=state_bits,
-                state_dtype=state_dtype)
+    return [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
+            add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def radam(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
@@ -162,18 +138,14 @@ def radam(
     threshold: Float = 5.0,
     *,
     nesterov: bool = False,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Rectified Adam: ``chain(scale_by_radam(...), scale_by_learning_rate(lr))``
     (see :func:`ftopt.scale_by_radam` for torch.optim.RAdam)."""
-    check_state_options("radam", state_bits, state_dtype)
-    parts = [scale_by_radam(b1, b2, eps, eps_root, threshold, nesterov=nesterov),
-             scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_radam(b1, b2, eps, eps_root, threshold, nesterov=nesterov),
+            scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def adabelief(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
@@ -184,48 +156,36 @@ def adabelief(
     weight_decay_mask: Any = None,
     *,
     nesterov: bool = False,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """AdaBelief: ``chain(scale_by_belief(...), [add_decayed_weights(wd, mask)],
     scale_by_learning_rate(lr))``; the decay only when ``weight_decay`` is not None."""
-    check_state_options("adabelief", state_bits, state_dtype)
     parts = [scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov)]
     if weight_decay is not None:
         parts.append(add_decayed_weights(weight_decay, weight_decay_mask))
     parts.append(scale_by_learning_rate(learning_rate))
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return parts
 
 
+@chain_alias
 def yogi(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
     b2: Float = 0.999,
     eps: Float = 1e-3,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Yogi: ``chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(lr))`` (mu and nu
     start at 1e-6, as optax)."""
-    check_state_options("yogi", state_bits, state_dtype)
-    parts = [scale_by_yogi(b1, b2, eps), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_yogi(b1, b2, eps), scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def adadelta(
     learning_rate: ScalarOrSchedule | None = None,
     rho: Float = 0.9,
     eps: Float = 1e-6,
     weight_decay: Float = 0.0,
     weight_decay_mask: Any = None,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Adadelta: ``chain(add_decayed_weights(wd, mask), scale_by_adadelta(rho, eps),
     scale_by_learning_rate(lr))``, which is torch.optim.Adadelta (its weight decay is
     this coupled one).
@@ -234,58 +194,42 @@ def adadelta(
     torch's default); optax's code then leaves out the learning rate step, and with it
     the sign flip, so that its updates ascend.
     """
-    check_state_options("adadelta", state_bits, state_dtype)
-    parts = [add_decayed_weights(weight_decay, weight_decay_mask),
-             scale_by_adadelta(rho, eps),
-             scale_by_learning_rate(1.0 if learning_rate is None else learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [add_decayed_weights(weight_decay, weight_decay_mask),
+            scale_by_adadelta(rho, eps),
+            scale_by_learning_rate(1.0 if learning_rate is None else learning_rate)]
 
 
+@chain_alias
 def sign_sgd(
     learning_rate: ScalarOrSchedule,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """signSGD: ``chain(scale_by_sign(), scale_by_learning_rate(lr))``: p ← p − lr·sign(g)."""
-    check_state_options("sign_sgd", state_bits, state_dtype)
-    return finish([scale_by_sign(), scale_by_learning_rate(learning_rate)], skip_zeros,
-                  state_bits, state_dtype)
+    return [scale_by_sign(), scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def signum(
     learning_rate: ScalarOrSchedule,
     beta: Float = 0.9,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Signum (signSGD with momentum): ``chain(ema(beta, debias=False), scale_by_sign(),
     scale_by_learning_rate(lr))``: m ← beta·m + (1−beta)·g; p ← p − lr·sign(m)."""
     check_hparam("signum", "beta", beta, UNIT)  # named as the caller wrote it, not ema's decay
-    check_state_options("signum", state_bits, state_dtype)
-    parts = [ema(beta, debias=False), scale_by_sign(), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [ema(beta, debias=False), scale_by_sign(), scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def optimistic_gradient_descent(
     learning_rate: ScalarOrSchedule,
     alpha: Float = 1.0,
     beta: Float = 1.0,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Optimistic gradient descent: ``chain(scale_by_optimistic_gradient(alpha, beta),
     scale_by_learning_rate(lr))``: p ← p − lr·((alpha+beta)·gₜ − beta·gₜ₋₁)."""
-    check_state_options("optimistic_gradient_descent", state_bits, state_dtype)
-    parts = [scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def adopt(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.9,
@@ -295,19 +239,15 @@ def adopt(
     nesterov: bool = False,
     use_clipping: bool = True,
     clip_value_fn: Callable[[Any], Any] = quarter_power,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """ADOPT (as optax.contrib): ``chain(scale_by_adopt(...), scale_by_learning_rate(lr))``.
     The first step only measures the second moment (its update is 0)."""
-    check_state_options("adopt", state_bits, state_dtype)
-    parts = [scale_by_adopt(b1, b2, eps, nesterov=nesterov, use_clipping=use_clipping,
-                            clip_value_fn=clip_value_fn),
-             scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_adopt(b1, b2, eps, nesterov=nesterov, use_clipping=use_clipping,
+                           clip_value_fn=clip_value_fn),
+            scale_by_learning_rate(learning_rate)]
 
 
+@chain_alias
 def simplified_ademamix(
     learning_rate: ScalarOrSchedule,
     b1: Float = 0.99,
@@ -317,14 +257,8 @@ def simplified_ademamix(
     eps_root: Float = 0.0,
     weight_decay: Float = 0.0,
     mask: Any = None,
-    *,
-    skip_zeros: bool = False,
-    state_bits: int = 32,
-    state_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+) -> list[GradientTransformation]:
     """Simplified AdEMAMix (as optax.contrib): ``chain(scale_by_simplified_ademamix(...),
     add_decayed_weights(wd, mask), scale_by_learning_rate(lr))``."""
-    check_state_options("simplified_ademamix", state_bits, state_dtype)
-    parts = [scale_by_simplified_ademamix(b1, b2, alpha, eps, eps_root),
-             add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return [scale_by_simplified_ademamix(b1, b2, alpha, eps, eps_root),
+            add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]

@@ -16,7 +16,8 @@ is ``-0.0`` where it is zero.
 A stage may keep state (Adafactor's factored second moments,
 :mod:`ftopt.transforms.factored`): it has ``init`` and ``update`` as any transform, and
 ``run_flat(u_flat, zero_flat, state, p_flat, spec, paths) -> (u_flat, state)``
-(``spec``: the updates' tree structure) and may have ``check_state`` (same arguments
+(``spec``: the updates' tree structure; :func:`flatten_call` makes these of an ``update``
+call) and may have ``check_state`` (same arguments
 but ``zero_flat``; raises on a bad state before any kernel writes), which the
 segmented fused step calls with the stage's part of the chain's state (found by the
 state path that :func:`ftopt.stages.chain_stages` records). Statistics that are not per
@@ -43,7 +44,7 @@ A refused leaf raises before anything is written, naming its path and placements
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -130,19 +131,11 @@ class MatrixTransform:
         return out
 
     def update(self, updates, state, params=None, **extra):
-        spec = optree.tree_structure(updates, none_is_leaf=True, namespace="ftopt")
-        paths = [tree_lib.path_str(p) for p in optree.tree_paths(
-            updates, none_is_leaf=True, namespace="ftopt")]
-        leaves = spec.flatten_up_to(updates)
-        p_flat = (flatten_params_like(spec, params, paths, updates) if params is not None
-                  else [None] * len(leaves))
+        spec, paths, leaves, p_flat, zero_flat = flatten_call(updates, params, extra)
         for path, u, p in zip(paths, leaves, p_flat):
             if u is not None:
                 check_leaf(path, u, p, params is not None)
         self.check_shards(paths, leaves)
-        zero = extra.get("zero_mask")
-        zero_flat = (tree_lib.flatten_like(spec, zero, "zero_mask", paths)
-                     if zero is not None else None)
         return tree_lib.unflatten(spec, self.apply_flat(leaves, zero_flat)), state
 
     def run_flat(self, u_flat: Sequence[Any], zero_flat: Sequence[Any] | None, state: Any,
@@ -152,6 +145,34 @@ class MatrixTransform:
         chain's state; a stateless stage returns it as it is)."""
         del p_flat, spec, paths
         return self.apply_flat(u_flat, zero_flat), state
+
+
+class FlatCall(NamedTuple):
+    """A stage's ``update`` call on flat leaves: the updates' tree structure (``None``
+    leaves included), the leaves' paths, the updates, the params (``None`` each when the
+    call has none) and the ``skip_zeros`` mask of the raw gradient (``None`` outside a
+    ``skip_zeros`` chain)."""
+
+    spec: Any
+    paths: list[str]
+    u_flat: list
+    p_flat: list
+    zero_flat: list | None
+
+
+def flatten_call(updates: Any, params: Any, extra: dict) -> FlatCall:
+    """Flatten a stage's ``update(updates, state, params, **extra)`` call; the params and
+    the mask must match the updates' tree (errors name the path)."""
+    spec = optree.tree_structure(updates, none_is_leaf=True, namespace="ftopt")
+    paths = [tree_lib.path_str(p) for p in optree.tree_paths(
+        updates, none_is_leaf=True, namespace="ftopt")]
+    u_flat = spec.flatten_up_to(updates)
+    p_flat = (flatten_params_like(spec, params, paths, updates) if params is not None
+              else [None] * len(u_flat))
+    zero = extra.get("zero_mask")
+    zero_flat = (tree_lib.flatten_like(spec, zero, "zero_mask", paths)
+                 if zero is not None else None)
+    return FlatCall(spec, paths, u_flat, p_flat, zero_flat)
 
 
 def check_shards(name: str, reads: str, applies: Callable[[Any], bool],

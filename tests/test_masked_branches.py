@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ftopt
+from tests.step_checks import assert_trees_close, run_steps
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -68,21 +69,8 @@ CASES = {
 
 def _run(tx, backend: str, steps: int = 3, donate: bool = False, zero_rows: bool = False,
          state=None, params=None, start: int = 0):
-    params = {k: v.clone() for k, v in (params or _params()).items()}
-    state = tx.init(params) if state is None else optree.tree_map(
-        torch.clone, state, namespace="ftopt")
-    for t in range(start, start + steps):
-        params, state = ftopt.step(tx, params, _grads(params, t, zero_rows), state,
-                                   donate=donate, backend=backend)
-    return params, state
-
-
-def _close(a, b, rtol=1e-6, atol=1e-7):
-    la, sa = optree.tree_flatten(a, namespace="ftopt")
-    lb, sb = optree.tree_flatten(b, namespace="ftopt")
-    assert sa == sb
-    for x, y in zip(la, lb):
-        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+    return run_steps(tx, params or _params(), lambda p, t: _grads(p, t, zero_rows), backend,
+                     steps, donate, state, start)
 
 
 @pytest.mark.parametrize("donate", [False, True])
@@ -95,7 +83,7 @@ def test_one_launch_and_equal_to_eager(name, donate, kernel_launches):
     kernel_launches.clear()
     fused = _run(tx, "fused", donate=donate)
     assert len(kernel_launches) == 3  # one kernel per step for every branch and mask
-    _close(fused, eager)  # params and every state, the same tree structure (None holes)
+    assert_trees_close(fused, eager)  # params and every state, the same tree structure (None holes)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -112,7 +100,7 @@ def test_skip_zeros_against_the_control(name):
                    state=_restate(plain, first[0], first[1]), start=1)
     eager = _run(CASES[name](skip=True), "eager", steps=1, zero_rows=True,
                  params=first[0], state=first[1], start=1)
-    _close(skipping, eager)
+    assert_trees_close(skipping, eager)
     zeros = {k: g == 0 for k, g in _grads(first[0], 1, True).items()}
     before = dict(_slots(first[1]))
     moved_by_control = False
@@ -163,7 +151,7 @@ def test_checkpoint_round_trip(name):
     loaded = torch.load(buffer, weights_only=True)
     resumed = _run(tx, "fused", steps=2, state=loaded, params=params, start=2, donate=True)
     straight = _run(tx, "eager", steps=4)
-    _close(resumed, straight, rtol=1e-5, atol=1e-6)
+    assert_trees_close(resumed, straight, rtol=1e-5, atol=1e-6)
 
 
 def test_8bit_branches_and_mask_match_eager():

@@ -17,6 +17,7 @@ import torch
 import ftopt
 from ftopt.lowering.plan import plan_chain
 from ftopt.quant import dequantize_blockwise, dynamic_map, encode_with_absmax, expand_absmax
+from tests.step_checks import assert_kept_where_zero, bits, zero_step
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SHAPES = {"w": (12, 10), "v": (12, 10), "t": (4, 6), "b": (9,), "c": (3, 10, 12)}
@@ -31,10 +32,6 @@ def _tree(gen, zeros: bool = False, scale: float = 1.0):
         tree["c"][1, :, 4] = 0.0
         tree["t"][2, 3] = 0.0
     return tree
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
 # ---- float64 references ---------------------------------------------------------------------
@@ -310,6 +307,9 @@ def test_skip_zeros_keeps_params_and_states(name, backend):
     where the raw gradient is zero; the control (no skip_zeros) moves them. Adafactor's
     row and column means are reductions and advance (SPEC §3 for norms)."""
     out = {}
+    warm = torch.Generator().manual_seed(9)
+    warmup = [_tree(warm), _tree(warm)]
+    grads = _tree(torch.Generator().manual_seed(10), zeros=True)
     for skip in (False, True):
         if name == "adafactor":
             tx = ftopt.adafactor(0.05, momentum=0.9, weight_decay_rate=0.01,
@@ -318,25 +318,10 @@ def test_skip_zeros_keeps_params_and_states(name, backend):
             tx = ftopt.chain(ftopt.scale_by_muon(ns_dtype=torch.float32),
                              ftopt.scale_by_learning_rate(0.02),
                              *([ftopt.skip_zeros()] if skip else []))
-        params = _tree(torch.Generator().manual_seed(8))
-        state = tx.init(params)
-        warm = torch.Generator().manual_seed(9)
-        for _ in range(2):
-            params, state = ftopt.step(tx, params, _tree(warm), state, backend=backend)
-        before_p = {k: v.clone() for k, v in params.items()}
-        before_s = {n: {k: v.clone() for k, v in t.items()}
-                    for n, t in _per_element_states(name, state).items()}
-        grads = _tree(torch.Generator().manual_seed(10), zeros=True)
-        new_p, new_s = ftopt.step(tx, params, grads, state, backend=backend)
-        out[skip] = (before_p, before_s, new_p, _per_element_states(name, new_s), grads)
-    before_p, before_s, new_p, new_s, grads = out[True]
-    for k, g in grads.items():
-        zero = g == 0
-        assert torch.equal(_bits(new_p[k])[zero], _bits(before_p[k])[zero]), k
-        for n, slot in new_s.items():
-            if slot[k].shape == g.shape:
-                assert torch.equal(_bits(slot[k])[zero], _bits(before_s[n][k])[zero]), (n, k)
-    c_before, _, c_new, _, _ = out[False]
+        out[skip] = zero_step(tx, _tree(torch.Generator().manual_seed(8)), warmup, grads,
+                              lambda state: _per_element_states(name, state), backend)
+    assert_kept_where_zero(grads, *out[True])
+    c_before, _, c_new, _ = out[False]
     assert any(bool((c_new[k][g == 0] != c_before[k][g == 0]).any())
                for k, g in grads.items())
 
@@ -477,7 +462,7 @@ def test_adafactor_momentum_layouts_skip_zeros(layout, backend):
     after = _ema(new_state)
     for k, g in grads.items():
         zero = g == 0
-        assert torch.equal(_bits(new_p[k])[zero], _bits(before_p[k])[zero]), k
+        assert torch.equal(bits(new_p[k])[zero], bits(before_p[k])[zero]), k
         assert not torch.equal(new_p[k][~zero], before_p[k][~zero]), k  # the rest moves
         old, new = before[k], after[k]
         if not isinstance(new, ftopt.rules.QuantizedSlot):

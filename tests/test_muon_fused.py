@@ -18,6 +18,7 @@ import torch
 import ftopt
 from ftopt.lowering import plan as plan_lib
 from ftopt.transforms import muon as muon_lib
+from tests.step_checks import assert_kept_where_zero, assert_trees_close, bits, zero_step
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -54,16 +55,8 @@ def _run(tx, backend: str, steps: int = 3, donate: bool = False, zeros: bool = F
     return params, state
 
 
-def _close(a, b, rtol=2e-5, atol=1e-6):
-    la, lb = ftopt.tree.leaves(a), ftopt.tree.leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert torch.allclose(x.double(), y.double(), rtol=rtol, atol=atol), (x, y)
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.int32 if x.element_size() == 4 else torch.int16)
+def _close(a, b):
+    assert_trees_close(a, b, rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
@@ -123,27 +116,14 @@ def test_skip_zeros_keeps_params_and_states(backend):
     where the raw gradient is zero; the control (no skip_zeros) moves them."""
     out = {}
     for skip in (False, True):
-        tx = _muon(skip_zeros=skip)
         gen = torch.Generator().manual_seed(2)
-        params = _tree(gen)
-        state = tx.init(params)
-        for _ in range(2):
-            params, state = ftopt.step(tx, params, _tree(gen), state, backend=backend)
-        before_p = {k: v.clone() for k, v in params.items()}
-        before_s = {n: {k: v.clone() for k, v in t.items() if v is not None}
-                    for n, t in _per_element(state).items()}
+        params, warmup = _tree(gen), [_tree(gen), _tree(gen)]
         grads = _tree(gen, zeros=True)
-        new_p, new_s = ftopt.step(tx, params, grads, state, backend=backend)
-        out[skip] = (before_p, before_s, new_p, _per_element(new_s), grads)
-    before_p, before_s, new_p, new_s, grads = out[True]
-    for k, g in grads.items():
-        zero = g == 0
-        assert bool(zero.any()) == (k in ("w1", "tall", "b", "c"))
-        assert torch.equal(_bits(new_p[k])[zero], _bits(before_p[k])[zero]), k
-        for n, slot in new_s.items():
-            if slot[k] is not None:
-                assert torch.equal(_bits(slot[k])[zero], _bits(before_s[n][k])[zero]), (n, k)
-    c_before_p, c_before_s, c_new_p, c_new_s, _ = out[False]
+        out[skip] = zero_step(_muon(skip_zeros=skip), params, warmup, grads, _per_element,
+                              backend)
+    assert [k for k, g in grads.items() if bool((g == 0).any())] == ["w1", "tall", "b", "c"]
+    assert_kept_where_zero(grads, *out[True])
+    c_before_p, c_before_s, c_new_p, c_new_s = out[False]
     for k in ("w1", "tall", "b", "c"):
         zero = grads[k] == 0
         assert bool((c_new_p[k][zero] != c_before_p[k][zero]).all()), k
@@ -178,8 +158,7 @@ def test_checkpoint_continues_bit_identically():
                                         donate=True)
     for x, y in zip(ftopt.tree.leaves((params, state)), ftopt.tree.leaves((loaded_p,
                                                                           loaded_s))):
-        assert torch.equal(_bits(x) if x.is_floating_point() else x,
-                           _bits(y) if y.is_floating_point() else y)
+        assert torch.equal(bits(x), bits(y))
     assert int(state.inner_states["muon"].inner_state[0][0].count) == 4
 
 

@@ -8,12 +8,12 @@ Small sizes: the kernels run in the Triton interpreter on the CPU.
 
 from __future__ import annotations
 
-import optree
 import pytest
 import torch
 
 import ftopt
 from ftopt.lowering import codegen, launch
+from tests.step_checks import assert_trees_close, run_steps
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -55,20 +55,8 @@ def _masked_decay(skip: bool = False):
 
 def _run(tx, backend: str, steps: int = 3, donate: bool = False, zero_rows: bool = False,
          state=None, start: int = 0):
-    params = {k: v.clone() for k, v in _params().items()}
-    state = tx.init(params) if state is None else state
-    for t in range(start, start + steps):
-        params, state = ftopt.step(tx, params, _grads(params, t, zero_rows), state,
-                                   donate=donate, backend=backend)
-    return params, state
-
-
-def _close(a, b, rtol=1e-6, atol=1e-7):
-    la, sa = optree.tree_flatten(a, namespace="ftopt")
-    lb, sb = optree.tree_flatten(b, namespace="ftopt")
-    assert sa == sb
-    for x, y in zip(la, lb):
-        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+    return run_steps(tx, _params(), lambda p, t: _grads(p, t, zero_rows), backend, steps,
+                     donate, state, start)
 
 
 @pytest.mark.parametrize("make", [_gpt_partition, _masked_decay])
@@ -78,7 +66,7 @@ def test_fused_matches_eager(make, donate):
     assert ftopt.explain(tx, _params(), backend="fused", file=None).count("path: fused") == 1
     eager = _run(tx, "eager")
     fused = _run(tx, "fused", donate=donate)
-    _close(fused, eager)  # params and every state, the same tree structure
+    assert_trees_close(fused, eager)  # params and every state, the same tree structure
 
 
 def test_partition_matches_float64_formula():
@@ -161,7 +149,7 @@ def test_eager_state_continues_on_the_fused_path():
     fused = params, state
     for t in (2, 3):
         fused = ftopt.step(tx, fused[0], _grads(fused[0], t), fused[1], backend="fused")
-    _close(fused, eager)
+    assert_trees_close(fused, eager)
 
 
 def test_branches_that_differ_in_their_rules_fuse():
@@ -169,7 +157,7 @@ def test_branches_that_differ_in_their_rules_fuse():
     tx = ftopt.partition({"decay": ftopt.adamw(1e-2), "no_decay": ftopt.sgd(1e-2)}, LABELS)
     params = _params()
     assert "differ in their rules" in ftopt.explain(tx, params, backend="fused", file=None)
-    _close(ftopt.step(tx, params, _grads(params, 0), tx.init(params), backend="fused"),
+    assert_trees_close(ftopt.step(tx, params, _grads(params, 0), tx.init(params), backend="fused"),
            ftopt.step(tx, params, _grads(params, 0), tx.init(params), backend="eager"))
 
 
@@ -181,4 +169,4 @@ def test_missing_label_raises_and_changes_nothing():
     kept = {k: v.clone() for k, v in params.items()}
     with pytest.raises(ValueError, match="labels \\['other'\\] have no transform"):
         ftopt.step(bad, params, _grads(params, 0), state, donate=True, backend="fused")
-    _close(params, kept)
+    assert_trees_close(params, kept)

@@ -39,7 +39,6 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
 from ftopt import eager
@@ -47,9 +46,9 @@ from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, POSITIVE, UNIT_OPEN, check_hparam
-from ftopt.matrix import check_shards
+from ftopt.matrix import check_shards, flatten_call
 from ftopt.program import skip_update
-from ftopt.rule_transform import flatten_params_like, read_slot, stored_slot, write_slot
+from ftopt.rule_transform import read_slot, stored_slot, write_slot
 from ftopt.rules import QuantConfig, check_param, compute_dtype, state_dtype
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.validate import check_count, check_leaf, check_slots
@@ -216,14 +215,7 @@ class ScaleByProdigy:
         if params is None:
             raise ValueError(f"{self.name}: params are required (u ← ... − wd·dlr·p and "
                              "Σ g·(x0 − p) read them)")
-        spec = optree.tree_structure(updates, none_is_leaf=True, namespace="ftopt")
-        paths = [tree_lib.path_str(p) for p in optree.tree_paths(
-            updates, none_is_leaf=True, namespace="ftopt")]
-        u_flat = spec.flatten_up_to(updates)
-        p_flat = flatten_params_like(spec, params, paths, updates)
-        zero = extra.get("zero_mask")
-        zero_flat = (tree_lib.flatten_like(spec, zero, "zero_mask", paths)
-                     if zero is not None else None)
+        spec, paths, u_flat, p_flat, zero_flat = flatten_call(updates, params, extra)
         self.check_state(state, u_flat, p_flat, spec, paths)
         self.check_shards(paths, u_flat)
         out, new = self.run_flat(u_flat, zero_flat, state, p_flat, spec, paths, params)

@@ -1,0 +1,137 @@
+"""How the benchmarks time a step: the one place for warm-ups, synchronisation and
+CUDA events, so that every table measures the same way.
+
+* :class:`Clock`: per-call CUDA-event times, wall time over back-to-back calls, whole
+  calls as a waiting caller sees them, host time (``gpu_step.py``'s sections).
+* :func:`wall_ms`: warm-up calls, then ms per call over back-to-back calls, one sync.
+* :func:`event_ms`: CUDA events around ``n`` back-to-back calls, ``reps`` times.
+* :func:`donated_step_ms`: :func:`event_ms` of donated ``ftopt.step`` calls of a transform.
+* :func:`host_us`: host time of each call in microseconds, no synchronisation (for
+  benchmarks whose kernel launch is stubbed).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ftopt  # noqa: E402
+
+
+class Clock:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time_steps(self, fn: Callable, n: int) -> list[float]:
+        """ms of each of ``n`` consecutive calls (CUDA events around each, one sync)."""
+        if self.cuda:
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+            self.sync()
+            for s, e in zip(starts, ends):
+                s.record()
+                fn()
+                e.record()
+            self.sync()
+            return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def wall(self, fn: Callable, n: int) -> float:
+        """ms per call over ``n`` back-to-back calls with one sync at the end."""
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        self.sync()
+        return (time.perf_counter() - t0) * 1e3 / n
+
+    def call(self, fn: Callable, n: int) -> list[float]:
+        """ms of each whole call as a caller that waits for it sees it: sync, then
+        ``perf_counter`` around the call and a sync (host work + GPU time)."""
+        out = []
+        for _ in range(n):
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def host(self, fn: Callable, n: int) -> list[float]:
+        """ms of host time of each call: sync, then perf_counter around the call."""
+        out = []
+        for _ in range(n):
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        self.sync()
+        return out
+
+
+def wall_ms(fn: Callable, device: torch.device, iters: int, warmup: int) -> float:
+    """``warmup`` untimed calls, then ms per call over ``iters`` back-to-back calls (one
+    sync at the end on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    return Clock(device).wall(fn, iters)
+
+
+def event_ms(fn: Callable, n: int = 40, reps: int = 3) -> list[float]:
+    """ms per call, ``reps`` times: CUDA events around ``n`` back-to-back calls."""
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(end) / n)
+    return out
+
+
+def donated_step_ms(tx: Any, params: dict, grads: dict, n: int = 40, reps: int = 3,
+                    warmup: int = 3, backend: str = "fused") -> list[float]:
+    """:func:`event_ms` of donated ``ftopt.step(tx, ...)`` calls on copies of ``params``
+    after ``warmup`` untimed steps (the same ``grads`` every step)."""
+    box = {"p": {k: v.clone() for k, v in params.items()}}
+    box["s"] = tx.init(box["p"])
+
+    def one_step():
+        box["p"], box["s"] = ftopt.step(tx, box["p"], grads, box["s"], donate=True,
+                                        backend=backend)
+
+    for _ in range(warmup):
+        one_step()
+    return event_ms(one_step, n, reps)
+
+
+def host_us(fn: Callable, iters: int, warmup: int = 5) -> list[float]:
+    """Host time of each of ``iters`` calls (us) after ``warmup`` untimed calls; no
+    synchronisation (the launch is stubbed, or only the host work is wanted)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return times

@@ -1,0 +1,71 @@
+"""Checks that several suites share: trees equal within a tolerance, bit patterns, and the
+skip_zeros step (a warm-up, then a step whose gradient has zeros) on any transform."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import optree
+import torch
+
+import ftopt
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The bit pattern of ``x`` as integers of its element size, same shape (so a mask
+    selects elements): equal bits, not equal values (``-0.0 != 0.0``, NaN == NaN)."""
+    return x.detach().view(_INT_OF_SIZE[x.element_size()])
+
+
+def assert_trees_close(a: Any, b: Any, rtol: float = 1e-6, atol: float = 1e-7) -> None:
+    """The same tree structure (``None`` holes included), and every leaf of the same dtype
+    and shape and equal within ``rtol``/``atol``."""
+    la, sa = optree.tree_flatten(a, namespace="ftopt")
+    lb, sb = optree.tree_flatten(b, namespace="ftopt")
+    assert sa == sb
+    for x, y in zip(la, lb):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+def run_steps(tx: Any, params: dict, grads_at: Callable[[dict, int], dict], backend: str,
+              steps: int = 3, donate: bool = False, state: Any = None,
+              start: int = 0) -> tuple[dict, Any]:
+    """``steps`` steps of ``tx`` from copies of ``params`` (and of ``state``; ``None``:
+    ``tx.init``), step ``t`` (from ``start``) on ``grads_at(params, t)``."""
+    params = {k: v.clone() for k, v in params.items()}
+    state = tx.init(params) if state is None else optree.tree_map(
+        torch.clone, state, namespace="ftopt")
+    for t in range(start, start + steps):
+        params, state = ftopt.step(tx, params, grads_at(params, t), state, donate=donate,
+                                   backend=backend)
+    return params, state
+
+
+def zero_step(tx: Any, params: dict, warmup: Iterable[dict], grads: dict,
+              per_element: Callable[[Any], dict], backend: str) -> tuple:
+    """Steps on each gradient of ``warmup``, then one on ``grads``: the params and the
+    per-element states (``per_element(state)``: ``{slot: {leaf: tensor or None}}``) before
+    and after that last step, as ``(before_p, before_s, new_p, new_s)``."""
+    state = tx.init(params)
+    for g in warmup:
+        params, state = ftopt.step(tx, params, g, state, backend=backend)
+    before_p = {k: v.clone() for k, v in params.items()}
+    before_s = {n: {k: None if v is None else v.clone() for k, v in slot.items()}
+                for n, slot in per_element(state).items()}
+    new_p, new_state = ftopt.step(tx, params, grads, state, backend=backend)
+    return before_p, before_s, new_p, per_element(new_state)
+
+
+def assert_kept_where_zero(grads: dict, before_p: dict, before_s: dict, new_p: dict,
+                           new_s: dict) -> None:
+    """Where a gradient is zero, each param and each per-element state shaped like it kept
+    its bits (SPEC §3)."""
+    for k, g in grads.items():
+        zero = g == 0
+        assert torch.equal(bits(new_p[k])[zero], bits(before_p[k])[zero]), k
+        for n, slot in new_s.items():
+            if slot[k] is not None and slot[k].shape == g.shape:
+                assert torch.equal(bits(slot[k])[zero], bits(before_s[n][k])[zero]), (n, k)
