@@ -68,7 +68,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     launches: list = []
     execute.PreparedStep.launch = lambda self, scalars, pairs: (
-        launches.append(1), execute._increment(pairs))
+        launches.append(1), execute.increment(pairs))
     params, grads = _tree(device)
     rows: dict = {}
 
