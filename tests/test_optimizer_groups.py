@@ -281,3 +281,35 @@ def test_live_values_reach_the_kernel_as_numbers_or_tensors(launches):
     opt.param_groups[0]["lr"] = torch.tensor(0.0, device=DEVICE)
     _train(model, opt, batches[:1])
     assert all(torch.equal(p, b) for p, b in zip(opt.param_groups[0]["params"], before))
+
+
+def test_joined_tree_getter_reads_leaves_as_optree():
+    """The joined groups' getter (a list of dicts, another group's slots as ``None``
+    holes) gives optree's leaves for every mix of tensors and holes, and ``None`` for a
+    tree of other keys or containers (the caller then flattens)."""
+    from ftopt.lowering.flat import dict_list_getter
+
+    gen = torch.Generator().manual_seed(22)
+
+    def t():
+        return torch.randn(2, generator=gen)
+
+    layouts = [[{"b": t(), "a": t()}, {"c": None, "d": None}],  # a group and holes
+               [{"b": None, "a": None}, {"c": t(), "d": t()}],
+               [{"b": t(), "a": None}, {"c": None, "d": t()}],  # mixed
+               [{"z": t()}, {"y": None}],  # dicts of one key
+               [{"b": t(), "a": t()}, {}]]
+    for tree in layouts:
+        get = dict_list_getter(tree)
+        fresh = [{k: (None if v is None else t()) for k, v in d.items()} for d in tree]
+        filled = [{k: t() for k in d} for d in tree]  # holes no more
+        for other in (tree, fresh, filled):
+            want = optree.tree_leaves(other, none_is_leaf=False, namespace="ftopt")
+            got = get(other)
+            assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+            full = optree.tree_leaves(other, none_is_leaf=True, namespace="ftopt")
+            got = get(other, drop_none=False)
+            assert len(got) == len(full) and all(a is b for a, b in zip(got, full))
+        assert get([*tree[:-1], {**tree[-1], "extra": None}]) is None
+        assert get(tuple(tree)) is None and get(tree[:1]) is None
+    assert get([{"q": t(), "a": t()}, {}]) is None  # another key, same size

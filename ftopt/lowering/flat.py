@@ -12,6 +12,8 @@ import torch
 
 __all__ = ["dict_list_getter", "flat_dict_getter", "flat_dict_leaves"]
 
+_is, _is_not = operator.is_, operator.is_not
+
 
 def flat_dict_getter(params) -> operator.itemgetter | None:
     """An ``itemgetter`` of a flat ``{name: tensor}`` dict's keys in optree order (sorted),
@@ -58,13 +60,19 @@ def dict_list_getter(tree) -> Callable | None:
     except TypeError:  # keys optree keeps in insertion order
         return None
     kind, n = type(tree), len(tree)
-    getters = [(len(keys), operator.itemgetter(*keys) if keys else None) for keys in orders]
+    # Per dict: its size, a getter of its values in key order, and, where all are
+    # ``None`` (another group's holes), as many ``None``: a tuple compare (by identity,
+    # in C) then proves the holes still holes (a tensor put in one compares unequal, and
+    # the general pass takes it).
+    getters = [(len(keys), operator.itemgetter(*keys) if keys else None,
+                (None,) * len(keys) if all(v is None for v in d.values()) else None)
+               for keys, d in zip(orders, tree)]
 
     def leaves(other, drop_none: bool = True) -> list | None:
         if type(other) is not kind or len(other) != n:
             return None
         out: list = []
-        for d, (size, get) in zip(other, getters):
+        for d, (size, get, holes) in zip(other, getters):
             if type(d) is not dict or len(d) != size:
                 return None
             if size:
@@ -72,17 +80,17 @@ def dict_list_getter(tree) -> Callable | None:
                     got = get(d)
                 except KeyError:
                     return None
-                got = got if size > 1 else (got,)
-                if not drop_none:  # (gradients: a None is a leaf with no gradient)
-                    out += got
+                if size == 1:
+                    got = (got,)
+                if drop_none and holes is not None and got == holes:
                     continue
-                # By identity, in C (``tuple.count(None)`` would call ``Tensor.__eq__``).
-                kept = list(map(operator.is_not, got, repeat(None)))
-                n_kept = kept.count(True)
-                if n_kept == size:
-                    out += got
-                elif n_kept:
-                    out += compress(got, kept)
+                # By identity, in C (``None in got`` would call ``Tensor.__eq__``): one
+                # pass for a dict of tensors.
+                if drop_none and any(map(_is, got, repeat(None))):
+                    if not all(map(_is, got, repeat(None))):
+                        out += compress(got, map(_is_not, got, repeat(None)))
+                    continue
+                out += got  # (gradients, drop_none=False: a None is a leaf with none)
         return out
 
     return leaves

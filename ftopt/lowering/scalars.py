@@ -30,21 +30,44 @@ def _mirrored_hparams(plan: ChainPlan, constant: list, device) -> list | None:
     """Per stage, its hyperparameters with each tensor replaced by its host mirror
     (:func:`ftopt._counts.remember_value`: ``ftopt.Optimizer``'s live values), or ``None``
     where one has none or is a schedule (and while a CUDA graph is captured: a kernel
-    argument would be frozen into it)."""
+    argument would be frozen into it). The same list as the last step's while the
+    mirrors hold the same numbers (most steps: a scheduler changes one ``lr``)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    out = []
-    for stage, h in zip(plan.stages, constant):
-        if h is None:
-            h = {}
-            for k, v in stage.rule.hparams.items():
-                if isinstance(v, torch.Tensor):
-                    v = host_value(v)
-                if v is None or callable(v):
-                    return None
-                h[k] = v
-        out.append(h)
+    if plan.mirrored is None:
+        plan.mirrored = _mirror_layout(plan, constant)
+    layout = plan.mirrored
+    if not layout:
+        return None  # a schedule
+    tensors, where, last = layout[0], layout[1], layout[2]
+    values = tuple(map(host_value, tensors))
+    if last is not None and values == last[0]:  # (floats: ``None`` equals no float)
+        return last[1]
+    if None in values:
+        return None
+    out = [h if h is not None else {} for h in constant]
+    for i in {i for i, _ in where}:
+        out[i] = dict(plan.stages[i].rule.hparams)
+    for (i, key), value in zip(where, values):
+        out[i][key] = value
+    layout[2] = (values, out)
     return out
+
+
+def _mirror_layout(plan: ChainPlan, constant: list) -> list:
+    """``[tensors, (stage, key) of each, None]``: the tensor hyperparameters of the
+    stages that have some; ``[]`` where such a stage has a schedule (or a ``None``)."""
+    tensors, where = [], []
+    for i, (stage, h) in enumerate(zip(plan.stages, constant)):
+        if h is not None:
+            continue
+        for key, value in stage.rule.hparams.items():
+            if value is None or callable(value):
+                return []
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+                where.append((i, key))
+    return [tuple(tensors), tuple(where), None]
 
 
 def host_hparams(plan: ChainPlan, device) -> list | None:
