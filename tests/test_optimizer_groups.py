@@ -310,6 +310,32 @@ def test_joined_tree_getter_reads_leaves_as_optree():
             full = optree.tree_leaves(other, none_is_leaf=True, namespace="ftopt")
             got = get(other, drop_none=False)
             assert len(got) == len(full) and all(a is b for a, b in zip(got, full))
+        # A None put in a dict that held tensors is passed on, for the tensor check of
+        # the cached step to refuse (the dict is not scanned on every step).
+        emptied = [{k: None for k in d} if i == 0 else d for i, d in enumerate(fresh)]
+        if all(v is not None for v in tree[0].values()):
+            assert sum(x is None for x in get(emptied)) == len(tree[0])
         assert get([*tree[:-1], {**tree[-1], "extra": None}]) is None
         assert get(tuple(tree)) is None and get(tree[:1]) is None
     assert get([{"q": t(), "a": t()}, {}]) is None  # another key, same size
+
+
+def test_a_state_leaf_set_to_none_after_cached_steps_is_refused_by_path():
+    """The cached step over a list of dicts does not scan the dicts of tensors for
+    ``None`` (see ``dict_list_getter``): its tensor check sends such a state to the full
+    path, which names the leaf; the params are left as they were."""
+    gen = torch.Generator().manual_seed(23)
+    params = [{"w": torch.randn(4, 3, generator=gen), "v": torch.randn(3, generator=gen)},
+              {"b": torch.randn(3, generator=gen)}]
+    params = [{k: v.to(DEVICE) for k, v in d.items()} for d in params]
+    tx = ftopt.partition({0: ftopt.adamw(1e-2, weight_decay=0.1), 1: ftopt.adamw(1e-2)},
+                         [{"w": 0, "v": 0}, {"b": 1}])
+    state = tx.init(params)
+    grads = [{k: torch.randn_like(v) for k, v in d.items()} for d in params]
+    for _ in range(2):
+        _, state = ftopt.step(tx, params, grads, state, donate=True, backend="fused")
+    state.inner_states[0].inner_state[0].mu[0]["w"] = None
+    before = [{k: v.clone() for k, v in d.items()} for d in params]
+    with pytest.raises(TypeError, match=r"state mu at \[0\]\['w'\]: expected a tensor"):
+        ftopt.step(tx, params, grads, state, donate=True, backend="fused")
+    assert all(torch.equal(d[k], b[k]) for d, b in zip(params, before) for k in d)

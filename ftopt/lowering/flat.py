@@ -12,7 +12,18 @@ import torch
 
 __all__ = ["dict_list_getter", "flat_dict_getter", "flat_dict_leaves"]
 
-_is, _is_not = operator.is_, operator.is_not
+_is_not = operator.is_not
+_TENSORS = "tensors"
+
+
+def _held(d: dict):
+    """What a dict of the tree held: ``_TENSORS``, as many ``None`` as it has keys (holes,
+    a tuple), or ``None`` (both)."""
+    if not any(v is None for v in d.values()):
+        return _TENSORS
+    if all(v is None for v in d.values()):
+        return (None,) * len(d)
+    return None
 
 
 def flat_dict_getter(params) -> operator.itemgetter | None:
@@ -44,7 +55,12 @@ def dict_list_getter(tree) -> Callable | None:
     (all leaves with ``drop_none=False``, for gradients) in optree order (sorted keys),
     or ``None`` for a tree of other keys or containers.
     A single such dict (a partition's state slot) is read the same way. ``None`` here
-    for any other kind of tree."""
+    for any other kind of tree.
+
+    A dict that held only tensors when the getter was made is taken as it is, as
+    :func:`flat_dict_leaves` takes a dict: a ``None`` put there later reaches the
+    caller's tensor check (:class:`ftopt.lowering.checks.TensorCheck`), which refuses
+    anything but the tensors it recorded, so the step takes the full path."""
     if type(tree) is dict:
         inner = dict_list_getter([tree])
         return None if inner is None else (
@@ -60,19 +76,18 @@ def dict_list_getter(tree) -> Callable | None:
     except TypeError:  # keys optree keeps in insertion order
         return None
     kind, n = type(tree), len(tree)
-    # Per dict: its size, a getter of its values in key order, and, where all are
-    # ``None`` (another group's holes), as many ``None``: a tuple compare (by identity,
-    # in C) then proves the holes still holes (a tensor put in one compares unequal, and
-    # the general pass takes it).
-    getters = [(len(keys), operator.itemgetter(*keys) if keys else None,
-                (None,) * len(keys) if all(v is None for v in d.values()) else None)
+    # Per dict: its size, a getter of its values in key order, and what it held: all
+    # tensors (taken as they are, see above), all ``None`` (another group's holes: as
+    # many ``None``, which a tuple compare, by identity in C, proves still holes; a tensor
+    # put in one compares unequal) or both (scanned for ``None`` on every call).
+    getters = [(len(keys), operator.itemgetter(*keys) if keys else None, _held(d))
                for keys, d in zip(orders, tree)]
 
     def leaves(other, drop_none: bool = True) -> list | None:
         if type(other) is not kind or len(other) != n:
             return None
         out: list = []
-        for d, (size, get, holes) in zip(other, getters):
+        for d, (size, get, held) in zip(other, getters):
             if type(d) is not dict or len(d) != size:
                 return None
             if size:
@@ -82,15 +97,11 @@ def dict_list_getter(tree) -> Callable | None:
                     return None
                 if size == 1:
                     got = (got,)
-                if drop_none and holes is not None and got == holes:
-                    continue
-                # By identity, in C (``None in got`` would call ``Tensor.__eq__``): one
-                # pass for a dict of tensors.
-                if drop_none and any(map(_is, got, repeat(None))):
-                    if not all(map(_is, got, repeat(None))):
-                        out += compress(got, map(_is_not, got, repeat(None)))
-                    continue
-                out += got  # (gradients, drop_none=False: a None is a leaf with none)
+                if not drop_none or held is _TENSORS:
+                    out += got  # (gradients: a None is a leaf with no gradient)
+                elif held is None or got != held:  # (not the holes it held)
+                    # By identity, in C (``None in got`` would call ``Tensor.__eq__``).
+                    out += compress(got, map(_is_not, got, repeat(None)))
         return out
 
     return leaves
