@@ -169,21 +169,15 @@ class GroupRun:
 
     def params_tree(self, group: dict) -> Any:
         """:func:`params_tree` of the group, the same object while the group holds the
-        same params and names (compared by identity, one C-level pass)."""
+        same params (by identity, one C-level pass) and names (strings: compared by value,
+        in C)."""
         params, names = group["params"], group.get("param_names")
         seen_params, seen_names = self._tree_of
-        if (self.tree is None or not _identical(params, seen_params)
-                or not _identical(names, seen_names)):
+        if (self.tree is None or len(params) != len(seen_params)
+                or not all(map(_is, params, seen_params)) or names != seen_names):
             self.tree = params_tree(group)
-            self._tree_of = (tuple(params), None if names is None else tuple(names))
+            self._tree_of = (tuple(params), None if names is None else list(names))
         return self.tree
-
-
-def _identical(a: Any, b: tuple | None) -> bool:
-    """``a`` holds the very objects of ``b`` (both ``None``, or sequences)."""
-    if a is None or b is None:
-        return a is b
-    return len(a) == len(b) and all(map(_is, a, b))
 
 
 def _same(a: Any, b: Any) -> bool:

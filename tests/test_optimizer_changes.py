@@ -106,6 +106,18 @@ def test_changes_between_steps_reach_the_next_step(joined, monkeypatch):
     _step(opt, params, gen, grads, values)
     assert [run.tx for run in opt._runs] == txs and found == []
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-2 * 0.7 ** 2)
+    # A tensor lr is the caller's: copied on every step (its host value unknown, the
+    # scalars come from the device), also after the caller changed it in place; then a
+    # number again (its host value known once more).
+    lr = torch.tensor(0.03, dtype=torch.float64)
+    opt.param_groups[0]["lr"] = lr
+    _step(opt, params, gen, grads, values)
+    lr.fill_(0.015)
+    _step(opt, params, gen, grads, values)
+    opt.param_groups[0]["lr"] = 0.02
+    _step(opt, params, gen, grads, values)
+    _step(opt, params, gen, grads, values)
+    assert [run.tx for run in opt._runs] == txs
     want = _reference(start, grads, values)
     for p, w in zip(params, want):
         torch.testing.assert_close(p.double(), w, rtol=1e-5, atol=1e-6)

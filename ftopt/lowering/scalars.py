@@ -4,9 +4,11 @@ and every count a host int; else a small device buffer computed with torch ops."
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-from ftopt._counts import host_value
+from ftopt._counts import host_value, values_recorded
 from ftopt.lowering.plan import ChainPlan
 from ftopt.rules import step_scalars
 
@@ -31,7 +33,8 @@ def _mirrored_hparams(plan: ChainPlan, constant: list, device) -> list | None:
     (:func:`ftopt._counts.remember_value`: ``ftopt.Optimizer``'s live values), or ``None``
     where one has none or is a schedule (and while a CUDA graph is captured: a kernel
     argument would be frozen into it). The same list as the last step's while the
-    mirrors hold the same numbers (most steps: a scheduler changes one ``lr``)."""
+    mirrors hold the same numbers (most steps: a scheduler changes one ``lr``), with no
+    mirror read while no value was recorded and no tensor written since."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
     if plan.mirrored is None:
@@ -39,19 +42,27 @@ def _mirrored_hparams(plan: ChainPlan, constant: list, device) -> list | None:
     layout = plan.mirrored
     if not layout:
         return None  # a schedule
-    tensors, where, last = layout[0], layout[1], layout[2]
+    tensors, where, last = layout
+    recorded = values_recorded()
+    versions = tuple(map(_version, tensors))
+    if last is not None and last[0] == recorded and last[1] == versions:
+        return last[2]  # no value recorded since, no tensor written: the same mirrors
     values = tuple(map(host_value, tensors))
-    if last is not None and values == last[0]:  # (floats: ``None`` equals no float)
-        return last[1]
-    if None in values:
+    if None in values:  # (floats: ``None`` equals none of them)
         return None
-    out = [h if h is not None else {} for h in constant]
-    for i in {i for i, _ in where}:
-        out[i] = dict(plan.stages[i].rule.hparams)
-    for (i, key), value in zip(where, values):
-        out[i][key] = value
-    layout[2] = (values, out)
+    if last is not None and values == last[3]:
+        out = last[2]
+    else:
+        out = [h if h is not None else {} for h in constant]
+        for i in {i for i, _ in where}:
+            out[i] = dict(plan.stages[i].rule.hparams)
+        for (i, key), value in zip(where, values):
+            out[i][key] = value
+    layout[2] = (recorded, versions, out, values)
     return out
+
+
+_version = operator.attrgetter("_version")
 
 
 def _mirror_layout(plan: ChainPlan, constant: list) -> list:
