@@ -180,8 +180,7 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- step --------------------------------------------------------------------------
 
-    @hooked
-    @torch.no_grad()
+    @hooked  # with gradients off, as torch.no_grad() (step_hooks.py)
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step of every param group (params with ``grad=None`` are skipped).
 

@@ -2,12 +2,14 @@
 
 ``torch.optim.Optimizer`` wraps each subclass's ``step`` (``profile_hook_step``) in a
 profiler range, the global and the optimizer's own pre- and post-hooks, and a call of
-``_optimizer_step_code`` (where torch's profiler looks at the optimizer). Its range,
-``torch.autograd.profiler.record_function``, is two dispatcher calls, several
+``_optimizer_step_code`` (where torch's profiler looks at the optimizer); torch's
+optimizers step with gradients off. Its range, ``torch.autograd.profiler.record_function``,
+is two dispatcher calls, and ``torch.no_grad()`` an object and two calls: several
 microseconds of a step that fused kernels make short. :func:`hooked` does the same with
 torch's C-level range (``torch._C._profiler._RecordFunctionFast``, the one torch's own
-compiled kernels use); the profiler sees the same name. While ``torch.compile`` traces,
-and on a torch without that range or the hook tables, torch's own wrapper runs.
+compiled kernels use; the profiler sees the same name) and grad mode set directly. While
+``torch.compile`` traces, and on a torch without that range or the hook tables, torch's
+own wrapper runs, around ``step`` under ``torch.no_grad()``.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ _POST_HOOKS = getattr(_torch_optimizer, "_global_optimizer_post_hooks", None)
 
 
 def hooked(step: Callable[..., Any]) -> Callable[..., Any]:
-    """``step`` (an optimizer class's) wrapped as torch wraps it, marked ``hooked`` so
-    that ``torch.optim.Optimizer`` does not wrap it again."""
-    torch_step = torch.optim.Optimizer.profile_hook_step(step)
+    """``step`` (an optimizer class's) run with gradients off and wrapped as torch wraps
+    it, marked ``hooked`` so that ``torch.optim.Optimizer`` does not wrap it again."""
+    torch_step = torch.optim.Optimizer.profile_hook_step(torch.no_grad()(step))
     if _FAST_RANGE is None or _PRE_HOOKS is None or _POST_HOOKS is None:
         torch_step.hooked = True  # type: ignore[attr-defined]
         return torch_step
@@ -50,7 +52,12 @@ def hooked(step: Callable[..., Any]) -> Callable[..., Any]:
                     else:
                         raise RuntimeError(f"{step} must return None or a tuple of "
                                            f"(new_args, new_kwargs), but got {result}.")
-            out = step(*args, **kwargs)
+            enabled = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                out = step(*args, **kwargs)
+            finally:
+                torch._C._set_grad_enabled(enabled)
             self._optimizer_step_code()
             for post_hook in chain(self._optimizer_step_post_hooks.values(),
                                    _POST_HOOKS.values()):

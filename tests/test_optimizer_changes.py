@@ -183,9 +183,10 @@ def test_a_param_swapped_in_a_group_is_stepped():
         torch.testing.assert_close(p.double(), w, rtol=1e-5, atol=1e-6)
 
 
-def test_step_hooks_and_profiler_range_as_torch():
+def test_step_hooks_profiler_range_and_grad_mode_as_torch():
     """``step`` keeps torch's hooks: pre-hooks may replace the arguments (they see the
-    optimizer first), post-hooks run after, and the profiler sees torch's range name."""
+    optimizer first), post-hooks run after, the profiler sees torch's range name, and
+    the step runs with gradients off."""
     _, _, params, opt = _setup(False, 5)
     for p in params:
         p.grad = torch.randn_like(p)
@@ -201,3 +202,19 @@ def test_step_hooks_and_profiler_range_as_torch():
         handle.remove()
     assert seen == [("pre", True), ("post", 1)]
     assert "Optimizer.step#Optimizer.step" in {e.name for e in prof.events()}
+    # Gradients off in step (on for the closure), and back on after it, also after an
+    # error.
+    modes = []
+
+    def closure():
+        modes.append(torch.is_grad_enabled())
+        return 0.0
+
+    real = opt._joiner.step
+    opt._joiner.step = lambda *a: (modes.append(torch.is_grad_enabled()), real(*a))[1]
+    opt.step(closure)
+    assert modes == [True, False] and torch.is_grad_enabled()
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        opt.step()
+    assert torch.is_grad_enabled()

@@ -108,7 +108,7 @@ class PreparedStep:
             group.grad_addresses = list(map(_data_ptr, _as_tuple(group.pick(
                 self._active(g_flat)))))
         self.check: checks.TensorCheck | None = None
-        self.slot_getters: dict = {}  # see _branch_leaves
+        self.slot_readers: list | None = None  # see _branch_tensors
         self.list_getter = None  # the params' dict_list_getter (set for a donated step)
         # (scalars as floats?, count tensors, bound launches, launch.switches()): see
         # launch.bind_main.
@@ -129,18 +129,14 @@ class PreparedStep:
         states = planned_states(self.plan, state)
         if states is None:
             return None
+        if self.plan.branched:
+            return self._branch_tensors(states)
         out = []
-        branched = self.plan.branched
         for stage, st in zip(self.plan.stages, states):
             if stage.rule.counted:
                 out.append(st.count)
             for slot in stage.rule.slots:
                 tree = getattr(st, slot.name)
-                if branched:
-                    # The non-None leaves (8-bit: codes, absmax) in leaf order; the tensor
-                    # check then proves each is the one the tables hold.
-                    out += self._branch_leaves(stage, slot.name, tree)
-                    continue
                 leaves = flat_dict_leaves(self.flat_getter, self.flat_len, tree)
                 if leaves is None:
                     try:
@@ -157,17 +153,29 @@ class PreparedStep:
                         out.append(leaf)
         return out
 
-    def _branch_leaves(self, stage, name: str, tree) -> list:
-        """A branched slot's leaves: through a getter of the joined groups' layout (a
-        list of dicts, :func:`dict_list_getter`) where the tree has it, else a flatten."""
-        key = (id(stage), name)
-        getter = self.slot_getters.get(key, False)
-        if getter is False:
-            getter = self.slot_getters[key] = dict_list_getter(tree)
-        found = getter(tree) if getter is not None else None
-        if found is None:
-            found = optree.tree_leaves(tree, none_is_leaf=False, namespace="ftopt")
-        return found
+    def _branch_tensors(self, states) -> list:
+        """A branched plan's state tensors: each slot's non-None leaves (8-bit: codes,
+        absmax) in leaf order, the tensor check then proving each the one the tables
+        hold. A slot is read through a getter of the joined groups' layout (a list of
+        dicts, :func:`dict_list_getter`, made from the first state read) where it has
+        it, else flattened."""
+        readers = self.slot_readers
+        if readers is None:
+            readers = self.slot_readers = [
+                (stage.rule.counted, [(slot.name, dict_list_getter(getattr(st, slot.name)))
+                                      for slot in stage.rule.slots])
+                for stage, st in zip(self.plan.stages, states)]
+        out = []
+        for (counted, slots), st in zip(readers, states):
+            if counted:
+                out.append(st.count)
+            for name, getter in slots:
+                tree = getattr(st, name)
+                found = None if getter is None else getter(tree)
+                if found is None:
+                    found = optree.tree_leaves(tree, none_is_leaf=False, namespace="ftopt")
+                out += found
+        return out
 
     def still_valid(self, p_flat, s_flat, g_flat) -> bool:
         """Whether the tables point at exactly these tensors' memory (gradients may have
