@@ -25,6 +25,10 @@ _device_decided: dict[int, weakref.ref] = {}
 def remember_count(count: torch.Tensor, value: int) -> None:
     """Record that ``count`` holds ``value``."""
     key = id(count)
+    entry = _mirror.get(key)
+    if entry is not None and entry[0]() is count:  # (every step: the same weak reference)
+        _mirror[key] = (entry[0], value, count._version)
+        return
     ref = weakref.ref(count, lambda _, key=key: _mirror.pop(key, None))
     _mirror[key] = (ref, value, count._version)
 

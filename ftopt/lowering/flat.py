@@ -78,8 +78,8 @@ def dict_list_getter(tree) -> Callable | None:
     kind, n = type(tree), len(tree)
     # Per dict: its size, a getter of its values in key order, and what it held: all
     # tensors (taken as they are, see above), all ``None`` (another group's holes: as
-    # many ``None``, which a tuple compare, by identity in C, proves still holes; a tensor
-    # put in one compares unequal) or both (scanned for ``None`` on every call).
+    # many ``None``, which a tuple compare of its values, by identity in C, proves still
+    # holes; a tensor put in one compares unequal) or both (scanned for ``None``).
     getters = [(len(keys), operator.itemgetter(*keys) if keys else None, _held(d))
                for keys, d in zip(orders, tree)]
 
@@ -90,18 +90,20 @@ def dict_list_getter(tree) -> Callable | None:
         for d, (size, get, held) in zip(other, getters):
             if type(d) is not dict or len(d) != size:
                 return None
-            if size:
-                try:
-                    got = get(d)
-                except KeyError:
-                    return None
-                if size == 1:
-                    got = (got,)
-                if not drop_none or held is _TENSORS:
-                    out += got  # (gradients: a None is a leaf with no gradient)
-                elif held is None or got != held:  # (not the holes it held)
-                    # By identity, in C (``None in got`` would call ``Tensor.__eq__``).
-                    out += compress(got, map(_is_not, got, repeat(None)))
+            if not size or (drop_none and held is not _TENSORS and held is not None
+                            and tuple(d.values()) == held):
+                continue  # (still holes: no leaves, in any key order)
+            try:
+                got = get(d)
+            except KeyError:
+                return None
+            if size == 1:
+                got = (got,)
+            if not drop_none or held is _TENSORS:
+                out += got  # (gradients: a None is a leaf with no gradient)
+            else:
+                # By identity, in C (``None in got`` would call ``Tensor.__eq__``).
+                out += compress(got, map(_is_not, got, repeat(None)))
         return out
 
     return leaves
