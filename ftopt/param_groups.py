@@ -70,10 +70,13 @@ class GroupJoiner:
         one by one (one group, a group with no gradient, transforms that differ in their
         rules, a step that cannot fuse). Bad input raises naming the group, and changes
         nothing. ``runs``: the groups' :class:`ftopt.group_run.GroupRun`."""
-        if len(groups) < 2 or backend == "eager" or not all(
-                any(map(operator.is_not, grads, repeat(None))) for grads in grads_of):
+        if len(groups) < 2 or backend == "eager":
             return None
-        trees = [run.params_tree(group) for run, group in zip(runs, groups)]
+        trees = []
+        for run, group, grads in zip(runs, groups, grads_of):
+            if not any(map(operator.is_not, grads, repeat(None))):
+                return None
+            trees.append(run.params_tree(group))
         fresh = [i for i, run in enumerate(runs) if run.state is None]
         for i in fresh:
             runs[i].state = runs[i].tx.init(trees[i])

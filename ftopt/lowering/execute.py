@@ -22,7 +22,7 @@ from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
 from ftopt.lowering import branches, checks, launch, quantized, tiles
 from ftopt.lowering.codegen import output_roles
-from ftopt.lowering.counts import advance_counts, advance_running, increment
+from ftopt.lowering.counts import advance_counts, advance_running, counts_on, increment
 from ftopt.lowering.flat import dict_list_getter, flat_dict_getter, flat_dict_leaves
 from ftopt.lowering.plan import ChainPlan, planned_states
 from ftopt.lowering.scalars import host_hparams, kernel_scalars
@@ -160,13 +160,15 @@ class PreparedStep:
         dicts, :func:`dict_list_getter`, made from the first state read) where it has
         it, else flattened."""
         readers = self.slot_readers
-        if readers is None:
+        if readers is None:  # (stages that keep a count or slots)
             readers = self.slot_readers = [
-                (stage.rule.counted, [(slot.name, dict_list_getter(getattr(st, slot.name)))
-                                      for slot in stage.rule.slots])
-                for stage, st in zip(self.plan.stages, states)]
+                (i, stage.rule.counted, [(slot.name, dict_list_getter(getattr(st, slot.name)))
+                                         for slot in stage.rule.slots])
+                for i, (stage, st) in enumerate(zip(self.plan.stages, states))
+                if stage.rule.counted or stage.rule.slots]
         out = []
-        for (counted, slots), st in zip(readers, states):
+        for i, counted, slots in readers:
+            st = states[i]
             if counted:
                 out.append(st.count)
             for name, getter in slots:
@@ -315,7 +317,8 @@ def fast_step(plan: ChainPlan, params, grads, state):
         return None
     hparams = host_hparams(plan, prepared.device)
     steps, _, pairs = advance_counts(plan, prepared.counts, True,
-                                     _uses_tensors(plan, hparams), prepared.device)
+                                     _uses_tensors(plan, hparams), prepared.device,
+                                     prepared.counts_in_kernel)
     carried = None
     if plan.running:
         carried, _ = advance_running(plan, planned_states(plan, state), steps, True)
@@ -371,7 +374,8 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
             prepared.flat_len = len(params) if prepared.flat_getter else 0
             if prepared.flat_getter is None:
                 prepared.list_getter = dict_list_getter(params)
-            prepared.counts = counts
+            prepared.counts = counts  # (the tensor check holds them to these tensors)
+            prepared.counts_in_kernel = counts_on(counts, device)
             prepared.watch(p_flat, prepared.state_tensors(state), g_flat)
             plan.prepared = prepared
     else:
