@@ -44,7 +44,9 @@ def hooked(step: Callable[..., Any]) -> Callable[..., Any]:
         if torch.compiler.is_compiling():
             return torch_step(*args, **kwargs)
         with _FAST_RANGE(f"Optimizer.step#{type(self).__name__}.step"):
-            for pre_hook in chain(_PRE_HOOKS.values(), self._optimizer_step_pre_hooks.values()):
+            pre_hooks = self._optimizer_step_pre_hooks
+            for pre_hook in chain(_PRE_HOOKS.values(), pre_hooks.values()) if (
+                    _PRE_HOOKS or pre_hooks) else ():
                 result = pre_hook(self, args, kwargs)
                 if result is not None:
                     if isinstance(result, tuple) and len(result) == 2:
@@ -59,8 +61,9 @@ def hooked(step: Callable[..., Any]) -> Callable[..., Any]:
             finally:
                 torch._C._set_grad_enabled(enabled)
             self._optimizer_step_code()
-            for post_hook in chain(self._optimizer_step_post_hooks.values(),
-                                   _POST_HOOKS.values()):
+            post_hooks = self._optimizer_step_post_hooks
+            for post_hook in chain(post_hooks.values(), _POST_HOOKS.values()) if (
+                    post_hooks or _POST_HOOKS) else ():
                 post_hook(self, args, kwargs)
             return out
 

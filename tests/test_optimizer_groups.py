@@ -307,6 +307,10 @@ def test_joined_tree_getter_reads_leaves_as_optree():
             want = optree.tree_leaves(other, none_is_leaf=False, namespace="ftopt")
             got = get(other)
             assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+            proven: set = set()  # one read of several trees: holes proven once
+            for _ in range(2):
+                got = get(other, True, proven)
+                assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
             full = optree.tree_leaves(other, none_is_leaf=True, namespace="ftopt")
             got = get(other, drop_none=False)
             assert len(got) == len(full) and all(a is b for a, b in zip(got, full))

@@ -167,13 +167,14 @@ class PreparedStep:
                 for i, (stage, st) in enumerate(zip(self.plan.stages, states))
                 if stage.rule.counted or stage.rule.slots]
         out = []
+        proven: set = set()  # (the slots share another group's holes: proven once)
         for i, counted, slots in readers:
             st = states[i]
             if counted:
                 out.append(st.count)
             for name, getter in slots:
                 tree = getattr(st, name)
-                found = None if getter is None else getter(tree)
+                found = None if getter is None else getter(tree, True, proven)
                 if found is None:
                     found = optree.tree_leaves(tree, none_is_leaf=False, namespace="ftopt")
                 out += found

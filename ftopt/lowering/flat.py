@@ -60,11 +60,15 @@ def dict_list_getter(tree) -> Callable | None:
     A dict that held only tensors when the getter was made is taken as it is, as
     :func:`flat_dict_leaves` takes a dict: a ``None`` put there later reaches the
     caller's tensor check (:class:`ftopt.lowering.checks.TensorCheck`), which refuses
-    anything but the tensors it recorded, so the step takes the full path."""
+    anything but the tensors it recorded, so the step takes the full path.
+
+    ``proven`` (a set the caller keeps for one read of several trees, such as a state's
+    slots, which share another group's holes): the ids of the hole dicts proven holes in
+    that read, which are not looked at again."""
     if type(tree) is dict:
         inner = dict_list_getter([tree])
         return None if inner is None else (
-            lambda other, drop_none=True: inner([other], drop_none)
+            lambda other, drop_none=True, proven=None: inner([other], drop_none, proven)
             if type(other) is dict else None)
     if type(tree) not in (list, tuple) or not tree or not all(type(d) is dict for d in tree):
         return None
@@ -83,16 +87,22 @@ def dict_list_getter(tree) -> Callable | None:
     getters = [(len(keys), operator.itemgetter(*keys) if keys else None, _held(d))
                for keys, d in zip(orders, tree)]
 
-    def leaves(other, drop_none: bool = True) -> list | None:
+    def leaves(other, drop_none: bool = True, proven: set | None = None) -> list | None:
         if type(other) is not kind or len(other) != n:
             return None
         out: list = []
         for d, (size, get, held) in zip(other, getters):
             if type(d) is not dict or len(d) != size:
                 return None
-            if not size or (drop_none and held is not _TENSORS and held is not None
-                            and tuple(d.values()) == held):
-                continue  # (still holes: no leaves, in any key order)
+            if not size:
+                continue
+            if drop_none and held is not _TENSORS and held is not None:
+                if proven is not None and id(d) in proven:
+                    continue  # (proven holes earlier in the caller's read)
+                if tuple(d.values()) == held:
+                    if proven is not None:
+                        proven.add(id(d))
+                    continue  # (still holes: no leaves, in any key order)
             try:
                 got = get(d)
             except KeyError:
