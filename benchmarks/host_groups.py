@@ -6,7 +6,8 @@ donated, against the same leaves in one AdamW group, and against a plain donated
 ``ftopt.step`` of ``adamw`` over the same tree (what the ``Optimizer`` adds on top).
 The kernel launch is stubbed (the step counts still advance), so the numbers are the
 Python work of a step: one partition over both groups (one launch per dtype group),
-against the groups stepped one by one (one launch each). The paths take turns over
+against the groups stepped one by one (one launch each), and the joined groups under a
+``LambdaLR`` that writes a new ``lr`` after every step. The paths take turns over
 ``--repeats`` rounds of ``--iters`` steps (a shared machine is noisy): the table shows
 the lowest of the rounds' medians and the fastest step. Runs on the CPU
 (``TRITON_INTERPRET=1``, set here) or a GPU:
@@ -76,17 +77,30 @@ class PlainStep:
 
 
 def measure(opt, iters: int) -> list[float]:
-    """Host time per ``opt.step()`` (us), ``iters`` times."""
+    """Host time per ``opt.step()`` (us), ``iters`` times; ``opt.between`` (a scheduler's
+    step), where set, runs between the steps, untimed."""
+    between = getattr(opt, "between", None)
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         opt.step()
         times.append((time.perf_counter() - t0) * 1e6)
+        if between is not None:
+            between()
     return times
 
 
-PLAIN, ONE, JOINED, APART = ("ftopt.step, no Optimizer", "one group (reference)",
-                             "joined (one partition)", "group by group")
+def _scheduled(opt: ftopt.Optimizer) -> ftopt.Optimizer:
+    """``opt`` under a ``LambdaLR`` that writes every group's ``lr`` (a new float) after
+    each step, as a schedule does."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 1e-3 * s))
+    opt.between = sched.step
+    return opt
+
+
+PLAIN, ONE, JOINED, APART, SCHEDULED = (
+    "ftopt.step, no Optimizer", "one group (reference)", "joined (one partition)",
+    "group by group", "joined, lr scheduled")
 
 
 def main() -> None:
@@ -101,7 +115,8 @@ def main() -> None:
     execute.PreparedStep.launch = lambda self, scalars, pairs: (
         launches.append(1), execute.increment(pairs))
     opts = {ONE: _optimizer(device, True, True), JOINED: _optimizer(device, True, False),
-            APART: _optimizer(device, False, False)}
+            APART: _optimizer(device, False, False),
+            SCHEDULED: _scheduled(_optimizer(device, True, False))}
     opts = {PLAIN: PlainStep(opts[ONE]), **opts}
     rows: dict = {}
     medians: dict = {name: [] for name in opts}
@@ -129,13 +144,15 @@ def main() -> None:
                      f"{row['median_us']:.0f} | {row['min_us']:.0f} |")
     over_plain = rows[ONE]["median_us"] - rows[PLAIN]["median_us"]
     extra = rows[JOINED]["median_us"] - rows[ONE]["median_us"]
+    scheduled = rows[SCHEDULED]["median_us"] - rows[JOINED]["median_us"]
     lines += ["", f"one group costs {over_plain:+.0f} us per step over a plain ftopt.step; "
-              f"joined two groups cost {extra:+.0f} us per step over one group"]
+              f"joined two groups cost {extra:+.0f} us per step over one group; a new lr "
+              f"in every group each step costs {scheduled:+.0f} us"]
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_groups.json").write_text(json.dumps(
         {"device": device, "torch": torch.__version__, "rows": rows,
-         "one_group_minus_plain_step_us": over_plain,
+         "one_group_minus_plain_step_us": over_plain, "scheduled_minus_joined_us": scheduled,
          "joined_minus_one_group_us": extra}, indent=2))
     (args.out / "host_groups.md").write_text("\n".join(lines) + "\n")
 

@@ -17,7 +17,6 @@ import weakref
 import torch
 
 _mirror: dict[int, tuple[weakref.ref, int, int]] = {}
-_values_recorded = [0]  # (a list: read without a global statement)
 # Keyed by id (a WeakSet would compare tensors with ``==``, which reads the device).
 _device_decided: dict[int, weakref.ref] = {}
 
@@ -50,13 +49,13 @@ def remember_value(tensor: torch.Tensor, value: float) -> None:
     then passes the value as a kernel argument with no device work; see
     :func:`ftopt.Optimizer.step`, which writes its groups' live values this way."""
     remember_count(tensor, value)
-    _values_recorded[0] += 1
 
 
-def values_recorded() -> int:
-    """How many times :func:`remember_value` was called: while this and a tensor's
-    version stay the same, so does its :func:`host_value`."""
-    return _values_recorded[0]
+def mirror_records(keys: tuple) -> tuple:
+    """The host-mirror records of the live tensors whose ids are ``keys`` (one C-level
+    pass): a record is replaced whenever a value is recorded, so while a tensor's record
+    (by identity) and version stay the same, so does its :func:`host_value`."""
+    return tuple(map(_mirror.get, keys))
 
 
 def host_value(tensor: torch.Tensor) -> float | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
+from itertools import compress
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ __all__ = ["GroupRun", "NUMERIC", "check_number", "is_live", "params_tree"]
 _NONNEG = frozenset({"lr", "weight_decay", "eps", "eps_root", "momentum", "decay", "alpha",
                      "b3", "initial_scale", "initial_accumulator_value"})
 NUMERIC = _NONNEG | {"betas"}
-_is = operator.is_
+_is, _is_not = operator.is_, operator.is_not
 
 
 def _is_number(v: Any) -> bool:
@@ -67,9 +68,10 @@ class GroupRun:
         self.fixed: dict[str, Any] = {}
         self.copied: dict[tuple, Any] = {}  # the values last copied into ``live``
         self.state: Any = None
-        # The group's values (by ``keys``) at the last check, if none can change in
-        # place; ``None``: check on the next step.
+        # The group's values (by ``keys``) at the last check (``None``: check them all on
+        # the next step), and the live keys checked on every step (see remember).
         self.seen: tuple | None = None
+        self._always: tuple = ()
         self._values = (operator.itemgetter(*keys) if len(keys) > 1 else
                         (lambda group, key=keys[0]: (group[key],)) if keys else
                         (lambda group: ()))
@@ -120,32 +122,52 @@ class GroupRun:
         check_transform(built, f"{where}: the factory {_name(factory)} returned")
         self.tx, self.live, self.fixed, self.copied = built, live, fixed, copied
 
-    def unchanged(self, group: dict) -> bool:
-        """Whether the group holds the very objects :meth:`remember` saw (one C-level pass;
-        a scheduler's new ``lr`` is a new float object, a changed ``betas`` a new tuple)."""
-        seen = self.seen
-        return seen is not None and all(map(_is, self._values(group), seen))
+    def changed(self, group: dict) -> tuple:
+        """The keys whose values are not the very objects :meth:`remember` saw (one
+        C-level pass where none changed; a scheduler's new ``lr`` is a new float object, a
+        changed ``betas`` a new tuple), with those that can change in place; all keys
+        before the first :meth:`remember`."""
+        seen, values = self.seen, self._values(group)
+        if seen is None:
+            return self.keys
+        if all(map(_is, values, seen)):
+            return self._always
+        found = tuple(compress(self.keys, map(_is_not, values, seen)))
+        if self._always:
+            found += tuple(k for k in self._always if k not in found)
+        return found
 
-    def refresh(self, group: dict, factory: Callable | None, where: str) -> bool:
-        """Check the group's hyperparameters; rebuild the transform if a fixed one (or the
-        kind of a live one) changed. True if the live values must be copied in."""
+    def refresh(self, group: dict, keys: tuple, factory: Callable | None,
+                where: str) -> tuple | None:
+        """Check the group's hyperparameters ``keys`` (:meth:`changed`); rebuild the
+        transform if a fixed one (or the kind of a live one) changed. The live keys whose
+        values must be copied in, or ``None`` where the transform was rebuilt from them."""
         if factory is None:
-            return False
-        changed = any(not _same(group[k], v) for k, v in self.fixed.items()) or any(
-            not _fits(k, group[k], held) for k, held in self.live.items())
-        if changed:
-            self.build(group, factory, None, where)
-            return False
-        for key in self.live:
+            return ()
+        fixed, live = self.fixed, self.live
+        copy = []
+        for key in keys:
             value = group[key]
-            if key == "betas" or not isinstance(value, torch.Tensor):
-                check_number(where, key, value)
-        return True
+            if key in live:
+                if not _fits(key, value, live[key]):
+                    break
+                copy.append(key)
+            elif not _same(value, fixed[key]):
+                break
+        else:
+            for key in copy:
+                value = group[key]
+                if key == "betas" or not isinstance(value, torch.Tensor):
+                    check_number(where, key, value)
+            return tuple(copy)
+        self.build(group, factory, None, where)
+        return None
 
-    def copy_live(self, group: dict) -> None:
-        """The group's current values into the live tensors (skipped where unchanged)."""
-        for key, held in self.live.items():
-            value = group[key]
+    def copy_live(self, group: dict, keys: tuple) -> None:
+        """The group's current values of the live ``keys`` into their tensors (skipped
+        where unchanged)."""
+        for key in keys:
+            held, value = self.live[key], group[key]
             pairs = zip(held, value) if key == "betas" else ((held, value),)
             for i, (t, v) in enumerate(pairs):
                 if isinstance(v, torch.Tensor):
@@ -155,15 +177,16 @@ class GroupRun:
                     param_groups.fill_live(t, v)
                     self.copied[(key, i)] = v
 
-    def remember(self, group: dict) -> None:
-        """The group's values are checked and in the live tensors: the next step skips
-        both while the group holds the same objects (not where a live value can change in
-        place: a tensor, a list)."""
-        values = self._values(group)
-        mutable = any(isinstance(group[key], (torch.Tensor, list)) or (
-            key == "betas" and any(isinstance(b, torch.Tensor) for b in group[key]))
-            for key in self.live)
-        self.seen = None if mutable else values
+    def remember(self, group: dict, keys: tuple) -> None:
+        """The group's values of ``keys`` (:meth:`changed`; the others are the objects
+        seen before) are checked and in the live tensors: the next step skips both for
+        the keys that hold the same objects (a live value that can change in place, a
+        tensor or a list, is checked and copied on every step)."""
+        if self.seen is None:  # (first, or rebuilt: every key)
+            keys = self.keys
+        self.seen = self._values(group)
+        self._always = tuple(key for key in keys if key in self.live and _in_place(
+            key, group[key]))
 
     # -- params ------------------------------------------------------------------------
 
@@ -178,6 +201,13 @@ class GroupRun:
             self.tree = params_tree(group)
             self._tree_of = (tuple(params), None if names is None else list(names))
         return self.tree
+
+
+def _in_place(key: str, value: Any) -> bool:
+    """A live value that can change without a new object in the group: a tensor, a list
+    (of betas), betas holding a tensor."""
+    return isinstance(value, (torch.Tensor, list)) or (
+        key == "betas" and any(isinstance(b, torch.Tensor) for b in value))
 
 
 def _same(a: Any, b: Any) -> bool:

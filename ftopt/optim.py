@@ -197,17 +197,18 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         runs, groups = self._runs, self.param_groups
         # A group's hyperparameters are checked where they changed (by identity: a
-        # scheduler writes a new float), every such group before any group steps.
-        stale = [i for i, (run, group) in enumerate(zip(runs, groups))
-                 if not run.unchanged(group)]
-        copy_in = [runs[i].refresh(groups[i], self._factory,
-                                   f"ftopt.Optimizer.step: param group {i}") for i in stale]
+        # scheduler writes a new float), in every group before any group steps.
+        stale = [(i, keys) for i, (run, group) in enumerate(zip(runs, groups))
+                 if (keys := run.changed(group))]
+        copy_in = [runs[i].refresh(groups[i], keys, self._factory,
+                                   f"ftopt.Optimizer.step: param group {i}")
+                   for i, keys in stale]
         grads_of = [list(map(_grad_of, group["params"])) for group in groups]
-        for i, copy in zip(stale, copy_in):
+        for (i, keys), copy in zip(stale, copy_in):
             if not copy or any(map(operator.is_not, grads_of[i], repeat(None))):
-                if copy:
-                    runs[i].copy_live(groups[i])
-                runs[i].remember(groups[i])
+                if copy:  # (a group without gradients: copied when it steps)
+                    runs[i].copy_live(groups[i], copy)
+                runs[i].remember(groups[i], keys)
         # Groups that are the same chain of rules: one fused partition (param_groups.py).
         fresh = self._joiner.step(runs, groups, grads_of, self._backend)
         if fresh is not None:

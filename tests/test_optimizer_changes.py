@@ -218,3 +218,29 @@ def test_step_hooks_profiler_range_and_grad_mode_as_torch():
     with pytest.raises(ValueError, match="lr must be >= 0"):
         opt.step()
     assert torch.is_grad_enabled()
+
+
+def test_a_changed_fixed_hyperparameter_rebuilds_only_its_group():
+    """``nesterov`` (not a live value) set in one group, with a new lr in both: that group's
+    transform is rebuilt around its state, the other keeps its own; the steps equal the
+    eager path's given the same changes, and differ from steps without the change."""
+    runs = []
+    for backend, nesterov in (("fused", True), ("eager", True), ("fused", False)):
+        gen, _, params, opt = _setup(True, 6)
+        opt = ftopt.Optimizer(opt.param_groups, ftopt.adamw, lr=1e-2, backend=backend)
+        txs = [run.tx for run in opt._runs]
+        for step in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
+            if step == 2:
+                opt.param_groups[1]["nesterov"] = nesterov
+                for group in opt.param_groups:
+                    group["lr"] = group["lr"] * 0.5
+            opt.step()
+        assert opt._runs[0].tx is txs[0]
+        assert (opt._runs[1].tx is not txs[1]) == nesterov
+        runs.append([p.detach().clone() for p in params])
+    for p, q in zip(runs[0], runs[1]):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert torch.equal(runs[0][0], runs[2][0])  # group 0: the same either way
+    assert not torch.allclose(runs[0][1], runs[2][1], rtol=1e-6, atol=1e-7)
