@@ -8,10 +8,10 @@ of any other hyperparameter rebuilds the transform. Checking and copying every v
 every group costs host time on each step, while most steps change nothing, or only the
 ``lr`` that a torch scheduler writes (as a new Python float). So a group remembers the
 objects it last checked and copied in (:meth:`GroupRun.remember`); the next step compares
-them by identity, in one C-level pass (:meth:`GroupRun.unchanged`), and checks only a
-group where one differs. A value that can change in place (a tensor, a list of betas)
-is checked and copied on every step. Fixed values are compared by identity as before: a
-mask tree changed in place keeps the transform built from it.
+them by identity, in one C-level pass (:meth:`GroupRun.changed`), and checks and copies
+only the keys whose objects differ. A value that can change in place (a tensor, a list
+of betas) is checked and copied on every step. Fixed values are compared by identity as
+before: a mask tree changed in place keeps the transform built from it.
 """
 
 from __future__ import annotations
