@@ -24,6 +24,10 @@ _device_decided: dict[int, weakref.ref] = {}
 def remember_count(count: torch.Tensor, value: int) -> None:
     """Record that ``count`` holds ``value``."""
     key = id(count)
+    entry = _mirror.get(key)
+    if entry is not None and entry[0]() is count:  # (every step: the same weak reference)
+        _mirror[key] = (entry[0], value, count._version)
+        return
     ref = weakref.ref(count, lambda _, key=key: _mirror.pop(key, None))
     _mirror[key] = (ref, value, count._version)
 
@@ -45,6 +49,13 @@ def remember_value(tensor: torch.Tensor, value: float) -> None:
     then passes the value as a kernel argument with no device work; see
     :func:`ftopt.Optimizer.step`, which writes its groups' live values this way."""
     remember_count(tensor, value)
+
+
+def mirror_records(keys: tuple) -> tuple:
+    """The host-mirror records of the live tensors whose ids are ``keys`` (one C-level
+    pass): a record is replaced whenever a value is recorded, so while a tensor's record
+    (by identity) and version stay the same, so does its :func:`host_value`."""
+    return tuple(map(_mirror.get, keys))
 
 
 def host_value(tensor: torch.Tensor) -> float | None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import inspect
-import math
+import operator
 from collections.abc import Callable, Iterable
+from itertools import repeat
 from typing import Any
 
 import optree
@@ -12,30 +13,16 @@ import torch
 
 from ftopt import param_groups
 from ftopt.base import GradientTransformation, check_transform
+from ftopt.group_run import GroupRun, params_tree
 from ftopt.param_state import param_views, plan_load
+from ftopt.step_hooks import hooked
 from ftopt.update import step as ftopt_step
 
 __all__ = ["Optimizer"]
 
-# Hyperparameters that must be real numbers >= 0 when a group holds them (torch's and
-# ftopt's names); checked before each step, since LR schedulers write them between steps.
-_NONNEG = frozenset({"lr", "weight_decay", "eps", "eps_root", "momentum", "decay", "alpha",
-                     "b3", "initial_scale", "initial_accumulator_value"})
-_NUMERIC = _NONNEG | {"betas"}
 _GROUP_KEYS = ("params", "param_names")
 _BACKENDS = ("auto", "fused", "eager")
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _live(key: str, v: Any) -> bool:
-    """Held as a tensor that the transform reads: float hyperparameters (and numbers under
-    a known float name, ``lr=1``), and ``betas`` of numbers."""
-    if key == "betas":
-        return isinstance(v, (tuple, list)) and len(v) in (2, 3) and all(map(_is_number, v))
-    return isinstance(v, float) or (key in _NUMERIC and _is_number(v))
+_grad_of = operator.attrgetter("grad")
 
 
 def _to_torch_names(hparams: dict, betas_default: tuple | None) -> dict:
@@ -67,20 +54,6 @@ def _factory_defaults(factory: Callable) -> tuple[dict, tuple | None]:
         betas = (found.pop("b1", 0.9), found.pop("b2", 0.999))
         found["betas"] = betas
     return found, betas
-
-
-class _GroupRun:
-    """What a param group steps with: its transform, the live hyperparameter tensors it
-    was built with, its state tree (``None`` before the first step) and the non-live
-    hyperparameters it was built from (a change rebuilds the transform)."""
-
-    def __init__(self, keys: tuple[str, ...]):
-        self.keys = keys  # the group's hyperparameters, handed to the factory
-        self.tx: GradientTransformation | None = None
-        self.live: dict[str, Any] = {}
-        self.fixed: dict[str, Any] = {}
-        self.copied: dict[tuple, Any] = {}  # the values last copied into ``live``
-        self.state: Any = None
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -165,7 +138,7 @@ class Optimizer(torch.optim.Optimizer):
             check_transform(tx, "ftopt.Optimizer: argument tx")
         self._tx = tx
         self._backend = backend
-        self._runs: list[_GroupRun] = []
+        self._runs: list[GroupRun] = []
         self._joiner = param_groups.GroupJoiner()
         super().__init__(params, defaults)
 
@@ -197,80 +170,17 @@ class Optimizer(torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise TypeError(f"{where}: param {i} is {p.dtype}; expected a "
                                 "floating-point tensor")
-        run = _GroupRun(tuple(k for k in group if k not in _GROUP_KEYS))
+        run = GroupRun(tuple(k for k in group if k not in _GROUP_KEYS))
         try:
-            self._build(run, group, where)
+            run.build(group, self._factory, self._tx, where)
         except Exception:
             self.param_groups.pop()
             raise
         self._runs.append(run)
 
-    def _tree(self, group: dict) -> Any:
-        """The params as the transform sees them: a dict by name, or a list."""
-        names = group.get("param_names")
-        return dict(zip(names, group["params"])) if names is not None else list(group["params"])
-
-    def _build(self, run: _GroupRun, group: dict, where: str) -> None:
-        """(Re)build ``run``'s transform from the group's hyperparameters."""
-        if self._factory is None:
-            run.tx = self._tx
-            return
-        devices = {p.device for p in group["params"]}
-        # Params on several devices: CPU scalars, which ops on any device accept.
-        device = devices.pop() if len(devices) == 1 else torch.device("cpu")
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-        live, fixed, kwargs, copied = {}, {}, {}, {}
-        for key in run.keys:
-            value = group[key]
-            if _live(key, value):
-                _check_number(where, key, value)
-                copied.update({(key, i): v for i, v in
-                               enumerate(value if key == "betas" else (value,))})
-                live[key] = (tuple(param_groups.live_tensor(v, dtype, device)
-                                   for v in value) if key == "betas"
-                             else param_groups.live_tensor(value, dtype, device))
-                value = live[key]
-            else:
-                fixed[key] = value
-            if key == "lr":
-                kwargs["learning_rate"] = value
-            elif key == "betas":
-                kwargs.update(zip(("b1", "b2", "b3"), value))
-            else:
-                kwargs[key] = value
-        try:
-            tx = self._factory(**kwargs)
-        except (TypeError, ValueError) as err:
-            renamed = ", ".join(n for k, n in (("lr", "lr as learning_rate"),
-                                               ("betas", "betas as b1, b2"))
-                                if k in run.keys)
-            raise type(err)(f"{where}: the factory {_name(self._factory)} rejected the "
-                            f"group's hyperparameters {sorted(run.keys)} (passed as "
-                            f"keywords{', ' + renamed if renamed else ''}): {err}") from err
-        check_transform(tx, f"{where}: the factory {_name(self._factory)} returned")
-        run.tx, run.live, run.fixed, run.copied = tx, live, fixed, copied
-
-    def _refresh(self, index: int) -> bool:
-        """Check the group's hyperparameters; rebuild its transform if a fixed one (or the
-        kind of a live one) changed. True if the live values must be copied in."""
-        run, group = self._runs[index], self.param_groups[index]
-        where = f"ftopt.Optimizer.step: param group {index}"
-        if self._factory is None:
-            return False
-        changed = any(not _same(group[k], v) for k, v in run.fixed.items()) or any(
-            not _fits(k, group[k], held) for k, held in run.live.items())
-        if changed:
-            self._build(run, group, where)
-            return False
-        for key in run.live:
-            value = group[key]
-            if key == "betas" or not isinstance(value, torch.Tensor):
-                _check_number(where, key, value)
-        return True
-
     # -- step --------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @hooked  # with gradients off, as torch.no_grad() (step_hooks.py)
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step of every param group (params with ``grad=None`` are skipped).
 
@@ -285,25 +195,30 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Every group's hyperparameters are checked before any group steps.
-        copy_in = [self._refresh(i) for i in range(len(self.param_groups))]
-        grads_of = [[p.grad for p in group["params"]] for group in self.param_groups]
-        for index, (group, grads) in enumerate(zip(self.param_groups, grads_of)):
-            if copy_in[index] and any(g is not None for g in grads):
-                _copy_live(self._runs[index], group)
+        runs, groups = self._runs, self.param_groups
+        # A group's hyperparameters are checked where they changed (by identity: a
+        # scheduler writes a new float), in every group before any group steps.
+        stale = [(i, keys) for i, (run, group) in enumerate(zip(runs, groups))
+                 if (keys := run.changed(group))]
+        copy_in = [runs[i].refresh(groups[i], keys, self._factory,
+                                   f"ftopt.Optimizer.step: param group {i}")
+                   for i, keys in stale]
+        grads_of = [list(map(_grad_of, group["params"])) for group in groups]
+        for (i, keys), copy in zip(stale, copy_in):
+            if not copy or any(map(operator.is_not, grads_of[i], repeat(None))):
+                if copy:  # (a group without gradients: copied when it steps)
+                    runs[i].copy_live(groups[i], copy)
+                runs[i].remember(groups[i], keys)
         # Groups that are the same chain of rules: one fused partition (param_groups.py).
-        fresh = self._joiner.step(self._runs, self.param_groups, grads_of, self._tree,
-                                  self._backend)
+        fresh = self._joiner.step(runs, groups, grads_of, self._backend)
         if fresh is not None:
             for index in fresh:
                 self._show_state(index)
             return loss
-        for index, group in enumerate(self.param_groups):
-            grads = grads_of[index]
-            if all(g is None for g in grads):
+        for index, (run, group, grads) in enumerate(zip(runs, groups, grads_of)):
+            if not any(map(operator.is_not, grads, repeat(None))):
                 continue
-            run = self._runs[index]
-            params = self._tree(group)
+            params = run.params_tree(group)
             names = group.get("param_names")
             grad_tree = dict(zip(names, grads)) if names is not None else grads
             fresh = run.state is None
@@ -322,8 +237,8 @@ class Optimizer(torch.optim.Optimizer):
     def _show_state(self, index: int) -> None:
         """Point ``self.state[p]`` at the group's state tensors (see :mod:`param_state`)."""
         group, run = self.param_groups[index], self._runs[index]
-        views, _ = param_views(run.state, self._tree(group))
-        by_index = dict(zip(_leaf_order(self._tree(group)), views))
+        views, _ = param_views(run.state, params_tree(group))
+        by_index = dict(zip(_leaf_order(params_tree(group)), views))
         for i, p in enumerate(group["params"]):
             self.state[p] = by_index[i]
 
@@ -358,13 +273,13 @@ class Optimizer(torch.optim.Optimizer):
                      "params": mine["params"]}
             if "param_names" in mine:
                 group["param_names"] = mine["param_names"]
-            run = _GroupRun(self._runs[index].keys)
+            run = GroupRun(self._runs[index].keys)
             if missing := [k for k in run.keys if k not in group]:
                 raise ValueError(f"{where}: the checkpoint lacks hyperparameters {missing}")
-            self._build(run, group, where)
+            run.build(group, self._factory, self._tx, where)
             entries = [saved_state.get(i) for i in saved["params"]]
             if any(e for e in entries):
-                params = self._tree(group)
+                params = params_tree(group)
                 with torch.no_grad():
                     run.state = run.tx.init(params)
                 views, shared = param_views(run.state, params)
@@ -394,57 +309,3 @@ def _leaf_order(params: Any) -> list[int]:
         return [position[path[0]] for path in
                 optree.tree_paths(params, none_is_leaf=False, namespace="ftopt")]
     return list(range(len(params)))
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # a value without a plain equality (a mask tree of tensors)
-        return False
-
-
-def _is_scalar_tensor(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()
-
-
-def _fits(key: str, value: Any, held: Any) -> bool:
-    """``value`` can be copied into the live tensor(s) ``held``."""
-    if key == "betas":
-        return (isinstance(value, (tuple, list)) and len(value) == len(held)
-                and all(_is_number(v) or _is_scalar_tensor(v) for v in value))
-    return _is_number(value) or _is_scalar_tensor(value)
-
-
-def _check_number(where: str, key: str, value: Any) -> None:
-    values = value if key == "betas" else (value,)
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            continue  # the caller's tensor: not read here (no device synchronisation)
-        if not _is_number(v) or not math.isfinite(v):
-            raise ValueError(f"{where}: {key} must be a finite number, got {value!r}")
-        if key in _NUMERIC and v < 0:
-            raise ValueError(f"{where}: {key} must be >= 0, got {value!r}")
-    if key == "betas" and any(_is_number(b) and b >= 1 for b in values[:2]):
-        raise ValueError(f"{where}: betas[0] and betas[1] must be < 1, got {value!r}")
-
-
-def _copy_live(run: _GroupRun, group: dict) -> None:
-    """The group's current values into the live tensors (skipped where unchanged)."""
-    for key, held in run.live.items():
-        value = group[key]
-        pairs = zip(held, value) if key == "betas" else ((held, value),)
-        for i, (t, v) in enumerate(pairs):
-            if isinstance(v, torch.Tensor):
-                t.copy_(v)
-                run.copied.pop((key, i), None)
-            elif run.copied.get((key, i)) != v:
-                param_groups.fill_live(t, v)
-                run.copied[(key, i)] = v
-
-
-def _name(factory: Callable) -> str:
-    return getattr(factory, "__qualname__", None) or repr(factory)

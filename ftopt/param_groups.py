@@ -11,14 +11,18 @@ shows it); the partition's state is built once from the same tensor objects, the
 group's per-leaf subtrees widened to the list of all groups with ``None`` where a leaf
 is another group's (the layout ``partition``'s ``init`` gives). A donated step writes
 in place, so the two views stay the same tensors; the partition, its params tree and
-state are re-used while the groups' transforms, params and states are the same objects.
+state are re-used while the groups' transforms, params trees and states are the same
+objects (a group's params tree is rebuilt where its params change: :class:`ftopt.
+group_run.GroupRun`), which a step tests by identity.
 """
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import optree
@@ -32,19 +36,25 @@ from ftopt.combine import Masked, MaskedState, PartitionState, partition
 from ftopt.stages import chain_stages
 
 __all__ = ["GroupJoiner", "JoinedGroups", "fill_live", "join_groups", "live_tensor",
-           "name_group", "split_state", "structure_key"]
+           "name_group", "split_state"]
 
 
 @dataclass
 class JoinedGroups:
     """The partition of some param groups, or why they step one by one (``reason``)."""
 
-    key: tuple
-    held: tuple = ()  # what the key names by ``id``: kept alive, so no id is reused
+    held: tuple  # per group, the (transform, state, params tree) it was built from
     tx: GradientTransformation | None = None
     params: list | None = None  # the groups' param trees, in group order
     state: Any = None  # PartitionState over ``params``, sharing the groups' tensors
     reason: str | None = None
+
+    def holds(self, runs: list) -> bool:
+        """Whether the groups still step with the objects the partition was built from."""
+        held = self.held
+        return len(held) == len(runs) and all(
+            tx is run.tx and state is run.state and tree is run.tree
+            for (tx, state, tree), run in zip(held, runs))
 
 
 class GroupJoiner:
@@ -53,23 +63,26 @@ class GroupJoiner:
     def __init__(self) -> None:
         self.joined: JoinedGroups | None = None
 
-    def step(self, runs: list, groups: list, grads_of: list, tree_of, backend: str
+    def step(self, runs: list, groups: list, grads_of: list, backend: str
              ) -> list[int] | None:
         """One donated step of all groups as one partition. Returns the indices of the
         groups whose state it created (to show to torch), or ``None``: the groups step
         one by one (one group, a group with no gradient, transforms that differ in their
         rules, a step that cannot fuse). Bad input raises naming the group, and changes
-        nothing. ``tree_of(group)``: the params as the group's transform sees them."""
-        if len(groups) < 2 or backend == "eager" or any(
-                all(g is None for g in grads) for grads in grads_of):
+        nothing. ``runs``: the groups' :class:`ftopt.group_run.GroupRun`."""
+        if len(groups) < 2 or backend == "eager":
             return None
+        trees = []
+        for run, group, grads in zip(runs, groups, grads_of):
+            if not any(map(operator.is_not, grads, repeat(None))):
+                return None
+            trees.append(run.params_tree(group))
         fresh = [i for i, run in enumerate(runs) if run.state is None]
         for i in fresh:
-            runs[i].state = runs[i].tx.init(tree_of(groups[i]))
-        key = structure_key(runs, groups)
+            runs[i].state = runs[i].tx.init(trees[i])
         joined = self.joined
-        if joined is None or joined.key != key:
-            joined = self.joined = _join(runs, groups, tree_of, backend, key)
+        if joined is None or not joined.holds(runs):
+            joined = self.joined = _join(runs, groups, trees, backend)
         if joined.reason is not None:
             for i in fresh:
                 runs[i].state = None
@@ -115,43 +128,37 @@ def fill_live(t: torch.Tensor, value: float) -> None:
     remember_value(t, float(value))
 
 
-def _join(runs: list, groups: list, tree_of, backend: str, key: tuple) -> JoinedGroups:
+def _join(runs: list, groups: list, trees: list, backend: str) -> JoinedGroups:
     if backend == "auto" and any(p.device.type == "cpu" for group in groups
                                  for p in group["params"]):
-        held = tuple((run.tx, run.state, group["params"], group.get("param_names"))
-                     for run, group in zip(runs, groups))
-        return JoinedGroups(key, held, reason="params on the CPU step eagerly, group by "
-                            "group")
-    return join_groups(runs, groups, [tree_of(group) for group in groups], key)
+        return JoinedGroups(_held(runs, trees), reason="params on the CPU step eagerly, "
+                            "group by group")
+    return join_groups(runs, trees)
 
 
-def structure_key(runs: list, groups: list) -> tuple:
-    """What the partition depends on: each group's transform, state, params and names
-    (by identity; a changed lr is a live tensor's value, not a new transform)."""
-    return tuple((id(run.tx), id(run.state), tuple(map(id, group["params"])),
-                  id(group.get("param_names"))) for run, group in zip(runs, groups))
+def _held(runs: list, trees: list) -> tuple:
+    return tuple((run.tx, run.state, tree) for run, tree in zip(runs, trees))
 
 
-def join_groups(runs: list, groups: list, trees: list, key: tuple) -> JoinedGroups:
+def join_groups(runs: list, trees: list) -> JoinedGroups:
     """The partition of the groups ``runs`` (with their states) over ``trees``, the
     groups' params as their transforms see them."""
-    held = tuple((run.tx, run.state, group["params"], group.get("param_names"))
-                 for run, group in zip(runs, groups))
+    held = _held(runs, trees)
     for index, run in enumerate(runs):
         reason = _masks_of(run.tx)
         if reason is not None:
-            return JoinedGroups(key, held, reason=f"param group {index}: {reason}")
+            return JoinedGroups(held, reason=f"param group {index}: {reason}")
     labels = [tree_lib.map(lambda _, i=i: i, tree) for i, tree in enumerate(trees)]
     tx = partition({i: run.tx for i, run in enumerate(runs)}, labels)
     found = chain_stages(tx, branches=True)
     if found.reason is not None:
-        return JoinedGroups(key, held, reason=found.reason)
+        return JoinedGroups(held, reason=found.reason)
     holes = [tree_lib.map(lambda _: None, tree) for tree in trees]
     states = {}
     for i, run in enumerate(runs):
         widen = lambda node, i=i: [node if j == i else h for j, h in enumerate(holes)]  # noqa: E731
         states[i] = MaskedState(_map_per_leaf(run.state, trees[i], widen))
-    return JoinedGroups(key, held, tx, list(trees), PartitionState(states))
+    return JoinedGroups(held, tx, list(trees), PartitionState(states))
 
 
 def split_state(joined: JoinedGroups, state: Any) -> list:

@@ -281,3 +281,65 @@ def test_live_values_reach_the_kernel_as_numbers_or_tensors(launches):
     opt.param_groups[0]["lr"] = torch.tensor(0.0, device=DEVICE)
     _train(model, opt, batches[:1])
     assert all(torch.equal(p, b) for p, b in zip(opt.param_groups[0]["params"], before))
+
+
+def test_joined_tree_getter_reads_leaves_as_optree():
+    """The joined groups' getter (a list of dicts, another group's slots as ``None``
+    holes) gives optree's leaves for every mix of tensors and holes, and ``None`` for a
+    tree of other keys or containers (the caller then flattens)."""
+    from ftopt.lowering.flat import dict_list_getter
+
+    gen = torch.Generator().manual_seed(22)
+
+    def t():
+        return torch.randn(2, generator=gen)
+
+    layouts = [[{"b": t(), "a": t()}, {"c": None, "d": None}],  # a group and holes
+               [{"b": None, "a": None}, {"c": t(), "d": t()}],
+               [{"b": t(), "a": None}, {"c": None, "d": t()}],  # mixed
+               [{"z": t()}, {"y": None}],  # dicts of one key
+               [{"b": t(), "a": t()}, {}]]
+    for tree in layouts:
+        get = dict_list_getter(tree)
+        fresh = [{k: (None if v is None else t()) for k, v in d.items()} for d in tree]
+        filled = [{k: t() for k in d} for d in tree]  # holes no more
+        for other in (tree, fresh, filled):
+            want = optree.tree_leaves(other, none_is_leaf=False, namespace="ftopt")
+            got = get(other)
+            assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+            proven: set = set()  # one read of several trees: holes proven once
+            for _ in range(2):
+                got = get(other, True, proven)
+                assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+            full = optree.tree_leaves(other, none_is_leaf=True, namespace="ftopt")
+            got = get(other, drop_none=False)
+            assert len(got) == len(full) and all(a is b for a, b in zip(got, full))
+        # A None put in a dict that held tensors is passed on, for the tensor check of
+        # the cached step to refuse (the dict is not scanned on every step).
+        emptied = [{k: None for k in d} if i == 0 else d for i, d in enumerate(fresh)]
+        if all(v is not None for v in tree[0].values()):
+            assert sum(x is None for x in get(emptied)) == len(tree[0])
+        assert get([*tree[:-1], {**tree[-1], "extra": None}]) is None
+        assert get(tuple(tree)) is None and get(tree[:1]) is None
+    assert get([{"q": t(), "a": t()}, {}]) is None  # another key, same size
+
+
+def test_a_state_leaf_set_to_none_after_cached_steps_is_refused_by_path():
+    """The cached step over a list of dicts does not scan the dicts of tensors for
+    ``None`` (see ``dict_list_getter``): its tensor check sends such a state to the full
+    path, which names the leaf; the params are left as they were."""
+    gen = torch.Generator().manual_seed(23)
+    params = [{"w": torch.randn(4, 3, generator=gen), "v": torch.randn(3, generator=gen)},
+              {"b": torch.randn(3, generator=gen)}]
+    params = [{k: v.to(DEVICE) for k, v in d.items()} for d in params]
+    tx = ftopt.partition({0: ftopt.adamw(1e-2, weight_decay=0.1), 1: ftopt.adamw(1e-2)},
+                         [{"w": 0, "v": 0}, {"b": 1}])
+    state = tx.init(params)
+    grads = [{k: torch.randn_like(v) for k, v in d.items()} for d in params]
+    for _ in range(2):
+        _, state = ftopt.step(tx, params, grads, state, donate=True, backend="fused")
+    state.inner_states[0].inner_state[0].mu[0]["w"] = None
+    before = [{k: v.clone() for k, v in d.items()} for d in params]
+    with pytest.raises(TypeError, match=r"state mu at \[0\]\['w'\]: expected a tensor"):
+        ftopt.step(tx, params, grads, state, donate=True, backend="fused")
+    assert all(torch.equal(d[k], b[k]) for d, b in zip(params, before) for k in d)

@@ -10,14 +10,23 @@ from ftopt._counts import device_decided, host_count
 from ftopt.lowering.plan import ChainPlan, host_step, remember
 from ftopt.rules import running_step
 
-__all__ = ["advance_counts", "advance_running", "increment"]
+__all__ = ["advance_counts", "advance_running", "counts_on", "increment"]
 
 
-def advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool, device):
+def counts_on(counts, device) -> bool:
+    """Whether every count tensor is on the kernels' ``device`` (the kernel increments
+    them)."""
+    return all(c is None or c.device == device for c in counts)
+
+
+def advance_counts(plan: ChainPlan, counts, donate: bool, tensor_mode: bool, device,
+                   in_kernel: bool | None = None):
     """Per stage: (count, t) for its scalars and its new count tensor; and the (old, new)
     count tensors the main kernel increments (empty when they were incremented here,
-    because a count is not on the kernels' device)."""
-    in_kernel = all(c is None or c.device == device for c in counts)
+    because a count is not on the kernels' device). ``in_kernel``: :func:`counts_on`
+    of ``counts``, where the caller knows it."""
+    if in_kernel is None:
+        in_kernel = counts_on(counts, device)
     steps, new_counts, pairs = [], [], []
     for count_tensor in counts:
         if count_tensor is None:

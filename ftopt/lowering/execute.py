@@ -22,7 +22,7 @@ from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
 from ftopt.lowering import branches, checks, launch, quantized, tiles
 from ftopt.lowering.codegen import output_roles
-from ftopt.lowering.counts import advance_counts, advance_running, increment
+from ftopt.lowering.counts import advance_counts, advance_running, counts_on, increment
 from ftopt.lowering.flat import dict_list_getter, flat_dict_getter, flat_dict_leaves
 from ftopt.lowering.plan import ChainPlan, planned_states
 from ftopt.lowering.scalars import host_hparams, kernel_scalars
@@ -109,7 +109,7 @@ class PreparedStep:
             group.grad_addresses = list(map(_data_ptr, _as_tuple(group.pick(
                 self._active(g_flat)))))
         self.check: checks.TensorCheck | None = None
-        self.slot_getters: dict = {}  # see _branch_leaves
+        self.slot_readers: list | None = None  # see _branch_tensors
         self.list_getter = None  # the params' dict_list_getter (set for a donated step)
         # (scalars as floats?, count tensors, bound launches, launch.switches()): see
         # launch.bind_main.
@@ -130,18 +130,14 @@ class PreparedStep:
         states = planned_states(self.plan, state)
         if states is None:
             return None
+        if self.plan.branched:
+            return self._branch_tensors(states)
         out = []
-        branched = self.plan.branched
         for stage, st in zip(self.plan.stages, states):
             if stage.rule.counted:
                 out.append(st.count)
             for slot in stage.rule.slots:
                 tree = getattr(st, slot.name)
-                if branched:
-                    # The non-None leaves (8-bit: codes, absmax) in leaf order; the tensor
-                    # check then proves each is the one the tables hold.
-                    out += self._branch_leaves(stage, slot.name, tree)
-                    continue
                 leaves = flat_dict_leaves(self.flat_getter, self.flat_len, tree)
                 if leaves is None:
                     try:
@@ -158,17 +154,32 @@ class PreparedStep:
                         out.append(leaf)
         return out
 
-    def _branch_leaves(self, stage, name: str, tree) -> list:
-        """A branched slot's leaves: through a getter of the joined groups' layout (a
-        list of dicts, :func:`dict_list_getter`) where the tree has it, else a flatten."""
-        key = (id(stage), name)
-        getter = self.slot_getters.get(key, False)
-        if getter is False:
-            getter = self.slot_getters[key] = dict_list_getter(tree)
-        found = getter(tree) if getter is not None else None
-        if found is None:
-            found = optree.tree_leaves(tree, none_is_leaf=False, namespace="ftopt")
-        return found
+    def _branch_tensors(self, states) -> list:
+        """A branched plan's state tensors: each slot's non-None leaves (8-bit: codes,
+        absmax) in leaf order, the tensor check then proving each the one the tables
+        hold. A slot is read through a getter of the joined groups' layout (a list of
+        dicts, :func:`dict_list_getter`, made from the first state read) where it has
+        it, else flattened."""
+        readers = self.slot_readers
+        if readers is None:  # (stages that keep a count or slots)
+            readers = self.slot_readers = [
+                (i, stage.rule.counted, [(slot.name, dict_list_getter(getattr(st, slot.name)))
+                                         for slot in stage.rule.slots])
+                for i, (stage, st) in enumerate(zip(self.plan.stages, states))
+                if stage.rule.counted or stage.rule.slots]
+        out = []
+        proven: set = set()  # (the slots share another group's holes: proven once)
+        for i, counted, slots in readers:
+            st = states[i]
+            if counted:
+                out.append(st.count)
+            for name, getter in slots:
+                tree = getattr(st, name)
+                found = None if getter is None else getter(tree, True, proven)
+                if found is None:
+                    found = optree.tree_leaves(tree, none_is_leaf=False, namespace="ftopt")
+                out += found
+        return out
 
     def still_valid(self, p_flat, s_flat, g_flat) -> bool:
         """Whether the tables point at exactly these tensors' memory (gradients may have
@@ -327,7 +338,8 @@ def fast_step(plan: ChainPlan, params, grads, state):
         return None
     hparams = host_hparams(plan, prepared.device)
     steps, _, pairs = advance_counts(plan, prepared.counts, True,
-                                     _uses_tensors(plan, hparams), prepared.device)
+                                     _uses_tensors(plan, hparams), prepared.device,
+                                     prepared.counts_in_kernel)
     carried = None
     if plan.running:
         carried, _ = advance_running(plan, planned_states(plan, state), steps, True)
@@ -384,7 +396,8 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
             prepared.flat_len = len(params) if prepared.flat_getter else 0
             if prepared.flat_getter is None:
                 prepared.list_getter = dict_list_getter(params)
-            prepared.counts = counts
+            prepared.counts = counts  # (the tensor check holds them to these tensors)
+            prepared.counts_in_kernel = counts_on(counts, device)
             prepared.watch(p_flat, prepared.state_tensors(state), g_flat)
             plan.prepared = prepared
     else:

@@ -40,6 +40,9 @@ class ChainPlan:
     tensor_hparams: bool | None = None  # a hyperparameter is a tensor (known once asked)
     running: bool = False  # a stage keeps running scalars (Rule.running)
     constant_hparams: list | None = None  # per stage: its hparams if constant (see execute)
+    # Where the hyperparameters are tensors: what lowering.scalars reads through their host
+    # mirrors, and the last step's values and hparams (see _mirrored_hparams there).
+    mirrored: list | None = None
     functional: dict = field(default_factory=dict)  # see lowering.functional
     # A chain with matrix stages: its parts in order, each a ChainPlan of the rules
     # between two matrix stages or a (matrix stage, skip, state path, selects) tuple

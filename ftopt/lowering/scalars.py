@@ -4,9 +4,11 @@ and every count a host int; else a small device buffer computed with torch ops."
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-from ftopt._counts import host_value
+from ftopt._counts import host_value, mirror_records
 from ftopt.lowering.plan import ChainPlan
 from ftopt.rules import step_scalars
 
@@ -30,21 +32,63 @@ def _mirrored_hparams(plan: ChainPlan, constant: list, device) -> list | None:
     """Per stage, its hyperparameters with each tensor replaced by its host mirror
     (:func:`ftopt._counts.remember_value`: ``ftopt.Optimizer``'s live values), or ``None``
     where one has none or is a schedule (and while a CUDA graph is captured: a kernel
-    argument would be frozen into it)."""
+    argument would be frozen into it). The same list as the last step's while no value
+    was recorded and no tensor written since (one pass over the mirrors' records), and
+    where some were (a scheduler's new ``lr``), only those are read again and only their
+    stages' dicts made anew."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    out = []
-    for stage, h in zip(plan.stages, constant):
-        if h is None:
-            h = {}
-            for k, v in stage.rule.hparams.items():
-                if isinstance(v, torch.Tensor):
-                    v = host_value(v)
-                if v is None or callable(v):
-                    return None
-                h[k] = v
-        out.append(h)
+    if plan.mirrored is None:
+        plan.mirrored = _mirror_layout(plan, constant)
+    layout = plan.mirrored
+    if not layout:
+        return None  # a schedule
+    tensors, ids, where, last = layout
+    records, versions = mirror_records(ids), tuple(map(_version, tensors))
+    if last is None:
+        changed = range(len(tensors))
+    else:
+        if versions == last[1] and all(map(_is, records, last[0])):
+            return last[2]  # (no value recorded since, no tensor written)
+        changed = [k for k, (r, v, r0, v0) in enumerate(zip(records, versions, *last[:2]))
+                   if r is not r0 or v != v0]
+    values = list(last[3]) if last is not None else [None] * len(tensors)
+    for k in changed:
+        values[k] = host_value(tensors[k])
+    if None in values:  # (floats: ``None`` equals none of them)
+        layout[3] = None
+        return None
+    # The stages whose values changed get new dicts; the others are the last step's.
+    out = list(last[2]) if last is not None else [h if h is not None else {}
+                                                  for h in constant]
+    for i in {where[k][0] for k in changed}:
+        out[i] = dict(plan.stages[i].rule.hparams)
+        for (j, key), value in zip(where, values):
+            if j == i:
+                out[i][key] = value
+    layout[3] = (records, versions, out, values)
     return out
+
+
+_version = operator.attrgetter("_version")
+_is = operator.is_
+
+
+def _mirror_layout(plan: ChainPlan, constant: list) -> list:
+    """``[tensors, their ids, (stage, key) of each, None]``: the tensor hyperparameters
+    of the stages that have some (the last step's records, versions, hparams and values
+    go in the last place); ``[]`` where such a stage has a schedule (or a ``None``)."""
+    tensors, where = [], []
+    for i, (stage, h) in enumerate(zip(plan.stages, constant)):
+        if h is not None:
+            continue
+        for key, value in stage.rule.hparams.items():
+            if value is None or callable(value):
+                return []
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+                where.append((i, key))
+    return [tuple(tensors), tuple(map(id, tensors)), tuple(where), None]
 
 
 def host_hparams(plan: ChainPlan, device) -> list | None:
