@@ -8,8 +8,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ftopt
+
+
+class Ops(TorchDispatchMode):
+    """Counts the ATen ops dispatched (by name), host queries aside."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "promote_types" not in str(func):  # (a host query, not a kernel)
+            self.seen[str(func)] = self.seen.get(str(func), 0) + 1
+        return func(*args, **(kwargs or {}))
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = {"w": (64, 80), "b": (33,), "z": (5, 7)}
@@ -144,20 +159,9 @@ def test_fromage_fused_equals_eager_donated(schedule):
 
 def _stage_ops(n_leaves: int) -> dict:
     """The ATen ops (by name) of one run of NovoGrad's per-leaf stage over ``n_leaves``."""
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from ftopt import tree as tree_lib
     from ftopt.transforms.novograd import LeafSecondMoment
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen: dict = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "promote_types" not in str(func):  # (a host query, not a kernel)
-                self.seen[str(func)] = self.seen.get(str(func), 0) + 1
-            return func(*args, **(kwargs or {}))
 
     gen = torch.Generator().manual_seed(7)
     g = {f"l{i}": torch.randn(3 + i % 4, 5, generator=gen).to(DEVICE) for i in range(n_leaves)}
@@ -254,17 +258,6 @@ def test_fused_novograd_divisors_reach_only_the_stage_leaves():
 def _step_ops(n_leaves: int, skip_zeros: bool) -> dict:
     """The ATen ops (by name) of a donated fused NovoGrad step (its second) over
     ``n_leaves``: stage, nu write-back, tables and kernel launch together."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen: dict = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "promote_types" not in str(func):  # (a host query, not a kernel)
-                self.seen[str(func)] = self.seen.get(str(func), 0) + 1
-            return func(*args, **(kwargs or {}))
 
     gen = torch.Generator().manual_seed(12)
     params = {f"l{i}": torch.randn(3 + i % 4, 5, generator=gen).to(DEVICE)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
 from ftopt import eager, shards
@@ -44,9 +43,9 @@ from ftopt._counts import host_count, remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.combine import chain
 from ftopt.domains import NONNEG, UNIT_OPEN, check_hparam
-from ftopt.matrix import check_shards
+from ftopt.matrix import check_shards, flatten_call
 from ftopt.program import skip_update
-from ftopt.rule_transform import flatten_params_like, rule_transform
+from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule, Slot, check_param, compute_dtype, state_dtype
 from ftopt.validate import check_count, check_layout, check_leaf
 
@@ -123,15 +122,9 @@ class LeafSecondMoment:
                 raise ValueError(f"{where}: on {s.device}, expected {u.device}")
 
     def update(self, updates, state, params=None, **extra):
-        spec = optree.tree_structure(updates, none_is_leaf=True, namespace="ftopt")
-        paths = [tree_lib.path_str(p) for p in optree.tree_paths(
-            updates, none_is_leaf=True, namespace="ftopt")]
-        u_flat = spec.flatten_up_to(updates)
-        p_flat = (flatten_params_like(spec, params, paths, updates) if params is not None
-                  else [None] * len(u_flat))
-        zero = extra.get("zero_mask")
-        zero_flat = (tree_lib.flatten_like(spec, zero, "zero_mask", paths)
-                     if zero is not None else None)
+        call = flatten_call(updates, params, extra)
+        spec, paths, u_flat, p_flat, zero_flat = (call.spec, call.paths, call.u_flat,
+                                                  call.p_flat, call.zero_flat)
         self.check_state(state, u_flat, p_flat, spec, paths)
         self.check_shards(paths, u_flat)
         out, new = self.run_flat(u_flat, zero_flat, state, p_flat, spec, paths)
