@@ -11,7 +11,7 @@ from ftopt.base import GradientTransformation, register_state
 from ftopt.domains import NONNEG, UNIT_OPEN
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule, Slot
-from ftopt.transforms.adaptive import ScaleByAdamState, moment_scalars
+from ftopt.transforms.adaptive import ScaleByAdamState, moment_rule, moment_scalars
 
 __all__ = ["ScaleByAmsgradState", "ScaleByBeliefState", "scale_by_adamax", "scale_by_amsgrad",
            "scale_by_belief", "scale_by_yogi"]
@@ -122,18 +122,8 @@ def scale_by_amsgrad(
         update = mu_hat / (o.sqrt(nu_max + x.eps_root) + x.eps)
         return update, {"mu": mu, "nu": nu, "nu_max": nu_max}
 
-    rule = Rule(
-        "scale_by_amsgrad",
-        body,
-        state_class=ScaleByAmsgradState,
-        slots=(Slot("mu", signed=True), Slot("nu", signed=False),
-               Slot("nu_max", signed=False)),
-        hparams={"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root},
-        domains={"b1": UNIT_OPEN, "b2": UNIT_OPEN, "eps": NONNEG, "eps_root": NONNEG},
-        scalars=moment_scalars(),
-        counted=True,
-    )
-    return rule_transform(rule)
+    return moment_rule("scale_by_amsgrad", body, ScaleByAmsgradState, b1, b2, eps, eps_root,
+                       more_unsigned=("nu_max",))
 
 
 def scale_by_belief(
@@ -167,17 +157,8 @@ def scale_by_belief(
         update = _mu_hat(x, mu, nesterov) / (o.sqrt(nu / x.bc2) + x.eps)
         return update, {"mu": mu, "nu": nu}
 
-    rule = Rule(
-        "scale_by_belief",
-        body,
-        state_class=ScaleByBeliefState,
-        slots=(Slot("mu", signed=True), Slot("nu", signed=False)),
-        hparams={"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root},
-        domains={"b1": UNIT_OPEN, "b2": UNIT_OPEN, "eps": NONNEG, "eps_root": NONNEG},
-        scalars=moment_scalars(nesterov),
-        counted=True,
-    )
-    return rule_transform(rule)
+    return moment_rule("scale_by_belief", body, ScaleByBeliefState, b1, b2, eps, eps_root,
+                       nesterov)
 
 
 def _yogi_body(o, x):

@@ -101,17 +101,26 @@ def scale_by_adam(
         nu_hat = nu / x.bc2
         return mu_hat / (o.sqrt(nu_hat + x.eps_root) + x.eps), {"mu": mu, "nu": nu}
 
-    rule = Rule(
-        "scale_by_adam",
+    return moment_rule("scale_by_adam", body, ScaleByAdamState, b1, b2, eps, eps_root,
+                       nesterov)
+
+
+def moment_rule(name: str, body, state_class, b1, b2, eps, eps_root, nesterov: bool = False,
+                more_unsigned: tuple[str, ...] = ()) -> GradientTransformation:
+    """An Adam-like rule: a signed ``mu``, an unsigned ``nu`` (and ``more_unsigned``
+    slots), hyperparameters b1, b2 in [0, 1), eps, eps_root >= 0, :func:`moment_scalars`
+    and a step count."""
+    return rule_transform(Rule(
+        name,
         body,
-        state_class=ScaleByAdamState,
-        slots=(Slot("mu", signed=True), Slot("nu", signed=False)),
+        state_class=state_class,
+        slots=(Slot("mu", signed=True), Slot("nu", signed=False),
+               *(Slot(n, signed=False) for n in more_unsigned)),
         hparams={"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root},
         domains={"b1": UNIT_OPEN, "b2": UNIT_OPEN, "eps": NONNEG, "eps_root": NONNEG},
         scalars=moment_scalars(nesterov),
         counted=True,
-    )
-    return rule_transform(rule)
+    ))
 
 
 def _ademamix_body(o, x):
