@@ -69,3 +69,20 @@ def assert_kept_where_zero(grads: dict, before_p: dict, before_s: dict, new_p: d
         for n, slot in new_s.items():
             if slot[k] is not None and slot[k].shape == g.shape:
                 assert torch.equal(bits(slot[k])[zero], bits(before_s[n][k])[zero]), (n, k)
+
+
+def torch_optimizer_steps(opt: Any, tensors: list, names: list, grads: Iterable[dict]) -> None:
+    """Steps a torch-style optimizer over ``tensors`` (named ``names``), one step per dict
+    of gradients."""
+    for g in grads:
+        for t, n in zip(tensors, names):
+            t.grad = g[n].clone()
+        opt.step()
+
+
+def ftopt_steps(tx: Any, params: dict, state: Any, grads: Iterable[dict]) -> tuple:
+    """``ftopt.step`` once per dict of gradients: the final (params, state)."""
+    for g in grads:
+        params, state = ftopt.step(tx, params, g, state)
+    return params, state
+

@@ -14,6 +14,7 @@ import warnings
 import optree
 import pytest
 import torch
+from step_checks import ftopt_steps, torch_optimizer_steps
 
 import ftopt
 from ftopt.quant import dequantize_blockwise, dynamic_map
@@ -50,16 +51,7 @@ def _bnb(tensors, bits: int = 8):
 
 
 def _bnb_steps(opt, tensors, grads):
-    for g in grads:
-        for t, n in zip(tensors, NAMES):
-            t.grad = g[n].clone()
-        opt.step()
-
-
-def _ftopt_steps(tx, params, state, grads):
-    for g in grads:
-        params, state = ftopt.step(tx, params, g, state)
-    return params, state
+    torch_optimizer_steps(opt, tensors, NAMES, grads)
 
 
 def _error(ours: dict, theirs: list) -> float:
@@ -111,15 +103,15 @@ def test_from_bnb_continues_as_bnb(bits):
     tx = _tx(bits)
     here = {n: t.detach().clone() for n, t in zip(NAMES, tensors)}
     state = ftopt.from_bnb_state_dict(opt.state_dict(), tx, here)
-    one, state_one = _ftopt_steps(tx, here, state, grads[4:5])
+    one, state_one = ftopt_steps(tx, here, state, grads[4:5])
     _bnb_steps(opt, tensors, grads[4:5])
     assert _error(one, tensors) < 1e-6  # fp32 rounding of the same math
-    more, _ = _ftopt_steps(tx, one, state_one, grads[5:])
+    more, _ = ftopt_steps(tx, one, state_one, grads[5:])
     _bnb_steps(opt, tensors, grads[5:])
     drift = _error(more, tensors)
     assert drift < (3e-3 if bits == 8 else 1e-5)
     # The control: a fresh state does not continue as bitsandbytes.
-    fresh, _ = _ftopt_steps(tx, here, tx.init(here), grads[4:])
+    fresh, _ = ftopt_steps(tx, here, tx.init(here), grads[4:])
     assert _error(fresh, tensors) > 20 * max(drift, 1e-4)
 
 
@@ -127,15 +119,15 @@ def test_from_bnb_continues_as_bnb(bits):
 def test_to_bnb_continues_as_ftopt(bits):
     params, grads = _setup(3, 12)
     tx = _tx(bits)
-    params, state = _ftopt_steps(tx, params, tx.init(params), grads[:4])
+    params, state = ftopt_steps(tx, params, tx.init(params), grads[:4])
     tensors = [torch.nn.Parameter(params[n].clone()) for n in NAMES]
     opt = _bnb(tensors, bits)
     opt.load_state_dict(ftopt.to_bnb_state_dict(state, tx, params))
     _bnb_steps(opt, tensors, grads[4:5])
-    one, state = _ftopt_steps(tx, params, state, grads[4:5])
+    one, state = ftopt_steps(tx, params, state, grads[4:5])
     assert _error(one, tensors) < 1e-6
     _bnb_steps(opt, tensors, grads[5:])
-    more, _ = _ftopt_steps(tx, one, state, grads[5:])
+    more, _ = ftopt_steps(tx, one, state, grads[5:])
     assert _error(more, tensors) < (3e-3 if bits == 8 else 1e-5)
     assert opt.state[tensors[0]]["step"] == 12
 
@@ -143,10 +135,10 @@ def test_to_bnb_continues_as_ftopt(bits):
 def test_round_trip_continues_bit_for_bit():
     params, grads = _setup(4, 8)
     tx = _tx()
-    params, state = _ftopt_steps(tx, params, tx.init(params), grads[:3])
+    params, state = ftopt_steps(tx, params, tx.init(params), grads[:3])
     back = ftopt.from_bnb_state_dict(ftopt.to_bnb_state_dict(state, tx, params), tx, params)
-    ours, s1 = _ftopt_steps(tx, params, state, grads[3:])
-    ported, s2 = _ftopt_steps(tx, params, back, grads[3:])
+    ours, s1 = ftopt_steps(tx, params, state, grads[3:])
+    ported, s2 = ftopt_steps(tx, params, back, grads[3:])
     for n in NAMES:
         assert torch.equal(ours[n], ported[n])
     left, right = (optree.tree_leaves(s, namespace="ftopt") for s in (s1, s2))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_checks import ftopt_steps, torch_optimizer_steps
 
 import ftopt
 
@@ -49,16 +50,7 @@ def _setup(seed: int, steps: int):
 
 
 def _torch_steps(opt, tensors, grads):
-    for g in grads:
-        for t, n in zip(tensors, NAMES):
-            t.grad = g[n].clone()
-        opt.step()
-
-
-def _ftopt_steps(tx, params, state, grads):
-    for g in grads:
-        params, state = ftopt.step(tx, params, g, state)
-    return params, state
+    torch_optimizer_steps(opt, tensors, NAMES, grads)
 
 
 def _close(ours: dict, theirs: list, rtol: float = 2e-5) -> None:
@@ -78,11 +70,11 @@ def test_from_torch_continues_as_torch(name):
     tx = make_tx()
     here = {n: t.detach().clone() for n, t in zip(NAMES, tensors)}
     state = ftopt.from_torch_state_dict(opt.state_dict(), tx, here)
-    ours, _ = _ftopt_steps(tx, here, state, grads[5:])
+    ours, _ = ftopt_steps(tx, here, state, grads[5:])
     _torch_steps(opt, tensors, grads[5:])
     _close(ours, tensors)
     # The control: a fresh state does not continue as torch.
-    fresh, _ = _ftopt_steps(tx, here, tx.init(here), grads[5:])
+    fresh, _ = ftopt_steps(tx, here, tx.init(here), grads[5:])
     with pytest.raises(AssertionError):
         _close(fresh, tensors, rtol=1e-4)
 
@@ -92,7 +84,7 @@ def test_to_torch_continues_as_ftopt(name):
     make_torch, make_tx = PAIRS[name]
     params, grads = _setup(2, 15)
     tx = make_tx()
-    params, state = _ftopt_steps(tx, params, tx.init(params), grads[:5])
+    params, state = ftopt_steps(tx, params, tx.init(params), grads[:5])
     tensors = [torch.nn.Parameter(params[n].clone()) for n in NAMES]
     opt = make_torch(tensors)
     groups = None if "nesterov" in name else [{"params": [0, 1, 2]}]
@@ -103,7 +95,7 @@ def test_to_torch_continues_as_ftopt(name):
                                        param_groups=opt.state_dict()["param_groups"])
     opt.load_state_dict(sd)
     _torch_steps(opt, tensors, grads[5:])
-    ours, _ = _ftopt_steps(tx, params, state, grads[5:])
+    ours, _ = ftopt_steps(tx, params, state, grads[5:])
     _close(ours, tensors)
 
 
