@@ -120,7 +120,7 @@ def test_changes_between_steps_reach_the_next_step(joined, monkeypatch):
     assert [run.tx for run in opt._runs] == txs
     want = _reference(start, grads, values)
     for p, w in zip(params, want):
-        torch.testing.assert_close(p.double(), w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.detach().cpu().double(), w, rtol=1e-5, atol=1e-6)
 
 
 def test_a_change_while_a_group_has_no_gradients_applies_when_it_steps_again():
@@ -136,7 +136,7 @@ def test_a_change_while_a_group_has_no_gradients_applies_when_it_steps_again():
     _step(opt, params, gen, grads, values)
     want = _reference(start, grads, values)
     for p, w in zip(params, want):
-        torch.testing.assert_close(p.double(), w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.detach().cpu().double(), w, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("bad, message", [(-1.0, "lr must be >= 0"),
@@ -162,7 +162,7 @@ def test_a_bad_value_after_a_good_step_raises_and_changes_nothing(bad, message):
     _step(opt, params, gen, grads, values)
     want = _reference(start, grads, values)
     for p, w in zip(params, want):
-        torch.testing.assert_close(p.double(), w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.detach().cpu().double(), w, rtol=1e-5, atol=1e-6)
 
 
 def test_a_param_swapped_in_a_group_is_stepped():
@@ -180,7 +180,7 @@ def test_a_param_swapped_in_a_group_is_stepped():
     assert torch.equal(old.detach(), kept)
     want = _reference(start, grads, values)
     for p, w in zip(params, want):
-        torch.testing.assert_close(p.double(), w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.detach().cpu().double(), w, rtol=1e-5, atol=1e-6)
 
 
 def test_step_hooks_profiler_range_and_grad_mode_as_torch():
