@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import optree
 import torch
 
 from ftopt import tree as tree_lib
@@ -18,6 +20,7 @@ from ftopt.lowering.plan import (
     describe_segments,
     plan_chain,
 )
+from ftopt.rules import QuantizedSlot
 from ftopt.validate import check_leaf
 
 _BACKENDS = ("auto", "fused", "eager")
@@ -34,7 +37,8 @@ def _reduction_reads(traced, level: int, p_bytes: int, g_bytes: int) -> int:
 
 
 def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
-            donate: bool = False, backend: str = "auto", file: Any = None) -> str:
+            donate: bool = False, backend: str = "auto", bandwidth: float | None = None,
+            file: Any = None) -> str:
     """Prints (and returns) the plan of ``ftopt.step(tx, params, grads, state,
     donate=donate, backend=backend)``.
 
@@ -44,8 +48,20 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     ``donate`` of the step you mean: a donated step writes in place and is never
     differentiable, so params that require grad (``dict(model.named_parameters())``)
     fuse with ``donate=True`` (as :class:`ftopt.Optimizer` steps) but not without.
+
+    Every group also reports its state bytes per parameter (from ``tx.init`` on meta
+    tensors: nothing is allocated) and the bytes a step moves: the fused kernels' reads
+    and writes, or for an eager group the least any implementation must move (params and
+    states read and written once, gradients read once). ``bandwidth``: the device's
+    measured copy bandwidth in GB/s (1e9 bytes per second, e.g. from a timed
+    ``torch.Tensor.copy_``); given, each group also shows the floor time of its step at
+    that bandwidth.
     """
     check_transform(tx, "explain: argument tx")
+    if bandwidth is not None and not (isinstance(bandwidth, (int, float))
+                                      and math.isfinite(bandwidth) and bandwidth > 0):
+        raise ValueError(f"explain: bandwidth must be a positive number of GB/s, got "
+                         f"{bandwidth!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     wrapper = owner(tx)
@@ -55,7 +71,7 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
         inner = wrapper.stepped_inner(first.device if isinstance(first, torch.Tensor)
                                       else torch.device("cpu"))
         text = explain(inner, params, grads, donate=donate, backend=backend,
-                       file=_Discard())
+                       bandwidth=bandwidth, file=_Discard())
         text = f"{wrapper.step_note}\n{text}"
         print(text, file=file)
         return text
@@ -66,6 +82,7 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     for i in active:  # what step would raise, named the same way
         check_leaf(paths[i], g_flat[i], p_flat[i])
     plan = plan_chain(tx)
+    held, shared = state_bytes(tx, params, spec, p_flat)
     reason = call_reason(plan, p_flat, g_flat, active, backend, donate=bool(donate),
                          paths=paths) if backend != "eager" \
         else "backend='eager' was asked for"
@@ -73,7 +90,9 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     lines = [("ftopt plan (donated step)" if donate else "ftopt plan")
              + f": {len(shown)} elementwise stages"
              + (f" ({', '.join(s.rule.name for s in shown)})" if shown else "")
-             + (", skip_zeros" if any(plan.skips) else "")]
+             + (", skip_zeros" if any(plan.skips) else "")
+             + (f"; {shared} bytes of state shared by all leaves (counts, scalars)"
+                if shared else "")]
     if plan.branched and plan.reason is None:
         lines.append(_describe_branches(plan))
     if plan.segments is not None:
@@ -91,17 +110,21 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
         numel = sum(p_flat[i].numel() for i in leaves)
         store = next((s.store for s in plan.stages if s.store is not None and s.rule.slots),
                      None)
-        state_bytes = 2 if store in (torch.bfloat16, torch.float16) else 4
+        slot_size = 2 if store in (torch.bfloat16, torch.float16) else 4
         layout = (f"8-bit states (block {quant.block_size})" if eight_bit else
-                  f"{_name(store)} states" if state_bytes == 2 else "32-bit states")
+                  f"{_name(store)} states" if slot_size == 2 else "32-bit states")
         head = (f"group device={device} param={_name(p_dtype)} grad={_name(g_dtype)} "
                 f"{layout}: {len(leaves)} leaves, {numel} elements")
         lines.append(head)
+        per_param = sum(held[i] for i in leaves) / max(numel, 1)
+        lines.append(f"  state bytes per parameter: {_num(per_param)}")
         if reason is not None:
             lines.append(f"  path: eager ({reason})")
+            least = (2 * p_dtype.itemsize + g_dtype.itemsize + 2 * per_param) * numel
+            lines.append(_moved("  bytes moved per step: at least", least, bandwidth))
             continue
         sizes = (_DTYPE_BYTES[p_dtype], _DTYPE_BYTES[g_dtype],
-                 1 + 4 / quant.block_size if eight_bit else state_bytes)
+                 1 + 4 / quant.block_size if eight_bit else slot_size)
         kernels = [k for k, part in enumerate(parts) if isinstance(part, ChainPlan)]
         read = written = extra = levels = 0.0
         for k in kernels:
@@ -120,6 +143,8 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
                 "main kernels read {}, write {}").format(_num(read), _num(written))
         lines.append(f"  bytes per element: {main}"
                      + (f"; norm passes read {_num(extra)} more" if extra else ""))
+        lines.append(_moved("  bytes moved per step:", (read + written + extra) * numel,
+                            bandwidth))
     if not groups:
         lines.append("no leaf has a gradient: nothing to do")
     text = "\n".join(lines)
@@ -233,6 +258,66 @@ def _rule_classes(plan) -> list:
         if labels and labels not in classes:
             classes.append(labels)
     return classes
+
+
+def _moved(head: str, total: float, bandwidth: float | None) -> str:
+    line = f"{head} {int(round(total))} ({total / 1e6:.3f} MB)"
+    if bandwidth is not None:
+        line += f"; floor time at {_num(bandwidth)} GB/s: {total / bandwidth / 1e6:.4g} ms"
+    return line
+
+
+def state_bytes(tx: GradientTransformation, params: Any, spec, p_flat: list
+                ) -> tuple[list[int], int]:
+    """(bytes of state each param leaf holds, bytes held by no leaf), from ``tx.init`` on
+    meta tensors. A state node whose structure is the params' with a tensor (or an 8-bit
+    slot) or ``None`` at each leaf belongs leaf by leaf to the params; the rest (step
+    counts, running scalars) is shared."""
+    meta = tree_lib.unflatten(spec, [torch.empty(p.shape, dtype=p.dtype, device="meta")
+                                     for p in p_flat])
+    state = tx.init(meta)
+    held = [0] * len(p_flat)
+    shared = 0
+
+    def size(x: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tree_lib.leaves(x)
+                   if isinstance(t, torch.Tensor))
+
+    def walk(node: Any) -> None:
+        nonlocal shared
+        if node is None:
+            return
+        if spec.num_nodes == 1 or type(node) is spec.type:
+            flat = _aligned(spec, node)
+            if flat is not None:
+                for i, x in enumerate(flat):
+                    held[i] += size(x)
+                return
+        if isinstance(node, (torch.Tensor, QuantizedSlot)):
+            shared += size(node)
+            return
+        children = optree.tree_flatten(node, is_leaf=lambda x: x is not node,
+                                       none_is_leaf=False, namespace="ftopt")[0]
+        for child in children:
+            walk(child)
+
+    walk(state)
+    return held, shared
+
+
+def _aligned(spec, node: Any) -> list | None:
+    """``node`` flattened up to the params' structure, when each entry is a per-leaf
+    state (a tensor, an 8-bit slot or ``None``); else ``None``."""
+    if spec.num_nodes == 1:  # params that are one tensor: its own states are tensors
+        is_own = isinstance(node, QuantizedSlot) or (
+            isinstance(node, torch.Tensor) and node.dim() > 0)
+        return [node] if is_own else None
+    try:
+        flat = spec.flatten_up_to(node)
+    except (ValueError, TypeError):
+        return None
+    ok = all(x is None or isinstance(x, (torch.Tensor, QuantizedSlot)) for x in flat)
+    return flat if ok else None
 
 
 def _num(x: float) -> float | int:

@@ -1,0 +1,108 @@
+"""``explain`` reports each group's state bytes per parameter (from ``tx.init`` on meta
+tensors) and the bytes a step moves, with the floor time at a given copy bandwidth. The
+state bytes are checked against the states a real ``init`` allocates, and against the
+formula (slots x bytes per element, 8-bit codes plus one fp32 absmax per block)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import ftopt
+from ftopt import tree as tree_lib
+from ftopt.lowering.explain import state_bytes
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _Null:
+    def write(self, text: str) -> int:
+        return len(text)
+
+
+def _params(gen: torch.Generator) -> dict:
+    return {"emb": torch.randn(64, 80, generator=gen),  # 5120 elements: 20 blocks
+            "blocks": [{"w": torch.randn(48, 40, generator=gen),
+                        "b": torch.randn(40, generator=gen)}],
+            "scale": torch.randn((), generator=gen)}
+
+
+def _per_param(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"state bytes per parameter: ([0-9.]+)", text)]
+
+
+@pytest.mark.parametrize("name, tx, want", [
+    ("sgd", lambda: ftopt.sgd(0.1), 0.0),
+    ("sgd momentum", lambda: ftopt.sgd(0.1, momentum=0.9), 4.0),
+    ("adamw", lambda: ftopt.adamw(1e-3), 8.0),
+    ("adamw bf16 states", lambda: ftopt.adamw(1e-3, state_dtype=torch.bfloat16), 4.0),
+    ("ademamix", lambda: ftopt.ademamix(1e-3), 12.0),
+])
+def test_state_bytes_per_parameter_match_the_formula_and_a_real_init(name, tx, want):
+    params = _params(torch.Generator().manual_seed(0))
+    tx = tx()
+    text = ftopt.explain(tx, params, file=_Null())
+    assert _per_param(text) == [pytest.approx(want, abs=1e-3)]
+    _, p_flat, spec = tree_lib.flatten_with_paths(params)
+    held, shared = state_bytes(tx, params, spec, p_flat)
+    real = sum(t.numel() * t.element_size() for t in tree_lib.leaves(tx.init(params))
+               if isinstance(t, torch.Tensor))
+    assert sum(held) + shared == real
+    assert held == [round(want * p.numel()) for p in p_flat]
+
+
+def test_8bit_states_count_codes_and_one_absmax_per_block():
+    params = _params(torch.Generator().manual_seed(1))
+    tx = ftopt.adamw(1e-3, state_bits=8)  # min_size 4096: only "emb" is 8-bit
+    text = ftopt.explain(tx, params, file=_Null())
+    per = dict(zip(re.findall(r"(8-bit|32-bit) states", text), _per_param(text)))
+    assert per == {"8-bit": pytest.approx(2 * (1 + 4 / 256), abs=1e-3),
+                   "32-bit": pytest.approx(8.0)}
+    paths, p_flat, spec = tree_lib.flatten_with_paths(params)
+    held, _ = state_bytes(tx, params, spec, p_flat)
+    assert held[paths.index("['emb']")] == 2 * (5120 + 4 * 20)
+
+
+def test_factored_states_count_rows_and_columns():
+    w = torch.randn(256, 192)
+    tx = ftopt.adafactor(1e-3)
+    params = {"w": w, "b": torch.randn(7)}
+    paths, p_flat, spec = tree_lib.flatten_with_paths(params)
+    held, _ = state_bytes(tx, params, spec, p_flat)
+    b, w = held[paths.index("['b']")], held[paths.index("['w']")]
+    assert b >= 7 * 4  # unfactored: a full second moment
+    assert (256 + 192) * 4 <= w < 256 * 192  # factored: rows and columns only
+
+
+def test_a_single_tensor_holds_its_own_states():
+    p = torch.randn(1000)
+    text = ftopt.explain(ftopt.adamw(1e-3), p, file=_Null())
+    assert _per_param(text) == [pytest.approx(8.0)]
+    assert "4 bytes of state shared" in text  # the step count
+
+
+def test_bytes_moved_and_floor_time_of_a_fused_step():
+    gen = torch.Generator().manual_seed(2)
+    params = {"a": torch.randn(300, generator=gen).to(DEVICE),
+              "b": torch.randn(7, 11, generator=gen).to(DEVICE)}
+    text = ftopt.explain(ftopt.adamw(1e-3), params, donate=True, backend="fused",
+                         bandwidth=2000, file=_Null())
+    numel = 300 + 77
+    moved = int(re.search(r"bytes moved per step: (\d+)", text).group(1))
+    assert moved == 28 * numel  # p, g, mu, nu read; p, mu, nu written; fp32
+    ms = float(re.search(r"floor time at 2000 GB/s: ([0-9.e-]+) ms", text).group(1))
+    assert ms == pytest.approx(moved / 2000e9 * 1e3, rel=1e-3)
+
+
+def test_an_eager_group_reports_the_least_bytes_a_step_moves():
+    params = {"w": torch.randn(50, 20)}
+    text = ftopt.explain(ftopt.adamw(1e-3), params, backend="eager", file=_Null())
+    assert "bytes moved per step: at least 28000" in text
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "fast"])
+def test_a_bad_bandwidth_is_refused(bad):
+    with pytest.raises(ValueError, match="bandwidth must be a positive number of GB/s"):
+        ftopt.explain(ftopt.adamw(1e-3), {"w": torch.randn(3)}, bandwidth=bad, file=_Null())
