@@ -5,6 +5,9 @@ gradients, the time of Adam with skip_zeros against without, with dense gradient
 90% of the embedding's rows zero (GPT-2 tree); then each compiled kernel's registers.
 
     python3 benchmarks/skip_modes_gpu.py OUT
+
+("tiles" and "in_place+tiles" were measured before and lost on every layout: see
+benchmarks/RESULTS.md; this run compares the others with "stores".)
 """
 import json
 import pathlib
@@ -37,8 +40,8 @@ for name, (dtype, kw, _) in gpu_step.LAYOUTS.items():
     sparse, frac = gpu_step._sparse_wte(grads, cfg)
     pairs = (("dense", grads), ("sparse", sparse))
     base = {g: t(ftopt.adam(1e-3, **kw), params, gr) for g, gr in pairs}
-    modes = (["tiles", "select"] if key == "8-bit"
-             else ["in_place", "tiles", "in_place+tiles", "select"])
+    modes = (["select", "stores"] if key == "8-bit"
+             else ["in_place", "select", "stores", "in_place+stores"])
     for mode in modes:
         tiles.SKIP_MODES[key] = mode
         gpu_step._clear_lowering_caches()

@@ -82,7 +82,8 @@ LAYOUTS = {"fp32": (torch.float32, {}), "bf16 params": (torch.bfloat16, {}),
            "8-bit": (torch.float32, {"state_bits": 8})}
 
 
-@pytest.mark.parametrize("mode", ["in_place", "tiles", "in_place+tiles", "select"])
+@pytest.mark.parametrize("mode", ["in_place", "tiles", "in_place+tiles", "select", "stores",
+                                  "in_place+stores"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     """Each way a donated step may skip zero gradients (tiles.SKIP_MODES) gives the
@@ -110,7 +111,46 @@ def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     assert _same(donated, full)
     groups = plan_chain(tx).prepared.groups
     assert [g.skip_tiles for g in groups] == ["tiles" in mode] * len(groups)
+    assert [g.skip_stores for g in groups] == ["stores" in mode] * len(groups)
     in_place = "in_place" in mode and key != "8-bit"
     assert [g.traced.in_place for g in groups] == [in_place] * len(groups)
     assert not torch.equal(full[0]["w"][:10], params["w"][:10])
     assert torch.equal(full[0]["w"][tile:2 * tile], params["w"][tile:2 * tile])
+
+
+@pytest.mark.parametrize("mode", ["select", "stores", "tiles"])
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_8bit_one_block_per_program_equals_the_full_step(name, mode, monkeypatch):
+    """With one 8-bit block per program (the GPU's tile) a "stores" program whose
+    gradients are all zero writes nothing and keeps no old codes: the donated step still
+    equals the step that writes every block, and the all-zero blocks keep their bytes."""
+    monkeypatch.setitem(tiles.SKIP_MODES, "8-bit", mode)
+    monkeypatch.setattr(tiles, "QUANT_TILE", (256, 1))
+    launch._constants_cached.cache_clear()
+    launch._kernel.cache_clear()
+    try:
+        tx = getattr(ftopt, name)(1e-2, skip_zeros=True, state_bits=8)
+        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+        params = {"w": torch.randn(4096 + 256 * 3 + 77, generator=gen).to(DEVICE)}
+        state = tx.init(params)
+        params, state = ftopt.step(tx, params, {"w": torch.randn_like(params["w"])}, state,
+                                   backend="fused")
+        g = torch.randn_like(params["w"])
+        g[256:768] = 0.0  # two whole blocks
+        g[1000:1100] = 0.0  # part of a block
+        g[-77:] = 0.0  # the tail block
+        full = ftopt.step(tx, params, {"w": g}, state, backend="fused")
+        donated = ftopt.step(tx, _clone(params), {"w": g}, _clone(state), backend="fused",
+                             donate=True)
+        assert _same(donated, full)
+        groups = plan_chain(tx).prepared.groups
+        assert [gr.skip_stores for gr in groups] == [mode == "stores"]
+        before = ftopt.tree.leaves(state)
+        after = ftopt.tree.leaves(full[1])
+        codes = [(b, a) for b, a in zip(before, after) if b.dtype == torch.uint8]
+        assert codes and all(torch.equal(b[256:768], a[256:768]) for b, a in codes)
+        assert not all(torch.equal(b[:256], a[:256]) for b, a in codes)  # the control
+        assert torch.equal(full[0]["w"][256:768], params["w"][256:768])
+    finally:
+        launch._constants_cached.cache_clear()
+        launch._kernel.cache_clear()

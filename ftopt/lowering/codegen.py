@@ -226,6 +226,10 @@ class Variant:
     # returns at once (its params and 8-bit blocks stay as they are, byte for byte).
     skip_tiles: bool = False
     encoder: str = "arithmetic"  # of 8-bit slots (quantized.ENCODER)
+    # A donated step of a skip_zeros chain: a program whose gradients are all zero writes
+    # nothing (its params and states keep their bytes); 8-bit blocks then need no select
+    # of their old codes when a program is one block.
+    skip_stores: bool = False
 
 
 def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list[str]:
@@ -372,6 +376,7 @@ def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
                      dtypes: dict, tail: bool) -> list[str]:
     signs = _slot_signs(traced) if variant.quant_block else {}
     lines = _body_lines(traced, nodes, masks, variant, tail)
+    stores: list[str] = []
     for role, node in traced.stores:
         value = node
         if traced.graph.nodes[node].kind != "elem":  # broadcast a per-leaf value
@@ -383,15 +388,21 @@ def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
         if slot in signs:
             stage = int(slot[2:].split("_", 1)[0])
             zero = "zero" if traced.skips[stage] else None
-            lines += quantized.store_lines(slot, f"{slot}_old", value, signs[slot], zero,
-                                           tail, variant.encoder, flag)
+            stores += quantized.store_lines(slot, f"{slot}_old", value, signs[slot], zero,
+                                            tail, variant.encoder, flag,
+                                            variant.skip_stores)
             continue
         if dict(variant.slot_dtypes).get(slot) == torch.bfloat16:
-            lines += lanes.bf16_store_lines(role, slot, value, store_mask)
+            stores += lanes.bf16_store_lines(role, slot, value, store_mask)
             continue
-        lines.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]})"
-                     f"{store_mask})")
-    return lines
+        stores.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]})"
+                      f"{store_mask})")
+    if not (variant.skip_stores and traced.skips and all(traced.skips)):
+        return lines + stores
+    # Nothing is written where every gradient of the program is zero: the donated
+    # params and states keep their bytes, as the skip_zeros contract asks.
+    zero = "(g == 0.0)" if not tail else "((g == 0.0) | (offs >= n))"
+    return lines + [f"if tl.min({zero}.to(tl.int32)) == 0:"] + ["    " + x for x in stores]
 
 
 def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:

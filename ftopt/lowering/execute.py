@@ -73,7 +73,8 @@ class PreparedStep:
             by_key.setdefault(key, []).append(i)
         for (p_dtype, g_dtype, quant_block, slot_dtypes), leaves in by_key.items():
             # How zero gradients are skipped: per layout (tiles.skip_mode).
-            in_place, skip_tiles = tiles.skip_mode(p_dtype, quant_block, slot_dtypes)
+            in_place, skip_tiles, skip_stores = tiles.skip_mode(p_dtype, quant_block,
+                                                                slot_dtypes)
             group_traced = plan.traced(donate and in_place, output)
             work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
                                      tiles.tile(group_traced, quant_block)[0])
@@ -86,6 +87,8 @@ class PreparedStep:
             # its blocks keep their bytes), so its program may return at once.
             group.skip_tiles = bool(skip_tiles and donate and output == "p"
                                     and traced.skips and all(traced.skips))
+            group.skip_stores = bool(skip_stores and donate and output == "p"
+                                     and traced.skips and all(traced.skips))
             if quant_block:
                 group.qmaps = (quantized.table(True, self.device),
                                quantized.table(False, self.device))

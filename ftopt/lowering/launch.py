@@ -110,6 +110,7 @@ class GroupLaunch:
     paths: list = field(default_factory=list)  # each leaf's pytree path (norms on shards)
     slot_dtypes: tuple = ()  # (slot, dtype) of each 16-bit slot (codegen.Variant)
     skip_tiles: bool = False  # all-zero-gradient programs return at once (codegen.Variant)
+    skip_stores: bool = False  # all-zero-gradient programs write nothing (codegen.Variant)
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
 
@@ -123,7 +124,8 @@ class GroupLaunch:
     def variant(self, scalars) -> codegen.Variant:
         return _variant(self.p_dtype, self.g_dtype, self.aligned, isinstance(scalars, list),
                         self.quant_block, self.slot_dtypes, self.skip_tiles and SKIP_TILES,
-                        quantized.ENCODER if self.quant_block else "arithmetic")
+                        quantized.ENCODER if self.quant_block else "arithmetic",
+                        self.skip_stores)
 
 
 @lru_cache(maxsize=256)
@@ -149,9 +151,9 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tu
 @lru_cache(maxsize=256)
 def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool, quant_block: int,
              slot_dtypes: tuple = (), skip_tiles: bool = False,
-             encoder: str = "arithmetic") -> codegen.Variant:
+             encoder: str = "arithmetic", skip_stores: bool = False) -> codegen.Variant:
     return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block, slot_dtypes,
-                           skip_tiles, encoder)
+                           skip_tiles, encoder, skip_stores)
 
 
 @lru_cache(maxsize=256)

@@ -273,11 +273,14 @@ def load_lines(name: str, role: str, signed: bool, load_mask: str) -> list[str]:
 
 
 def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
-                tail: bool, encoder: str = "arithmetic", flag: str | None = None
-                ) -> list[str]:
+                tail: bool, encoder: str = "arithmetic", flag: str | None = None,
+                skip_stores: bool = False) -> list[str]:
     """Quantize ``value`` (fp32, one per lane) into slot ``role``'s codes and absmax.
     ``flag``: a per-leaf flag; a leaf it leaves out has no state here (nothing is read
-    or written)."""
+    or written). ``zero``: the lanes whose gradient is zero; a block of only those keeps
+    its bytes: its old codes and absmax are selected, or with ``skip_stores`` (the
+    caller writes nothing for a program whose gradients are all zero) only where a
+    program holds several blocks."""
     q = f"q_{role}"
     qmap = qmap_var(signed)
     shape = "(BLOCK // QBLOCK, QBLOCK)"
@@ -306,13 +309,15 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
         block_mask = f", mask={q}_block * QBLOCK < tl.where({flag}, n, 0)"
     if zero is not None:
         skipped = f"tl.where(in_range, {zero}, True)" if tail else zero
-        lines += [
+        keep = [
             f"{q}_all = tl.min(tl.reshape({skipped}.to(tl.int32), {shape}), axis=1) == 1",
             f"{q}_code = tl.where({q}_all[:, None], tl.reshape({old}_code, {shape}), "
             f"{q}_code)",
             f"{q}_amax = tl.where({q}_all, tl.load({role}_amax_in + {q}_block{block_mask}),"
             f" {q}_amax)",
         ]
+        lines += (["if BLOCK != QBLOCK:"] + ["    " + x for x in keep]) if skip_stores \
+            else keep
     store_mask = ", mask=in_range" if tail else ""
     if flag is not None:
         store_mask = f", mask=offs < tl.where({flag}, n, 0)"

@@ -58,10 +58,12 @@ def quant_tile(quant_block: int) -> tuple[int, int]:
 # ("fp32", "16-bit": 16-bit params or states, "8-bit"): "in_place" (loads and stores
 # masked by g != 0: zero lanes move no bytes, but the masked loads are not vectorized),
 # "tiles" (a program whose gradients are all zero returns at once; other lanes keep their
-# old values by selects), "in_place+tiles", or "select" (selects only). 8-bit blocks need
-# every lane, so "in_place" does not apply to them. FTOPT_SKIP_MODES overrides
-# ("fp32=tiles,16-bit=select"). H200, GPT-2 Adam, skip_zeros against no skip_zeros with
-# dense gradients / with 90% of the embedding's rows zero (benchmarks/RESULTS.md):
+# old values by selects), "in_place+tiles", "select" (selects only), or "stores" (selects,
+# and a program whose gradients are all zero writes nothing: its loads are not delayed,
+# and 8-bit blocks of one program need no select of their old codes and absmax), also
+# "in_place+stores". 8-bit blocks need every lane, so "in_place" does not apply to them.
+# FTOPT_SKIP_MODES overrides ("fp32=tiles,16-bit=select"). H200, GPT-2 Adam, skip_zeros
+# against no skip_zeros with dense gradients / with 90% of the embedding's rows zero (benchmarks/RESULTS.md):
 #   fp32:        in_place +2.0% / -11.7%, in_place+tiles +3.8% / -16.9%, tiles +7.0% /
 #                -12.0%, select +2.4% / +4.0%
 #   bf16 params: in_place +9.7% / -3.3%, in_place+tiles +11.7% / -10.8%, select +6.6% /
@@ -73,8 +75,9 @@ SKIP_MODES.update(dict(kv.split("=") for kv in os.environ.get(
     "FTOPT_SKIP_MODES", "").split(",") if kv))
 
 
-def skip_mode(p_dtype, quant_block: int, slot_dtypes: tuple) -> tuple[bool, bool]:
-    """(in place, skip tiles) for a donated skip_zeros group of this layout."""
+def skip_mode(p_dtype, quant_block: int, slot_dtypes: tuple) -> tuple[bool, bool, bool]:
+    """(in place, skip tiles, skip stores) for a donated skip_zeros group of this
+    layout."""
     if quant_block:
         layout = "8-bit"
     elif p_dtype.itemsize == 2 or slot_dtypes:
@@ -82,5 +85,5 @@ def skip_mode(p_dtype, quant_block: int, slot_dtypes: tuple) -> tuple[bool, bool
     else:
         layout = "fp32"
     mode = SKIP_MODES[layout]
-    return "in_place" in mode and not quant_block, "tiles" in mode
+    return "in_place" in mode and not quant_block, "tiles" in mode, "stores" in mode
 
