@@ -63,7 +63,8 @@ def quant_tile(quant_block: int) -> tuple[int, int]:
 # and 8-bit blocks of one program need no select of their old codes and absmax), also
 # "in_place+stores". 8-bit blocks need every lane, so "in_place" does not apply to them.
 # FTOPT_SKIP_MODES overrides ("fp32=tiles,16-bit=select"). H200, GPT-2 Adam, skip_zeros
-# against no skip_zeros with dense gradients / with 90% of the embedding's rows zero (benchmarks/RESULTS.md):
+# against no skip_zeros with dense gradients / with 90% of the embedding's rows zero
+# (benchmarks/RESULTS.md):
 #   fp32:        in_place +2.0% / -11.7%, in_place+tiles +3.8% / -16.9%, tiles +7.0% /
 #                -12.0%, select +2.4% / +4.0%
 #   bf16 params: in_place +9.7% / -3.3%, in_place+tiles +11.7% / -10.8%, select +6.6% /
