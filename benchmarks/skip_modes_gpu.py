@@ -35,7 +35,8 @@ def t(tx, params, grads, n=40, reps=3):
 
 res = []
 for name, (dtype, kw, _) in gpu_step.LAYOUTS.items():
-    key = "8-bit" if "state_bits" in kw else ("fp32" if name == "fp32" else "16-bit")
+    key = ("8-bit" if "state_bits" in kw else "16-bit states" if "state_dtype" in kw
+           else "fp32" if name == "fp32" else "16-bit")
     params, grads = gpu_step._tree(cfg, dtype, seed=21)
     sparse, frac = gpu_step._sparse_wte(grads, cfg)
     pairs = (("dense", grads), ("sparse", sparse))

@@ -90,7 +90,8 @@ def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     non-donated step's bytes, on every layout: whole zero tiles, part of a tile, a zero
     leaf."""
     dtype, kw = LAYOUTS[layout]
-    key = "8-bit" if "state_bits" in kw else ("fp32" if layout == "fp32" else "16-bit")
+    key = {"fp32": "fp32", "bf16 params": "16-bit", "bf16 states": "16-bit states",
+           "8-bit": "8-bit"}[layout]
     monkeypatch.setitem(tiles.SKIP_MODES, key, mode)
     tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)

@@ -82,6 +82,9 @@ def work_table(numels: tuple[int, ...], device: torch.device, block: int) -> Wor
                      move(first), move(counts), total, len(numels))
 
 
+# Triton's register cap (``maxnreg``) is an option of its NVIDIA backend only.
+_NVIDIA = torch.version.cuda is not None and torch.version.hip is None
+
 # Donated 8-bit skip_zeros steps: programs whose gradients are all zero return at once
 # (False: they run the full body, to time one against the other).
 SKIP_TILES = True
@@ -143,6 +146,8 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tu
     }
     if quant_block:
         constants["QBLOCK"] = quant_block
+        if tiles.QUANT_MAXNREG and not tiles.INTERPRETING and _NVIDIA:
+            constants["maxnreg"] = tiles.QUANT_MAXNREG
     if count is not None:
         constants["COUNT"] = count
     return tuple(constants.items())

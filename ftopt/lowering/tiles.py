@@ -31,6 +31,12 @@ IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
 # it.
 QUANT_TILE = tuple(int(x) for x in os.environ.get(
     "FTOPT_QUANT_TILE", "4096x4" if INTERPRETING else "256x1").split("x"))
+# The most registers a thread of an 8-bit kernel may use (Triton's ``maxnreg``; 0: the
+# compiler's choice). These kernels are bound by latency at the occupancy their registers
+# allow: H200, GPT-2 8-bit Adam, 256x1 tile (benchmarks/quant_regs_gpu.py), the compiler's
+# 96 registers 0.945 ms, 80 0.912, 72 0.876 (14 spills), 64 0.883; with skip_zeros
+# ("stores") its 120 registers 1.371 ms, 72 0.983. FTOPT_QUANT_MAXNREG overrides it.
+QUANT_MAXNREG = int(os.environ.get("FTOPT_QUANT_MAXNREG", "72"))
 
 
 def tile(traced, quant_block: int = 0) -> tuple[int, int]:
@@ -71,7 +77,12 @@ def quant_tile(quant_block: int) -> tuple[int, int]:
 #                +7.1%; bf16 states: in_place +39.9% / +27.5%, tiles +33.7% / +9.8%,
 #                select +11.2% / +14.3%
 #   8-bit:       tiles +90.6% / +41.9%, select +38.3% / +36.0%
-SKIP_MODES = {"fp32": "in_place", "16-bit": "select", "8-bit": "select"}
+#   "stores" (benchmarks/quant_regs_gpu.py, skip_modes_gpu.py): fp32 +1.3% / -10.9%,
+#   bf16 params +7.6% / -6.1%, bf16 states +21.5% / +3.1%; 8-bit at 72 registers
+#   +12.2% / -19.3% (select +28.3% / +22.8%).
+# "16-bit" covers 16-bit params with fp32 states; "16-bit states" any 16-bit state slot.
+SKIP_MODES = {"fp32": "in_place", "16-bit": "stores", "16-bit states": "select",
+              "8-bit": "stores"}
 SKIP_MODES.update(dict(kv.split("=") for kv in os.environ.get(
     "FTOPT_SKIP_MODES", "").split(",") if kv))
 
@@ -81,7 +92,9 @@ def skip_mode(p_dtype, quant_block: int, slot_dtypes: tuple) -> tuple[bool, bool
     layout."""
     if quant_block:
         layout = "8-bit"
-    elif p_dtype.itemsize == 2 or slot_dtypes:
+    elif slot_dtypes:
+        layout = "16-bit states"
+    elif p_dtype.itemsize == 2:
         layout = "16-bit"
     else:
         layout = "fp32"

@@ -1,0 +1,64 @@
+"""8-bit Adam on one GPU: registers per thread (``maxnreg``), tile and skip_zeros mode.
+
+The 8-bit kernels are bound by latency at the occupancy their registers allow (96 a
+thread without skip_zeros, 120-128 with it, one warp a program). For each register cap
+(``tiles.QUANT_MAXNREG``), 8-bit tile (``tiles.QUANT_TILE``) and skip_zeros mode
+(off, "select", "stores"), the donated step time of the GPT-2 tree with dense gradients
+and with 90% of the embedding's rows zero, then each compiled kernel's registers and
+spills.
+
+    python3 benchmarks/quant_regs_gpu.py OUT
+"""
+import itertools
+import json
+import pathlib
+import statistics
+import sys
+
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")]
+import gpu_step  # noqa: E402
+import torch  # noqa: E402
+from timing import donated_step_ms  # noqa: E402
+
+import ftopt  # noqa: E402
+from ftopt.lowering import codegen, tiles  # noqa: E402
+
+dev = torch.device("cuda")
+cfg = gpu_step.Config(device=dev, smoke=False, quick=True, iters=30, warmup=3, rounds=1,
+                      copy_numel=1, single_numel=1,
+                      tree_dims={"vocab": 50257, "d": 768, "ctx": 1024, "n_layer": 12},
+                      compile_single=False, compile_trees=False, tiles=[], sections=[])
+CAPS = [None, 64, 72, 80, 96]
+TILES = [(256, 1), (256, 2)]
+MODES = ["off", "select", "stores"]
+
+
+def t(tx, params, grads):
+    return statistics.median(donated_step_ms(tx, params, grads, 40, 3))
+
+
+params, grads = gpu_step._tree(cfg, torch.float32, seed=21)
+sparse, frac = gpu_step._sparse_wte(grads, cfg)
+res = []
+for cap, tile, mode in itertools.product(CAPS, TILES, MODES):
+    tiles.QUANT_MAXNREG, tiles.QUANT_TILE = cap, tile
+    tiles.SKIP_MODES["8-bit"] = "select" if mode == "off" else mode
+    gpu_step._clear_lowering_caches()
+    tx = ftopt.adam(1e-3, state_bits=8, skip_zeros=mode != "off")
+    row = dict(maxnreg=cap, tile=f"{tile[0]}x{tile[1]}", mode=mode,
+               dense=t(tx, params, grads), sparse=t(tx, params, sparse))
+    res.append(row)
+    print(f"maxnreg {str(cap):5s} tile {row['tile']:6s} {mode:7s} dense {row['dense']:.3f} "
+          f"sparse {row['sparse']:.3f}", flush=True)
+regs = []
+for key, mod in codegen._MODULES.items():
+    fn = getattr(mod, "ftopt_main", None)
+    for cache in (fn.device_caches.values() if fn is not None else ()):
+        for k in cache[0].values():
+            regs.append(dict(kernel=key[:8], regs=k.n_regs, spills=k.n_spills,
+                             warps=k.metadata.num_warps,
+                             maxnreg=getattr(k.metadata, "maxnreg", None)))
+            print(regs[-1])
+out = pathlib.Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+(out / "quant_regs.json").write_text(json.dumps({"runs": res, "kernels": regs}, indent=1))
