@@ -139,3 +139,19 @@ def test_nested_inject_bad_value_changes_nothing(donate):
     assert all(torch.equal(params[k], before[k]) for k in params)
     assert all(torch.equal(state[1].inner_state[0].mu[k], mu[k]) for k in mu)
     assert int(state[1].count) == 1
+
+
+def _optimizer_run(backend: str) -> dict:
+    gen = torch.Generator().manual_seed(3)
+    params = {k: torch.nn.Parameter(v) for k, v in _tree(gen).items()}
+    opt = ftopt.Optimizer(params.items(), _split(True), backend=backend)
+    for _ in range(4):
+        for p, g in zip(params.values(), _tree(gen).values()):
+            p.grad = g
+        opt.step()
+    return {k: p.detach() for k, p in params.items()}
+
+
+def test_nested_inject_through_the_optimizer():
+    assert_trees_close(_optimizer_run("fused"), _optimizer_run("eager"), rtol=1e-5,
+                       atol=1e-6)
