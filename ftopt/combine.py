@@ -208,7 +208,9 @@ class Masked:
         return tree_lib.unflatten(spec, [bool(m) for m in flat])
 
     def init(self, params):
-        return MaskedState(self.inner.init(_select(params, self._mask_for(params))))
+        # (A mask that selects no leaf: the inner counts still go to the params' device.)
+        with tree_lib.enclosing_device(params):
+            return MaskedState(self.inner.init(_select(params, self._mask_for(params))))
 
     def check_state(self, state) -> None:
         """Raises unless ``state`` is this transform's kind of state (its containers)."""

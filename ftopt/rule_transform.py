@@ -92,7 +92,7 @@ class RuleTransform:
             for path, p in zip(paths, flat):
                 check_param(path, p)
         values = {}
-        device = flat[0].device if flat else torch.device("cpu")
+        device = tree_lib.state_device(flat)
         if self.rule.counted:
             values["count"] = torch.zeros((), dtype=torch.int32, device=device)
         values.update(initial_running(self.rule, device))

@@ -83,51 +83,74 @@ class Stages:
     # With ``branches=True`` and matrix stages inside branches: per entry of ``matrix``
     # (``position`` then counts positions), the conditions on the leaves it applies to.
     matrix_selects: tuple[tuple[Select, ...], ...] = ()
+    # With ``injected=True``: the ``inject_hyperparams`` wrappers walked into, as
+    # ``(wrapper, state path, inner transform)`` (see :func:`chain_stages`).
+    injected: tuple = ()
 
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_BRANCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per (branches, injected): transform object -> its Stages.
+_CACHES: dict = {key: weakref.WeakKeyDictionary() for key in
+                 ((False, False), (True, False), (False, True), (True, True))}
 
 
-def chain_stages(tx, branches: bool = False) -> Stages:
+def chain_stages(tx, branches: bool = False, injected: bool = False) -> Stages:
     """The stages of ``tx`` (cached per transform object).
 
     ``branches=True``: ``masked`` and ``partition`` are walked into (see
     :attr:`Stages.positions`); otherwise they are transforms with no elementwise rule.
+    ``injected=True``: an ``inject_hyperparams`` wrapper anywhere in ``tx`` is walked
+    into (its inner transform, built with 0-d tensors as hyperparameters, at the state
+    path of its ``inner_state``) and listed in :attr:`Stages.injected`: the caller loads
+    each wrapper's hyperparameters before the step and advances its count after it (the
+    fused backend does; ``ftopt.lowering.entry``).
     """
     obj = owner(tx)
     if obj is None:
         return Stages(reason=f"{_describe(tx)} is not an ftopt transform")
-    if branches:
-        found = _BRANCHED.get(obj)
-        if found is None:
-            found = _branched_stages(tx)
-            _BRANCHED[obj] = found
+    cache = _CACHES[(branches, injected)]
+    found = cache.get(obj)
+    if found is not None:
         return found
-    found = _CACHE.get(obj)
-    if found is None:
+    if branches:
+        found = _branched_stages(tx, injected)
+    else:
         stages, paths, skips, matrix = [], [], [], []
-        reason = _walk(tx, (), False, True, stages, paths, skips, matrix)
+        hooks: list | None = [] if injected else None
+        reason = _walk(tx, (), False, True, stages, paths, skips, matrix, hooks)
         segmented = reason is None and bool(matrix)
         if segmented:
             reason = (f"{matrix[0][1].name} is a matrix stage (the fused backend runs the "
                       "chain in segments)")
         found = Stages(tuple(stages), tuple(paths), tuple(skips), reason, tuple(matrix),
-                       segmented)
-        _CACHE[obj] = found
+                       segmented, injected=tuple(hooks or ()))
+    cache[obj] = found
     return found
 
 
-def _branched_stages(tx) -> Stages:
-    plain = chain_stages(tx)
+def _injected_inner(obj, path: tuple, hooks: list | None):
+    """The inner transform of an ``inject_hyperparams`` wrapper to walk into (recorded in
+    ``hooks``), or ``None``: not such a wrapper, not asked for (``hooks`` is ``None``),
+    or its inner transform not built for exactly one device (its ``unfused_reason``)."""
+    fused_inner = getattr(obj, "fused_inner", None)
+    if hooks is None or fused_inner is None:
+        return None
+    inner = fused_inner()
+    if inner is not None:
+        hooks.append((obj, path, inner))
+    return inner
+
+
+def _branched_stages(tx, injected: bool = False) -> Stages:
+    plain = chain_stages(tx, injected=injected)
     if plain.reason is None or plain.segmented:
         n = len(plain.stages)
         return Stages(plain.stages, plain.state_paths, plain.skips, plain.reason,
                       plain.matrix, plain.segmented, tuple((i,) for i in range(n)),
                       ((),) * n, tuple(s.rule.leaf_mask is not None for s in plain.stages),
-                      (False,) * n)
+                      (False,) * n, injected=plain.injected)
     sources: list = []  # (stage, state path, skip, selects, selects before the skip)
-    items = _branch_walk(tx, (), False, True, (), sources)
+    hooks: list | None = [] if injected else None
+    items = _branch_walk(tx, (), False, True, (), sources, hooks=hooks)
     if isinstance(items, str):
         return Stages(reason=items)
     barriers = [x for x in items if isinstance(x, Barrier)]
@@ -152,7 +175,7 @@ def _branched_stages(tx) -> Stages:
     return Stages(stages, tuple(s[1] for s in sources), tuple(s[2] for s in sources), reason,
                   tuple(matrix), bool(barriers), tuple(map(tuple, positions)),
                   tuple(s[3] for s in sources), flagged, owner_skips,
-                  tuple(b.selects for b in barriers))
+                  tuple(b.selects for b in barriers), tuple(hooks or ()))
 
 
 def _flagged(pos: list, sources: list) -> bool:
@@ -172,11 +195,15 @@ def _flagged(pos: list, sources: list) -> bool:
 
 
 def _branch_walk(tx, path: tuple, skip: bool, at_input: bool, selects: tuple,
-                 sources: list, depth: int = 0):
+                 sources: list, depth: int = 0, hooks: list | None = None):
     """The positions of ``tx``'s program (lists of stage indices) with a :class:`Barrier`
     at each matrix stage, or why it has none. ``depth``: how many of ``selects`` were
-    entered before ``skip`` became true."""
+    entered before ``skip`` became true; ``hooks``: see :func:`_injected_inner`."""
     obj = owner(tx)
+    inner = _injected_inner(obj, path, hooks)
+    if inner is not None:  # (its inner_state: field 2 of InjectHyperparamsState)
+        return _branch_walk(inner, (*path, 2), skip, at_input, selects, sources, depth,
+                            hooks)
     if isinstance(obj, RuleTransform):
         sources.append((obj, path, skip, selects, depth))
         return [[len(sources) - 1]]
@@ -191,19 +218,20 @@ def _branch_walk(tx, path: tuple, skip: bool, at_input: bool, selects: tuple,
         for i, child in enumerate(obj.transforms):
             key = obj.names[i] if obj.names is not None else i
             found = _branch_walk(child, (*path, key), skip or obj.skip_zeros,
-                                 at_input and i == 0, selects, sources, depth)
+                                 at_input and i == 0, selects, sources, depth, hooks)
             if isinstance(found, str):
                 return found
             out += found
         return out
     if isinstance(obj, Masked):
         return _branch_walk(obj.inner, (*path, 0), skip, at_input, (*selects, Select(obj)),
-                            sources, depth)
+                            sources, depth, hooks)
     if isinstance(obj, Partition):
         branches = []
         for label in obj.labels:
             found = _branch_walk(obj.user_transforms[label], (*path, 0, label, 0), skip,
-                                 at_input, (*selects, Select(obj, label)), sources, depth)
+                                 at_input, (*selects, Select(obj, label)), sources, depth,
+                                 hooks)
             if isinstance(found, str):
                 return found
             branches.append(found)
@@ -316,8 +344,11 @@ def _describe(tx) -> str:
 
 
 def _walk(tx, path: tuple, skip: bool, at_input: bool, stages: list, paths: list,
-          skips: list, matrix: list) -> str | None:
+          skips: list, matrix: list, hooks: list | None = None) -> str | None:
     obj = owner(tx)
+    inner = _injected_inner(obj, path, hooks)
+    if inner is not None:
+        return _walk(inner, (*path, 2), skip, at_input, stages, paths, skips, matrix, hooks)
     if isinstance(obj, RuleTransform):
         stages.append(obj)
         paths.append(path)
@@ -335,7 +366,7 @@ def _walk(tx, path: tuple, skip: bool, at_input: bool, stages: list, paths: list
         for i, child in enumerate(obj.transforms):
             key = obj.names[i] if obj.names is not None else i
             reason = _walk(child, (*path, key), inner_skip, at_input and i == 0, stages,
-                           paths, skips, matrix)
+                           paths, skips, matrix, hooks)
             if reason:
                 return reason
         return None

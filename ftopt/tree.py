@@ -8,7 +8,9 @@ leaf position.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -27,7 +29,13 @@ __all__ = [
     "unflatten",
     "path_str",
     "zeros_like",
+    "state_device",
+    "enclosing_device",
 ]
+
+# The device of the params around a subtree being initialised (see enclosing_device).
+_ENCLOSING_DEVICE: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar(
+    "ftopt_enclosing_device", default=None)
 
 
 def structure(tree: PyTree) -> optree.PyTreeSpec:
@@ -150,3 +158,31 @@ def unflatten(spec: optree.PyTreeSpec, flat: Sequence) -> PyTree:
 def zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
     """A tree of zero tensors shaped like ``tree``."""
     return map(lambda x: torch.zeros_like(x, dtype=dtype), tree)
+
+
+def state_device(flat: Sequence) -> torch.device:
+    """Where an ``init`` over the leaves ``flat`` puts its step counts and other scalars:
+    the first tensor leaf's device; with none (a :func:`ftopt.masked` or
+    :func:`ftopt.partition` branch that selects no leaf) the device of the params around
+    it (:func:`enclosing_device`), so every count of a state lives with the params and a
+    fused step increments it in its kernel; the CPU for params with no tensor at all."""
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return _ENCLOSING_DEVICE.get() or torch.device("cpu")
+
+
+@contextlib.contextmanager
+def enclosing_device(tree: PyTree) -> Iterator[None]:
+    """Within it, :func:`state_device` of no leaves is ``tree``'s first tensor's device
+    (unchanged if ``tree`` holds no tensor: an empty branch inside an empty branch keeps
+    the outer params' device)."""
+    device = next((t.device for t in leaves(tree) if isinstance(t, torch.Tensor)), None)
+    if device is None:
+        yield
+        return
+    token = _ENCLOSING_DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _ENCLOSING_DEVICE.reset(token)

@@ -154,8 +154,16 @@ def _write_back(old: Any, new: Any) -> Any:
     """Copy ``new`` into the donated tensors of ``old`` and return ``old``'s objects."""
     old_flat, old_spec = tree_lib.leaves(old), tree_lib.structure(old)
     new_flat = old_spec.flatten_up_to(new)
+    kept = True
     with torch.no_grad():
         for o, n in zip(old_flat, new_flat):
-            if isinstance(o, torch.Tensor) and o is not n:
+            if not isinstance(o, torch.Tensor):
+                kept = kept and o is n
+            elif o is not n:
                 o.copy_(n)
-    return old
+    if kept:
+        return old
+    # A leaf that is no tensor (a number the caller assigned into inject_hyperparams'
+    # state) cannot be written in place: the new value takes its place.
+    return tree_lib.unflatten(old_spec, [o if isinstance(o, torch.Tensor) else n
+                                         for o, n in zip(old_flat, new_flat)])

@@ -4,7 +4,9 @@
 Both run their own bookkeeping eagerly with torch ops and call the inner transform's
 ``update``, which fuses as usual (``backend=`` reaches it). ``ftopt.step`` of an
 ``inject_hyperparams`` optimizer runs its inner transform's step: the same fused kernel
-as the plain chain, the state's hyperparameters read as kernel scalars.
+as the plain chain, the state's hyperparameters read as kernel scalars. Inside another
+transform, the fused backend walks into the wrapper (:meth:`_Injected.fused_inner`) and
+calls :meth:`_Injected.load` and :meth:`_Injected.advance` around the whole step.
 """
 
 from __future__ import annotations
@@ -249,9 +251,9 @@ class _Injected:
     chain, the holders read as kernel scalars) and the count and schedules move on.
     """
 
-    unfused_reason = ("inject_hyperparams fuses as the outermost transform of ftopt.step "
-                      "(its inner step fuses); inside another transform it runs eagerly, "
-                      "its inner update fused")
+    unfused_reason = ("inject_hyperparams inside another transform fuses once its state "
+                      "is made (init) for params on one device; here it runs eagerly, its "
+                      "inner update fused")
     step_note = ("inject_hyperparams: the inner transform's step, its hyperparameters read "
                  "from the state as kernel scalars (host numbers where known, else a device "
                  "buffer)")
@@ -273,6 +275,14 @@ class _Injected:
             check_transform(inner, "inject_hyperparams: the factory's result")
             self.built[key] = (inner, holders)
         return self.built[key]
+
+    def fused_inner(self) -> GradientTransformation | None:
+        """The inner transform a fused step inside another transform runs
+        (:func:`ftopt.stages.chain_stages` with ``injected=True`` walks into it): the one
+        built by ``init``, if built for one device only, else ``None``."""
+        if len(self.built) != 1:
+            return None
+        return next(iter(self.built.values()))[0]
 
     def stepped_inner(self, device) -> GradientTransformation:
         """The transform whose step :meth:`wrapper_step` runs for params on ``device``
@@ -296,7 +306,7 @@ class _Injected:
         hyper = {k: _as_tensor(self._scheduled(k, count, 0), device) for k in self.numeric}
         return InjectHyperparamsState(count, hyper, inner.init(params))
 
-    def _load(self, state) -> GradientTransformation:
+    def load(self, state) -> GradientTransformation:
         """Checks ``state`` (before anything is written), loads its hyperparameters into
         the holders and returns the inner transform."""
         if not isinstance(state, InjectHyperparamsState):
@@ -327,7 +337,7 @@ class _Injected:
                 remember_value(holder, known)
         return inner
 
-    def _advance(self, state, inner_state, donate: bool) -> InjectHyperparamsState:
+    def advance(self, state, inner_state, donate: bool) -> InjectHyperparamsState:
         """The state after a step: the count advanced, schedules called with it, numbers
         the caller put in ``state.hyperparams`` made tensors (donated: in place)."""
         device = state.count.device
@@ -354,19 +364,19 @@ class _Injected:
 
     def update(self, updates, state, params=None, **extra):
         """The inner transform's update with the state's hyperparameters."""
-        inner = self._load(state)
+        inner = self.load(state)
         out, inner_state = inner.update(updates, state.inner_state, params, **extra)
-        return out, self._advance(state, inner_state, False)
+        return out, self.advance(state, inner_state, False)
 
     def wrapper_step(self, params, grads, state, *, donate: bool = False,
                      backend: str = "auto"):
         """``ftopt.step`` of the wrapped optimizer: the inner transform's step (fused
         where it can be) with the state's hyperparameters, then the count and schedules
         move on. Donated: every tensor of ``state`` is written in place."""
-        inner = self._load(state)
+        inner = self.load(state)
         new_params, inner_state = step(inner, params, grads, state.inner_state,
                                        donate=donate, backend=backend)
-        return new_params, self._advance(state, inner_state, donate)
+        return new_params, self.advance(state, inner_state, donate)
 
 
 def _as_tensor(value: float | torch.Tensor, device) -> torch.Tensor:
@@ -410,7 +420,8 @@ def inject_hyperparams(
     the count on every step. The inner transform is built once with tensor hyperparameters,
     so changing a value in the state between steps takes effect at the next step (see
     :class:`InjectHyperparamsState`). ``ftopt.step`` runs the inner transform's step (the
-    same fused kernel as the plain chain) when the wrapper is the outermost transform.
+    same fused kernel as the plain chain), also inside another transform (a ``chain``
+    after a clip, a ``partition`` branch: the whole chain's kernels).
     Names in ``static_args`` and non-numeric values (masks, booleans)
     are passed to ``inner_factory`` as they are.
     """

@@ -23,7 +23,7 @@ from ftopt.lowering.plan import (
     fast_path_allowed,
     plan_chain,
 )
-from ftopt.stages import check_state_tree
+from ftopt.stages import check_state_tree, state_at, with_state_at
 
 __all__ = ["step", "update", "cached_step", "cached_update", "has_prepared_step"]
 
@@ -40,9 +40,17 @@ def cached_step(tx, params, grads, state, donate: bool, backend: str):
     plan = plan_chain(tx)
     if plan.reason:
         return None
+    if donate and (plan.prepared is None or not fast_path_allowed(plan.prepared, backend)):
+        return None
+    if plan.injected:
+        return _around_injected(plan, tx, state, donate,
+                                lambda: (_cached_step(plan, params, grads, state, donate,
+                                                      backend), None))[0]
+    return _cached_step(plan, params, grads, state, donate, backend)
+
+
+def _cached_step(plan: ChainPlan, params, grads, state, donate: bool, backend: str):
     if donate:
-        if plan.prepared is None or not fast_path_allowed(plan.prepared, backend):
-            return None
         return execute.fast_step(plan, params, grads, state)
     return _functional(plan, params, grads, state, "p", backend)
 
@@ -66,10 +74,41 @@ def step(tx, params, grads, state, donate: bool, backend: str, *, cached: bool =
         result = cached_step(tx, params, grads, state, donate, backend)
         if result is not None:
             return result, None
-    paths, p_flat, spec = tree_lib.flatten_with_paths(params)
-    g_flat = tree_lib.flatten_like(spec, grads, "grads", paths)
-    return _full_call(plan, params, state, spec, paths, p_flat, g_flat, backend, donate,
-                      "p", tx)
+
+    def full():
+        paths, p_flat, spec = tree_lib.flatten_with_paths(params)
+        g_flat = tree_lib.flatten_like(spec, grads, "grads", paths)
+        return _full_call(plan, params, state, spec, paths, p_flat, g_flat, backend,
+                          donate, "p", tx)
+
+    if plan.injected:
+        return _around_injected(plan, tx, state, donate, full)
+    return full()
+
+
+def _around_injected(plan: ChainPlan, tx, state, donate: bool, run):
+    """``run()`` (``(result, reason)``) with the ``inject_hyperparams`` wrappers inside
+    the chain doing what their ``update`` does around the inner one: their state's
+    hyperparameters loaded into the tensors the plan's stages hold (checked first, as
+    their eager update checks them), then, after a step, their counts advanced and
+    schedules called (donated: in place). Nothing is written where ``run`` does not
+    step (it returns ``(None, reason)``), and the eager update then loads the same
+    values again."""
+    check_state_tree(owner(tx), state)
+    for wrapper, path, inner in plan.injected:
+        if wrapper.load(state_at(state, path)) is not inner:
+            return None, ("inject_hyperparams: its state is on another device than the one "
+                          "its transform was first made for")
+    result, reason = run()
+    if result is None:
+        return None, reason
+    new, new_state = result
+    # The deepest wrappers first: an outer one's new state holds the inner ones'.
+    for wrapper, path, _ in sorted(plan.injected, key=lambda hook: -len(hook[1])):
+        inner_state = state_at(new_state, path).inner_state
+        new_state = with_state_at(new_state, path,
+                                  wrapper.advance(state_at(state, path), inner_state, donate))
+    return (new, new_state), None
 
 
 def _full_call(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: str,
@@ -109,7 +148,7 @@ def cached_update(tx, updates, state, params, backend: str):
     """``tx.update`` over the tables of an earlier call with trees shaped like this one's,
     or ``None`` (a result proves plain tensors, as for :func:`cached_step`)."""
     plan = plan_chain(tx)
-    if plan.reason:
+    if plan.reason or plan.injected:
         return None
     return _functional(plan, params, updates, state, "u", backend)
 
@@ -121,6 +160,9 @@ def update(tx, updates, state, params, backend: str, *, cached: bool = True):
     plan = plan_chain(tx)
     if plan.reason:
         return None, plan.reason
+    if plan.injected:
+        return None, ("inject_hyperparams inside a chain fuses in ftopt.step; an update runs "
+                      "the wrapper eagerly, its inner update fused")
     if cached:
         result = _functional(plan, params, updates, state, "u", backend)
         if result is not None:

@@ -321,9 +321,8 @@ def run_main(traced, groups: list[GroupLaunch], scalars, leaf_bufs, global_buf,
     step counts (``counts``: old and new count tensor of each counted stage, all on
     ``device``). Returns whether they were incremented (no launch if no group has work).
     """
-    count_key = (tuple(c.dtype for c in counts),
-                 all([c.data_ptr() % 16 == 0 for c in counts]))
-    counted = False
+    counts, count_key, counted = _count_args(traced, counts, device)
+    launched = False
     for group, buf in zip(groups, leaf_bufs):
         w = group.work
         if w.num_blocks == 0:
@@ -334,8 +333,23 @@ def run_main(traced, groups: list[GroupLaunch], scalars, leaf_bufs, global_buf,
         constants = _constants_cached(group.traced, group.quant_block, not counted)
         _launch(kernel, (w.num_blocks,), [*group.args(roles, scalars, buf, global_buf),
                                           *counts], constants, device, count_key)
+        counted = launched = True
+    return launched
+
+
+def _count_args(traced, counts: list, device: torch.device) -> tuple:
+    """The count arguments of the main launches, their specialization key, and whether
+    they are already counted. ``counts`` is empty when the counts were incremented
+    before the launch (:func:`ftopt.lowering.counts.advance_counts`: some count is not on
+    the kernels' device, as in a state loaded with another ``map_location``): the kernel
+    still takes a pointer pair per counted stage, and gets dummies with ``COUNT`` off."""
+    counted = False
+    if not counts:
+        n = len(codegen.counted_stages(traced))
+        counts = [_dummy(device)] * (2 * n)
         counted = True
-    return counted
+    key = (tuple(c.dtype for c in counts), all([c.data_ptr() % 16 == 0 for c in counts]))
+    return counts, key, counted
 
 
 @dataclass
@@ -364,10 +378,9 @@ def bind_main(traced, groups: list[GroupLaunch], scalars, counts: list,
     """
     if not _DIRECT or traced.levels != 0:
         return None
-    count_key = (tuple(c.dtype for c in counts),
-                 all([c.data_ptr() % 16 == 0 for c in counts]))
+    counts, count_key, counted = _count_args(traced, counts, device)
     dummy = _dummy(device)
-    bound, counted = [], False
+    bound = []
     for group in groups:
         w = group.work
         if w.num_blocks == 0:

@@ -65,6 +65,9 @@ class ChainPlan:
     selects: list | None = None
     flagged: list | None = None
     owner_skips: list | None = None  # per position (see :class:`ftopt.stages.Stages`)
+    # ``inject_hyperparams`` wrappers inside the chain: (wrapper, state path, inner), see
+    # :attr:`ftopt.stages.Stages.injected` and ftopt.lowering.entry.
+    injected: tuple = ()
     _traced: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -104,12 +107,12 @@ SEPARATE_OUTPUTS = contextvars.ContextVar("ftopt_separate_outputs", default=Fals
 
 def plan_chain(tx) -> ChainPlan:
     """The plan of ``tx`` (cached per transform object)."""
-    found = chain_stages(tx, branches=True)
+    found = chain_stages(tx, branches=True, injected=True)
     obj = owner(tx)
     plan = _PLANS.get(obj) if obj is not None else None
     if plan is None:
         plan = ChainPlan(list(found.stages), list(found.state_paths), list(found.skips),
-                         found.reason)
+                         found.reason, injected=found.injected)
         if found.positions:
             plan.positions, plan.selects = list(found.positions), list(found.selects)
             plan.flagged = list(found.flagged)

@@ -104,7 +104,7 @@ class FactoredRms:
             rows.append(torch.zeros(_without(p.shape, d0), dtype=dtype, device=p.device))
             cols.append(torch.zeros(_without(p.shape, d1), dtype=dtype, device=p.device))
             vs.append(one)
-        device = flat[0].device if flat else torch.device("cpu")
+        device = tree_lib.state_device(flat)
         count = torch.zeros((), dtype=torch.int32, device=device)
         remember_count(count, 0)
         return FactoredState(count, *(tree_lib.unflatten(spec, x) for x in (rows, cols, vs)))

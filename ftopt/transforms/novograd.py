@@ -92,7 +92,7 @@ class LeafSecondMoment:
         for path, p in zip(paths, flat):
             check_param(path, p)
         nu = [torch.zeros((), dtype=state_dtype(p), device=p.device) for p in flat]
-        device = flat[0].device if flat else torch.device("cpu")
+        device = tree_lib.state_device(flat)
         count = torch.zeros((), dtype=torch.int32, device=device)
         remember_count(count, 0)
         return LeafSecondMomentState(count, tree_lib.unflatten(spec, nu))

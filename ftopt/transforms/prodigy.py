@@ -170,7 +170,7 @@ class ScaleByProdigy:
             for name, signed in _STORED.items()}
         slots["params0"] = tree_lib.unflatten(spec, [p.to(state_dtype(p), copy=True)
                                                      for p in flat])
-        device = flat[0].device if flat else torch.device("cpu")
+        device = tree_lib.state_device(flat)
         wide = torch.float64 if flat and all(p.dtype == torch.float64 for p in flat) \
             else torch.float32
         count = torch.zeros((), dtype=torch.int32, device=device)
