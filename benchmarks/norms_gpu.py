@@ -19,15 +19,17 @@ Expected on one GPU (GPT-2 small, 148 fp32 leaves), the same for any number of l
 
     python3 benchmarks/norms_gpu.py --out benchmarks/results/norms_reduction
 
-NovoGrad, expected (counted from the code, not yet measured on a GPU): 6 kernels a step
-(the reduction kernel, the per-leaf sums, 2 zero-fills of the sum buffers, the main
-kernel, one ``_foreach_copy_`` of the new ``nu`` values into the donated 0-d leaves) and
-no host-to-device copy (the donated fast path keeps its tables), against 26 kernels and
-7 copies with the torch stage (5.26 ms a step; Fromage 0.68 ms, AdamW 0.84 ms). Bytes a
-step: the reduction pass reads g (4 B/elem), the main kernel reads g, p, mu and writes p,
-mu (20 B/elem). On the CPU (``--small``, the eager path) the profiled ATen ops, nested
-ones included, are printed instead; ``tests/test_norm_optimizers.py`` checks that a fused
-step's ops and launches do not grow with the number of leaves.
+NovoGrad, expected (counted from the code, not yet measured on a GPU): 7 kernels a step
+(2 zero-fills of the sum buffers, the reduction kernel, the per-leaf sums, their copy
+into the sum buffer, the main kernel, one ``_foreach_copy_`` of the new ``nu`` values
+into the donated 0-d leaves; with skip_zeros one more copy) and no host-to-device copy
+while the gradients keep their addresses (the donated fast path keeps its tables),
+against 26 kernels and 7 copies with the torch stage (5.26 ms a step; Fromage 0.68 ms,
+AdamW 0.84 ms). Bytes a step: the reduction pass reads g (4 B/elem), the main kernel
+reads g, p, mu and writes p, mu (20 B/elem). On the CPU (``--small``, the eager path)
+the profiled ATen ops, nested ones included, are printed instead;
+``tests/test_norm_optimizers.py`` checks that a fused step's ops and launches do not grow
+with the number of leaves.
 """
 
 from __future__ import annotations
