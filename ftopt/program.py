@@ -81,6 +81,7 @@ def trace_chain(stages: Sequence[Any], skips: Sequence[bool], algebra: Algebra, 
     zero = algebra.zero_mask(raw) if skipping else None
     neg_zero = algebra.neg_zero(raw) if skipping else None
     u = g
+    all_zero = None
     for index, (stage, skip) in enumerate(zip(stages, skips)):
         rule = stage if isinstance(stage, Rule) else stage.rule
         skip_u = skip
@@ -97,16 +98,30 @@ def trace_chain(stages: Sequence[Any], skips: Sequence[bool], algebra: Algebra, 
                     u_new = algebra.select(zero, neg_zero, u_new)
                     skip_u = False
                 u_new = algebra.select(flag, u_new, u)
-            slots = {s.name: (algebra.elem(body_slots[s.name], u), inputs[s.name])
-                     for s in rule.slots}
+            # (A per-leaf slot stays a per-leaf value: one per leaf, not per element.)
+            slots = {s.name: (body_slots[s.name] if s.per_leaf
+                              else algebra.elem(body_slots[s.name], u), inputs[s.name],
+                              s.per_leaf) for s in rule.slots}
         if skip_u and zero is not None:
             u_new = algebra.select(zero, neg_zero, u_new)
-        for name, (new, old) in slots.items():
+        for name, (new, old, per_leaf) in slots.items():
             if skip and zero is not None:
-                new = algebra.select(zero, old, new)
+                if per_leaf:  # kept where the leaf's raw gradient is all zero
+                    if all_zero is None:
+                        all_zero = leaf_all_zero(algebra, zero)
+                    new = algebra.select(all_zero, old, new)
+                else:
+                    new = algebra.select(zero, old, new)
             algebra.slot_out(index, name, new)
         u = u_new
     return u
+
+
+def leaf_all_zero(algebra: Algebra, zero: Any) -> Any:
+    """Per leaf, whether its raw gradient is all zero (``zero`` everywhere): the norm of
+    the non-zero indicator is 0. A norm, so a leaf split over ranks counts every shard
+    (each backend sums a norm's squares over the mesh)."""
+    return algebra.ops().leaf_norm(algebra.select(zero, 0.0, 1.0)) == 0.0
 
 
 # -- skip_zeros on whole tensors (transforms without a rule, leaves a mask passes through)

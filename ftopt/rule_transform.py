@@ -79,6 +79,9 @@ class RuleTransform:
         return self.quant is not None and p.numel() >= self.quant.min_size
 
     def _init_slot(self, slot: Slot, p: torch.Tensor):
+        if slot.per_leaf:  # one value per leaf, in the compute dtype (never 8 or 16 bits)
+            value = 0.0 if slot.init is None else self.rule.hparams[slot.init]
+            return torch.full((), float(value), dtype=state_dtype(p), device=p.device)
         if slot.from_params:  # (never stored in 8 or 16 bits unless asked: see Slot)
             return p.detach().to(slot.dtype or state_dtype(p), copy=True)
         value = 0.0 if slot.init is None else self.rule.hparams[slot.init]
@@ -309,7 +312,9 @@ class _VecAlgebra:
         return eager.elem(_as_elem_items(value, self.us), self.mode)
 
     def stage_inputs(self, index: int, rule: Rule, u) -> dict:
-        inputs = {name: eager.elem(leaves, self.mode) for name, leaves in self.old.items()}
+        per_leaf = {s.name for s in rule.slots if s.per_leaf}
+        inputs = {name: (eager.leafwise if name in per_leaf else eager.elem)(leaves, self.mode)
+                  for name, leaves in self.old.items()}
         if rule.uses_params:
             inputs["p"] = eager.elem([p.to(compute_dtype(p)) for p in self.ps], self.mode)
         if rule.indexed:
@@ -323,6 +328,9 @@ class _VecAlgebra:
         return None  # (leaves a mask leaves out are not among the active ones)
 
     def slot_out(self, index: int, name: str, value) -> None:
+        if any(s.per_leaf and s.name == name for s in self.rule.slots):
+            self.slots[name] = _as_leaf_items(value, self.us)
+            return
         self.slots[name] = _as_elem_items(value, self.us)
 
 
@@ -346,6 +354,15 @@ def _as_elem_items(value, like: list[torch.Tensor]) -> list[torch.Tensor]:
             x = x.expand(ref.shape).clone()
         out.append(x)
     return out
+
+
+def _as_leaf_items(value, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The per-leaf values of a body result (a per-leaf slot), as 0-d tensors."""
+    if not isinstance(value, eager.Vec):
+        value = eager.Vec("scalar", [value], "loop")
+    items = value.items * len(like) if value.kind == "scalar" else value.items
+    return [torch.as_tensor(x, dtype=compute_dtype(ref), device=ref.device)
+            for x, ref in zip(items, like)]
 
 
 def stored_slot(x: torch.Tensor, signed: bool, quant: QuantConfig | None,

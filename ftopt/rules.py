@@ -48,6 +48,12 @@ class Slot:
     move them where the gradients are zero. ``dtype``: a ``from_params`` slot's storage
     dtype when the user asked for one (Schedule-Free's ``state_dtype``), whatever the
     state format of the rest of the chain.
+
+    ``per_leaf``: one value per *leaf*, not per element (NovoGrad's ``nu``): a 0-d tensor
+    in the param's compute dtype, never stored in 8 or 16 bits. The body reads and
+    returns it as a per-leaf value; with ``skip_zeros`` a leaf whose raw gradient is all
+    zero keeps it bit for bit (:func:`ftopt.program.trace_chain`). The fused kernel loads
+    it once per program and the first program of its leaf stores it.
     """
 
     name: str
@@ -55,6 +61,7 @@ class Slot:
     init: str | None = None
     from_params: bool = False
     dtype: torch.dtype | None = None
+    per_leaf: bool = False
 
 
 @dataclass(frozen=True)

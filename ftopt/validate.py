@@ -63,9 +63,13 @@ def check_slots(stage: Any, path: str, u: torch.Tensor, p: Any, slots: dict) -> 
     ``QuantizedSlot`` for leaves of at least ``min_size`` elements under ``state_bits=8``,
     32-bit tensors otherwise, with as many absmax entries as the block size gives)."""
     device, whose = (p.device, "param's") if p is not None else (u.device, "update's")
+    per_leaf = _per_leaf(stage)
     for name, s in slots.items():
         where = f"state {name} at {path}"
-        if isinstance(s, QuantizedSlot):
+        if name in per_leaf:
+            _check_per_leaf(name, path, s)
+            tensors = (s,)
+        elif isinstance(s, QuantizedSlot):
             tensors = _check_quantized(stage, where, u, p, s)
         elif isinstance(s, torch.Tensor):
             check_layout(f"state {name}", path, s)
@@ -91,6 +95,25 @@ def check_slots(stage: Any, path: str, u: torch.Tensor, p: Any, slots: dict) -> 
                                  f"{device}")
 
 
+def _per_leaf(stage: Any) -> set[str]:
+    rule = getattr(stage, "rule", None)
+    return {slot.name for slot in getattr(rule, "slots", ()) if slot.per_leaf}
+
+
+def _check_per_leaf(name: str, path: str, s: Any) -> None:
+    """A per-leaf slot's value: a 0-d floating-point tensor."""
+    where = f"state {name} at {path}"
+    if not isinstance(s, torch.Tensor):
+        raise TypeError(f"{where}: expected a 0-d tensor (one value per leaf), got "
+                        f"{type(s).__name__}")
+    check_layout(f"state {name}", path, s)
+    if not s.is_floating_point():
+        raise TypeError(f"{where}: expected a floating-point tensor, got {s.dtype}")
+    if s.ndim != 0:
+        raise ValueError(f"{where}: expected a 0-d tensor (one value per leaf), got shape "
+                         f"{tuple(s.shape)}")
+
+
 def _at_least(numel: int | None, size: int) -> bool:
     return numel is not None and numel >= size
 
@@ -101,7 +124,7 @@ def _full_width(stage: Any) -> set[str]:
     names = getattr(stage, "full_width_slots", None)
     if names is not None:
         return set(names)
-    return {slot.name for slot in stage.rule.slots if slot.from_params}
+    return {slot.name for slot in stage.rule.slots if slot.from_params or slot.per_leaf}
 
 
 def _check_quantized(stage: Any, where: str, u: torch.Tensor, p: Any,

@@ -182,6 +182,23 @@ def mixed_norm_diff(make, leaves: dict, mesh, backend: str) -> float:
     return max_diff(params, ref)
 
 
+def check_novograd_split(mesh, device):
+    """NovoGrad on leaves split over the ranks (uneven Shard(0)): each leaf's norm is
+    summed over the mesh, so nu and the params are those of one process, eager and fused;
+    with skip_zeros, a leaf whose gradient is zero on one rank only advances its nu, an
+    all-zero leaf keeps it."""
+    torch.manual_seed(21)
+    w_grad = torch.randn(7, 6)
+    w_grad[:4] = 0.0  # rank 0's rows of w: all zero, rank 1's are not
+    leaves = {"w": (torch.randn(7, 6), w_grad, [Shard(0)]),
+              "b": (torch.randn(5), torch.randn(5), [Shard(0)]),
+              "z": (torch.randn(5, 3), torch.zeros(5, 3), [Shard(0)])}
+    make = lambda: ftopt.novograd(3e-2, b2=0.5, weight_decay=0.1,  # noqa: E731
+                                  skip_zeros=True)
+    return {backend: mixed_norm_diff(make, leaves, mesh, backend)
+            for backend in ("eager",) + (("fused",) if device is not None else ())}
+
+
 def check_hsdp_and_tensor_parallel(rank, device):
     out = {}
     mesh2 = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
@@ -758,6 +775,7 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "noise": lambda: check_noise(rank, fused_device),
         "call_cache": lambda: check_call_cache(mesh, rank, fused_device),
         "dcp_scalars": lambda: check_dcp_scalars(mesh, rank, directory),
+        "novograd_split": lambda: check_novograd_split(mesh, fused_device),
     }
     results = {}
     for name, check in checks.items():

@@ -79,6 +79,15 @@ def test_fused_on_shards(results):
     assert got["adamw_8bit"] == 0.0, got
 
 
+def test_novograd_on_split_leaves(results):
+    """NovoGrad's per-leaf norm on uneven Shard(0) leaves is the whole leaf's (summed over
+    the mesh): the params equal one process's, eager and fused (skip_zeros, a leaf zero
+    on one rank only, an all-zero leaf)."""
+    got = _check(results, "novograd_split")
+    assert set(got) >= {"eager"}, got
+    assert all(diff <= TOL for diff in got.values()), got
+
+
 def test_hsdp_tensor_parallel_and_refusals(results):
     got = _check(results, "hsdp_and_tensor_parallel")
     assert got["hsdp_placements"] == "(Replicate(), Shard(dim=0))"

@@ -121,6 +121,12 @@ def _check_close(a, b, step) -> dict:
     total = count = 0
     for x, y in zip(la, lb):
         assert x.dtype == y.dtype
+        if x.dtype not in (torch.float16, torch.bfloat16) and x.ndim == 0 \
+                and x.is_floating_point():
+            # A per-leaf state (NovoGrad's nu) comes from a norm, whose squares each
+            # backend sums in its own order: within fp32 rounding, not bit for bit.
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=0)
+            continue
         if x.dtype not in (torch.float16, torch.bfloat16):
             assert torch.equal(_bits(x), _bits(y)), step
             continue

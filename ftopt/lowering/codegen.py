@@ -18,16 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ftopt import program
-from ftopt.lowering import lanes, quantized
+from ftopt.lowering import lanes, leaf_slots, quantized
+from ftopt.lowering.roles import input_roles, output_roles, role_dtypes, slot_signs
 from ftopt.lowering.symbolic import Graph, Reduction, SymOps
 from ftopt.rule_transform import RuleTransform
 from ftopt.rules import step_scalars
-
-_TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16",
-              torch.bfloat16: "tl.bfloat16"}
-# 16-bit slots as stored: bf16 as its bits, converted by hand (the interpreter's fp32 ->
-# bf16 cast truncates; the bit arithmetic rounds to nearest even on every backend).
-_STORED = {torch.float16: "tl.float16", torch.bfloat16: "tl.uint16"}
 
 
 @dataclass(eq=False)
@@ -61,6 +56,9 @@ class TracedChain:
     # ``st{i}_{name}`` -> the per-leaf flag (node) of a flagged position with state: a
     # leaf it leaves out has no state there (address 0), so its loads and stores are off.
     slot_flags: dict = field(default_factory=dict)
+    # ``st{i}_{name}`` of the per-leaf slots (one 0-d fp32 tensor per leaf, never 8 or 16
+    # bits): loaded once per program, stored by the first program of each leaf.
+    leaf_slots: set = field(default_factory=set)
 
 
 def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
@@ -128,8 +126,9 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     else:
         traced.stores.append(("u_out", _as_name(u, g)))
     traced.levels = max((r.level for r in g.reductions), default=0)
-    if in_place and g.reductions:
-        # Norms (of p, say) need every lane loaded: select old values instead.
+    if in_place and (g.reductions or traced.leaf_slots):
+        # Norms (of p, say) need every lane loaded, and a per-leaf slot's skip_zeros reads
+        # a norm (of the non-zero lanes): select old values instead.
         return trace_chain(stages, stage_skips, donate=False, output=output, seeded=seeded,
                            positions=positions, flagged=flagged, owner_skips=owner_skips,
                            divided=divided)
@@ -176,6 +175,14 @@ class _SymbolicAlgebra:
         for slot in rule.slots:
             role = f"st{index}_{slot.name}"
             self.traced.slot_roles.append((index, slot.name))
+            if slot.per_leaf:
+                self.traced.leaf_slots.add(role)
+                deps = () if flag is None else (flag.name,)
+                if flag is not None:
+                    self.traced.slot_flags[role] = flag.name
+                inputs[slot.name] = self.graph.add(leaf_slots.load(role, flag), deps, "leaf",
+                                                   name=f"{role}_old")
+                continue
             deps, mask = ("keep",) if in_place else (), "{LMASK}"
             if flag is not None:
                 self.traced.slot_flags[role] = flag.name
@@ -286,43 +293,9 @@ def _count_lines(traced: TracedChain) -> tuple[list[str], list[str]]:
     return args, (lines if args else [])
 
 
-def _role_dtypes(traced: TracedChain, variant: Variant) -> dict:
-    p_name, g_name = _TL_DTYPES[variant.p_dtype], _TL_DTYPES[variant.g_dtype]
-    dtypes = {"g": g_name, "p": p_name, "p_out": p_name, "u_out": "tl.float32",
-              "x": "tl.float32"}
-    state = "tl.uint8" if variant.quant_block else "tl.float32"
-    half = dict(variant.slot_dtypes)
-    for i, name in traced.slot_roles:
-        for io in ("in", "out"):
-            dtypes[f"st{i}_{name}_{io}"] = _STORED.get(half.get(f"st{i}_{name}"), state)
-            dtypes[f"st{i}_{name}_amax_{io}"] = "tl.float32"
-    return dtypes
-
-
-def input_roles(traced: TracedChain, quantized: bool = False) -> list[str]:
-    roles = ["g", "p"] + (["x"] if traced.seeded else [])
-    roles += [f"st{i}_{n}_in" for i, n in traced.slot_roles]
-    if quantized:
-        roles += [f"st{i}_{n}_amax_in" for i, n in traced.slot_roles]
-    return roles
-
-
-def output_roles(traced: TracedChain, quantized: bool = False) -> list[str]:
-    roles = [f"{traced.output}_out"] + [f"st{i}_{n}_out" for i, n in traced.slot_roles]
-    if quantized:
-        roles += [f"st{i}_{n}_amax_out" for i, n in traced.slot_roles]
-    return roles
-
-
-def _slot_signs(traced: TracedChain) -> dict[str, bool]:
-    """``st{i}_{name}`` -> whether the slot uses the signed 8-bit map."""
-    return {f"st{k}_{slot.name}": slot.signed for k, pos in enumerate(traced.positions)
-            for slot in traced.stages[pos[0]].rule.slots}
-
-
 def _body_lines(traced: TracedChain, nodes, masks: dict[str, str],
                 variant: Variant, tail: bool) -> list[str]:
-    signs = _slot_signs(traced) if variant.quant_block else {}
+    signs = slot_signs(traced) if variant.quant_block else {}
     half = dict(variant.slot_dtypes)
     lines = []
     for node in nodes:
@@ -357,7 +330,7 @@ def _split_blocks(full: list[str], tail: list[str]) -> list[str]:
 def main_source(traced: TracedChain, variant: Variant) -> str:
     quant = bool(variant.quant_block)
     roles = input_roles(traced, quant) + output_roles(traced, quant)
-    dtypes = _role_dtypes(traced, variant)
+    dtypes = role_dtypes(traced, variant)
     nodes = traced.graph.closure([node for _, node in traced.stores]
                                  + list(traced.slot_flags.values()))
     bodies = [_body_and_stores(traced, nodes, lanes.masks(traced, tail), variant, dtypes, tail)
@@ -374,7 +347,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
 
 def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
                      dtypes: dict, tail: bool) -> list[str]:
-    signs = _slot_signs(traced) if variant.quant_block else {}
+    signs = slot_signs(traced) if variant.quant_block else {}
     lines = _body_lines(traced, nodes, masks, variant, tail)
     stores: list[str] = []
     for role, node in traced.stores:
@@ -383,6 +356,9 @@ def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
             value = f"tl.full([BLOCK], 0.0, tl.float32) + {node}"
         slot = role[: -len("_out")]
         flag = traced.slot_flags.get(slot)
+        if slot in traced.leaf_slots:
+            lines.append(leaf_slots.store(role, value, flag))
+            continue
         store_mask = (masks["SMASK"] if flag is None
                       else lanes.flag_mask(traced, flag, False))
         if slot in signs:
@@ -408,7 +384,7 @@ def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
 def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
     reductions = level_reductions(traced, level)
     roles = input_roles(traced, bool(variant.quant_block))
-    dtypes = _role_dtypes(traced, variant)
+    dtypes = role_dtypes(traced, variant)
     nodes = traced.graph.closure([r.source for r in reductions])
     bodies = []
     for tail in (False, True):

@@ -20,7 +20,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
-from ftopt.lowering import branches, checks, launch, quantized, tiles
+from ftopt.lowering import branches, checks, launch, leaf_slots, quantized, tiles
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.counts import advance_counts, advance_running, counts_on, increment
 from ftopt.lowering.flat import dict_list_getter, flat_dict_getter, flat_dict_leaves
@@ -65,6 +65,11 @@ class PreparedStep:
         self.donate = donate
         self.active = active
         self.device = p_flat[active[0]].device
+        # (destinations, scratch) of donated per-leaf slots: see leaf_slots.scratch.
+        self.copy_back: tuple | None = None
+        if donate and traced.leaf_slots:
+            slot_out, self.copy_back = leaf_slots.scratch(traced, slot_out, active,
+                                                          self.device)
         self.groups: list[launch.GroupLaunch] = []
         by_key: dict[tuple, list[int]] = {}
         for i in active:
@@ -85,10 +90,13 @@ class PreparedStep:
             group.slot_dtypes = slot_dtypes
             # Donated, every stage skip-aware: an all-zero tile changes nothing (8-bit:
             # its blocks keep their bytes), so its program may return at once.
+            # (Not with per-leaf slots: the leaf's first program stores its value.)
             group.skip_tiles = bool(skip_tiles and donate and output == "p"
-                                    and traced.skips and all(traced.skips))
+                                    and traced.skips and all(traced.skips)
+                                    and not traced.leaf_slots)
             group.skip_stores = bool(skip_stores and donate and output == "p"
-                                     and traced.skips and all(traced.skips))
+                                     and traced.skips and all(traced.skips)
+                                     and not traced.leaf_slots)
             if quant_block:
                 group.qmaps = (quantized.table(True, self.device),
                                quantized.table(False, self.device))
@@ -229,6 +237,7 @@ class PreparedStep:
             with launch.device_guard(self.device):
                 for b in bound[2]:
                     b.runner(*b.before, *args, *b.after)
+                self._copy_back()
             return
         with launch.device_guard(self.device):
             leaf_bufs, global_buf = launch.run_reductions(traced, self.groups, scalars,
@@ -236,12 +245,18 @@ class PreparedStep:
             if not launch.run_main(traced, self.groups, scalars, leaf_bufs, global_buf,
                                    count_pairs, self.device):
                 increment(count_pairs)
+            self._copy_back()
         if self.donate:
             launches = launch.bind_main(traced, self.groups, scalars, count_pairs,
                                         self.device)
             self._bound = (None if not launches else
                            (isinstance(scalars, list), list(count_pairs), launches,
                             launch.switches()))
+
+
+    def _copy_back(self) -> None:
+        if self.copy_back is not None:
+            torch._foreach_copy_(*self.copy_back)
 
 
 def _write_device_values(group, keys: list, selection: branches.Selection) -> None:

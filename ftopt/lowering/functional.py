@@ -160,7 +160,9 @@ def remember(plan, output: str, prepared: PreparedStep, spec, params, g_flat, sl
         half = dict(group.slot_dtypes)
         for role in codegen.output_roles(group.traced):
             dtype = group.p_dtype if role == "p_out" else half.get(role[:-4], torch.float32)
-            layouts[role] = output_layout(shapes, dtype)
+            per_leaf = role[:-4] in group.traced.leaf_slots  # (a 0-d tensor per leaf)
+            layouts[role] = output_layout([torch.Size()] * len(shapes) if per_leaf
+                                          else shapes, dtype)
         cache.out_layout.append(layouts)
         cache.returned.append({})
     cache.whole = len(prepared.groups) == 1 and prepared.groups[0].leaves == list(range(n))

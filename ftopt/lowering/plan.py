@@ -287,12 +287,17 @@ def slot_reason(plan: ChainPlan, slot_flat, active, paths: list[str]) -> str | N
     if len(blocks) > 1 or any(tiles.quant_tile(b)[0] % b for b in blocks):
         return (f"8-bit block sizes {sorted(blocks)} do not divide the kernel block "
                 f"{tiles.QUANT_TILE[0]}")
+    per_leaf = [{s.name for s in stage.rule.slots if s.per_leaf} for stage in plan.stages]
     for i in active:
         layouts = set()
-        for slots in slot_flat:
+        for slots, own in zip(slot_flat, per_leaf):
             for name, leaves in slots.items():
                 leaf = leaves[i]
                 if leaf is None:  # (a stage of a partition branch the leaf is not in)
+                    continue
+                if name in own:  # (one fp32 value per leaf, whatever the layout)
+                    if leaf.dtype != torch.float32:
+                        return f"state {name} at {paths[i]}: dtype {leaf.dtype} is not fp32"
                     continue
                 if isinstance(leaf, QuantizedSlot):
                     layouts.add("8-bit")

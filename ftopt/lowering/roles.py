@@ -1,0 +1,55 @@
+"""The roles a generated kernel reaches through address tables (``g``, ``p``, ``x``, each
+slot's ``st{i}_{name}_in``/``_out``, 8-bit absmax), and the Triton dtype of each."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["input_roles", "output_roles", "role_dtypes", "slot_signs", "element_slots"]
+
+_TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16",
+              torch.bfloat16: "tl.bfloat16"}
+# 16-bit slots as stored: bf16 as its bits, converted by hand (the interpreter's fp32 ->
+# bf16 cast truncates; the bit arithmetic rounds to nearest even on every backend).
+_STORED = {torch.float16: "tl.float16", torch.bfloat16: "tl.uint16"}
+
+
+def role_dtypes(traced, variant) -> dict:
+    p_name, g_name = _TL_DTYPES[variant.p_dtype], _TL_DTYPES[variant.g_dtype]
+    dtypes = {"g": g_name, "p": p_name, "p_out": p_name, "u_out": "tl.float32",
+              "x": "tl.float32"}
+    state = "tl.uint8" if variant.quant_block else "tl.float32"
+    half = dict(variant.slot_dtypes)
+    for i, name in traced.slot_roles:
+        role = f"st{i}_{name}"
+        for io in ("in", "out"):
+            dtypes[f"{role}_{io}"] = ("tl.float32" if role in traced.leaf_slots
+                                      else _STORED.get(half.get(role), state))
+            dtypes[f"{role}_amax_{io}"] = "tl.float32"
+    return dtypes
+
+
+def input_roles(traced, quantized: bool = False) -> list[str]:
+    roles = ["g", "p"] + (["x"] if traced.seeded else [])
+    roles += [f"st{i}_{n}_in" for i, n in traced.slot_roles]
+    if quantized:
+        roles += [f"st{i}_{n}_amax_in" for i, n in element_slots(traced)]
+    return roles
+
+
+def output_roles(traced, quantized: bool = False) -> list[str]:
+    roles = [f"{traced.output}_out"] + [f"st{i}_{n}_out" for i, n in traced.slot_roles]
+    if quantized:
+        roles += [f"st{i}_{n}_amax_out" for i, n in element_slots(traced)]
+    return roles
+
+
+def element_slots(traced) -> list[tuple[int, str]]:
+    """The per-element slots (those 8-bit storage applies to): not the per-leaf ones."""
+    return [(i, n) for i, n in traced.slot_roles if f"st{i}_{n}" not in traced.leaf_slots]
+
+
+def slot_signs(traced) -> dict[str, bool]:
+    """``st{i}_{name}`` -> whether the slot uses the signed 8-bit map."""
+    return {f"st{k}_{slot.name}": slot.signed for k, pos in enumerate(traced.positions)
+            for slot in traced.stages[pos[0]].rule.slots if not slot.per_leaf}
