@@ -369,10 +369,37 @@ def factored_state(state):
     return next(s for s in state if isinstance(s, ftopt.FactoredState))
 
 
+def factored_hsdp(start: dict, grads: list) -> dict:
+    """HSDP on a (1, 2) mesh, next to a leaf split over both mesh dims: the reducer's
+    mixed layouts (a leaf counts once), entries of unequal sizes per leaf."""
+    out = {}
+    mesh2 = init_device_mesh("cpu", (1, 2))
+    hsdp = {"w": [Replicate(), Shard(0)], "t": [Shard(0), Shard(0)],
+            "c": [Replicate(), Shard(1)]}
+    tx, ref_tx = factored_tx(), factored_tx()
+    params = {k: distribute_tensor(start[k].clone(), mesh2, pl) for k, pl in hsdp.items()}
+    ref = {k: start[k].clone() for k in hsdp}
+    state, ref_state = tx.init(params), ref_tx.init(ref)
+    for g in grads:
+        params, state = ftopt.step(tx, params, {k: distribute_tensor(g[k], mesh2, pl)
+                                                for k, pl in hsdp.items()}, state,
+                                   donate=True)
+        ref, ref_state = ftopt.step(ref_tx, ref, {k: g[k] for k in hsdp}, ref_state,
+                                    donate=True)
+    out["hsdp_diff"] = max_diff(params, ref)
+    out["hsdp_state_diff"] = max(max_diff(getattr(factored_state(state), name),
+                                          getattr(factored_state(ref_state), name))
+                                 for name in ("v_row", "v_col"))
+    out["hsdp_moved"] = max_diff(params, {k: start[k] for k in hsdp})
+    rows, cols = factored_state(state).v_row, factored_state(state).v_col
+    out["hsdp_placements"] = str(tuple(rows["t"].placements) + tuple(cols["t"].placements))
+    return out
+
+
 def check_factored(mesh, rank, device, directory):
     """Adafactor on leaves split along one dim of their factored dims or another one
-    (uneven, a rank with no row, Shard(1), 3-D) equals one process over 12 steps (eager;
-    3 fused where kernels run); the row and column statistics are DTensors, sharded as
+    (uneven, a rank with no row, Shard(1), 3-D, HSDP) equals one process over 12 steps
+    (eager; 3 fused where kernels run); the row and column statistics are DTensors, sharded as
     the leaf or replicated; a DCP save, load and resume is bit-exact."""
     torch.manual_seed(6)
     start = {k: torch.randn(shape) for k, (shape, _) in FACTORED_LAYOUTS.items()}
@@ -403,6 +430,7 @@ def check_factored(mesh, rank, device, directory):
     rows, cols = factored_state(state).v_row, factored_state(state).v_col
     out["placements"] = {k: [str(tuple(rows[k].placements)), str(tuple(cols[k].placements))]
                          for k in ("w", "t", "c") if isinstance(rows[k], DTensor)}
+    out.update(factored_hsdp(start, grads[:4]))
     # DCP: save after 6 steps, resume a fresh state from it.
     tx = factored_tx()
     params = sharded(start)

@@ -137,8 +137,8 @@ def test_cached_non_donated_step_and_update(results):
 
 def test_factored_on_shards(results):
     """Adafactor's factored leaves split along one dim (uneven Shard(0), a rank with no
-    row, Shard(1), 3-D) equal one process over 12 steps: the partial row or column sums
-    and the update's RMS go over the ranks. The statistic that keeps the split dim is
+    row, Shard(1), 3-D, HSDP) equal one process over 12 steps: the partial row or column
+    sums and the update's RMS go over the ranks. The statistic that keeps the split dim is
     sharded as the leaf, the summed one replicated; a DCP round trip resumes bit-exactly."""
     got = _check(results, "factored")
     for backend in [k[:-len("_diff")] for k in got if k.endswith("_diff")
@@ -151,6 +151,10 @@ def test_factored_on_shards(results):
     assert got["placements"] == {"w": ["(Shard(dim=0),)", "(Replicate(),)"],
                                  "t": ["(Replicate(),)", "(Shard(dim=0),)"],
                                  "c": ["(Replicate(),)", "(Shard(dim=0),)"]}, got
+    # HSDP: t split over both mesh dims of a (1, 2) mesh (v_row replicated on both).
+    assert "hsdp_diff" in got
+    assert got["hsdp_placements"] == ("(Replicate(), Replicate(), Shard(dim=0), "
+                                      "Shard(dim=0))"), got
     assert got["resumed_diff"] == 0.0, got
 
 
