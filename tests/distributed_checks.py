@@ -431,6 +431,14 @@ def check_factored(mesh, rank, device, directory):
     out["placements"] = {k: [str(tuple(rows[k].placements)), str(tuple(cols[k].placements))]
                          for k in ("w", "t", "c") if isinstance(rows[k], DTensor)}
     out.update(factored_hsdp(start, grads[:4]))
+    # tx.update, the factored leaves in a partition (its inner calls see the tree's paths).
+    labels = {k: "a" if k == "b" else "f" for k in start}
+    tx, ref_tx = (ftopt.partition({"f": factored_tx(), "a": ftopt.adam(1e-2)}, labels)
+                  for _ in range(2))
+    params = sharded(start)
+    updates, _ = tx.update(sharded(grads[0]), tx.init(params), params)
+    want, _ = ref_tx.update(grads[0], ref_tx.init(start), start)
+    out["partition_update"] = max_diff(updates, want)
     # DCP: save after 6 steps, resume a fresh state from it.
     tx = factored_tx()
     params = sharded(start)

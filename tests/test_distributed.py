@@ -153,6 +153,7 @@ def test_factored_on_shards(results):
                                  "c": ["(Replicate(),)", "(Shard(dim=0),)"]}, got
     # HSDP: t split over both mesh dims of a (1, 2) mesh (v_row replicated on both).
     assert "hsdp_diff" in got
+    assert got["partition_update"] <= TOL, got
     assert got["hsdp_placements"] == ("(Replicate(), Replicate(), Shard(dim=0), "
                                       "Shard(dim=0))"), got
     assert got["resumed_diff"] == 0.0, got
