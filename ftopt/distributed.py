@@ -21,7 +21,10 @@ dimensions any leaf is sharded on, in one all-reduce; where leaves of one mesh a
 sharded over different mesh dimensions (tensor parallel ``Shard(1)`` next to
 ``Replicate()``, HSDP next to a replicated leaf), a leaf's squares are kept only on the
 ranks at coordinate 0 of the dimensions it is replicated over, so it counts once (the
-reducer is told each entry's leaf path). Leaves on two meshes, or DTensors next to plain
+reducer is told each entry's leaf path). Adafactor's row and column sums over a split
+dim go through the same reducer (:func:`ftopt.shards.reduce_sums`, one buffer for all
+leaves), and its statistics of a split leaf are DTensors (:func:`reduced_zeros`). Leaves
+on two meshes, or DTensors next to plain
 tensors, raise, naming two leaves and their placements.
 
 A donated step over the same DTensors as the last one skips all of this
@@ -56,7 +59,7 @@ from ftopt.quant import absmax_layout, quantize_blockwise
 from ftopt.rules import QuantizedSlot
 
 __all__ = ["step", "cached_step", "cached_call", "update", "cached_update",
-           "quantize_shards"]
+           "quantize_shards", "reduced_zeros"]
 
 
 def step(tx, params, grads, state, donate: bool, backend: str):
@@ -167,6 +170,7 @@ class _Call:
                     self.local_shards.splits[where] = (tuple(leaf.placements),
                                                        shards.split_dims(leaf))
                     self.specs[where] = leaf._spec
+                    self.local_shards.shapes[where] = tuple(leaf.shape)
                 given.append((leaf, mine))
                 local.append(mine)
             elif _is_slot(leaf) and isinstance(leaf.codes, DTensor):
@@ -276,19 +280,22 @@ def _reducer(layouts: dict, splits: dict):
     mixed = _refusal(layouts) if len(layouts) > 1 else None
     coordinate = mesh.get_coordinate() or []
 
-    def reduce(squares: torch.Tensor, paths: list | None) -> torch.Tensor:
+    def reduce(squares: torch.Tensor, paths: list | None,
+               sizes: list[int] | None = None) -> torch.Tensor:
         if mixed is not None:
             # Leaves sharded over different mesh dims of one mesh: a leaf replicated
             # over a dim in ``union`` counts on the ranks at coordinate 0 of it only.
-            if not paths or squares.numel() % len(paths) or any(
+            if sizes is None and paths and squares.numel() % len(paths) == 0:
+                sizes = [squares.numel() // len(paths)] * len(paths)
+            if not paths or sizes is None or sum(sizes) != squares.numel() or any(
                     path not in splits for path in paths):
                 mixed(squares)  # which leaf an entry is of is not known: refused
             keep = []
             for path in paths:
                 dims = {i for i, p in enumerate(splits[path][0]) if p.is_shard()}
                 keep.append(all(coordinate[d] == 0 for d in union if d not in dims))
-            per_leaf = squares.numel() // len(keep)
-            mask = torch.tensor(keep, dtype=squares.dtype).repeat_interleave(per_leaf)
+            mask = torch.tensor(keep, dtype=squares.dtype).repeat_interleave(
+                torch.tensor(sizes))
             squares = squares * mask.to(squares.device)
         for dim in union:
             dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
@@ -319,6 +326,26 @@ def _agreement(layouts: dict):
             dist.all_reduce(value, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
         return value.reshape(()) > 0.5
     return agree
+
+
+# -- states of per-slice statistics -------------------------------------------------------
+
+def reduced_zeros(x: DTensor, dim: int, dtype: torch.dtype) -> DTensor:
+    """Zeros of the shape of ``x`` without ``dim`` (a statistic reduced over ``dim``, as
+    Adafactor's row and column second moments), a DTensor on the mesh of ``x``: sharded
+    as ``x`` where ``x`` is split on another dim (each rank keeps the statistics of its
+    own slices), replicated where ``x`` is split on ``dim`` (the statistic is summed over
+    the ranks, so every rank holds all of it)."""
+    placements = []
+    for p in x.placements:
+        split = p.dim % x.ndim if p.is_shard() else dim
+        placements.append(Replicate() if split == dim else Shard(split - (split > dim)))
+    shape = tuple(n for k, n in enumerate(x.shape) if k != dim)
+    local, _ = compute_local_shape_and_global_offset(shape, x.device_mesh, placements)
+    stride = torch.empty(shape, device="meta").stride()
+    zeros = torch.zeros(local, dtype=dtype, device=local_tensor(x).device)
+    return DTensor.from_local(zeros, x.device_mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=stride)
 
 
 # -- 8-bit states ---------------------------------------------------------------------

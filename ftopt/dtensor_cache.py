@@ -106,7 +106,8 @@ class _TreesCache:
                                                              namespace="ftopt")]
                      if dicts and len(trees[0]) == len(first) else None)
         self.context = shards.LocalShards(reduce=context.reduce, agree=context.agree,
-                                          splits=context.splits, offset=context.offset)
+                                          splits=context.splits, offset=context.offset,
+                                          shapes=context.shapes)
         return True
 
     def _leaves(self, tree: Any) -> list | None:

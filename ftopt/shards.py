@@ -35,7 +35,7 @@ import torch
 __all__ = ["dtensor_class", "is_dtensor", "any_dtensor", "LocalShards", "local_shards",
            "full_numel", "leaf_split", "reduce_squares", "all_ranks", "in_local_shards",
            "on_local_shards", "split_dims", "norm_leaves", "element_offset",
-           "flat_offset"]
+           "flat_offset", "full_shape", "reduce_sums", "strided"]
 
 
 def dtensor_class() -> type | None:
@@ -61,6 +61,13 @@ def any_dtensor(*trees: Any) -> bool:
     return False
 
 
+def strided(placements: tuple) -> bool:
+    """Whether ``placements`` hold a shard that is not a plain ``Shard`` (FSDP2 over
+    tensor parallel makes a strided one: a rank's part is not one block of the dim). By
+    the class name: this module imports nothing of ``torch.distributed``."""
+    return any(p.is_shard() and type(p).__name__ != "Shard" for p in placements)
+
+
 def split_dims(x: Any) -> frozenset[int]:
     """The dims of the DTensor ``x`` that its shards split (a ``Shard`` over more than one
     rank); empty for any other tensor."""
@@ -76,14 +83,15 @@ class LocalShards:
 
     ``full_numels``: id of a local tensor -> the element count of its full tensor (the
     tensors are kept alive in ``keep``). ``reduce``: sums a 1-D buffer of per-leaf
-    squared norms over the ranks that hold the leaves' shards (given the leaves' paths,
-    or ``None``, entry by entry). ``agree``: a 0-d bool that
+    squared norms (or of any per-leaf partial sums) over the ranks that hold the leaves'
+    shards (given the leaves' paths, or ``None``, and optionally each leaf's number of
+    entries: one each if not given). ``agree``: a 0-d bool that
     holds on every rank (a logical AND over the mesh).
     """
 
     full_numels: dict[int, int] = field(default_factory=dict)
     keep: list = field(default_factory=list)
-    reduce: Callable[[torch.Tensor, list | None], torch.Tensor] | None = None
+    reduce: Callable[..., torch.Tensor] | None = None
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Pytree path of a param, gradient or update leaf -> (its placements, the tensor dims
     # its shards split over more than one rank).
@@ -92,6 +100,8 @@ class LocalShards:
     # the full tensor's row-major order (``None``: the shard is not one run of it).
     # Computed on first use (see :func:`element_offset`).
     offset: Callable[[str], int | None] | None = None
+    # Pytree path of a param, gradient or update leaf -> the shape of its full tensor.
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def record(self, local: torch.Tensor, numel: int) -> None:
         self.full_numels[id(local)] = numel
@@ -130,6 +140,14 @@ def leaf_split(path: str) -> tuple[tuple, frozenset[int]] | None:
     return None if context is None else context.splits.get(path)
 
 
+def full_shape(path: str) -> tuple[int, ...] | None:
+    """The shape of the full tensor of the leaf at ``path`` (a param, gradient or update)
+    in a call on local shards; ``None`` outside such a call, or for a leaf that is not a
+    DTensor (its local tensor is the full one)."""
+    context = _CURRENT.get()
+    return None if context is None else context.shapes.get(path)
+
+
 _NORM_PATHS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "ftopt_norm_paths", default=None)
 
@@ -156,6 +174,17 @@ def reduce_squares(squares: torch.Tensor, paths: list[str] | None = None) -> tor
     if context is None or context.reduce is None:
         return squares
     return context.reduce(squares, paths if paths is not None else _NORM_PATHS.get())
+
+
+def reduce_sums(sums: torch.Tensor, paths: list[str], sizes: list[int]) -> torch.Tensor:
+    """Per-leaf partial sums over the local shards (a 1-D buffer: ``sizes[k]`` entries of
+    the leaf at ``paths[k]``, in order) -> the sums over the full leaves, in one
+    all-reduce (unchanged outside a call on local shards). Each leaf counts once, as in
+    :func:`reduce_squares`."""
+    context = _CURRENT.get()
+    if context is None or context.reduce is None:
+        return sums
+    return context.reduce(sums, paths, sizes)
 
 
 def all_ranks(flag: torch.Tensor) -> torch.Tensor:

@@ -363,34 +363,114 @@ def check_cached_step(mesh, rank, device):
         backend._Call.unwrap = unwrap
     return out
 
-def check_factored(mesh, rank):
-    """Adafactor's factored stage: a factored leaf split over the ranks is refused at init,
-    naming it; unfactored leaves on Shard(0) and factored Replicate ones equal one
-    process."""
-    torch.manual_seed(6)
-    w, b = torch.randn(6, 10), torch.randn(10)
-    grads = [(torch.randn(6, 10), torch.randn(10)) for _ in range(3)]
-    make = lambda: ftopt.chain(ftopt.scale_by_factored_rms(min_dim_size_to_factor=4),  # noqa: E731
-                               ftopt.scale_by_learning_rate(1e-2))
+# Adafactor's factored leaves on shards, by how the split meets the factored dims (d1, d0).
+FACTORED_LAYOUTS = {
+    "w": ((33, 40), [Shard(0)]),  # splits d1, uneven (17 and 16 rows)
+    "t": ((40, 12), [Shard(0)]),  # splits d0
+    "x": ((6, 10, 4), [Shard(0)]),  # 3-D, splits d1
+    "e": ((1, 8), [Shard(0)]),  # splits d1, rank 1 holds no row
+    "z": ((1, 6, 10), [Shard(0)]),  # splits neither (rank 1 holds nothing)
+    "c": ((6, 10), [Shard(1)]),  # tensor parallel: splits d0
+    "b": ((10,), [Shard(0)]),  # unfactored
+    "r": ((6, 10), [Replicate()]),
+}
+
+
+def factored_tx():
+    # A low clipping threshold, so the update's RMS (summed over the mesh) clips.
+    return ftopt.adafactor(1e-2, min_dim_size_to_factor=1, clipping_threshold=0.5,
+                           momentum=0.9)
+
+
+def factored_state(state):
+    return next(s for s in state if isinstance(s, ftopt.FactoredState))
+
+
+def factored_hsdp(start: dict, grads: list) -> dict:
+    """HSDP on a (1, 2) mesh, next to a leaf split over both mesh dims: the reducer's
+    mixed layouts (a leaf counts once), entries of unequal sizes per leaf."""
     out = {}
-    try:
-        ftopt.adafactor(1e-2, min_dim_size_to_factor=4).init(
-            {"w": distribute_tensor(w, mesh, [Shard(0)])})
-        out["split_error"] = None
-    except ValueError as err:
-        out["split_error"] = str(err)
-    tx, ref_tx = make(), make()
-    params = {"w": distribute_tensor(w, mesh, [Replicate()]),
-              "b": distribute_tensor(b, mesh, [Shard(0)])}
-    ref = {"w": w.clone(), "b": b.clone()}
+    mesh2 = init_device_mesh("cpu", (1, 2))
+    hsdp = {"w": [Replicate(), Shard(0)], "t": [Shard(0), Shard(0)],
+            "c": [Replicate(), Shard(1)]}
+    tx, ref_tx = factored_tx(), factored_tx()
+    params = {k: distribute_tensor(start[k].clone(), mesh2, pl) for k, pl in hsdp.items()}
+    ref = {k: start[k].clone() for k in hsdp}
     state, ref_state = tx.init(params), ref_tx.init(ref)
-    out["v_is_dtensor"] = isinstance(state[0].v["b"], DTensor)
-    for gw, gb in grads:
-        params, state = ftopt.step(tx, params, {"w": distribute_tensor(gw, mesh, [Replicate()]),
-                                                "b": distribute_tensor(gb, mesh, [Shard(0)])},
-                                   state, donate=True)
-        ref, ref_state = ftopt.step(ref_tx, ref, {"w": gw, "b": gb}, ref_state, donate=True)
-    out["diff"] = max_diff(params, ref)
+    for g in grads:
+        params, state = ftopt.step(tx, params, {k: distribute_tensor(g[k], mesh2, pl)
+                                                for k, pl in hsdp.items()}, state,
+                                   donate=True)
+        ref, ref_state = ftopt.step(ref_tx, ref, {k: g[k] for k in hsdp}, ref_state,
+                                    donate=True)
+    out["hsdp_diff"] = max_diff(params, ref)
+    out["hsdp_state_diff"] = max(max_diff(getattr(factored_state(state), name),
+                                          getattr(factored_state(ref_state), name))
+                                 for name in ("v_row", "v_col"))
+    out["hsdp_moved"] = max_diff(params, {k: start[k] for k in hsdp})
+    rows, cols = factored_state(state).v_row, factored_state(state).v_col
+    out["hsdp_placements"] = str(tuple(rows["t"].placements) + tuple(cols["t"].placements))
+    return out
+
+
+def check_factored(mesh, rank, device, directory):
+    """Adafactor on leaves split along one dim of their factored dims or another one
+    (uneven, a rank with no row, Shard(1), 3-D, HSDP) equals one process over 12 steps
+    (eager; 3 fused where kernels run); the row and column statistics are DTensors, sharded as
+    the leaf or replicated; a DCP save, load and resume is bit-exact."""
+    torch.manual_seed(6)
+    start = {k: torch.randn(shape) for k, (shape, _) in FACTORED_LAYOUTS.items()}
+    grads = [{k: torch.randn_like(v) for k, v in start.items()} for _ in range(12)]
+
+    def sharded(tree):
+        return {k: distribute_tensor(v.clone(), mesh, FACTORED_LAYOUTS[k][1])
+                for k, v in tree.items()}
+
+    def run(tx, params, state, steps, backend, layout=True):
+        for g in steps:
+            params, state = ftopt.step(tx, params, sharded(g) if layout else g, state,
+                                       donate=True, backend=backend)
+        return params, state
+
+    out = {}
+    for backend, n in (("eager", 12),) + ((("fused", 3),) if device is not None else ()):
+        tx, ref_tx = factored_tx(), factored_tx()
+        params = sharded(start)
+        params, state = run(tx, params, tx.init(params), grads[:n], backend)
+        ref = {k: v.clone() for k, v in start.items()}
+        ref, ref_state = run(ref_tx, ref, ref_tx.init(ref), grads[:n], backend, False)
+        out[f"{backend}_diff"] = max_diff(params, ref)
+        out[f"{backend}_moved"] = max_diff(params, start)
+        got, want = factored_state(state), factored_state(ref_state)
+        out[f"{backend}_state_diff"] = max(max_diff(getattr(got, name), getattr(want, name))
+                                          for name in ("v_row", "v_col"))
+    rows, cols = factored_state(state).v_row, factored_state(state).v_col
+    out["placements"] = {k: [str(tuple(rows[k].placements)), str(tuple(cols[k].placements))]
+                         for k in ("w", "t", "c") if isinstance(rows[k], DTensor)}
+    out.update(factored_hsdp(start, grads[:4]))
+    # tx.update, the factored leaves in a partition (its inner calls see the tree's paths).
+    labels = {k: "a" if k == "b" else "f" for k in start}
+    tx, ref_tx = (ftopt.partition({"f": factored_tx(), "a": ftopt.adam(1e-2)}, labels)
+                  for _ in range(2))
+    params = sharded(start)
+    updates, _ = tx.update(sharded(grads[0]), tx.init(params), params)
+    want, _ = ref_tx.update(grads[0], ref_tx.init(start), start)
+    out["partition_update"] = max_diff(updates, want)
+    # DCP: save after 6 steps, resume a fresh state from it.
+    tx = factored_tx()
+    params = sharded(start)
+    params, state = run(tx, params, tx.init(params), grads[:6], "eager")
+    path = os.path.join(directory, "dcp_factored")
+    dcp.save({"opt": ftopt.state_dict(state, tx, params), "model": params},
+             checkpoint_id=path)
+    end, _ = run(tx, params, state, grads[6:], "eager")
+    params2 = sharded({k: torch.zeros_like(v) for k, v in start.items()})
+    state2 = tx.init(params2)
+    sd = {"opt": ftopt.state_dict(state2, tx, params2), "model": params2}
+    dcp.load(sd, checkpoint_id=path)
+    state2 = ftopt.load_state_dict(state2, tx, params2, sd["opt"])
+    end2, _ = run(tx, params2, state2, grads[6:], "eager")
+    out["resumed_diff"] = max_diff(end2, end)
     return out
 
 
@@ -767,7 +847,7 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
                                                                            fused_device),
         "pointer_guard": lambda: check_pointer_guard(mesh, rank, fused_device),
         "cached_step": lambda: check_cached_step(mesh, rank, fused_device),
-        "factored": lambda: check_factored(mesh, rank),
+        "factored": lambda: check_factored(mesh, rank, fused_device, directory),
         "ddp": lambda: check_ddp(rank),
         "dcp": lambda: check_dcp(mesh, rank, directory),
         "optimizer": lambda: check_optimizer(mesh, rank, directory),

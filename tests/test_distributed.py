@@ -145,14 +145,27 @@ def test_cached_non_donated_step_and_update(results):
 
 
 def test_factored_on_shards(results):
-    """A factored leaf split over the ranks is refused at init (path, placements); the
-    unfactored Shard(0) and factored Replicate leaves of one tree equal one process."""
+    """Adafactor's factored leaves split along one dim (uneven Shard(0), a rank with no
+    row, Shard(1), 3-D, HSDP) equal one process over 12 steps: the partial row or column
+    sums and the update's RMS go over the ranks. The statistic that keeps the split dim is
+    sharded as the leaf, the summed one replicated; a DCP round trip resumes bit-exactly."""
     got = _check(results, "factored")
-    error = got["split_error"]
-    assert error is not None and "scale_by_factored_rms at ['w']" in error, error
-    assert "(Shard(dim=0),)" in error and "splitting dim 0" in error, error
-    assert got["v_is_dtensor"]
-    assert got["diff"] <= TOL, got
+    for backend in [k[:-len("_diff")] for k in got if k.endswith("_diff")
+                    and k != "resumed_diff" and not k.endswith("state_diff")]:
+        assert got[f"{backend}_moved"] > 1e-3, got
+        assert got[f"{backend}_diff"] <= TOL and got[f"{backend}_state_diff"] <= TOL, got
+    assert "eager_diff" in got
+    # (v_row, v_col) placements: Shard(0) of w splits d1 (its rows), of t d0; Shard(1)
+    # of c splits d0 (its columns).
+    assert got["placements"] == {"w": ["(Shard(dim=0),)", "(Replicate(),)"],
+                                 "t": ["(Replicate(),)", "(Shard(dim=0),)"],
+                                 "c": ["(Replicate(),)", "(Shard(dim=0),)"]}, got
+    # HSDP: t split over both mesh dims of a (1, 2) mesh (v_row replicated on both).
+    assert "hsdp_diff" in got
+    assert got["partition_update"] <= TOL, got
+    assert got["hsdp_placements"] == ("(Replicate(), Replicate(), Shard(dim=0), "
+                                      "Shard(dim=0))"), got
+    assert got["resumed_diff"] == 0.0, got
 
 
 def test_ddp_replicas_bit_identical(results):
@@ -253,3 +266,29 @@ def test_noise_on_shards_equals_one_process(results):
 ])
 def test_flat_offset(shape, local, start, want):
     assert ftopt.shards.flat_offset(shape, local, start) == want
+
+
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_factored_split_on_two_dims_refused(backend):
+    """A factored leaf whose shards split both factored dims (a 2-D mesh sharding rows
+    and columns) is refused before anything is written, naming the leaf and its
+    placements (one process: the call's context says what the shards are)."""
+    from torch.distributed.tensor import Shard
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 6, device=device), "b": torch.randn(6, device=device)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    tx = ftopt.adafactor(1e-2, min_dim_size_to_factor=2)
+    state = tx.init(params)
+    before = [t.clone() for t in ftopt.tree.leaves((params, state))]
+    context = ftopt.shards.LocalShards(
+        splits={"['w']": ((Shard(0), Shard(1)), frozenset({0, 1}))},
+        shapes={"['w']": (8, 12)})
+    with ftopt.shards.local_shards(context), pytest.raises(ValueError) as err:
+        ftopt.step(tx, params, grads, state, donate=True, backend=backend)
+    message = str(err.value)
+    assert "scale_by_factored_rms at ['w']" in message, message
+    assert "(Shard(dim=0), Shard(dim=1))" in message and "splitting dims [0, 1]" in message
+    after = ftopt.tree.leaves((params, state))
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

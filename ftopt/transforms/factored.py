@@ -5,6 +5,13 @@ rules that read per-leaf norms, so they fuse).
 The factored second moments are row and column means of the squared gradient: whole-leaf
 reductions, computed with torch ops batched over leaves of one shape. The stages around
 them (clipping, learning rate, parameter scale, momentum, weight decay) fuse.
+
+On a leaf split over ranks along one dim (FSDP2's ``Shard(0)``, tensor parallel's
+``Shard(1)``; :mod:`ftopt.distributed`) each rank holds whole slices of that dim: the
+statistic that keeps the dim is its own (a DTensor sharded as the leaf), the one reduced
+over it is a sum over the ranks (a replicated DTensor). The partial sums of every such
+leaf go over the ranks in one all-reduce per step, and every mean divides by the full
+tensor's size, so a rank with fewer rows (or none) is right.
 """
 
 from __future__ import annotations
@@ -19,10 +26,17 @@ from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, POSITIVE, check_finite
-from ftopt.matrix import check_shards, flatten_call
+from ftopt.matrix import flatten_call
 from ftopt.program import skip_update
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule, check_param, compute_dtype, state_dtype
+from ftopt.transforms.factored_batch import (
+    FactoredBatch,
+    FactoredLayout,
+    mix,
+    stat_zeros,
+    sum_over_ranks,
+)
 from ftopt.validate import check_count, check_layout, check_leaf
 
 __all__ = ["FactoredState", "scale_by_factored_rms", "clip_by_block_rms",
@@ -78,10 +92,25 @@ class FactoredRms:
         return factored_dims(tuple(shape), self.factored, self.min_dim)
 
     def check_shards(self, paths, u_flat) -> None:
-        """A factored leaf's row and column means read the whole leaf: its shards may not
-        split it (unfactored leaves are element-wise)."""
-        check_shards(self.name, "leaf", lambda u: self._dims(u.shape) is not None, paths,
-                     u_flat)
+        """Raise for a factored leaf whose shards (in a call on local shards) split more
+        than one dim, or are strided (unfactored leaves are element-wise)."""
+        for path, u in zip(paths, u_flat):
+            if u is not None:
+                self._layout(path, u)
+
+    def _layout(self, path: str, u: torch.Tensor) -> FactoredLayout | None:
+        """How the leaf at ``path`` (local tensor ``u``) is factored, from its full
+        shape; ``None`` for an unfactored leaf."""
+        full = shards.full_shape(path) or tuple(u.shape)
+        dims = self._dims(full)
+        if dims is None:
+            return None
+        split, found = None, shards.leaf_split(path)
+        if found is not None and found[1]:
+            self._check_split(path, full, *found)
+            (dim,) = found[1]
+            split = 1 if dim == dims[0] else 0 if dim == dims[1] else None
+        return FactoredLayout(dims, split, full[dims[0]], full[dims[1]])
 
     # -- init ------------------------------------------------------------------------------
     def init(self, params) -> FactoredState:
@@ -99,27 +128,33 @@ class FactoredRms:
                 vs.append(torch.zeros_like(p, dtype=dtype) if shards.is_dtensor(p) else
                           torch.zeros(p.shape, dtype=dtype, device=p.device))
                 continue
-            self._refuse_split(path, p)
+            split = shards.split_dims(p)
+            if split:
+                self._check_split(path, tuple(p.shape), tuple(p.placements), split)
             d1, d0 = dims
-            rows.append(torch.zeros(_without(p.shape, d0), dtype=dtype, device=p.device))
-            cols.append(torch.zeros(_without(p.shape, d1), dtype=dtype, device=p.device))
+            rows.append(stat_zeros(p, d0, dtype, split))
+            cols.append(stat_zeros(p, d1, dtype, split))
             vs.append(one)
         device = tree_lib.state_device(flat)
         count = torch.zeros((), dtype=torch.int32, device=device)
         remember_count(count, 0)
         return FactoredState(count, *(tree_lib.unflatten(spec, x) for x in (rows, cols, vs)))
 
-    def _refuse_split(self, path: str, p: Any) -> None:
-        """A factored leaf's row and column means read the whole leaf: a DTensor whose
-        shards split it is refused at init (its state would not fit the local shards)."""
-        split = shards.split_dims(p)
-        if split:
-            raise ValueError(
-                f"{self.name} at {path}: the leaf of shape {tuple(p.shape)} is sharded with "
-                f"placements {tuple(p.placements)}, splitting dim {min(split)}, but its "
-                "factored second moments (row and column means) read the whole leaf: "
-                "replicate it (Replicate placements), or keep it unfactored (factored=False, "
-                "or min_dim_size_to_factor above its second largest dim)")
+    def _check_split(self, path: str, shape: tuple, placements: tuple,
+                     split: frozenset[int]) -> None:
+        """A factored leaf may be split along one dim, in plain blocks (``Shard``): its
+        row and column means are then sums over the ranks along that dim."""
+        if len(split) == 1 and not shards.strided(placements):
+            return
+        how = (f"splitting dims {sorted(split)}" if len(split) > 1
+               else f"a strided shard of dim {min(split)}")
+        raise ValueError(
+            f"{self.name} at {path}: the leaf of shape {tuple(shape)} is sharded with "
+            f"placements {tuple(placements)}, {how}, but its factored second moments (row "
+            "and column means) are summed over the ranks along one split dim only: shard "
+            "it on one dim (Shard(0), as FSDP2, or Shard(1)), replicate it, or keep it "
+            "unfactored (factored=False, or min_dim_size_to_factor above its second "
+            "largest dim)")
 
     # -- checks ----------------------------------------------------------------------------
     def check_state(self, state: Any, u_flat: Sequence[Any], p_flat: Sequence[Any],
@@ -135,7 +170,8 @@ class FactoredRms:
             if u is None:
                 continue
             check_leaf(paths[i], u, p_flat[i], p_flat[i] is not None)
-            dims = self._dims(u.shape)
+            layout = self._layout(paths[i], u)
+            dims = None if layout is None else layout.dims
             want = ((_without(u.shape, dims[1]), _without(u.shape, dims[0]), (1,))
                     if dims is not None else ((1,), (1,), tuple(u.shape)))
             for name, leaves, shape in zip(("v_row", "v_col", "v"), flat, want):
@@ -169,24 +205,32 @@ class FactoredRms:
         groups: dict[tuple, list[int]] = {}
         for i, u in enumerate(u_flat):
             if u is not None:
-                groups.setdefault((tuple(u.shape), compute_dtype(u), u.device), []).append(i)
-        for (shape, dtype, _), idx in groups.items():
-            zeros = None if zero_flat is None else [zero_flat[i] for i in idx]
+                key = (tuple(u.shape), compute_dtype(u), u.device, self._layout(paths[i], u))
+                groups.setdefault(key, []).append(i)
+        batches = []
+        for (_, dtype, _, layout), idx in groups.items():
             g = torch.stack([u_flat[i].to(dtype) for i in idx])
-            dims = self._dims(shape)
-            if dims is None:
+            if layout is None:
+                zeros = None if zero_flat is None else [zero_flat[i] for i in idx]
                 res, v = self._plain(g, torch.stack([vs[i].to(dtype) for i in idx]), beta,
                                      zeros)
                 for j, i in enumerate(idx):
                     new_vs[i] = v[j].to(vs[i].dtype)
+                    out[i] = res[j]
             else:
-                res, r, c = self._factored(g, torch.stack([rows[i].to(dtype) for i in idx]),
-                                           torch.stack([cols[i].to(dtype) for i in idx]),
-                                           beta, dims)
-                for j, i in enumerate(idx):
-                    new_rows[i], new_cols[i] = r[j].to(rows[i].dtype), c[j].to(cols[i].dtype)
-            for j, i in enumerate(idx):
-                out[i] = res[j] if zeros is None else skip_update(res[j], zeros[j])
+                batches.append(FactoredBatch(
+                    idx, g, torch.stack([rows[i].to(dtype) for i in idx]),
+                    torch.stack([cols[i].to(dtype) for i in idx]), beta, layout,
+                    self.epsilon))
+        sum_over_ranks(batches, paths)
+        for batch in batches:
+            res, r, c = batch.finish()
+            for j, i in enumerate(batch.idx):
+                new_rows[i], new_cols[i] = r[j].to(rows[i].dtype), c[j].to(cols[i].dtype)
+                out[i] = res[j]
+        if zero_flat is not None:
+            out = [u if u is None or z is None else skip_update(u, z)
+                   for u, z in zip(out, zero_flat)]
         return out, FactoredState(new_count, *(tree_lib.unflatten(spec, x)
                                                for x in (new_rows, new_cols, new_vs)))
 
@@ -207,28 +251,12 @@ class FactoredRms:
         return beta, new_count
 
     def _plain(self, g, v, beta, zeros):
-        new_v = _mix(v, g * g + self.epsilon, beta)
+        new_v = mix(v, g * g + self.epsilon, beta)
         if zeros is not None:
             mask = torch.stack(zeros)
             new_v = torch.where(mask, v, new_v)
         return g * new_v.rsqrt(), new_v
 
-    def _factored(self, g, v_row, v_col, beta, dims):
-        d1, d0 = dims[0] + 1, dims[1] + 1  # the batch dimension comes first
-        g2 = g * g + self.epsilon
-        new_row = _mix(v_row, g2.mean(dim=d0), beta)
-        new_col = _mix(v_col, g2.mean(dim=d1), beta)
-        reduced_d1 = d1 - 1 if d1 > d0 else d1
-        row_factor = (new_row / new_row.mean(dim=reduced_d1, keepdim=True)).rsqrt()
-        col_factor = new_col.rsqrt()
-        return g * row_factor.unsqueeze(d0) * col_factor.unsqueeze(d1), new_row, new_col
-
-
-def _mix(old: torch.Tensor, new: torch.Tensor, beta: Any) -> torch.Tensor:
-    """beta·old + (1 − beta)·new, beta a float or a 0-d tensor."""
-    if isinstance(beta, torch.Tensor):
-        beta = beta.to(old.dtype)
-    return beta * old + (1.0 - beta) * new
 
 
 def _without(shape, dim: int) -> tuple[int, ...]:
@@ -263,6 +291,10 @@ def scale_by_factored_rms(
     torch call, and the elementwise stages around it in a chain fuse. With ``skip_zeros``
     the per-element ``v`` keeps its bits where the raw gradient is zero and the update is
     zero there; the row and column means are reductions (like norms, SPEC §3) and advance.
+
+    On DTensor leaves split along one dim (FSDP2's ``Shard(0)``, ``Shard(1)``) each rank
+    keeps the statistic of its own slices (sharded as the leaf) and the one reduced over
+    the split dim is summed over the mesh (replicated): the same result as one process.
 
     Args:
         factored: factor the second moment of leaves with >= 2 dims (default: True).
