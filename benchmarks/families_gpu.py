@@ -16,6 +16,12 @@ of copy: compute-bound): about 14 integer ops, 1 conversion, half a ``log`` + ``
 ``sin``/``cos`` and 3 multiplies a element, about 50-55 instructions, which the issue rate
 of 132 SMs covers in about 0.3 ms, under the memory time: 0.36-0.40 ms, >= 0.9 of copy.
 
+``schedule_free_sgd``'s kernel moves exactly its 20 B/elt (reads g, p, z; writes p, z:
+its generated source has three loads and two stores); the rest of its step is the
+running scalars' torch ops on 0-d tensors (see the note column), each a tiny kernel of
+a few microseconds: 24 of them a step before they were trimmed to 13 + 1 (no fill per
+host number, no copy of b1), which is all the time over 20 B/elt there is to find.
+
     python3 benchmarks/families_gpu.py --out DIR        # GPU; writes families.json / .md
     python3 benchmarks/families_gpu.py --smoke --out DIR  # CPU interpreter, tiny tree
 """
@@ -107,6 +113,9 @@ def main() -> int:
         note = "torch stage + fused" if "matrix stage" in plan else ""
         if passes and int(passes.group(1)):
             note = (note + "; " if note else "") + f"{passes.group(1)} norm pass(es)"
+        running = re.search(r"running scalars: (\d+) torch ops", plan)
+        if running:  # (tiny kernels, a few microseconds each on a GPU)
+            note = (note + "; " if note else "") + f"{running.group(1)} + 1 ops on 0-d tensors"
         ms = time_family(tx, params, grads, 2 if args.smoke else args.iters, device)
         per_elt = int(moved.group(1)) + int(moved.group(2))
         step_elt = per_elt + (int(reread.group(1)) if reread else 0)
