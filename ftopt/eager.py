@@ -243,6 +243,33 @@ class EagerOps:
     def cos(self, x) -> Vec:
         return self._map(x, _scalar_fn(math.cos, torch.cos), torch._foreach_cos)
 
+    def sin(self, x) -> Vec:
+        return self._map(x, _scalar_fn(math.sin, torch.sin), torch._foreach_sin)
+
+    def paired(self, fn, index, *args) -> Vec:
+        """Per element, ``even`` or ``odd`` of ``fn(o, k, *args) -> (even, odd)`` for its
+        pair ``k = index >> 1`` (``index``: ``x.index``, each leaf's consecutive element
+        positions): ``fn`` runs once per pair of each leaf, the pairs that cover its
+        positions, and each element takes its value (no host read of the positions)."""
+        index = _as_vec(index, self.mode)
+        if index.kind != "elem":
+            raise TypeError("o.paired takes the element positions x.index")
+        pairs = []
+        for positions in index.items:
+            flat = positions.reshape(-1)
+            count = flat.numel() // 2 + 1  # enough pairs for either parity of the first
+            steps = torch.arange(count, dtype=torch.int64, device=flat.device)
+            pairs.append(((flat[:1] >> 1) + steps) & 0x7FFFFFFF)
+        even, odd = fn(self, Vec("elem", pairs, self.mode), *args)
+        out = []
+        for positions, a, b in zip(index.items, _as_vec(even, self.mode)._expanded(len(pairs)),
+                                   _as_vec(odd, self.mode)._expanded(len(pairs))):
+            flat = positions.reshape(-1)
+            both = torch.stack([a, b], dim=-1).reshape(-1)  # the values of 2·count positions
+            lanes = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device)
+            out.append(both[lanes + (flat[:1] & 1)].view(positions.shape))
+        return Vec("elem", out, self.mode)
+
     # 32-bit unsigned integers (counter-based random numbers): held as Python ints or int64
     # tensors in [0, 2**32); ``mul32``'s constant is below 2**31, so no product overflows.
     def u32(self, x) -> Vec:

@@ -5,9 +5,11 @@ scalars derived from them (bias corrections and the like, computed once per step
 step count ``t``) and a ``body(o, x) -> (u, new_slots)``: plain arithmetic over the values
 in ``x`` (``x.u``, ``x.p``, ``x.<slot>``, ``x.<scalar>``) and the ``o`` namespace
 (``sqrt``, ``cbrt``, ``abs``, ``sign``, ``where``, ``maximum``, ``minimum``, ``lerp``,
-``log``, ``cos``, ``leaf_norm``, ``global_norm``; and 32-bit unsigned integer ops for
-counter-based random numbers: ``u32``, ``xor``, ``shr``, ``mul32``, ``add32``,
-``to_float``). A rule may also keep **running scalars**: 0-d fp32 tensors of its state
+``log``, ``cos``, ``sin``, ``leaf_norm``, ``global_norm``; and 32-bit unsigned integer ops
+for counter-based random numbers: ``u32``, ``xor``, ``shr``, ``mul32``, ``add32``,
+``to_float``, and ``paired(fn, x.index, *args)``: ``fn(o, k, *args) -> (even, odd)``
+computed once per pair ``k`` of element positions (2k, 2k + 1), each element taking its
+own of the two). A rule may also keep **running scalars**: 0-d fp32 tensors of its state
 (next to the step count) that ``rule.advance`` moves once per step, with torch ops on
 their device (no host read), giving the body per-step scalars that depend on the whole
 history (Schedule-Free's averaging weight). The eager backend evaluates the body on

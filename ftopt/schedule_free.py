@@ -70,11 +70,14 @@ def _advance(t, h: dict, old: dict) -> tuple[dict, dict]:
     weight = max_lr ** h["weight_lr_power"]
     weight_sum = old["weight_sum"] + weight
     ratio = torch.nan_to_num(weight / weight_sum, nan=0.0, posinf=math.inf)
-    ck = torch.where(weight.isnan() | weight_sum.isnan(), math.nan, ratio)
+    # (weight, weight_sum are in [0, inf] or NaN: their sum is NaN where either is.)
+    ck = torch.where((weight + weight_sum).isnan(), math.nan, ratio)
     b1 = old["b1"]
     # keep = c·b1 + 1 − b1: the weight of the base update in the update of y (see _body).
     scalars = {"ck": ck, "keep": ck * b1 + (1 - b1)}
-    return scalars, {"b1": b1.clone(), "weight_sum": weight_sum, "max_lr": max_lr}
+    # b1 never changes: the new state holds the same tensor (no copy; a donated step's
+    # write-back of it is a copy onto itself, which torch skips).
+    return scalars, {"b1": b1, "weight_sum": weight_sum, "max_lr": max_lr}
 
 
 def _body(o, x):

@@ -4,7 +4,8 @@
 optax's chain ``add_noise(eta, gamma) -> scale_by_learning_rate(lr)``:
 u = -lr·(g + σₜ·z), σₜ = sqrt(eta / t**gamma), with z recomputed here from the documented
 draw (ftopt/transforms/noise.py): 32-bit words of (seed, t, leaf position in the sorted
-dict, element index) in Python-int / int64 arithmetic, then Box-Muller in float64.
+dict, pair index k = element index >> 1) in Python-int / int64 arithmetic, then
+Box-Muller in float64: r·cos θ for element 2k, r·sin θ for element 2k + 1.
 """
 
 from __future__ import annotations
@@ -26,21 +27,24 @@ def mix32(h):
     return h ^ (h >> 15)
 
 
-def words(seed: int, t: int, leaf: int, n: int):
+def words(seed: int, t: int, leaf: int, index: torch.Tensor):
+    """The two words of each element's pair (``index``: element positions, int64)."""
     step_key = mix32(mix32(seed & M32) ^ (t & M32))
     leaf_key = mix32(step_key ^ mix32((leaf + 0x61C88647) & M32))
-    index = torch.arange(n, dtype=torch.int64)
-    first = mix32(mix32((index + leaf_key) & M32))
+    pair = (index & M32) >> 1
+    first = mix32(mix32((pair + leaf_key) & M32))
     second = mix32((first + 0x2545F491) & M32)
     return first, second
 
 
-def normals(seed: int, t: int, leaf: int, shape) -> torch.Tensor:
-    n = math.prod(shape)
-    first, second = words(seed, t, leaf, n)
+def normals(seed: int, t: int, leaf: int, shape, start: int = 0) -> torch.Tensor:
+    """z of a leaf of ``shape`` whose first element is at position ``start``."""
+    index = torch.arange(start, start + math.prod(shape), dtype=torch.int64)
+    first, second = words(seed, t, leaf, index)
     u1 = ((first >> 9).to(F64) + 0.5) / 2**23
     u2 = ((second >> 9).to(F64) + 0.5) / 2**23
-    z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2 - math.pi)
+    radius, angle = torch.sqrt(-2.0 * torch.log(u1)), 2 * math.pi * u2 - math.pi
+    z = torch.where(index % 2 == 0, radius * torch.cos(angle), radius * torch.sin(angle))
     return z.reshape(shape)
 
 

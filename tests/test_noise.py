@@ -2,9 +2,11 @@
 
 The uniforms are compared bit for bit between the fused kernel (the Triton interpreter on
 a CPU) and the eager torch ops, through probe rules that return the 32-bit words and the
-uniforms themselves; the normals within the bound of the two math libraries' ``log`` and
-``cos`` (NORMAL_ULPS float32 ulps of |z| + 1; 1.3 measured in the interpreter). The
-statistics run eagerly on 2**17 elements with fixed seeds (so they cannot flake).
+uniforms themselves (through ``o.paired``, as the noise draws them: the even element of a
+pair gets one value, the odd element the other); the normals within the bound of the two
+math libraries' ``log``, ``cos`` and ``sin`` (NORMAL_ULPS float32 ulps of |z| + 1; 1.3
+measured in the interpreter). The statistics run eagerly on 2**17 elements with fixed
+seeds (so they cannot flake).
 """
 
 from __future__ import annotations
@@ -56,18 +58,24 @@ def _fused_and_eager(tx, params, grads, state):
     return fused, eager
 
 
+def _per_pair(fn):
+    """A probe body: ``fn(o, k, key) -> (even, odd)`` of each element's pair."""
+    return lambda o, x: o.paired(fn, x.index, noise.leaf_key(o, x))
+
+
+def _halves(o, word):
+    return o.to_float(o.shr(word, 16)), o.to_float(o.shr(o.mul32(word, 65536), 16))
+
+
 @pytest.mark.parametrize("count", [0, 70_000])  # a step beyond 2**16 uses both halves
 def test_words_and_uniforms_are_bit_identical_fused_and_eager(count):
     gen = torch.Generator().manual_seed(0)
     params = {k: torch.zeros_like(v) for k, v in _tree(gen).items()}
     grads = _tree(gen)
-    probes = {
-        "high0": lambda o, x: o.to_float(o.shr(noise.random_words(o, x)[0], 16)),
-        "low0": lambda o, x: o.to_float(o.shr(o.mul32(noise.random_words(o, x)[0], 65536),
-                                              16)),
-        "high1": lambda o, x: o.to_float(o.shr(noise.random_words(o, x)[1], 16)),
-        "u1": lambda o, x: noise.uniforms(o, x)[0],
-        "u2": lambda o, x: noise.uniforms(o, x)[1],
+    probes = {  # each 16-bit half of both words, and the uniforms, of every pair
+        "first": _per_pair(lambda o, k, key: _halves(o, noise.pair_words(o, k, key)[0])),
+        "second": _per_pair(lambda o, k, key: _halves(o, noise.pair_words(o, k, key)[1])),
+        "uniforms": _per_pair(noise.pair_uniforms),
     }
     for name, fn in probes.items():
         tx = _probe(fn)
@@ -112,17 +120,17 @@ def test_noisy_sgd_fused_matches_eager_over_steps(donate):
 
 def test_uniforms_and_normals_are_well_distributed():
     n = 1 << 17
-    params = {"w": torch.zeros(n)}
-    grads = {"w": torch.ones(n)}
-    first, second = (_probe(lambda o, x, i=i: noise.uniforms(o, x)[i]) for i in (0, 1))
-    u1, _ = first.update(grads, first.init(params), params)
-    u2, _ = second.update(grads, second.init(params), params)
+    params = {"w": torch.zeros(2 * n)}
+    grads = {"w": torch.ones(2 * n)}
+    probe = _probe(_per_pair(noise.pair_uniforms))
+    u, _ = probe.update(grads, probe.init(params), params)
+    u1, u2 = {"w": u["w"][0::2]}, {"w": u["w"][1::2]}  # the two uniforms of each pair
     for u in (u1["w"], u2["w"]):
         assert 0.0 < float(u.min()) and float(u.max()) < 1.0
         counts = torch.bincount((u.double() * 64).long(), minlength=64).double()
         chi2 = float(((counts - n / 64) ** 2 / (n / 64)).sum())
         assert chi2 < 63 + 5 * math.sqrt(2 * 63), chi2  # 63 degrees of freedom, 5 sigma
-    # The two uniforms of an element, and neighbouring elements, are uncorrelated.
+    # The two uniforms of a pair, and neighbouring pairs, are uncorrelated.
     for a, b in ((u1["w"], u2["w"]), (u1["w"][1:], u1["w"][:-1])):
         corr = float(torch.corrcoef(torch.stack([a.double(), b.double()]))[0, 1])
         assert abs(corr) < 5 / math.sqrt(n), corr
@@ -148,6 +156,30 @@ def test_noise_has_mean_zero_and_variance_eta_over_t_to_the_gamma(steps):
     i = torch.arange(1, n + 1, dtype=torch.float64)
     d = max(float((i / n - cdf).max()), float((cdf - (i - 1) / n).max()))
     assert d < 1.95 / math.sqrt(n), d
+    # The two draws of a pair (r cos θ, r sin θ), and neighbouring pairs, are uncorrelated.
+    for a, b in ((z[0::2], z[1::2]), (z[1:-1:2], z[2::2])):
+        corr = float(torch.corrcoef(torch.stack([a, b]))[0, 1])
+        assert abs(corr) < 5 / math.sqrt(n / 2), corr
+
+
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_a_leaf_starting_at_any_position_draws_those_of_the_full_leaf(backend, monkeypatch):
+    """A leaf whose elements start at ``start`` of a full tensor (a shard) draws the noise
+    of those positions of the full leaf, bit for bit, for even and odd starts (the fused
+    blocks of an odd start cut pairs in two: they draw each element's own pair)."""
+    from ftopt import shards
+
+    gen = torch.Generator().manual_seed(13)
+    full_g = torch.randn(3000, generator=gen).to(DEVICE)
+    tx = ftopt.add_noise(1.0, 0.0, seed=5)
+    full = {"w": torch.zeros(3000, device=DEVICE)}
+    whole, _ = ftopt.step(tx, full, {"w": full_g}, tx.init(full), backend=backend)
+    for start, n in ((1, 1), (2, 1500), (1027, 1800), (1, 2999)):
+        monkeypatch.setattr(shards, "element_offset", lambda path, who, s=start: s)
+        part = {"w": torch.zeros(n, device=DEVICE)}
+        grads = {"w": full_g[start:start + n].clone()}
+        new, _ = ftopt.step(tx, part, grads, tx.init(part), backend=backend)
+        assert torch.equal(new["w"], whole["w"][start:start + n]), start
 
 
 def _noise(tx, params, grads, state):

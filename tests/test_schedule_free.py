@@ -131,3 +131,46 @@ def test_b1_out_of_range_raises():
         ftopt.schedule_free_sgd(0.1, b1=0.0)
     with pytest.raises(TypeError, match="b1"):
         ftopt.schedule_free(ftopt.sgd(0.1), 0.1, b1=torch.tensor(0.9))
+
+
+def test_donated_step_makes_no_scalar_fills_and_keeps_b1():
+    """The per-step device work besides the kernel is the running scalars' ops: the host
+    numbers among the kernel's scalars are filled on the device once and kept while they
+    stay the same (no ``full`` per number and step), and b1, which never changes, is not
+    copied (the new state holds the old tensor)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    tx = ftopt.schedule_free_sgd(0.1, b1=0.8, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(9)
+    params, grads = _tree(gen), _tree(gen)
+    state = tx.init(params)
+    for _ in range(2):
+        params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+    b1 = _sf(state).b1
+    with Calls() as calls:
+        params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+    assert "aten.full.default" not in calls.names and calls.names.count("aten.stack.default") == 1
+    assert _sf(state).b1 is b1 and float(b1) == pytest.approx(0.8)
+    new_params, new_state = ftopt.step(tx, params, grads, state, backend="eager")
+    assert _sf(new_state).b1 is b1 and float(_sf(new_state).weight_sum) > float(
+        _sf(state).weight_sum)
+
+
+def test_explain_counts_the_running_scalars_ops():
+    import re
+
+    tx = ftopt.schedule_free_sgd(0.1)
+    params = _tree(torch.Generator().manual_seed(10))
+    text = ftopt.explain(tx, params, donate=True, backend="fused", file=None)
+    found = re.search(r"running scalars: (\d+) torch ops", text)
+    assert found and 5 <= int(found.group(1)) <= 16, text
+    assert "running scalars" not in ftopt.explain(ftopt.sgd(0.1), params, file=None)

@@ -169,6 +169,8 @@ class _SymbolicAlgebra:
                             o.mul32(o.u32(self.graph.leaf_value(None, "start_hi")), 1 << 16))
             offs = self.graph.add("offs.to(tl.uint32)", (), "elem", name="index")
             inputs["index"] = o.add32(offs, start)
+            first = o.add32(self.graph.add("start.to(tl.uint32)", (), "leaf"), start)
+            self.graph.firsts[inputs["index"].name] = first.name  # (for ``o.paired``)
             inputs["leaf"] = o.u32(self.graph.leaf_value(None, "leaf"))
         in_place = self.traced.in_place
         flag = self.leaf_flag(index) if rule.slots else None
@@ -342,7 +344,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
                 ".to(tl.int32)) > 0:"] + ["    " + x for x in body]
     lines = _prelude(roles, dtypes, variant) + count_lines + body
     sig = _signature(roles, count_args, len(traced.graph.scalars), variant, ("COUNT",))
-    return _kernel("ftopt_main", sig, lines)
+    return _kernel("ftopt_main", sig, lines, traced.graph.helpers)
 
 
 def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
@@ -399,19 +401,17 @@ def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
         bodies.append(lines)
     lines = _prelude(roles, dtypes, variant) + _split_blocks(*bodies)
     sig = _signature(roles, ["partials_ptr"], len(traced.graph.scalars), variant)
-    return _kernel(f"ftopt_reduce_{level}", sig, lines)
+    return _kernel(f"ftopt_reduce_{level}", sig, lines, traced.graph.helpers)
 
 
 def level_reductions(traced: TracedChain, level: int) -> list[Reduction]:
     return [r for r in traced.graph.reductions if r.level == level]
 
 
-def _kernel(name: str, signature: str, lines: list[str]) -> str:
-    body = "\n".join("    " + line for line in lines)
-    return (
-        "import triton\nimport triton.language as tl\n\n\n"
-        f"@triton.jit\ndef {name}({signature}):\n{body}\n"
-    )
+def _kernel(name: str, signature: str, lines: list[str], helpers: dict | None = None) -> str:
+    called = "".join(source + "\n\n" for _, source in sorted((helpers or {}).items()))
+    return ("import triton\nimport triton.language as tl\n\n\n" + called + "@triton.jit\n"
+            f"def {name}({signature}):\n" + "\n".join("    " + x for x in lines) + "\n")
 
 
 _MODULES: dict[str, object] = {}

@@ -7,6 +7,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, check_transform
@@ -20,7 +21,7 @@ from ftopt.lowering.plan import (
     describe_segments,
     plan_chain,
 )
-from ftopt.rules import QuantizedSlot
+from ftopt.rules import QuantizedSlot, initial_running, running_step
 from ftopt.validate import check_leaf
 
 _BACKENDS = ("auto", "fused", "eager")
@@ -43,11 +44,12 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     donate=donate, backend=backend)``.
 
     Per group of leaves sharing (device, param dtype, grad dtype): the path (fused or
-    eager) and the reason, kernel launches per step, and bytes read and written per
-    element. ``grads`` defaults to gradients shaped and typed like the params. Pass the
-    ``donate`` of the step you mean: a donated step writes in place and is never
-    differentiable, so params that require grad (``dict(model.named_parameters())``)
-    fuse with ``donate=True`` (as :class:`ftopt.Optimizer` steps) but not without.
+    eager) and the reason, kernel launches per step, bytes read and written per element,
+    and the torch ops on 0-d tensors of running scalars (Schedule-Free's). ``grads``
+    defaults to gradients shaped and typed like the params. Pass the ``donate`` of the
+    step you mean: a donated step writes in place and is never differentiable, so params
+    that require grad (``dict(model.named_parameters())``) fuse with ``donate=True`` (as
+    :class:`ftopt.Optimizer` steps) but not without.
 
     Every group also reports its state bytes per parameter (from ``tx.init`` on meta
     tensors: nothing is allocated) and the bytes a step moves: the fused kernels' reads
@@ -145,11 +147,38 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
                      + (f"; norm passes read {_num(extra)} more" if extra else ""))
         lines.append(_moved("  bytes moved per step:", (read + written + extra) * numel,
                             bandwidth))
+        if plan.running:
+            lines.append(f"  running scalars: {_running_ops(plan)} torch ops a step on 0-d "
+                         "tensors and a stack of the kernel's scalars (no host read)")
     if not groups:
         lines.append("no leaf has a gradient: nothing to do")
     text = "\n".join(lines)
     print(text, file=file)
     return text
+
+
+_HOST_OPS = ("lift_fresh", "scalar_tensor")
+
+
+def _running_ops(plan) -> int:
+    """The torch ops (device kernels on a GPU) one step of the plan's running scalars
+    runs, counted on CPU values of a new state (views and the donated write-back of a
+    value onto itself excluded)."""
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # (A Python number in an op becomes a host 0-d tensor: no device kernel.)
+            Count.ops += not (func.is_view or func.overloadpacket.__name__ in _HOST_OPS)
+            return func(*args, **(kwargs or {}))
+
+    for stage in plan.stages:
+        if stage.rule.running:
+            old = initial_running(stage.rule)
+            with Count():
+                _, new = running_step(stage.rule, 0, 1, old)
+            Count.ops += sum(new[k] is not old[k] for k in new)  # (written back when donated)
+    return Count.ops
 
 
 class _Discard:

@@ -43,6 +43,9 @@ class ChainPlan:
     # Where the hyperparameters are tensors: what lowering.scalars reads through their host
     # mirrors, and the last step's values and hparams (see _mirrored_hparams there).
     mirrored: list | None = None
+    # The host numbers among the scalars of a step that also has device scalars, as
+    # device values kept while they stay the same: ((numbers, device), tensors).
+    host_scalars: tuple | None = None
     functional: dict = field(default_factory=dict)  # see lowering.functional
     # A chain with matrix stages: its parts in order, each a ChainPlan of the rules
     # between two matrix stages or a (matrix stage, skip, state path, selects) tuple

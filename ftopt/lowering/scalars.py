@@ -132,12 +132,7 @@ def kernel_scalars(plan: ChainPlan, traced, steps, device, hparams: list | None,
                      zip(plan.stages, steps, carried)]
         values = [per_stage[i][name] for i, name in traced.graph.scalars]
         if any(isinstance(v, torch.Tensor) for v in values):
-            # No host-to-device copies here: this path may be captured in a CUDA graph.
-            return torch.stack([
-                v.to(device=device, dtype=torch.float32).reshape(())
-                if isinstance(v, torch.Tensor)
-                else torch.full((), float(v), dtype=torch.float32, device=device)
-                for v in values])
+            return _device_buffer(plan, values, device)
         floats = [float(v) for v in values]
     if any([0.0 < abs(v) < _FP32_TINY for v in floats]):
         # Triton types a Python float below fp32's smallest normal as an fp64 argument (a
@@ -149,3 +144,23 @@ def kernel_scalars(plan: ChainPlan, traced, steps, device, hparams: list | None,
 
 
 _FP32_TINY = torch.finfo(torch.float32).tiny
+
+
+def _device_buffer(plan: ChainPlan, values: list, device) -> torch.Tensor:
+    """The scalars as one fp32 device vector when some are device values (running
+    scalars, tensor hyperparameters without a host mirror): one ``stack`` of those and of
+    the host numbers, which are device values made once (one fill each) and kept on the
+    plan while they stay the same (Schedule-Free's step: one kernel here, not one per
+    number). No host-to-device copies (no stream synchronisation), and nothing kept while
+    a CUDA graph is captured (its tensors live in the graph's pool)."""
+    host = tuple(float(v) for v in values if not isinstance(v, torch.Tensor))
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    cached = plan.host_scalars
+    if capturing or cached is None or cached[0] != (host, device):
+        numbers = [torch.full((), v, dtype=torch.float32, device=device) for v in host]
+        cached = ((host, device), numbers)
+        if not capturing:
+            plan.host_scalars = cached
+    numbers = iter(cached[1])
+    return torch.stack([v.to(device=device, dtype=torch.float32).reshape(())
+                        if isinstance(v, torch.Tensor) else next(numbers) for v in values])

@@ -9,6 +9,7 @@ an earlier reduction pass.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -42,6 +43,10 @@ class Graph:
     reductions: list[Reduction] = field(default_factory=list)
     scalars: list[tuple[int, str]] = field(default_factory=list)  # (stage, name)
     leaf_values: list[tuple[int, str]] = field(default_factory=list)
+    # ``@triton.jit`` helpers the nodes call (name -> source), printed before the kernel.
+    helpers: dict[str, str] = field(default_factory=dict)
+    # An element-position node -> the node of its block's first position (``o.paired``).
+    firsts: dict[str, str] = field(default_factory=dict)
     _cse: dict[str, str] = field(default_factory=dict)
 
     def add(self, expr: str, deps: tuple[str, ...], kind: str, level: int | None = None,
@@ -234,6 +239,38 @@ class SymOps:
     def cos(self, x) -> Sym:
         return self._unary(_as_sym(x, self.graph), "tl.cos({x})")
 
+    def sin(self, x) -> Sym:
+        return self._unary(_as_sym(x, self.graph), "tl.sin({x})")
+
+    def paired(self, fn, index, *args) -> Sym:
+        """Per element, ``even`` or ``odd`` of ``fn(o, k, *args) -> (even, odd)`` for its
+        pair ``k = index >> 1``, as the eager op: each pair is computed once.
+
+        ``fn`` is traced into a ``@triton.jit`` helper over the ``BLOCK // 2`` pairs of a
+        block, whose two results are interleaved. A leaf whose elements start at an odd
+        position (a shard) has blocks that cut pairs in two: its programs take the other
+        branch of the helper, which computes each element's pair (twice the work)."""
+        graph = self.graph
+        first = graph.firsts.get(index.name) if isinstance(index, Sym) else None
+        if first is None:
+            raise TypeError("o.paired takes the element positions x.index")
+        args = [_as_sym(a, graph) for a in args]
+        sub = Graph()
+        inputs = ["k"] + [f"a{i}" for i in range(len(args))]
+        k, *params = (sub.add(name, (), "elem" if name == "k" else "scalar", name=name)
+                      for name in inputs)
+        even, odd = fn(SymOps(sub), k, *params)
+        body = [f"{n.name} = {n.expr}" for n in sub.closure([even.name, odd.name])
+                if n.name not in inputs]
+        pair = "\n".join(["(" + ", ".join(inputs) + "):"] + body
+                         + [f"return {even.name}, {odd.name}"])
+        key = hashlib.sha256(pair.encode()).hexdigest()[:12]
+        graph.helpers.setdefault(f"ftopt_pair_{key}", _pair_helpers(key, inputs, body,
+                                                                      even.name, odd.name))
+        call = ", ".join([index.name, first] + [a.name for a in args] + ["BLOCK // 2"])
+        deps = (index.name, first, *(a.name for a in args))
+        return graph.add(f"ftopt_paired_{key}({call})", deps, "elem")
+
     # 32-bit unsigned integers: uint32 in the kernel (its arithmetic wraps modulo 2**32).
     def u32(self, x) -> Sym:
         if not isinstance(x, Sym):
@@ -287,6 +324,29 @@ class SymOps:
 
     def global_norm(self, x) -> Sym:
         return self._norm(x, "global")
+
+
+def _pair_helpers(key: str, inputs: list[str], body: list[str], even: str,
+                  odd: str) -> str:
+    """The source of ``o.paired``'s two helpers: the traced pair function, and the
+    per-block evaluation (interleaved pairs where the block starts at an even position,
+    each element's own pair where it starts at an odd one: a uniform branch)."""
+    args = ", ".join(inputs[1:])
+    tail = ", " + args if args else ""
+    lines = ["@triton.jit", f"def ftopt_pair_{key}({', '.join(inputs)}):"]
+    lines += ["    " + line for line in body] + [f"    return {even}, {odd}", "", "",
+              "@triton.jit",
+              f"def ftopt_paired_{key}(index, first{tail}, HALF: tl.constexpr):",
+              "    if (first & 1) == 0:",
+              "        # (pair positions wrap as the element positions do, modulo 2**31)",
+              "        k = ((first >> 1) + tl.arange(0, HALF).to(tl.uint32)) & 0x7FFFFFFF",
+              f"        even, odd = ftopt_pair_{key}(k{tail})",
+              "        value = tl.interleave(even, odd)",
+              "    else:",
+              f"        even, odd = ftopt_pair_{key}(index >> 1{tail})",
+              "        value = tl.where((index & 1) == 0, even, odd)",
+              "    return value"]
+    return "\n".join(lines) + "\n"
 
 
 def _u32_literal(c: int) -> str:

@@ -7,12 +7,19 @@ its leaf. No generator state is kept or advanced, so a step is reproducible from
 values masked to 32 bits) and in the fused Triton kernel (uint32 values, whose arithmetic
 wraps), and gives the same 32-bit words, hence the same uniforms, bit for bit.
 
-The words come from a 32-bit integer finalizer (xor-shift-multiply, a bijection of
-``[0, 2**32)``; both multipliers are below 2**31, so an int64 product never overflows)
-applied to the seed, the step, the leaf and the element in turn. Two words per element
-give two uniforms ``(k + 0.5) / 2**23`` from their top 23 bits (exact in float32; never 0
-or 1), and the Box-Muller transform ``z = sqrt(-2 ln u1) cos(2π u2 − π)`` one standard
-normal (its tails end at |z| = 5.77, where u1 = 2**-24).
+The elements of a leaf are drawn in pairs, (2k, 2k + 1) by their positions, so one
+hash, one ``log``, one ``sqrt`` and a ``cos``/``sin`` serve two elements (``o.paired``:
+the fused kernel computes a block's pairs once and interleaves them). Two 32-bit words per
+pair come from a 32-bit integer finalizer (xor-shift-multiply, Wellons' ``lowbias32``, a
+bijection of ``[0, 2**32)``; both multipliers are below 2**31, so an int64 product never
+overflows) applied to the seed, the step, the leaf and the pair in turn: two rounds from
+the pair's counter to the first word, one more to the second, as before pairing (the
+words have the quality they had; there are half as many). Their top 23 bits give two
+uniforms ``(k + 0.5) / 2**23`` (exact in float32; never 0 or 1), and the Box-Muller
+transform two independent standard normals, ``r cos θ`` for the even element and
+``r sin θ`` for the odd one, ``r = sqrt(-2 ln u1)``, ``θ = 2π u2 − π`` (their tails end
+at |z| = 5.77, where u1 = 2**-24). Earlier builds drew one pair of words per element
+and kept only ``r cos θ``: the noise of a given seed and step differs from theirs.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from ftopt.domains import NONNEG, check_int
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule
 
-__all__ = ["AddNoiseState", "add_noise", "random_words", "uniforms", "standard_normal"]
+__all__ = ["AddNoiseState", "add_noise", "leaf_key", "pair_words", "pair_uniforms",
+           "pair_normals", "standard_normal"]
 
 Float = float | torch.Tensor
 
@@ -53,17 +61,18 @@ def _mix(o, h):
     return o.xor(h, o.shr(h, 15))
 
 
-def random_words(o, x):
-    """Two 32-bit words for each element, from ``x.seed_lo``/``x.seed_hi`` and
-    ``x.t_lo``/``x.t_hi`` (16-bit halves), ``x.leaf`` and ``x.index``.
-
-    The step key is mixed per step, the leaf key per leaf (scalars in the kernel), so each
-    element costs three finalizer rounds."""
+def leaf_key(o, x):
+    """The 32-bit key of a leaf at a step, from ``x.seed_lo``/``x.seed_hi`` and
+    ``x.t_lo``/``x.t_hi`` (16-bit halves) and ``x.leaf`` (per-leaf values in the kernel)."""
     seed = o.add32(o.u32(x.seed_lo), o.mul32(o.u32(x.seed_hi), _HALF))
     step = o.add32(o.u32(x.t_lo), o.mul32(o.u32(x.t_hi), _HALF))
     step_key = _mix(o, o.xor(_mix(o, seed), step))
-    leaf_key = _mix(o, o.xor(step_key, _mix(o, o.add32(x.leaf, _GOLDEN))))
-    first = _mix(o, _mix(o, o.add32(x.index, leaf_key)))
+    return _mix(o, o.xor(step_key, _mix(o, o.add32(x.leaf, _GOLDEN))))
+
+
+def pair_words(o, k, key):
+    """Two 32-bit words for pair ``k`` of the leaf of ``key``: three finalizer rounds."""
+    first = _mix(o, _mix(o, o.add32(k, key)))
     second = _mix(o, o.add32(first, _SECOND))
     return first, second
 
@@ -73,21 +82,29 @@ def _unit(o, word):
     return (o.to_float(o.shr(word, 9)) + 0.5) * (1.0 / (1 << 23))
 
 
-def uniforms(o, x):
-    """Two uniforms in (0, 1) per element (see :func:`random_words`)."""
-    first, second = random_words(o, x)
+def pair_uniforms(o, k, key):
+    """Two uniforms in (0, 1) for pair ``k`` (see :func:`pair_words`)."""
+    first, second = pair_words(o, k, key)
     return _unit(o, first), _unit(o, second)
 
 
-def standard_normal(o, x):
-    """One N(0, 1) draw per element: Box-Muller, ``sqrt(-2 ln u1)·cos(2π u2 − π)``.
+def pair_normals(o, k, key):
+    """Two independent N(0, 1) draws for pair ``k``: Box-Muller, ``r cos θ`` and
+    ``r sin θ``, ``r = sqrt(-2 ln u1)``, ``θ = 2π u2 − π``.
 
-    Everything but ``log`` and ``cos`` is correctly rounded float32 arithmetic, the same
-    bits on every backend; those two come from the backend's math library (torch's, the
-    Triton interpreter's numpy, the GPU's libdevice), which may differ by an ulp or two."""
-    u1, u2 = uniforms(o, x)
+    Everything but ``log``, ``cos`` and ``sin`` is correctly rounded float32 arithmetic,
+    the same bits on every backend; those come from the backend's math library (torch's,
+    the Triton interpreter's numpy, the GPU's libdevice), which may differ by an ulp or
+    two."""
+    u1, u2 = pair_uniforms(o, k, key)
     radius = o.sqrt(-2.0 * o.log(u1))
-    return radius * o.cos(2.0 * math.pi * u2 - math.pi)
+    angle = 2.0 * math.pi * u2 - math.pi
+    return radius * o.cos(angle), radius * o.sin(angle)
+
+
+def standard_normal(o, x):
+    """One N(0, 1) draw per element: the even or odd draw of its pair (``x.index >> 1``)."""
+    return o.paired(pair_normals, x.index, leaf_key(o, x))
 
 
 def _noise_body(o, x):
@@ -107,13 +124,14 @@ def add_noise(eta: Float = 0.01, gamma: Float = 0.55, seed: int = 0) -> Gradient
     step: optax's ``eta / (1 + count)**gamma``), z ~ N(0, 1) independent per element.
 
     z is drawn from a counter-based hash of (seed, t, the leaf's position in the flattened
-    param tree, the element's row-major position in its leaf) by Box-Muller (see the
-    module docstring): the same seed gives the same noise on every backend and every call,
-    with no generator state. On DTensor shards the element's position is the one in the
-    full tensor, so a sharded run draws the single-process noise on any number of ranks
-    (a shard that is not one run of the full tensor, ``Shard(1)`` of a matrix, is
-    refused). The uniforms are the same bits everywhere; z agrees to within
-    the ``log``/``cos`` of each backend's math library (a few float32 ulps of |z| + 1).
+    param tree, the element's row-major position in its leaf) by Box-Muller, two elements
+    (2k, 2k + 1) per draw (see the module docstring): the same seed gives the same noise on
+    every backend and every call, with no generator state. On DTensor shards the element's
+    position is the one in the full tensor, so a sharded run draws the single-process noise
+    on any number of ranks (a shard that is not one run of the full tensor, ``Shard(1)`` of
+    a matrix, is refused). The uniforms are the same bits everywhere; z agrees to within
+    the ``log``/``cos``/``sin`` of each backend's math library (a few float32 ulps of
+    |z| + 1). Noise values differ from those of builds before the pairing.
     With ``skip_zeros`` no noise is added where the gradient is zero. The chunked CPU
     evaluator does not run it (the eager torch ops do).
 
