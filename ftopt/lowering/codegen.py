@@ -63,8 +63,7 @@ class TracedChain:
 
 def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
                 output: str = "p", seeded: bool | str = False, positions: list | None = None,
-                flagged: list | None = None, owner_skips: list | None = None,
-                divided: bool | str = False) -> TracedChain:
+                flagged: list | None = None, owner_skips: list | None = None) -> TracedChain:
     """Runs every position's body on symbols, feeding each position's ``u`` to the next.
 
     ``skips[i]``: stage ``i`` is inside a skip_zeros chain; its update is zero and its
@@ -72,8 +71,7 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     ``positions[k]``: the stages (alternatives, one per partition branch) at step ``k``
     (default: stage ``k`` alone); ``flagged[k]``: position ``k`` reads a per-leaf flag
     (a mask leaves some leaves out: their ``u`` passes through); ``owner_skips[k]``: its
-    skip_zeros applies to the leaves the flag keeps only. ``divided``: the first input is
-    divided, correctly rounded as eager, by the leaf's divisor (:attr:`ChainPlan.divided`).
+    skip_zeros applies to the leaves the flag keeps only.
     """
     if positions is None:
         positions = [(i,) for i in range(len(stages))]
@@ -83,7 +81,7 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     stage_skips, skips = skips, [skips[pos[0]] for pos in positions]
     g = Graph()
     g.add("tl.load(g_ptr + offs{GMASK}).to(tl.float32)", (), "elem", name="g")
-    masking = any(skips) or divided == "skip"
+    masking = any(skips)
     zero_node = g.add("g == 0.0", ("g",), "elem", name="zero") if masking else None
     # -0.0 where g is zero (the skipped update: p + (-0.0) is p for every p, -0.0 too),
     # computed from g: a -0.0 literal in the source loses its sign in some Triton
@@ -111,12 +109,6 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     elif seeded:
         first = g.add("tl.load(x_ptr + offs{LMASK})", ("keep",) if in_place else (), "elem",
                       name="x")
-    if divided:
-        divisor = g.leaf_value(None, "divisor")
-        first = g.add(f"tl.div_rn({first.name}, {divisor.name})", (first.name, divisor.name),
-                      "elem")
-        if divided == "skip" and not in_place:
-            first = algebra.select(zero_node, neg_zero, first)
     # (In place, zero-gradient lanes are neither loaded nor stored: no selects.)
     u = program.trace_chain([stages[pos[0]] for pos in positions], skips, algebra, first,
                             selects=not in_place, zero_from=g.sym("g"),
@@ -130,8 +122,7 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
         # Norms (of p, say) need every lane loaded, and a per-leaf slot's skip_zeros reads
         # a norm (of the non-zero lanes): select old values instead.
         return trace_chain(stages, stage_skips, donate=False, output=output, seeded=seeded,
-                           positions=positions, flagged=flagged, owner_skips=owner_skips,
-                           divided=divided)
+                           positions=positions, flagged=flagged, owner_skips=owner_skips)
     return traced
 
 

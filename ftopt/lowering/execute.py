@@ -109,7 +109,6 @@ class PreparedStep:
                     ] or [[0.0]]
             group.leaf_values = torch.tensor(rows, dtype=torch.float32).reshape(-1).to(
                 self.device)
-            _write_device_values(group, traced.graph.leaf_values, selection)
             self.groups.append(group)
         self.n_leaves = len(g_flat)
         self.inactive = [i for i in range(len(g_flat)) if g_flat[i] is None]
@@ -259,25 +258,6 @@ class PreparedStep:
             torch._foreach_copy_(*self.copy_back)
 
 
-def _write_device_values(group, keys: list, selection: branches.Selection) -> None:
-    """Puts this step's per-leaf values computed on the device (a dividing stage's
-    divisors, :attr:`branches.Selection.device_values`) into the group's table: one copy
-    per key and part whatever the number of leaves, no host read."""
-    if not selection.device_values:
-        return
-    table = group.leaf_values.view(len(group.leaves), len(keys))
-    position = {leaf: j for j, leaf in enumerate(group.leaves)}
-    for column, key in enumerate(keys):
-        for leaves, values in selection.device_values.get(key, ()):
-            if leaves == group.leaves:
-                table[:, column].copy_(values)
-                continue
-            pairs = [(position[leaf], j) for j, leaf in enumerate(leaves) if leaf in position]
-            if pairs:
-                rows, picks = zip(*pairs)
-                table[list(rows), column] = values[list(picks)]
-
-
 def _quant_block(plan: ChainPlan, slot_flat, i: int) -> int:
     for stage, slots in zip(plan.position_stages(), slot_flat):
         for leaves in slots.values():
@@ -408,7 +388,7 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
         prepared.launch(kernel_scalars(plan, prepared.traced, steps, device, hparams,
                                        carried), pairs)
         # (Not a segment after a stage: its per-leaf values and inputs change with each step.)
-        if donate and output == "p" and not plan.seeded and not plan.divided:
+        if donate and output == "p" and not plan.seeded:
             prepared.spec = spec
             prepared.flat_getter = flat_dict_getter(params)
             prepared.flat_len = len(params) if prepared.flat_getter else 0
