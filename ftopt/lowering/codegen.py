@@ -59,6 +59,9 @@ class TracedChain:
     # ``st{i}_{name}`` of the per-leaf slots (one 0-d fp32 tensor per leaf, never 8 or 16
     # bits): loaded once per program, stored by the first program of each leaf.
     leaf_slots: set = field(default_factory=set)
+    # ``(run{i}_{name}, node)`` of the running scalars a body computes (a global value of
+    # this step, :attr:`ftopt.rules.Rule.running`): lane 0 of program 0 stores each.
+    running_stores: list = field(default_factory=list)
 
 
 def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
@@ -118,7 +121,7 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     else:
         traced.stores.append(("u_out", _as_name(u, g)))
     traced.levels = max((r.level for r in g.reductions), default=0)
-    if in_place and (g.reductions or traced.leaf_slots):
+    if in_place and (g.reductions or traced.leaf_slots or traced.running_stores):
         # Norms (of p, say) need every lane loaded, and a per-leaf slot's skip_zeros reads
         # a norm (of the non-zero lanes): select old values instead.
         return trace_chain(stages, stage_skips, donate=False, output=output, seeded=seeded,
@@ -201,6 +204,9 @@ class _SymbolicAlgebra:
 
     def slot_out(self, index: int, name: str, value) -> None:
         self.traced.stores.append((f"st{index}_{name}_out", _as_name(value, self.graph)))
+
+    def running_out(self, index: int, name: str, value) -> None:
+        self.traced.running_stores.append((f"run{index}_{name}", _as_name(value, self.graph)))
 
 
 def _as_name(value, g: Graph) -> str:
@@ -323,6 +329,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     roles = input_roles(traced, quant) + output_roles(traced, quant)
     dtypes = role_dtypes(traced, variant)
     nodes = traced.graph.closure([node for _, node in traced.stores]
+                                 + [node for _, node in traced.running_stores]
                                  + list(traced.slot_flags.values()))
     bodies = [_body_and_stores(traced, nodes, lanes.masks(traced, tail), variant, dtypes, tail)
               for tail in (False, True)]
@@ -332,7 +339,9 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
         body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0) != 0.0)"
                 ".to(tl.int32)) > 0:"] + ["    " + x for x in body]
     lines = _prelude(roles, dtypes, variant) + count_lines + body
-    sig = _signature(roles, count_args, len(traced.graph.scalars), variant, ("COUNT",))
+    running_args = [f"{role}_ptr" for role, _ in traced.running_stores]
+    sig = _signature(roles, count_args + running_args, len(traced.graph.scalars), variant,
+                     ("COUNT",))
     return _kernel("ftopt_main", sig, lines)
 
 
@@ -340,6 +349,9 @@ def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
                      dtypes: dict, tail: bool) -> list[str]:
     signs = slot_signs(traced) if variant.quant_block else {}
     lines = _body_lines(traced, nodes, masks, variant, tail)
+    for role, node in traced.running_stores:  # (every group's program 0: the same value)
+        lines.append(f"tl.store({role}_ptr + offs * 0, tl.full([BLOCK], 0.0, tl.float32) + "
+                     f"{node}, mask=offs == tl.where(pid == 0, 0, -1))")
     stores: list[str] = []
     for role, node in traced.stores:
         value = node
@@ -382,7 +394,8 @@ def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
         lines = _body_lines(traced, nodes, lanes.masks(traced, tail), variant, tail)
         for j, red in enumerate(reductions):
             x = red.source
-            square = f"({x} * {x} + tl.zeros([BLOCK], tl.float32))"
+            square = (f"({x} * {x} + tl.zeros([BLOCK], tl.float32))" if red.square
+                      else f"({x} + tl.zeros([BLOCK], tl.float32))")
             if tail:
                 square = f"tl.where(in_range, {square}, 0.0)"
             lines.append(f"tl.store(partials_ptr + pid * {len(reductions)} + {j}, "
