@@ -320,6 +320,17 @@ class EagerOps:
         return Vec("scalar", [torch.linalg.vector_norm(torch.stack(norms))], self.mode)
 
 
+    def global_sum(self, x) -> Vec:
+        """Σ x over every element of every leaf (a ``scalar`` value)."""
+        x = _as_vec(x, self.mode)
+        if shards.in_local_shards():
+            raise NotImplementedError("global_sum over local shards of DTensors is not "
+                                      "supported (expected whole leaves)")
+        if not x.items:
+            return Vec("scalar", [0.0], self.mode)
+        return Vec("scalar", [torch.stack([t.sum() for t in x.items]).sum()], self.mode)
+
+
 def _norms_over_shards(norms: list[torch.Tensor]) -> list[torch.Tensor]:
     """The norms of whole leaves from the norms of their local shards: the squares, in
     float64, summed over the ranks in one collective (:func:`ftopt.shards.reduce_squares`)."""

@@ -23,10 +23,7 @@ segmented fused step calls with the stage's part of the chain's state (found by 
 state path that :func:`ftopt.stages.chain_stages` records). Statistics that are not per
 element (row and column means) are reductions, like norms under SPEC §3: they see the
 masked update (a skipped element contributes 0) and advance as usual; per-element states
-keep their bits where the raw gradient is zero. A stage that only divides each leaf by
-one value of its own may also set ``divides_leaves`` and have ``leaf_divisors(u_flat,
-raw_flat, state, spec, paths) -> ([(leaves, fp32 values)], state)``: the fused backend
-then divides in the next kernel (see :mod:`ftopt.lowering.segments`).
+keep their bits where the raw gradient is zero.
 
 On ``DTensor`` leaves (FSDP2 and the like, :mod:`ftopt.distributed`) each rank runs the
 stage on its local shard, which is right only where the stage's math never reads across

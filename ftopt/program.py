@@ -57,6 +57,10 @@ class Algebra(Protocol):
     def slot_out(self, index: int, name: str, value: Any) -> None:
         """Stage ``index``'s new value of slot ``name``."""
 
+    def running_out(self, index: int, name: str, value: Any) -> None:
+        """Stage ``index``'s new value of its running scalar ``name`` (a global value the
+        body computed: :attr:`ftopt.rules.Rule.running`)."""
+
 
 def trace_chain(stages: Sequence[Any], skips: Sequence[bool], algebra: Algebra, g: Any,
                 *, selects: bool = True, zero_from: Any = None,
@@ -89,8 +93,12 @@ def trace_chain(stages: Sequence[Any], skips: Sequence[bool], algebra: Algebra, 
         if inputs is None:  # the leaf is not this stage's: u passes through
             u_new, slots = u, {}
         else:
+            skipped = zero if skip and zero is not None else None
             body_u, body_slots = rule.body(algebra.ops(), Env({"u": inputs.pop("u", u),
-                                                                **inputs}))
+                                                                "skip": skipped, **inputs}))
+            for name in rule.running:
+                if name in body_slots:
+                    algebra.running_out(index, name, body_slots[name])
             u_new = algebra.elem(body_u, u)
             flag = algebra.leaf_flag(index)
             if flag is not None:

@@ -147,8 +147,11 @@ class RuleTransform:
             with (shards.norm_leaves([paths[i] for i in active])
                   if shards.in_local_shards() else contextlib.nullcontext()):
                 self._run(active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u,
-                          new_slots, carried, paths)
+                          new_slots, carried, paths, running)
         values = {name: tree_lib.unflatten(spec, leaves) for name, leaves in new_slots.items()}
+        for name in rule.running:  # (written by the body: kept where no leaf ran)
+            if name not in running:
+                running[name] = getattr(state, name).clone()
         values.update(running)
         if rule.counted:
             values["count"] = new_count
@@ -204,7 +207,7 @@ class RuleTransform:
         return known, new_count, known + 1
 
     def _run(self, active, u_flat, p_flat, slots_flat, mask_flat, count, t, new_u, new_slots,
-             carried=None, paths=None):
+             carried=None, paths=None, running=None):
         rule = self.rule
         us = [u_flat[i] for i in active]
         ps = [p_flat[i] for i in active] if rule.uses_params else []
@@ -227,7 +230,12 @@ class RuleTransform:
             starts = ([shards.element_offset(paths[i], rule.name) for i in active]
                       if rule.indexed and paths is not None else None)
             result = _run_vec(rule, mode, us, ps, old, masks, scalars, active, starts)
-        u_items, slot_items = result
+        u_items, slot_items = result[:2]
+        if running is not None and len(result) > 2:  # (running scalars the body wrote)
+            for name, value in result[2].items():
+                old_value = getattr_running(carried, name)
+                running[name] = value.to(old_value.dtype) if isinstance(
+                    old_value, torch.Tensor) else value
         for j, i in enumerate(active):
             # A 0-d leaf whose per-step scalars are float64 tensors (a device count) would
             # be promoted to float64: updates are in the leaf's compute dtype.
@@ -282,7 +290,7 @@ def _run_vec(rule: Rule, mode: str, us, ps, old: dict, masks: list, scalars: dic
     algebra = _VecAlgebra(rule, mode, us, ps, old, masks, scalars, leaves, starts)
     g = eager.elem([u.to(compute_dtype(u)) for u in us], mode)
     u = program.trace_chain([rule], [masks[0] is not None], algebra, g)
-    return _as_elem_items(u, us), algebra.slots
+    return _as_elem_items(u, us), algebra.slots, algebra.running
 
 
 class _VecAlgebra:
@@ -295,6 +303,7 @@ class _VecAlgebra:
         self.starts = starts or [0] * len(us)
         self._ops = eager.EagerOps(mode)
         self.slots: dict[str, list] = {}
+        self.running: dict[str, torch.Tensor] = {}
 
     def ops(self):
         return self._ops
@@ -327,11 +336,21 @@ class _VecAlgebra:
     def leaf_flag(self, index: int):
         return None  # (leaves a mask leaves out are not among the active ones)
 
+    def running_out(self, index: int, name: str, value) -> None:
+        item = value.items[0] if isinstance(value, eager.Vec) else value
+        self.running[name] = torch.as_tensor(item, dtype=torch.float32,
+                                             device=self.us[0].device)
+
     def slot_out(self, index: int, name: str, value) -> None:
         if any(s.per_leaf and s.name == name for s in self.rule.slots):
             self.slots[name] = _as_leaf_items(value, self.us)
             return
         self.slots[name] = _as_elem_items(value, self.us)
+
+
+def getattr_running(carried: dict | None, name: str):
+    """The old value of running scalar ``name`` as the body read it (``carried``)."""
+    return None if carried is None else carried.get(name)
 
 
 def element_index(u: torch.Tensor, start: int = 0) -> torch.Tensor:

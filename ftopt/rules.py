@@ -5,16 +5,22 @@ scalars derived from them (bias corrections and the like, computed once per step
 step count ``t``) and a ``body(o, x) -> (u, new_slots)``: plain arithmetic over the values
 in ``x`` (``x.u``, ``x.p``, ``x.<slot>``, ``x.<scalar>``) and the ``o`` namespace
 (``sqrt``, ``cbrt``, ``abs``, ``sign``, ``where``, ``maximum``, ``minimum``, ``lerp``,
-``log``, ``cos``, ``sin``, ``leaf_norm``, ``global_norm``; and 32-bit unsigned integer ops
-for counter-based random numbers: ``u32``, ``xor``, ``shr``, ``mul32``, ``add32``,
-``to_float``, and ``paired(fn, x.index, *args)``: ``fn(o, k, *args) -> (even, odd)``
-computed once per pair ``k`` of element positions (2k, 2k + 1), each element taking its
-own of the two). A rule may also keep **running scalars**: 0-d fp32 tensors of its state
+``log``, ``cos``, ``sin``, ``leaf_norm``, ``global_norm``, ``global_sum``; and 32-bit
+unsigned integer ops for counter-based random numbers: ``u32``, ``xor``, ``shr``,
+``mul32``, ``add32``, ``to_float``, and ``paired(fn, x.index, *args)``:
+``fn(o, k, *args) -> (even, odd)`` computed once per pair ``k`` of element positions
+(2k, 2k + 1), each element taking its own of the two). A rule may also keep **running
+scalars**: 0-d fp32 tensors of its state
 (next to the step count) that ``rule.advance`` moves once per step, with torch ops on
 their device (no host read), giving the body per-step scalars that depend on the whole
-history (Schedule-Free's averaging weight). The eager backend evaluates the body on
-tensors (:mod:`ftopt.eager`); the fused backend evaluates it on symbols and prints a
-Triton kernel (:mod:`ftopt.lowering`).
+history (Schedule-Free's averaging weight). A body may also return new values of its
+running scalars (in its dict of new slots, under their names): values of this step that
+depend on global reductions (Prodigy's estimate); the fused main kernel stores them
+(program 0), and ``advance`` then leaves them out of its new values. A body reads
+``x.skip``: where the chain skips zero gradients, the mask of the skipped elements
+(``None`` elsewhere), so a reduction of a state can see the state as kept. The eager
+backend evaluates the body on tensors (:mod:`ftopt.eager`); the fused backend evaluates
+it on symbols and prints a Triton kernel (:mod:`ftopt.lowering`).
 
 :class:`ftopt.rule_transform.RuleTransform` turns a rule into a
 ``GradientTransformation`` (the state layout: 32-bit or 8-bit blockwise slots, the step

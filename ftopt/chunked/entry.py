@@ -110,5 +110,8 @@ class ChunkAlgebra:
     def leaf_flag(self, index: int):
         return None
 
+    def running_out(self, index: int, name: str, value) -> None:
+        raise NotTraceable("a running scalar computed by the body")
+
     def slot_out(self, index: int, name: str, value) -> None:
         self.results["s:" + name] = value

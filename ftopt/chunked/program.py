@@ -412,3 +412,6 @@ class TraceOps:
 
     def global_norm(self, x):
         raise NotTraceable("global_norm reduces over all leaves")
+
+    def global_sum(self, x):
+        raise NotTraceable("global_sum reduces over all leaves")

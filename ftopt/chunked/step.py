@@ -296,6 +296,9 @@ class _StepAlgebra:
     def leaf_flag(self, index: int):
         return None
 
+    def running_out(self, index: int, name: str, value) -> None:
+        raise NotTraceable("a running scalar computed by the body")
+
     def slot_out(self, index: int, name: str, value) -> None:
         dtype = self.prep.slots[index][name][self.leaf].dtype
         self.prog.output(f"{index}:{name}", self.prog.convert(value, dtype))

@@ -11,7 +11,7 @@ the branch's; the kernel's address tables point each leaf at its branch's tensor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ftopt import shards
 from ftopt import tree as tree_lib
@@ -27,10 +27,6 @@ class Selection:
 
     stage_of: list  # [position][leaf] -> stage index or None
     values: dict  # (position, "branch" or "mask") -> [leaf] -> float
-    # Per-leaf values computed on the device this step (a dividing stage's divisors,
-    # see lowering.segments): key -> [(leaf indices, fp32 vector of their values)]; they
-    # replace the host ``values`` of those leaves in the kernel's table.
-    device_values: dict = field(default_factory=dict)
 
     def row(self, keys: list, leaf: int) -> list[float]:
         return [self.values[key][leaf] for key in keys]

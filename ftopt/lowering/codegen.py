@@ -59,12 +59,14 @@ class TracedChain:
     # ``st{i}_{name}`` of the per-leaf slots (one 0-d fp32 tensor per leaf, never 8 or 16
     # bits): loaded once per program, stored by the first program of each leaf.
     leaf_slots: set = field(default_factory=set)
+    # ``(run{i}_{name}, node)`` of the running scalars a body computes (a global value of
+    # this step, :attr:`ftopt.rules.Rule.running`): lane 0 of program 0 stores each.
+    running_stores: list = field(default_factory=list)
 
 
 def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
                 output: str = "p", seeded: bool | str = False, positions: list | None = None,
-                flagged: list | None = None, owner_skips: list | None = None,
-                divided: bool | str = False) -> TracedChain:
+                flagged: list | None = None, owner_skips: list | None = None) -> TracedChain:
     """Runs every position's body on symbols, feeding each position's ``u`` to the next.
 
     ``skips[i]``: stage ``i`` is inside a skip_zeros chain; its update is zero and its
@@ -72,8 +74,7 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     ``positions[k]``: the stages (alternatives, one per partition branch) at step ``k``
     (default: stage ``k`` alone); ``flagged[k]``: position ``k`` reads a per-leaf flag
     (a mask leaves some leaves out: their ``u`` passes through); ``owner_skips[k]``: its
-    skip_zeros applies to the leaves the flag keeps only. ``divided``: the first input is
-    divided, correctly rounded as eager, by the leaf's divisor (:attr:`ChainPlan.divided`).
+    skip_zeros applies to the leaves the flag keeps only.
     """
     if positions is None:
         positions = [(i,) for i in range(len(stages))]
@@ -83,7 +84,7 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     stage_skips, skips = skips, [skips[pos[0]] for pos in positions]
     g = Graph()
     g.add("tl.load(g_ptr + offs{GMASK}).to(tl.float32)", (), "elem", name="g")
-    masking = any(skips) or divided == "skip"
+    masking = any(skips)
     zero_node = g.add("g == 0.0", ("g",), "elem", name="zero") if masking else None
     # -0.0 where g is zero (the skipped update: p + (-0.0) is p for every p, -0.0 too),
     # computed from g: a -0.0 literal in the source loses its sign in some Triton
@@ -111,12 +112,6 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     elif seeded:
         first = g.add("tl.load(x_ptr + offs{LMASK})", ("keep",) if in_place else (), "elem",
                       name="x")
-    if divided:
-        divisor = g.leaf_value(None, "divisor")
-        first = g.add(f"tl.div_rn({first.name}, {divisor.name})", (first.name, divisor.name),
-                      "elem")
-        if divided == "skip" and not in_place:
-            first = algebra.select(zero_node, neg_zero, first)
     # (In place, zero-gradient lanes are neither loaded nor stored: no selects.)
     u = program.trace_chain([stages[pos[0]] for pos in positions], skips, algebra, first,
                             selects=not in_place, zero_from=g.sym("g"),
@@ -126,12 +121,11 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     else:
         traced.stores.append(("u_out", _as_name(u, g)))
     traced.levels = max((r.level for r in g.reductions), default=0)
-    if in_place and (g.reductions or traced.leaf_slots):
+    if in_place and (g.reductions or traced.leaf_slots or traced.running_stores):
         # Norms (of p, say) need every lane loaded, and a per-leaf slot's skip_zeros reads
         # a norm (of the non-zero lanes): select old values instead.
         return trace_chain(stages, stage_skips, donate=False, output=output, seeded=seeded,
-                           positions=positions, flagged=flagged, owner_skips=owner_skips,
-                           divided=divided)
+                           positions=positions, flagged=flagged, owner_skips=owner_skips)
     return traced
 
 
@@ -212,6 +206,9 @@ class _SymbolicAlgebra:
 
     def slot_out(self, index: int, name: str, value) -> None:
         self.traced.stores.append((f"st{index}_{name}_out", _as_name(value, self.graph)))
+
+    def running_out(self, index: int, name: str, value) -> None:
+        self.traced.running_stores.append((f"run{index}_{name}", _as_name(value, self.graph)))
 
 
 def _as_name(value, g: Graph) -> str:
@@ -334,6 +331,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     roles = input_roles(traced, quant) + output_roles(traced, quant)
     dtypes = role_dtypes(traced, variant)
     nodes = traced.graph.closure([node for _, node in traced.stores]
+                                 + [node for _, node in traced.running_stores]
                                  + list(traced.slot_flags.values()))
     bodies = [_body_and_stores(traced, nodes, lanes.masks(traced, tail), variant, dtypes, tail)
               for tail in (False, True)]
@@ -343,7 +341,9 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
         body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0) != 0.0)"
                 ".to(tl.int32)) > 0:"] + ["    " + x for x in body]
     lines = _prelude(roles, dtypes, variant) + count_lines + body
-    sig = _signature(roles, count_args, len(traced.graph.scalars), variant, ("COUNT",))
+    running_args = [f"{role}_ptr" for role, _ in traced.running_stores]
+    sig = _signature(roles, count_args + running_args, len(traced.graph.scalars), variant,
+                     ("COUNT",))
     return _kernel("ftopt_main", sig, lines, traced.graph.helpers)
 
 
@@ -351,6 +351,9 @@ def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
                      dtypes: dict, tail: bool) -> list[str]:
     signs = slot_signs(traced) if variant.quant_block else {}
     lines = _body_lines(traced, nodes, masks, variant, tail)
+    for role, node in traced.running_stores:  # (every group's program 0: the same value)
+        lines.append(f"tl.store({role}_ptr + offs * 0, tl.full([BLOCK], 0.0, tl.float32) + "
+                     f"{node}, mask=offs == tl.where(pid == 0, 0, -1))")
     stores: list[str] = []
     for role, node in traced.stores:
         value = node
@@ -393,7 +396,8 @@ def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
         lines = _body_lines(traced, nodes, lanes.masks(traced, tail), variant, tail)
         for j, red in enumerate(reductions):
             x = red.source
-            square = f"({x} * {x} + tl.zeros([BLOCK], tl.float32))"
+            square = (f"({x} * {x} + tl.zeros([BLOCK], tl.float32))" if red.square
+                      else f"({x} + tl.zeros([BLOCK], tl.float32))")
             if tail:
                 square = f"tl.where(in_range, {square}, 0.0)"
             lines.append(f"tl.store(partials_ptr + pid * {len(reductions)} + {j}, "

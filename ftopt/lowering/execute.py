@@ -109,7 +109,6 @@ class PreparedStep:
                     ] or [[0.0]]
             group.leaf_values = torch.tensor(rows, dtype=torch.float32).reshape(-1).to(
                 self.device)
-            _write_device_values(group, traced.graph.leaf_values, selection)
             self.groups.append(group)
         self.n_leaves = len(g_flat)
         self.inactive = [i for i in range(len(g_flat)) if g_flat[i] is None]
@@ -224,13 +223,16 @@ class PreparedStep:
         self.check.record(grad_pointers)
         return True
 
-    def launch(self, scalars, count_pairs) -> None:
+    def launch(self, scalars, count_pairs, running: list = ()) -> None:
+        """``running``: where the kernels store the running scalars the bodies compute
+        (:func:`running_targets`)."""
         traced = self.traced
         bound = self._bound
+        pairs = [*count_pairs, *running]
         if (bound is not None and bound[0] == isinstance(scalars, list)
                 and bound[3] == launch.switches()
-                and len(bound[1]) == len(count_pairs)
-                and all([a is b for a, b in zip(bound[1], count_pairs)])):
+                and len(bound[1]) == len(pairs)
+                and all([a is b for a, b in zip(bound[1], pairs)])):
             # The same tensors as the last launch (a donated step over checked memory):
             # the bound launches, with this step's scalars.
             args = scalars if bound[0] else (scalars,)
@@ -243,14 +245,14 @@ class PreparedStep:
             leaf_bufs, global_buf = launch.run_reductions(traced, self.groups, scalars,
                                                           self.device)
             if not launch.run_main(traced, self.groups, scalars, leaf_bufs, global_buf,
-                                   count_pairs, self.device):
+                                   count_pairs, self.device, running):
                 increment(count_pairs)
             self._copy_back()
         if self.donate:
             launches = launch.bind_main(traced, self.groups, scalars, count_pairs,
-                                        self.device)
+                                        self.device, running)
             self._bound = (None if not launches else
-                           (isinstance(scalars, list), list(count_pairs), launches,
+                           (isinstance(scalars, list), pairs, launches,
                             launch.switches()))
 
 
@@ -259,23 +261,21 @@ class PreparedStep:
             torch._foreach_copy_(*self.copy_back)
 
 
-def _write_device_values(group, keys: list, selection: branches.Selection) -> None:
-    """Puts this step's per-leaf values computed on the device (a dividing stage's
-    divisors, :attr:`branches.Selection.device_values`) into the group's table: one copy
-    per key and part whatever the number of leaves, no host read."""
-    if not selection.device_values:
-        return
-    table = group.leaf_values.view(len(group.leaves), len(keys))
-    position = {leaf: j for j, leaf in enumerate(group.leaves)}
-    for column, key in enumerate(keys):
-        for leaves, values in selection.device_values.get(key, ()):
-            if leaves == group.leaves:
-                table[:, column].copy_(values)
-                continue
-            pairs = [(position[leaf], j) for j, leaf in enumerate(leaves) if leaf in position]
-            if pairs:
-                rows, picks = zip(*pairs)
-                table[list(rows), column] = values[list(picks)]
+def running_targets(plan: ChainPlan, traced, stage_states, running, donate: bool) -> list:
+    """The 0-d tensors the main kernels store the running scalars a body computes in
+    (``traced.running_stores``, in order): a donated step's own state tensors (the kernels
+    read the old values from the scalars, copied before), else new ones, put in
+    ``running`` (per stage, the new running values) too."""
+    out = []
+    for role, _ in traced.running_stores:
+        position, name = role[3:].split("_", 1)
+        stage = plan.positions[int(position)][0]
+        old = getattr(stage_states[stage], name)
+        target = old if donate else torch.empty((), dtype=torch.float32, device=old.device)
+        if running is not None:
+            running[stage][name] = target
+        out.append(target)
+    return out
 
 
 def _quant_block(plan: ChainPlan, slot_flat, i: int) -> int:
@@ -359,10 +359,13 @@ def fast_step(plan: ChainPlan, params, grads, state):
                                      _uses_tensors(plan, hparams), prepared.device,
                                      prepared.counts_in_kernel)
     carried = None
+    running = ()
     if plan.running:
-        carried, _ = advance_running(plan, planned_states(plan, state), steps, True)
+        states = planned_states(plan, state)
+        carried, _ = advance_running(plan, states, steps, True)
+        running = running_targets(plan, prepared.traced, states, None, True)
     prepared.launch(kernel_scalars(plan, prepared.traced, steps, prepared.device, hparams,
-                                   carried), pairs)
+                                   carried), pairs, running)
     return params, state
 
 
@@ -406,9 +409,10 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
                                 branches.merged_slots(plan, selection, slot_out), active,
                                 selection, donate, output, x_flat)
         prepared.launch(kernel_scalars(plan, prepared.traced, steps, device, hparams,
-                                       carried), pairs)
+                                       carried), pairs,
+                        running_targets(plan, prepared.traced, stage_states, running, donate))
         # (Not a segment after a stage: its per-leaf values and inputs change with each step.)
-        if donate and output == "p" and not plan.seeded and not plan.divided:
+        if donate and output == "p" and not plan.seeded:
             prepared.spec = spec
             prepared.flat_getter = flat_dict_getter(params)
             prepared.flat_len = len(params) if prepared.flat_getter else 0
@@ -420,6 +424,11 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
             plan.prepared = prepared
     else:
         increment(pairs)
+    if running is not None:  # (running scalars a body writes and no kernel ran: kept)
+        for stage, st, values in zip(plan.stages, stage_states, running):
+            for name in stage.rule.running:
+                if name not in values:
+                    values[name] = getattr(st, name) if donate else getattr(st, name).clone()
     new_params = tree_lib.unflatten(spec, p_out)
     new_states = []
     for k, (stage, st, slots, count) in enumerate(zip(plan.stages, stage_states, slot_out,

@@ -25,6 +25,7 @@ from ftopt.lowering.execute import (
     PreparedStep,
     _uses_tensors,
     misaligned,
+    running_targets,
 )
 from ftopt.lowering.flat import flat_dict_getter, flat_dict_leaves
 from ftopt.lowering.plan import planned_states
@@ -278,7 +279,8 @@ def fast_functional(plan, params, grads, state, output: str):
             for i, view in zip(group.leaves, views):
                 target[i] = view
         _upload(group, addresses, device)
-    prep.launch(kernel_scalars(plan, traced, steps, device, hparams, carried), pairs)
+    prep.launch(kernel_scalars(plan, traced, steps, device, hparams, carried), pairs,
+                running_targets(plan, traced, stage_states, running, False))
     new_states = []
     for k, (stage, st, slots, count) in enumerate(zip(plan.stages, stage_states, slot_out,
                                                       new_counts)):

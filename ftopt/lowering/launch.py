@@ -316,10 +316,12 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 
 def run_main(traced, groups: list[GroupLaunch], scalars, leaf_bufs, global_buf,
-             counts: list, device: torch.device) -> bool:
+             counts: list, device: torch.device, running: list = ()) -> bool:
     """Launches the main kernel of every group; the first launch also increments the
     step counts (``counts``: old and new count tensor of each counted stage, all on
-    ``device``). Returns whether they were incremented (no launch if no group has work).
+    ``device``); ``running``: the 0-d fp32 tensors the kernels store the running scalars
+    a body computes in (``traced.running_stores``, in order). Returns whether they were
+    incremented (no launch if no group has work).
     """
     counts, count_key, counted = _count_args(traced, counts, device)
     launched = False
@@ -332,7 +334,8 @@ def run_main(traced, groups: list[GroupLaunch], scalars, leaf_bufs, global_buf,
         kernel = _kernel(group.traced, "main", 0, group.variant(scalars))
         constants = _constants_cached(group.traced, group.quant_block, not counted)
         _launch(kernel, (w.num_blocks,), [*group.args(roles, scalars, buf, global_buf),
-                                          *counts], constants, device, count_key)
+                                          *counts, *running], constants, device,
+                (count_key, _aligned(running)))
         counted = launched = True
     return launched
 
@@ -352,6 +355,10 @@ def _count_args(traced, counts: list, device: torch.device) -> tuple:
     return counts, key, counted
 
 
+def _aligned(tensors) -> bool:
+    return all([t.data_ptr() % 16 == 0 for t in tensors])
+
+
 @dataclass
 class BoundLaunch:
     """One group's main launch with every argument but the scalars bound
@@ -365,7 +372,7 @@ class BoundLaunch:
 
 
 def bind_main(traced, groups: list[GroupLaunch], scalars, counts: list,
-              device: torch.device) -> list | None:
+              device: torch.device, running: list = ()) -> list | None:
     """The main launches of a step with no reduction pass, bound once: per group with
     work, a :class:`BoundLaunch` whose ``runner(*before, *scalars, *after)`` is the
     launch :func:`run_main` makes with these ``counts`` (scalars as floats, or a device
@@ -388,12 +395,12 @@ def bind_main(traced, groups: list[GroupLaunch], scalars, counts: list,
         roles = _main_roles(group.traced, bool(group.quant_block))
         kernel = _kernel(group.traced, "main", 0, group.variant(scalars))
         constants = _constants_cached(group.traced, group.quant_block, not counted)
-        found = _COMPILED.get((kernel, constants, device, count_key))
+        found = _COMPILED.get((kernel, constants, device, (count_key, _aligned(running))))
         if found is None:
             return None
         compiled, tail = found
         before = [w.block_leaf, w.block_start, w.numel, *[group.addresses[r] for r in roles]]
-        after = [group.leaf_values, dummy, dummy, *group.qmaps, *counts, *tail]
+        after = [group.leaf_values, dummy, dummy, *group.qmaps, *counts, *running, *tail]
         bound.append(BoundLaunch(group, compiled[(w.num_blocks, 1, 1)], before, after,
                                  3 + roles.index("g")))
         counted = True

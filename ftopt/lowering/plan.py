@@ -56,11 +56,6 @@ class ChainPlan:
     # every leaf ("mixed": a per-leaf flag picks the input; set per call by
     # lowering.segments).
     seeded: bool | str = False
-    # A segment after a stage that divides each leaf by a per-leaf value (a stage with
-    # ``divides_leaves``, NovoGrad's): its first input is divided in the kernel by the
-    # leaf's ``divisor`` value (True), and set to -0.0 where the raw gradient is zero
-    # ("skip": the stage is skip-aware). See lowering.segments.
-    divided: bool | str = False
     # ``masked``/``partition`` (see :class:`ftopt.stages.Stages`): the stages that are
     # alternatives at each step of the program, each stage's leaf conditions, and the
     # positions some leaves pass through. ``None``: stage ``k`` is position ``k``.
@@ -93,11 +88,11 @@ class ChainPlan:
     def traced(self, donate: bool = False, output: str = "p"):
         """The chain's graph (donated steps may skip loads of zero-gradient lanes) for a
         step (``output="p"``) or an update (``"u"``)."""
-        key = (donate, output, self.seeded, self.divided)
+        key = (donate, output, self.seeded)
         if key not in self._traced:
             self._traced[key] = trace_chain(self.stages, self.skips, donate, output,
                                             self.seeded, self.positions, self.flagged,
-                                            self.owner_skips, self.divided)
+                                            self.owner_skips)
         return self._traced[key]
 
 
@@ -145,16 +140,7 @@ def _segments(found) -> list:
         if matrix is not None:
             out.append(matrix)
         start = end
-    for before, part in zip(out, out[1:]):
-        if isinstance(part, ChainPlan) and divides(before):
-            part.divided = "skip" if before[1] else True
     return out
-
-
-def divides(part) -> bool:
-    """Whether ``part`` of a segmented plan is a stage that hands per-leaf divisors to
-    the next segment's kernel (``divides_leaves``) instead of new updates."""
-    return not isinstance(part, ChainPlan) and getattr(part[0], "divides_leaves", False)
 
 
 def _sub_plan(found, start: int, end: int) -> ChainPlan:
@@ -183,10 +169,6 @@ def describe_segments(plan: ChainPlan) -> str:
             labels = [c.label for c in part[3] if c.label is not None]
             where = f" on {labels[-1]!r} leaves" if labels else (
                 " on masked leaves" if part[3] else "")
-            if divides(part):
-                items.append(f"{part[0].name} (per-leaf stage{where}: torch, one vector "
-                             "for all leaves; the next kernel divides by it)")
-                continue
             items.append(f"{part[0].name} (matrix stage{where}: torch, leaves batched by "
                          "shape)")
     return " -> ".join(items)

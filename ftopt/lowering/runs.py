@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ftopt import tree as tree_lib
 from ftopt.lowering import branches
-from ftopt.lowering.plan import ChainPlan, divides
+from ftopt.lowering.plan import ChainPlan
 
 __all__ = ["leaves_of"]
 
@@ -14,7 +14,7 @@ def leaves_of(plan: ChainPlan, spec, params, p_flat, g_flat, paths) -> list:
     """Per part of ``plan.segments``, the leaves it runs on: for a matrix stage a list
     (per leaf: it has a gradient and the stage applies to it), for a segment
     ``(selection, runs on, seeded)`` (``seeded``: the leaf's input there is an earlier
-    part's output; a dividing stage's output is its input, divided in the next kernel).
+    part's output).
     Sets each segment plan's ``seeded`` mode for this call."""
     n = len(p_flat)
     tree = params if params is not None else tree_lib.unflatten(spec, p_flat)
@@ -26,13 +26,10 @@ def leaves_of(plan: ChainPlan, spec, params, p_flat, g_flat, paths) -> list:
         if not isinstance(part, ChainPlan):
             on = branches.applying(part[3], tree, n, memo)
             on = [o and g is not None for o, g in zip(on, g_flat)]
-            if not divides(part):  # (a dividing stage passes its input through)
-                produced = [a or b for a, b in zip(produced, on)]
+            produced = [a or b for a, b in zip(produced, on)]
             out.append(on)
             continue
         selection = branches.select(part, spec, params, p_flat, paths, memo)
-        if part.divided:  # (1.0 where the stage does not run: x / 1.0 is x)
-            selection.values[(None, "divisor")] = [1.0] * n
         last = k == len(parts) - 1
         on = [g is not None and (last or any(owners[i] is not None
                                              for owners in selection.stage_of))

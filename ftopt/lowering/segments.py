@@ -16,13 +16,6 @@ branch starts in a later segment reads its raw gradient there, the others their
 previous part's output: a per-leaf flag (``seeded="mixed"``) picks, so each segment
 stays one launch per group.
 
-A stage with ``divides_leaves`` (NovoGrad's, :mod:`ftopt.transforms.novograd`) divides
-each leaf by one value of its own: it runs ``leaf_divisors`` instead of ``run_flat``,
-its input passes through, and the next segment divides that input (the raw gradient
-where no segment ran before) by the leaf's value, which the stage computed on the device
-and the per-leaf value table carries (``divisor``; 1.0 where the stage does not run): no
-torch op per leaf, no fp32 copy of the divided update.
-
 Every segment's checks run before the first kernel, so a call that cannot fuse falls
 back to the eager path with nothing written.
 """
@@ -68,20 +61,13 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
     for k, (part, mine) in enumerate(zip(parts, found)):
         if not isinstance(part, ChainPlan):
             stage, skip, path, _ = part
-            dividing = k + 1 < len(parts) and getattr(parts[k + 1], "divided", False)
-            if dividing:  # u passes through; the next kernel divides by the divisors
-                divisors, stage_state = stage.leaf_divisors(
-                    _only(u_flat, mine), _only(g_flat, mine) if skip else None,
-                    state_at(state, path), spec, paths)
-                found[k + 1][0].device_values[(None, "divisor")] = divisors
-            else:
-                if skip and zero_flat is None:
-                    zero_flat = [None if g is None else g == 0 for g in g_flat]
-                out_flat, stage_state = stage.run_flat(
-                    _only(u_flat, mine), _only(zero_flat, mine) if skip else None,
-                    state_at(state, path), p_flat, spec, paths)
-                u_flat = [u.contiguous() if on else old
-                          for u, old, on in zip(out_flat, u_flat, mine)]
+            if skip and zero_flat is None:
+                zero_flat = [None if g is None else g == 0 for g in g_flat]
+            out_flat, stage_state = stage.run_flat(
+                _only(u_flat, mine), _only(zero_flat, mine) if skip else None,
+                state_at(state, path), p_flat, spec, paths)
+            u_flat = [u.contiguous() if on else old
+                      for u, old, on in zip(out_flat, u_flat, mine)]
             if donate:
                 stage_state = _write_back(state_at(state, path), stage_state)
             state = with_state_at(state, path, stage_state)

@@ -29,12 +29,14 @@ class Node:
 
 @dataclass
 class Reduction:
-    """sum(x²) over a leaf (``scope='leaf'``) or over every leaf (``scope='global'``)."""
+    """sum(x²) over a leaf (``scope='leaf'``) or over every leaf (``scope='global'``);
+    sum(x) where ``square`` is false (``global_sum``)."""
 
     index: int
     source: str
     scope: str
     level: int
+    square: bool = True
 
 
 @dataclass
@@ -306,11 +308,15 @@ class SymOps:
     def minimum(self, a, b) -> Sym:
         return self.where(_as_sym(a, self.graph) <= b, a, b)
 
-    def _norm(self, x: Sym, scope: str) -> Sym:
+    def _norm(self, x: Sym, scope: str, square: bool = True) -> Sym:
         graph = self.graph
+        x = _as_sym(x, graph)
         level = graph.nodes[x.name].level + 1
         index = len(graph.reductions)
-        graph.reductions.append(Reduction(index, x.name, scope, level))
+        graph.reductions.append(Reduction(index, x.name, scope, level, square))
+        if not square:
+            return graph.add(f"tl.load(global_reductions_ptr + {index})", (), "scalar",
+                             level=level, name=f"r{index}")
         if scope == "leaf":
             expr = f"tl.sqrt_rn(tl.load(reductions_ptr + leaf * N_REDUCTIONS + {index}))"
             kind = "leaf"
@@ -324,6 +330,11 @@ class SymOps:
 
     def global_norm(self, x) -> Sym:
         return self._norm(x, "global")
+
+    def global_sum(self, x) -> Sym:
+        """Σ x over every element of every leaf: per-block partials in the reduction
+        pass, summed per leaf in a fixed order, then over the leaves."""
+        return self._norm(x, "global", square=False)
 
 
 def _pair_helpers(key: str, inputs: list[str], body: list[str], even: str,

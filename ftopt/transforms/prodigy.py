@@ -49,7 +49,7 @@ from ftopt.domains import NONNEG, POSITIVE, UNIT_OPEN, check_hparam
 from ftopt.matrix import check_shards, flatten_call
 from ftopt.program import skip_update
 from ftopt.rule_transform import read_slot, stored_slot, write_slot
-from ftopt.rules import QuantConfig, check_param, compute_dtype, state_dtype
+from ftopt.rules import QuantConfig, Rule, Slot, check_param, compute_dtype, state_dtype
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.validate import check_count, check_leaf, check_slots
 
@@ -346,6 +346,58 @@ def _bias_correction(b1: Any, b2: Any, t: Any, like: torch.Tensor) -> Any:
     t = torch.as_tensor(t, device=like.device).to(wide)
     b1, b2 = (torch.as_tensor(b, device=like.device).to(wide) for b in (b1, b2))
     return (torch.sqrt(1 - b2 ** t) / (1 - b1 ** t)).to(like.dtype)
+
+
+def _bias_scalars(t, h) -> dict:
+    """``lr_bc`` = lr·√(1 − b2ᵗ)/(1 − b1ᵗ), in float64 (a device tensor where the count is)."""
+    if isinstance(t, torch.Tensor) or any(isinstance(h[k], torch.Tensor)
+                                          for k in ("b1", "b2")):
+        b1, b2 = (torch.as_tensor(h[k], dtype=torch.float64) for k in ("b1", "b2"))
+        bc = torch.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+    else:
+        bc = math.sqrt(1 - h["b2"] ** t) / (1 - h["b1"] ** t)
+    return {"lr_bc": h["learning_rate"] * bc}
+
+
+def _carry(t, h, old) -> tuple[dict, dict]:
+    """The old estimate and numerator, read by the body, which computes the new ones."""
+    return {"estim_lr": old["estim_lr"], "numerator_weighted": old["numerator_weighted"]}, {}
+
+
+def _body(safeguard: bool):
+    def body(o, x):
+        est = x.estim_lr
+        dlr = est * x.lr_bc
+        dg = est * x.u
+        m = x.b1 * x.exp_avg + (1 - x.b1) * dg
+        v = x.b2 * x.exp_avg_sq + (1 - x.b2) * (dg * dg)
+        s = x.b3 * x.grad_sum + (dg * (est if safeguard else dlr)) * (1.0 / x.estim_lr0)
+        # Σ|s| over the state as kept: a skipped element adds its old |s|.
+        kept = s if x.skip is None else o.where(x.skip, x.grad_sum, s)
+        dot = o.global_sum(x.u * (x.params0 - x.p))
+        l1 = o.global_sum(o.abs(kept))
+        num = x.b3 * x.numerator_weighted + (est / x.estim_lr0) * dlr * dot
+        new_est = o.maximum(est, x.estim_lr_coef * num / l1)
+        u = (dlr * -1.0) * m / (o.sqrt(v) + new_est * x.eps) - x.weight_decay * dlr * x.p
+        return u, {"exp_avg": m, "exp_avg_sq": v, "grad_sum": s, "params0": x.params0,
+                   "estim_lr": new_est, "numerator_weighted": num}
+    return body
+
+
+def prodigy_rule(learning_rate, b1, b2, b3, eps, estim_lr0: float, estim_lr_coef,
+                 weight_decay, safeguard_warmup: bool) -> Rule:
+    """Prodigy as one elementwise rule (the module docstring's math): Σ g·(x0 − p) and
+    Σ|s| are global sums (``o.global_sum``: the fused reduction pass), E and num running
+    scalars the body computes from them (the fused main kernel stores them)."""
+    return Rule(
+        "scale_by_prodigy", _body(bool(safeguard_warmup)), state_class=ProdigyState,
+        slots=(Slot("exp_avg"), Slot("exp_avg_sq", signed=False), Slot("grad_sum"),
+               Slot("params0", from_params=True)),
+        hparams={"learning_rate": learning_rate, "b1": b1, "b2": b2, "b3": b3, "eps": eps,
+                 "estim_lr0": float(estim_lr0), "estim_lr_coef": estim_lr_coef,
+                 "weight_decay": weight_decay},
+        scalars=_bias_scalars, counted=True, uses_params=True,
+        running={"estim_lr": "estim_lr0", "numerator_weighted": 0.0}, advance=_carry)
 
 
 def scale_by_prodigy(
