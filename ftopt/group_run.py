@@ -27,7 +27,7 @@ import torch
 from ftopt import param_groups
 from ftopt.base import GradientTransformation, check_transform
 
-__all__ = ["GroupRun", "NUMERIC", "check_number", "is_live", "params_tree"]
+__all__ = ["GroupRun", "Lane", "NUMERIC", "check_number", "is_live", "params_tree"]
 
 # Hyperparameters that must be real numbers >= 0 when a group holds them (torch's and
 # ftopt's names); checked before each step where they changed (schedulers write them).
@@ -201,6 +201,31 @@ class GroupRun:
             self.tree = params_tree(group)
             self._tree_of = (tuple(params), None if names is None else list(names))
         return self.tree
+
+
+class Lane:
+    """All of an optimizer's groups stepped as one donated fused step (their partition,
+    or the one group), bound to its param and state tensors (``bound``: the fused
+    backend's ``bind_step``), and the objects it was bound over: while every group steps
+    with the same transform, state tree and params tree (the params by identity, see
+    :meth:`GroupRun.params_tree`), and the groups' partition is the same (``source``;
+    ``None`` for one group), a step only reads the gradients and hands them to
+    ``bound``, which checks every tensor before it launches."""
+
+    __slots__ = ("held", "source", "bound")
+
+    def __init__(self, runs: list, source: Any, bound: Any):
+        self.held = tuple((run.tx, run.state, run.tree) for run in runs)
+        self.source, self.bound = source, bound
+
+    def holds(self, runs: list, groups: list, source: Any) -> bool:
+        """Whether the groups still step with the objects the lane was bound over."""
+        if source is not self.source or len(runs) != len(self.held):
+            return False
+        for run, group, (tx, state, tree) in zip(runs, groups, self.held):
+            if run.tx is not tx or run.state is not state or run.params_tree(group) is not tree:
+                return False
+        return True
 
 
 def _in_place(key: str, value: Any) -> bool:

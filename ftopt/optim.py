@@ -11,9 +11,9 @@ from typing import Any
 import optree
 import torch
 
-from ftopt import param_groups
+from ftopt import dispatch, param_groups
 from ftopt.base import GradientTransformation, check_transform
-from ftopt.group_run import GroupRun, params_tree
+from ftopt.group_run import GroupRun, Lane, params_tree
 from ftopt.param_state import param_views, plan_load
 from ftopt.step_hooks import hooked
 from ftopt.update import step as ftopt_step
@@ -140,6 +140,7 @@ class Optimizer(torch.optim.Optimizer):
         self._backend = backend
         self._runs: list[GroupRun] = []
         self._joiner = param_groups.GroupJoiner()
+        self._lane: Lane | None = None  # the last step, bound to its tensors (see step)
         super().__init__(params, defaults)
 
     def _rename(self, hparams: dict, where: str) -> dict:
@@ -203,6 +204,21 @@ class Optimizer(torch.optim.Optimizer):
         copy_in = [runs[i].refresh(groups[i], keys, self._factory,
                                    f"ftopt.Optimizer.step: param group {i}")
                    for i, keys in stale]
+        lane = self._lane
+        if lane is not None:
+            # The last step's tables, bound to the same groups' tensors: the gradients in
+            # leaf order, every tensor checked (fits), this step's scalars, the launch.
+            bound = lane.bound
+            if (lane.holds(runs, groups, self._joiner.joined)
+                    and not torch.compiler.is_compiling()
+                    and bound.fits(list(map(_grad_of, bound.params)))):
+                for (i, keys), copy in zip(stale, copy_in):
+                    if copy:  # (every group has gradients: the tables' leaves have)
+                        runs[i].copy_live(groups[i], copy)
+                    runs[i].remember(groups[i], keys)
+                bound.launch()
+                return loss
+            self._lane = None
         grads_of = [list(map(_grad_of, group["params"])) for group in groups]
         for (i, keys), copy in zip(stale, copy_in):
             if not copy or any(map(operator.is_not, grads_of[i], repeat(None))):
@@ -214,6 +230,9 @@ class Optimizer(torch.optim.Optimizer):
         if fresh is not None:
             for index in fresh:
                 self._show_state(index)
+            joined = self._joiner.joined
+            if joined is not None and joined.reason is None:
+                self._bind(joined.tx, joined.params, joined.state)
             return loss
         for index, (run, group, grads) in enumerate(zip(runs, groups, grads_of)):
             if not any(map(operator.is_not, grads, repeat(None))):
@@ -232,7 +251,20 @@ class Optimizer(torch.optim.Optimizer):
             run.state = state
             if fresh:
                 self._show_state(index)
+        if len(runs) == 1 and runs[0].state is not None:
+            self._bind(runs[0].tx, runs[0].tree, runs[0].state)
         return loss
+
+    def _bind(self, tx: GradientTransformation, params: Any, state: Any) -> None:
+        """Bind the step just taken to its tensors (:class:`ftopt.group_run.Lane`), where
+        it was a donated fused step whose tables the next step may use."""
+        fused = dispatch.loaded("fused") if self._backend != "eager" else None
+        if fused is None or getattr(getattr(tx.update, "__self__", None), "wrapper_step",
+                                    None) is not None:
+            return  # (a wrapper steps its inner transform, with its own bookkeeping)
+        bound = fused.bind_step(tx, params, state, self._backend)
+        if bound is not None and bound.fits(list(map(_grad_of, bound.params))):
+            self._lane = Lane(self._runs, self._joiner.joined, bound)
 
     def _show_state(self, index: int) -> None:
         """Point ``self.state[p]`` at the group's state tensors (see :mod:`param_state`)."""
@@ -294,6 +326,7 @@ class Optimizer(torch.optim.Optimizer):
         self.param_groups[:] = groups
         self._runs[:] = runs
         self._joiner.joined = None
+        self._lane = None
         self.state.clear()
         for index, run in enumerate(runs):
             if run.state is not None:

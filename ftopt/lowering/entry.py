@@ -15,7 +15,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.combine import owner
-from ftopt.lowering import execute, functional, segments
+from ftopt.lowering import bound, execute, functional, segments
 from ftopt.lowering.calls import checked_call, launch_call, with_stage_states
 from ftopt.lowering.plan import (
     SEPARATE_OUTPUTS,
@@ -25,7 +25,7 @@ from ftopt.lowering.plan import (
 )
 from ftopt.stages import check_state_tree
 
-__all__ = ["step", "update", "cached_step", "cached_update", "has_prepared_step"]
+__all__ = ["step", "update", "cached_step", "cached_update", "has_prepared_step", "bind_step"]
 
 
 def cached_step(tx, params, grads, state, donate: bool, backend: str):
@@ -54,6 +54,12 @@ def has_prepared_step(tx, backend: str) -> bool:
     prepared = plan.prepared
     return (not plan.reason and prepared is not None and prepared.donate
             and fast_path_allowed(prepared, backend))
+
+
+def bind_step(tx, params, state, backend: str) -> bound.BoundStep | None:
+    """The donated step of ``tx`` bound to the tensors of ``params`` and ``state``
+    (:mod:`ftopt.lowering.bound`), or ``None``."""
+    return bound.bind(tx, params, state, backend)
 
 
 def step(tx, params, grads, state, donate: bool, backend: str, *, cached: bool = True):

@@ -336,6 +336,13 @@ def fast_step(plan: ChainPlan, params, grads, state):
             return None
     if not prepared.still_valid(p_flat, s_flat, g_flat):
         return None
+    launch_prepared(plan, prepared, state)
+    return params, state
+
+
+def launch_prepared(plan: ChainPlan, prepared: PreparedStep, state) -> None:
+    """The donated step over tables that :meth:`PreparedStep.still_valid` has just
+    accepted: counts, this step's scalars, the (bound) launches."""
     hparams = host_hparams(plan, prepared.device)
     steps, _, pairs = advance_counts(plan, prepared.counts, True,
                                      _uses_tensors(plan, hparams), prepared.device,
@@ -345,7 +352,6 @@ def fast_step(plan: ChainPlan, params, grads, state):
         carried, _ = advance_running(plan, planned_states(plan, state), steps, True)
     prepared.launch(kernel_scalars(plan, prepared.traced, steps, prepared.device, hparams,
                                    carried), pairs)
-    return params, state
 
 
 def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active,
@@ -415,4 +421,4 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
     return new_params, new_states, prepared
 
 
-__all__ = ["execute", "fast_step", "output_roles"]
+__all__ = ["execute", "fast_step", "launch_prepared", "output_roles"]

@@ -1,0 +1,68 @@
+"""A donated fused step bound to the tensors of its caller's params and state.
+
+:func:`ftopt.lowering.execute.fast_step` re-reads a donated step's trees on every call:
+the params and the state's slots flattened through cached getters, the gradients' tree
+the same way. A caller that owns its params and state and keeps them as the same objects
+from one step to the next (:class:`ftopt.Optimizer`, whose param groups hold the params
+and whose state trees no one else sees) can hold those lists instead: :func:`bind`
+flattens them once, after a step that built or reused the tables, and each later step
+hands only the gradients, in leaf order. The tensor check stays whole: every param,
+state and gradient tensor's pointer, shape, strides, dtype and device is checked against
+the tables on every step (:meth:`ftopt.lowering.execute.PreparedStep.still_valid`), and a
+step that fails it is not launched: the caller then takes its full path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+
+from ftopt.lowering import execute
+from ftopt.lowering.plan import ChainPlan, fast_path_allowed, plan_chain
+
+__all__ = ["BoundStep", "bind"]
+
+
+class BoundStep:
+    """The tables of ``tx``'s last donated step and the param and state tensors they
+    point at. ``params``: the params in leaf order (the order :meth:`fits` wants the
+    gradients in)."""
+
+    __slots__ = ("plan", "prepared", "params", "states", "state", "backend")
+
+    def __init__(self, plan: ChainPlan, prepared: execute.PreparedStep, params: tuple,
+                 states: list, state: Any, backend: str):
+        self.plan, self.prepared = plan, prepared
+        self.params, self.states, self.state = params, states, state
+        self.backend = backend
+
+    def fits(self, grads: list) -> bool:
+        """Whether a step may launch with ``grads`` (one per param, in leaf order; ``None``
+        where a param has none): the tables are still the plan's, the backend still
+        allows the cached path, and every tensor passes the check (the gradients'
+        addresses are then the tables')."""
+        prepared = self.prepared
+        return (self.plan.prepared is prepared and fast_path_allowed(prepared, self.backend)
+                and prepared.still_valid(self.params, self.states, grads))
+
+    def launch(self) -> None:
+        """The step, after :meth:`fits` accepted this step's gradients."""
+        execute.launch_prepared(self.plan, self.prepared, self.state)
+
+
+def bind(tx: Any, params: Any, state: Any, backend: str) -> BoundStep | None:
+    """The donated step of ``tx`` over the tables its last step used, bound to the
+    tensors of ``params`` and ``state`` (the trees that step was given), or ``None``
+    where there are no such tables (a step that did not fuse, or that fused on a path
+    that keeps none)."""
+    plan = plan_chain(tx)
+    prepared = plan.prepared
+    if (plan.reason or prepared is None or not prepared.donate or prepared.check is None
+            or not fast_path_allowed(prepared, backend)):
+        return None
+    states = prepared.state_tensors(state)
+    if states is None:
+        return None
+    leaves = tuple(optree.tree_leaves(params, none_is_leaf=False, namespace="ftopt"))
+    return BoundStep(plan, prepared, leaves, states, state, backend)
