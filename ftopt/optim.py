@@ -211,7 +211,7 @@ class Optimizer(torch.optim.Optimizer):
             bound = lane.bound
             if (lane.holds(runs, groups, self._joiner.joined)
                     and not torch.compiler.is_compiling()
-                    and bound.fits(list(map(_grad_of, bound.params)))):
+                    and bound.fits(bound.grads())):
                 for (i, keys), copy in zip(stale, copy_in):
                     if copy:  # (every group has gradients: the tables' leaves have)
                         runs[i].copy_live(groups[i], copy)
@@ -263,7 +263,7 @@ class Optimizer(torch.optim.Optimizer):
                                     None) is not None:
             return  # (a wrapper steps its inner transform, with its own bookkeeping)
         bound = fused.bind_step(tx, params, state, self._backend)
-        if bound is not None and bound.fits(list(map(_grad_of, bound.params))):
+        if bound is not None and bound.fits(bound.grads()):
             self._lane = Lane(self._runs, self._joiner.joined, bound)
 
     def _show_state(self, index: int) -> None:

@@ -116,7 +116,15 @@ def bound_launches(monkeypatch):
 
 
 @pytest.mark.parametrize("joined", [False, True], ids=["one group", "two groups"])
-def test_changes_between_bound_steps_reach_the_next_step(joined, bound_launches):
+@pytest.mark.parametrize("native_grads", [False, True], ids=["python", "native"])
+def test_changes_between_bound_steps_reach_the_next_step(joined, native_grads,
+                                                         bound_launches, request,
+                                                         monkeypatch):
+    """Gradients read from Python, or in one native call (where it is built)."""
+    if native_grads:
+        request.getfixturevalue("native_checks")
+    else:
+        monkeypatch.setattr(bound.native, "module", lambda start=True: None)
     run = Run(joined, 1)
     run.step()
     run.step()
@@ -134,6 +142,7 @@ def test_changes_between_bound_steps_reach_the_next_step(joined, bound_launches)
     g0.data = torch.randn(g0.shape, generator=run.gen).to(DEVICE)
     run.step_as_is()
     assert len(bound_launches) == 5
+    assert (run.opt._lane.bound.reader is not None) == native_grads
     run.check()
 
 

@@ -14,14 +14,19 @@ step that fails it is not launched: the caller then takes its full path.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import optree
+import torch
 
-from ftopt.lowering import execute
+from ftopt.lowering import execute, native
 from ftopt.lowering.plan import ChainPlan, fast_path_allowed, plan_chain
 
 __all__ = ["BoundStep", "bind"]
+
+_grad_of = operator.attrgetter("grad")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # (no ``grad`` getter of their own)
 
 
 class BoundStep:
@@ -29,13 +34,27 @@ class BoundStep:
     point at. ``params``: the params in leaf order (the order :meth:`fits` wants the
     gradients in)."""
 
-    __slots__ = ("plan", "prepared", "params", "states", "state", "backend")
+    __slots__ = ("plan", "prepared", "params", "states", "state", "backend", "plain",
+                 "reader")
 
     def __init__(self, plan: ChainPlan, prepared: execute.PreparedStep, params: tuple,
                  states: list, state: Any, backend: str):
         self.plan, self.prepared = plan, prepared
         self.params, self.states, self.state = params, states, state
         self.backend = backend
+        self.plain = all(type(p) in _PLAIN for p in params)
+        self.reader = None  # the native ``grads`` (see grads)
+
+    def grads(self) -> list:
+        """The params' gradients in leaf order (``None`` where a param has none): read in
+        one native call where the extension is loaded and every param is a plain tensor
+        or ``nn.Parameter`` (~15 ns a param, against ~70 ns for ``p.grad`` from Python),
+        else from Python."""
+        reader = self.reader
+        if reader is None and self.plain:
+            reader = self.reader = getattr(native.module(start=False), "grads", None)
+        return reader(self.params) if reader is not None else list(map(_grad_of,
+                                                                        self.params))
 
     def fits(self, grads: list) -> bool:
         """Whether a step may launch with ``grads`` (one per param, in leaf order; ``None``
