@@ -148,6 +148,12 @@ class GroupRun:
         copy = []
         for key in keys:
             value = group[key]
+            if type(value) is float and key in live and key != "betas":
+                # (a scheduler's new number: checked here, copied in by copy_live)
+                if not math.isfinite(value) or (value < 0 and key in NUMERIC):
+                    check_number(where, key, value)
+                copy.append(key)
+                continue
             if key in live:
                 if not _fits(key, value, live[key]):
                     break
@@ -157,7 +163,8 @@ class GroupRun:
         else:
             for key in copy:
                 value = group[key]
-                if key == "betas" or not isinstance(value, torch.Tensor):
+                if type(value) is not float and (key == "betas"
+                                                 or not isinstance(value, torch.Tensor)):
                     check_number(where, key, value)
             return tuple(copy)
         self.build(group, factory, None, where)
@@ -166,8 +173,14 @@ class GroupRun:
     def copy_live(self, group: dict, keys: tuple) -> None:
         """The group's current values of the live ``keys`` into their tensors (skipped
         where unchanged)."""
+        copied = self.copied
         for key in keys:
             held, value = self.live[key], group[key]
+            if type(value) is float and key != "betas":  # (a scheduler's new number)
+                if copied.get((key, 0)) != value:
+                    param_groups.fill_live(held, value)
+                    copied[(key, 0)] = value
+                continue
             pairs = zip(held, value) if key == "betas" else ((held, value),)
             for i, (t, v) in enumerate(pairs):
                 if isinstance(v, torch.Tensor):
@@ -185,8 +198,9 @@ class GroupRun:
         if self.seen is None:  # (first, or rebuilt: every key)
             keys = self.keys
         self.seen = self._values(group)
-        self._always = tuple(key for key in keys if key in self.live and _in_place(
-            key, group[key]))
+        live = self.live
+        self._always = tuple([key for key in keys if key in live and type(group[key]) is not float
+                              and _in_place(key, group[key])])
 
     # -- params ------------------------------------------------------------------------
 
