@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ftopt import param_groups
+from ftopt._counts import remember_value
 from ftopt.base import GradientTransformation, check_transform
 
 __all__ = ["GroupRun", "Lane", "NUMERIC", "check_number", "is_live", "params_tree"]
@@ -170,19 +171,28 @@ class GroupRun:
         self.build(group, factory, None, where)
         return None
 
-    def copy_live(self, group: dict, keys: tuple) -> None:
+    def copy_live(self, group: dict, keys: tuple, deferred: dict | None = None) -> None:
         """The group's current values of the live ``keys`` into their tensors (skipped
-        where unchanged)."""
+        where unchanged). ``deferred``: a plain float (a scheduler's new number) is only
+        recorded as the tensor's host value, and put in ``deferred`` as ``{id(tensor):
+        (tensor, value)}``: the caller writes it (:func:`ftopt.param_groups.fill_live`)
+        before anything reads the tensor on its device."""
         copied = self.copied
         for key in keys:
             held, value = self.live[key], group[key]
             if type(value) is float and key != "betas":  # (a scheduler's new number)
                 if copied.get((key, 0)) != value:
-                    param_groups.fill_live(held, value)
+                    if deferred is None:
+                        param_groups.fill_live(held, value)
+                    else:
+                        remember_value(held, value)
+                        deferred[id(held)] = (held, value)
                     copied[(key, 0)] = value
                 continue
             pairs = zip(held, value) if key == "betas" else ((held, value),)
             for i, (t, v) in enumerate(pairs):
+                if deferred:  # (written now: a number left for later is stale)
+                    deferred.pop(id(t), None)
                 if isinstance(v, torch.Tensor):
                     t.copy_(v)
                     self.copied.pop((key, i), None)

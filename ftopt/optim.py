@@ -141,6 +141,9 @@ class Optimizer(torch.optim.Optimizer):
         self._runs: list[GroupRun] = []
         self._joiner = param_groups.GroupJoiner()
         self._lane: Lane | None = None  # the last step, bound to its tensors (see step)
+        # Live values whose device write waits (see _write_deferred): by the tensor's id,
+        # the tensor and its latest number.
+        self._deferred: dict[int, tuple[torch.Tensor, float]] = {}
         super().__init__(params, defaults)
 
     def _rename(self, hparams: dict, where: str) -> dict:
@@ -212,13 +215,16 @@ class Optimizer(torch.optim.Optimizer):
             if (lane.holds(runs, groups, self._joiner.joined)
                     and not torch.compiler.is_compiling()
                     and bound.fits(bound.grads())):
+                deferred = self._deferred
                 for (i, keys), copy in zip(stale, copy_in):
                     if copy:  # (every group has gradients: the tables' leaves have)
-                        runs[i].copy_live(groups[i], copy)
+                        runs[i].copy_live(groups[i], copy, deferred)
                     runs[i].remember(groups[i], keys)
-                bound.launch()
+                bound.launch(self._write_deferred if deferred else None)
                 return loss
             self._lane = None
+        if self._deferred:
+            self._write_deferred()
         grads_of = [list(map(_grad_of, group["params"])) for group in groups]
         for (i, keys), copy in zip(stale, copy_in):
             if not copy or any(map(operator.is_not, grads_of[i], repeat(None))):
@@ -255,6 +261,18 @@ class Optimizer(torch.optim.Optimizer):
             self._bind(runs[0].tx, runs[0].tree, runs[0].state)
         return loss
 
+    def _write_deferred(self) -> None:
+        """Write the live values that bound steps left on the host into their tensors.
+
+        A bound step's kernel takes its hyperparameters as host numbers (the live
+        tensors' host mirrors), so a scheduler's new float is only recorded there and
+        the tensor's write (a kernel launch on a GPU) waits for the first step that reads
+        the tensor on its device: a bound step whose scalars are computed there, or any
+        other step (eager, or not bound), which writes them all first."""
+        for tensor, value in self._deferred.values():
+            param_groups.fill_live(tensor, value)
+        self._deferred.clear()
+
     def _bind(self, tx: GradientTransformation, params: Any, state: Any) -> None:
         """Bind the step just taken to its tensors (:class:`ftopt.group_run.Lane`), where
         it was a donated fused step whose tables the next step may use."""
@@ -284,6 +302,7 @@ class Optimizer(torch.optim.Optimizer):
         transform keeps (fp32 states, uint8 codes, integer counts).
         """
         state_dict = dict(state_dict)
+        self._write_deferred()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:

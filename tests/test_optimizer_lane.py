@@ -110,8 +110,7 @@ def bound_launches(monkeypatch):
     """The steps launched through the bound step."""
     found = []
     real = bound.BoundStep.launch
-    monkeypatch.setattr(bound.BoundStep, "launch", lambda self: (found.append(1),
-                                                                 real(self))[1])
+    monkeypatch.setattr(bound.BoundStep, "launch", lambda *a: (found.append(1), real(*a))[1])
     return found
 
 
@@ -227,4 +226,35 @@ def test_a_loaded_checkpoint_is_stepped_from():
     run.ref.p = [p.double().cpu() for p in p_saved]
     run.step()
     run.step()
+    run.check()
+
+
+def test_a_schedulers_numbers_reach_bound_steps_and_the_device_when_read():
+    """A new float lr in a bound step is recorded as its live tensor's host value (the
+    kernel takes it as a number); the tensor is written once a step reads it on the
+    device: a step whose scalars are computed there (a tensor lr with no host value in
+    the other group), or a step that is not bound (a param without a gradient)."""
+    run = Run(True, 6)
+    sched = torch.optim.lr_scheduler.LambdaLR(run.opt, lambda s: 0.8 ** s)
+    run.step()
+    sched.step()
+    for _ in range(3):
+        run.step()
+        sched.step()
+    live = [r.live["lr"] for r in run.opt._runs]
+    assert run.opt._deferred and run.opt._lane is not None
+    run.step(skip={1})  # not bound: every deferred value written first
+    assert not run.opt._deferred
+    assert [float(t) for t in live] == [g["lr"] for g in run.opt.param_groups]
+    run.step()
+    sched.step()
+    run.step()
+    sched.step()
+    # A tensor lr in group 0 (the caller's: no host value, the scalars are computed on
+    # the device) while group 1 gets new floats.
+    run.opt.param_groups[0]["lr"] = torch.tensor(0.02, dtype=torch.float64, device=DEVICE)
+    run.step()
+    run.opt.param_groups[1]["lr"] = 0.011
+    run.step()
+    assert not run.opt._deferred and float(live[1]) == 0.011
     run.check()

@@ -15,6 +15,7 @@ step that fails it is not launched: the caller then takes its full path.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -65,9 +66,11 @@ class BoundStep:
         return (self.plan.prepared is prepared and fast_path_allowed(prepared, self.backend)
                 and prepared.still_valid(self.params, self.states, grads))
 
-    def launch(self) -> None:
-        """The step, after :meth:`fits` accepted this step's gradients."""
-        execute.launch_prepared(self.plan, self.prepared, self.state)
+    def launch(self, before_device: Callable[[], None] | None = None) -> None:
+        """The step, after :meth:`fits` accepted this step's gradients.
+        ``before_device``: called first where the step reads a hyperparameter tensor on
+        its device (see :func:`ftopt.lowering.execute.launch_prepared`)."""
+        execute.launch_prepared(self.plan, self.prepared, self.state, before_device)
 
 
 def bind(tx: Any, params: Any, state: Any, backend: str) -> BoundStep | None:

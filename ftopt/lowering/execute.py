@@ -340,10 +340,17 @@ def fast_step(plan: ChainPlan, params, grads, state):
     return params, state
 
 
-def launch_prepared(plan: ChainPlan, prepared: PreparedStep, state) -> None:
+def launch_prepared(plan: ChainPlan, prepared: PreparedStep, state, before_device=None
+                    ) -> None:
     """The donated step over tables that :meth:`PreparedStep.still_valid` has just
-    accepted: counts, this step's scalars, the (bound) launches."""
+    accepted: counts, this step's scalars, the (bound) launches. ``before_device``:
+    called before the step reads a hyperparameter tensor on its device (the scalars
+    computed there, or a rule's running scalars), where the kernel's host numbers do
+    not do."""
     hparams = host_hparams(plan, prepared.device)
+    if before_device is not None and (hparams is None or plan.running):
+        before_device()
+        hparams = host_hparams(plan, prepared.device)
     steps, _, pairs = advance_counts(plan, prepared.counts, True,
                                      _uses_tensors(plan, hparams), prepared.device,
                                      prepared.counts_in_kernel)
