@@ -4,17 +4,29 @@ The GPT-2 tree (148 leaves; small widths: only the host work is measured) in two
 AdamW with weight decay 0.1 for matrices and 0.0 for biases and norms, fused and
 donated, against the same leaves in one AdamW group, and against a plain donated
 ``ftopt.step`` of ``adamw`` over the same tree (what the ``Optimizer`` adds on top).
-The kernel launch is stubbed (the step counts advance on the host only), so the numbers are the
-Python work of a step: one partition over both groups (one launch per dtype group),
-against the groups stepped one by one (one launch each), and the joined groups under a
-``LambdaLR`` that writes a new ``lr`` after every step. The paths take turns over
-``--repeats`` rounds of ``--iters`` steps (a shared machine is noisy): the table shows
-the lowest of the rounds' medians and the fastest step. Runs on the CPU
-(``TRITON_INTERPRET=1``, set here) or a GPU:
+The kernel launch is stubbed (the step counts advance on the host only, as the kernel's
+write leaves them), so the numbers are the Python work of a step: one partition over
+both groups (one launch per dtype group), against the groups stepped one by one (one
+launch each), and the joined groups under a ``LambdaLR`` that writes a new ``lr`` after
+every step. The native tensor check is waited for (a GPU process builds it in the
+background on its first fused step), so the CPU runs the checks a GPU host runs. The
+paths take turns over ``--repeats`` rounds of ``--iters`` steps (a shared machine is
+noisy): the table shows the lowest of the rounds' medians and the fastest step. Runs on
+the CPU (``TRITON_INTERPRET=1``, set here) or a GPU:
 
     python3 benchmarks/host_groups.py --out DIR
 
 Writes ``host_groups.json`` and ``host_groups.md`` to ``DIR``.
+
+Prediction for the H200 host (results: ``results/host_groups_cpu_bound_step.md``): the
+CPU here gives plain 25, one group 26, joined 31, scheduled 40 us (before the bound
+step: 25, 50, 66, 87). The H200's earlier 53 / 89 / 139 / 180 us included the old stub's
+``add_`` of each step count and the count's read back from the device every step (a
+synchronisation: one count for one group, two for the joined groups, hence their +51),
+and the scheduled run two ``fill_`` launches. Expected there now: one group within
+~3 us of the plain step, joined groups ~5 us over one group, a new ``lr`` in both groups
+~10 us over the joined step (no device write on a bound step: the kernel takes the
+number).
 """
 
 from __future__ import annotations
