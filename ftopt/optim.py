@@ -281,8 +281,12 @@ class Optimizer(torch.optim.Optimizer):
                                     None) is not None:
             return  # (a wrapper steps its inner transform, with its own bookkeeping)
         bound = fused.bind_step(tx, params, state, self._backend)
-        if bound is not None and bound.fits(bound.grads()):
+        if bound is None:
+            return
+        if bound.fits(bound.grads()):
             self._lane = Lane(self._runs, self._joiner.joined, bound)
+        else:
+            bound.refuse()
 
     def _show_state(self, index: int) -> None:
         """Point ``self.state[p]`` at the group's state tensors (see :mod:`param_state`)."""

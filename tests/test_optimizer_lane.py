@@ -258,3 +258,28 @@ def test_a_schedulers_numbers_reach_bound_steps_and_the_device_when_read():
     run.step()
     assert not run.opt._deferred and float(live[1]) == 0.011
     run.check()
+
+
+def test_tables_that_do_not_fit_after_their_own_step_are_not_bound_again(monkeypatch):
+    """Where the tensors do not fit the tables right after a step over them (as for
+    DTensor shards), the tables are refused once, not flattened again on every step;
+    the steps go on on the usual path, and new tables are bound again."""
+    run = Run(True, 7)
+    built = []
+    real_init, real_fits = bound.BoundStep.__init__, bound.BoundStep.fits
+    monkeypatch.setattr(bound.BoundStep, "__init__",
+                        lambda self, *a: (built.append(1), real_init(self, *a))[1])
+    monkeypatch.setattr(bound.BoundStep, "fits", lambda self, grads: False)
+    for _ in range(4):
+        run.step()
+    assert run.opt._lane is None and len(built) == 1
+    monkeypatch.setattr(bound.BoundStep, "fits", real_fits)
+    run.step()  # (the same tables: still refused)
+    assert run.opt._lane is None and len(built) == 1
+    new = torch.nn.Parameter(run.params[0].detach().clone())
+    run.opt.param_groups[0]["params"][0] = new  # new tables, bound
+    run.params[0] = new
+    run.step()
+    run.step()
+    assert run.opt._lane is not None and len(built) == 2
+    run.check()

@@ -66,6 +66,13 @@ class BoundStep:
         return (self.plan.prepared is prepared and fast_path_allowed(prepared, self.backend)
                 and prepared.still_valid(self.params, self.states, grads))
 
+    def refuse(self) -> None:
+        """The caller's tensors did not fit these tables right after a step over them
+        (a ``DTensor``'s shards are stepped through their local tensors): :func:`bind`
+        gives ``None`` for these tables from now on, so that each step does not flatten
+        the trees again to find that out."""
+        self.prepared.bind_refused = True
+
     def launch(self, before_device: Callable[[], None] | None = None) -> None:
         """The step, after :meth:`fits` accepted this step's gradients.
         ``before_device``: called first where the step reads a hyperparameter tensor on
@@ -81,6 +88,7 @@ def bind(tx: Any, params: Any, state: Any, backend: str) -> BoundStep | None:
     plan = plan_chain(tx)
     prepared = plan.prepared
     if (plan.reason or prepared is None or not prepared.donate or prepared.check is None
+            or getattr(prepared, "bind_refused", False)
             or not fast_path_allowed(prepared, backend)):
         return None
     states = prepared.state_tensors(state)
