@@ -228,19 +228,19 @@ class GroupRun:
 
 
 class Lane:
-    """All of an optimizer's groups stepped as one donated fused step (their partition,
-    or the one group), bound to its param and state tensors (``bound``: the fused
-    backend's ``bind_step``), and the objects it was bound over: while every group steps
-    with the same transform, state tree and params tree (the params by identity, see
-    :meth:`GroupRun.params_tree`), and the groups' partition is the same (``source``;
-    ``None`` for one group), a step only reads the gradients and hands them to
-    ``bound``, which checks every tensor before it launches."""
+    """All of an optimizer's groups stepped as donated fused steps (their partition, or
+    each group's own), bound to their param and state tensors (``bounds``: the fused
+    backend's ``bind_step``), and the objects they were bound over: while every group
+    steps with the same transform, state tree and params tree (the params by identity,
+    see :meth:`GroupRun.params_tree`), and the groups' partition is the same
+    (``source``), a step only reads the gradients and hands them to ``bounds``, which
+    check every tensor before any launches."""
 
-    __slots__ = ("held", "source", "bound")
+    __slots__ = ("held", "source", "bounds")
 
-    def __init__(self, runs: list, source: Any, bound: Any):
+    def __init__(self, runs: list, source: Any, bounds: tuple):
         self.held = tuple((run.tx, run.state, run.tree) for run in runs)
-        self.source, self.bound = source, bound
+        self.source, self.bounds = source, bounds
 
     def holds(self, runs: list, groups: list, source: Any) -> bool:
         """Whether the groups still step with the objects the lane was bound over."""

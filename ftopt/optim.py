@@ -210,17 +210,18 @@ class Optimizer(torch.optim.Optimizer):
         lane = self._lane
         if lane is not None:
             # The last step's tables, bound to the same groups' tensors: the gradients in
-            # leaf order, every tensor checked (fits), this step's scalars, the launch.
-            bound = lane.bound
+            # leaf order, every tensor checked (fits), this step's scalars, the launches.
+            bounds = lane.bounds
             if (lane.holds(runs, groups, self._joiner.joined)
                     and not torch.compiler.is_compiling()
-                    and bound.fits(bound.grads())):
+                    and all([b.fits(b.grads()) for b in bounds])):
                 deferred = self._deferred
                 for (i, keys), copy in zip(stale, copy_in):
                     if copy:  # (every group has gradients: the tables' leaves have)
                         runs[i].copy_live(groups[i], copy, deferred)
                     runs[i].remember(groups[i], keys)
-                bound.launch(self._write_deferred if deferred else None)
+                for b in bounds:
+                    b.launch(self._write_deferred if deferred else None)
                 return loss
             self._lane = None
         if self._deferred:
@@ -238,10 +239,12 @@ class Optimizer(torch.optim.Optimizer):
                 self._show_state(index)
             joined = self._joiner.joined
             if joined is not None and joined.reason is None:
-                self._bind(joined.tx, joined.params, joined.state)
+                self._bind([(joined.tx, joined.params, joined.state)])
             return loss
+        every = True  # (every group stepped: the steps may be bound)
         for index, (run, group, grads) in enumerate(zip(runs, groups, grads_of)):
             if not any(map(operator.is_not, grads, repeat(None))):
+                every = False
                 continue
             params = run.params_tree(group)
             names = group.get("param_names")
@@ -257,8 +260,8 @@ class Optimizer(torch.optim.Optimizer):
             run.state = state
             if fresh:
                 self._show_state(index)
-        if len(runs) == 1 and runs[0].state is not None:
-            self._bind(runs[0].tx, runs[0].tree, runs[0].state)
+        if every:
+            self._bind([(run.tx, run.tree, run.state) for run in runs])
         return loss
 
     def _write_deferred(self) -> None:
@@ -273,20 +276,26 @@ class Optimizer(torch.optim.Optimizer):
             param_groups.fill_live(tensor, value)
         self._deferred.clear()
 
-    def _bind(self, tx: GradientTransformation, params: Any, state: Any) -> None:
-        """Bind the step just taken to its tensors (:class:`ftopt.group_run.Lane`), where
-        it was a donated fused step whose tables the next step may use."""
+    def _bind(self, steps: list) -> None:
+        """Bind the steps just taken, ``(transform, params tree, state)`` each (the
+        groups' partition, or every group's own), to their tensors (:class:`ftopt.
+        group_run.Lane`), where each was a donated fused step whose tables the next step
+        may use."""
         fused = dispatch.loaded("fused") if self._backend != "eager" else None
-        if fused is None or getattr(getattr(tx.update, "__self__", None), "wrapper_step",
-                                    None) is not None:
+        if fused is None or not all(
+                getattr(getattr(tx.update, "__self__", None), "wrapper_step", None) is None
+                and fused.has_prepared_step(tx, self._backend) for tx, _, _ in steps):
             return  # (a wrapper steps its inner transform, with its own bookkeeping)
-        bound = fused.bind_step(tx, params, state, self._backend)
-        if bound is None:
-            return
-        if bound.fits(bound.grads()):
-            self._lane = Lane(self._runs, self._joiner.joined, bound)
-        else:
-            bound.refuse()
+        bounds = []
+        for tx, params, state in steps:
+            bound = fused.bind_step(tx, params, state, self._backend)
+            if bound is None:
+                return
+            if not bound.fits(bound.grads()):
+                bound.refuse()
+                return
+            bounds.append(bound)
+        self._lane = Lane(self._runs, self._joiner.joined, tuple(bounds))
 
     def _show_state(self, index: int) -> None:
         """Point ``self.state[p]`` at the group's state tensors (see :mod:`param_state`)."""

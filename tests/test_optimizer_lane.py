@@ -141,7 +141,7 @@ def test_changes_between_bound_steps_reach_the_next_step(joined, native_grads,
     g0.data = torch.randn(g0.shape, generator=run.gen).to(DEVICE)
     run.step_as_is()
     assert len(bound_launches) == 5
-    assert (run.opt._lane.bound.reader is not None) == native_grads
+    assert (run.opt._lane.bounds[0].reader is not None) == native_grads
     run.check()
 
 
@@ -180,6 +180,9 @@ def test_missing_gradients_and_an_added_group_after_bound_steps(joined, bound_la
     run.step()
     run.step(skip={0, 2} if joined else {0, 1, 2, 3})  # a whole group without gradients
     run.step()
+    before = len(bound_launches)
+    run.step()  # (bound again)
+    assert len(bound_launches) == before + 1
     run.opt.add_param_group({"params": [run.params[4]], "weight_decay": 0.05, "lr": 3e-2})
     run.step()
     before = len(bound_launches)
@@ -282,4 +285,22 @@ def test_tables_that_do_not_fit_after_their_own_step_are_not_bound_again(monkeyp
     run.step()
     run.step()
     assert run.opt._lane is not None and len(built) == 2
+    run.check()
+
+
+def test_groups_stepped_one_by_one_are_bound_each(bound_launches, monkeypatch):
+    """Groups that are not joined (here: the partition refused) step as their own bound
+    steps, every group's tensors checked before any launches; a group without gradients
+    sends the step to the usual path, and the groups are bound again after."""
+    run = Run(True, 8)
+    monkeypatch.setattr(run.opt._joiner, "step", lambda *a: None)
+    run.step()
+    run.step()
+    assert len(bound_launches) == 2 and len(run.opt._lane.bounds) == 2
+    run.opt.param_groups[1]["lr"] = 0.04
+    run.step()
+    run.step(skip={1, 3})
+    run.step()
+    run.step()
+    assert len(bound_launches) == 6
     run.check()
