@@ -19,14 +19,14 @@ the CPU (``TRITON_INTERPRET=1``, set here) or a GPU:
 Writes ``host_groups.json`` and ``host_groups.md`` to ``DIR``.
 
 Prediction for the H200 host (results: ``results/host_groups_cpu_bound_step.md``): the
-CPU here gives plain 25, one group 26, joined 31, scheduled 40 us (before the bound
-step: 25, 50, 66, 87). The H200's earlier 53 / 89 / 139 / 180 us included the old stub's
-``add_`` of each step count and the count's read back from the device every step (a
-synchronisation: one count for one group, two for the joined groups, hence their +51),
-and the scheduled run two ``fill_`` launches. Expected there now: one group within
-~3 us of the plain step, joined groups ~5 us over one group, a new ``lr`` in both groups
-~10 us over the joined step (no device write on a bound step: the kernel takes the
-number).
+CPU here gives plain 25, one group 26, joined 31, group by group 35, scheduled 40 us
+(before the bound steps: 25, 50, 66, 64, 87). The H200's earlier 53 / 89 / 139 / 180
+us included the old stub's ``add_`` of each step count and the count's read back from
+the device every step (a synchronisation: one count for one group, two for the joined
+groups, hence their +51), and the scheduled run two ``fill_`` launches. Expected there
+now: one group within ~3 us of the plain step, joined groups ~5 us over one group, a
+new ``lr`` in both groups ~10 us over the joined step (no device write on a bound step:
+the kernel takes the number), group by group ~10 us over joined (one more launch).
 """
 
 from __future__ import annotations
