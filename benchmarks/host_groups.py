@@ -4,17 +4,29 @@ The GPT-2 tree (148 leaves; small widths: only the host work is measured) in two
 AdamW with weight decay 0.1 for matrices and 0.0 for biases and norms, fused and
 donated, against the same leaves in one AdamW group, and against a plain donated
 ``ftopt.step`` of ``adamw`` over the same tree (what the ``Optimizer`` adds on top).
-The kernel launch is stubbed (the step counts still advance), so the numbers are the
-Python work of a step: one partition over both groups (one launch per dtype group),
-against the groups stepped one by one (one launch each), and the joined groups under a
-``LambdaLR`` that writes a new ``lr`` after every step. The paths take turns over
-``--repeats`` rounds of ``--iters`` steps (a shared machine is noisy): the table shows
-the lowest of the rounds' medians and the fastest step. Runs on the CPU
-(``TRITON_INTERPRET=1``, set here) or a GPU:
+The kernel launch is stubbed (the step counts advance on the host only, as the kernel's
+write leaves them), so the numbers are the Python work of a step: one partition over
+both groups (one launch per dtype group), against the groups stepped one by one (one
+launch each), and the joined groups under a ``LambdaLR`` that writes a new ``lr`` after
+every step. The native tensor check is waited for (a GPU process builds it in the
+background on its first fused step), so the CPU runs the checks a GPU host runs. The
+paths take turns over ``--repeats`` rounds of ``--iters`` steps (a shared machine is
+noisy): the table shows the lowest of the rounds' medians and the fastest step. Runs on
+the CPU (``TRITON_INTERPRET=1``, set here) or a GPU:
 
     python3 benchmarks/host_groups.py --out DIR
 
 Writes ``host_groups.json`` and ``host_groups.md`` to ``DIR``.
+
+Prediction for the H200 host (results: ``results/host_groups_cpu_bound_step.md``): the
+CPU here gives plain 25, one group 26, joined 31, group by group 35, scheduled 40 us
+(before the bound steps: 25, 50, 66, 64, 87). The H200's earlier 53 / 89 / 139 / 180
+us included the old stub's ``add_`` of each step count and the count's read back from
+the device every step (a synchronisation: one count for one group, two for the joined
+groups, hence their +51), and the scheduled run two ``fill_`` launches. Expected there
+now: one group within ~3 us of the plain step, joined groups ~5 us over one group, a
+new ``lr`` in both groups ~10 us over the joined step (no device write on a bound step:
+the kernel takes the number), group by group ~10 us over joined (one more launch).
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import gpt2_shapes  # noqa: E402
 
 import ftopt  # noqa: E402
-from ftopt.lowering import execute  # noqa: E402
+from ftopt.lowering import execute, native  # noqa: E402
 
 
 def _optimizer(device: str, joined: bool, single: bool = False) -> ftopt.Optimizer:
@@ -110,10 +122,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    # The one-call tensor check a GPU process builds (or loads) on its first fused step:
+    # waited for here, so that every path is measured with it (and the CPU as a GPU host).
+    native.module(wait=True)
     launches = []
-    # The stub: no kernel, the counts advance as the kernel would advance them.
-    execute.PreparedStep.launch = lambda self, scalars, pairs: (
-        launches.append(1), execute.increment(pairs))
+    # The stub: no kernel. The step counts advance on the host, as with the kernel, whose
+    # write of a count (through its address) leaves the tensor's version as it was: an
+    # ``add_`` here would bump it, and every next step would read the count back from the
+    # device (a synchronisation on a GPU) where the real step reads its host mirror.
+    execute.PreparedStep.launch = lambda self, scalars, pairs: launches.append(1)
     opts = {ONE: _optimizer(device, True, True), JOINED: _optimizer(device, True, False),
             APART: _optimizer(device, False, False),
             SCHEDULED: _scheduled(_optimizer(device, True, False))}
@@ -136,7 +153,8 @@ def main() -> None:
         rows[name].update(median_us=min(medians[name]), min_us=min(times[name]))
     lines = [f"Host time of ftopt.Optimizer.step, GPT-2 tree, two AdamW groups, launch "
              f"stubbed, {device} (torch {torch.__version__}; lowest median of "
-             f"{args.repeats} rounds of {args.iters} steps)", "",
+             f"{args.repeats} rounds of {args.iters} steps; native tensor check: "
+             f"{native.status()})", "",
              "| path | leaves | launches/step | median us | min us |",
              "| --- | --- | --- | --- | --- |"]
     for name, row in rows.items():
@@ -151,7 +169,8 @@ def main() -> None:
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_groups.json").write_text(json.dumps(
-        {"device": device, "torch": torch.__version__, "rows": rows,
+        {"device": device, "torch": torch.__version__, "native_check": native.status(),
+         "rows": rows,
          "one_group_minus_plain_step_us": over_plain, "scheduled_minus_joined_us": scheduled,
          "joined_minus_one_group_us": extra}, indent=2))
     (args.out / "host_groups.md").write_text("\n".join(lines) + "\n")

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from ftopt import param_groups
+from ftopt._counts import remember_value
 from ftopt.base import GradientTransformation, check_transform
 
-__all__ = ["GroupRun", "NUMERIC", "check_number", "is_live", "params_tree"]
+__all__ = ["GroupRun", "Lane", "NUMERIC", "check_number", "is_live", "params_tree"]
 
 # Hyperparameters that must be real numbers >= 0 when a group holds them (torch's and
 # ftopt's names); checked before each step where they changed (schedulers write them).
@@ -148,6 +149,12 @@ class GroupRun:
         copy = []
         for key in keys:
             value = group[key]
+            if type(value) is float and key in live and key != "betas":
+                # (a scheduler's new number: checked here, copied in by copy_live)
+                if not math.isfinite(value) or (value < 0 and key in NUMERIC):
+                    check_number(where, key, value)
+                copy.append(key)
+                continue
             if key in live:
                 if not _fits(key, value, live[key]):
                     break
@@ -157,19 +164,35 @@ class GroupRun:
         else:
             for key in copy:
                 value = group[key]
-                if key == "betas" or not isinstance(value, torch.Tensor):
+                if type(value) is not float and (key == "betas"
+                                                 or not isinstance(value, torch.Tensor)):
                     check_number(where, key, value)
             return tuple(copy)
         self.build(group, factory, None, where)
         return None
 
-    def copy_live(self, group: dict, keys: tuple) -> None:
+    def copy_live(self, group: dict, keys: tuple, deferred: dict | None = None) -> None:
         """The group's current values of the live ``keys`` into their tensors (skipped
-        where unchanged)."""
+        where unchanged). ``deferred``: a plain float (a scheduler's new number) is only
+        recorded as the tensor's host value, and put in ``deferred`` as ``{id(tensor):
+        (tensor, value)}``: the caller writes it (:func:`ftopt.param_groups.fill_live`)
+        before anything reads the tensor on its device."""
+        copied = self.copied
         for key in keys:
             held, value = self.live[key], group[key]
+            if type(value) is float and key != "betas":  # (a scheduler's new number)
+                if copied.get((key, 0)) != value:
+                    if deferred is None:
+                        param_groups.fill_live(held, value)
+                    else:
+                        remember_value(held, value)
+                        deferred[id(held)] = (held, value)
+                    copied[(key, 0)] = value
+                continue
             pairs = zip(held, value) if key == "betas" else ((held, value),)
             for i, (t, v) in enumerate(pairs):
+                if deferred:  # (written now: a number left for later is stale)
+                    deferred.pop(id(t), None)
                 if isinstance(v, torch.Tensor):
                     t.copy_(v)
                     self.copied.pop((key, i), None)
@@ -185,8 +208,9 @@ class GroupRun:
         if self.seen is None:  # (first, or rebuilt: every key)
             keys = self.keys
         self.seen = self._values(group)
-        self._always = tuple(key for key in keys if key in self.live and _in_place(
-            key, group[key]))
+        live = self.live
+        self._always = tuple([key for key in keys if key in live and type(group[key]) is not float
+                              and _in_place(key, group[key])])
 
     # -- params ------------------------------------------------------------------------
 
@@ -201,6 +225,31 @@ class GroupRun:
             self.tree = params_tree(group)
             self._tree_of = (tuple(params), None if names is None else list(names))
         return self.tree
+
+
+class Lane:
+    """All of an optimizer's groups stepped as donated fused steps (their partition, or
+    each group's own), bound to their param and state tensors (``bounds``: the fused
+    backend's ``bind_step``), and the objects they were bound over: while every group
+    steps with the same transform, state tree and params tree (the params by identity,
+    see :meth:`GroupRun.params_tree`), and the groups' partition is the same
+    (``source``), a step only reads the gradients and hands them to ``bounds``, which
+    check every tensor before any launches."""
+
+    __slots__ = ("held", "source", "bounds")
+
+    def __init__(self, runs: list, source: Any, bounds: tuple):
+        self.held = tuple((run.tx, run.state, run.tree) for run in runs)
+        self.source, self.bounds = source, bounds
+
+    def holds(self, runs: list, groups: list, source: Any) -> bool:
+        """Whether the groups still step with the objects the lane was bound over."""
+        if source is not self.source or len(runs) != len(self.held):
+            return False
+        for run, group, (tx, state, tree) in zip(runs, groups, self.held):
+            if run.tx is not tx or run.state is not state or run.params_tree(group) is not tree:
+                return False
+        return True
 
 
 def _in_place(key: str, value: Any) -> bool:

@@ -11,9 +11,9 @@ from typing import Any
 import optree
 import torch
 
-from ftopt import param_groups
+from ftopt import dispatch, param_groups
 from ftopt.base import GradientTransformation, check_transform
-from ftopt.group_run import GroupRun, params_tree
+from ftopt.group_run import GroupRun, Lane, params_tree
 from ftopt.param_state import param_views, plan_load
 from ftopt.step_hooks import hooked
 from ftopt.update import step as ftopt_step
@@ -140,6 +140,10 @@ class Optimizer(torch.optim.Optimizer):
         self._backend = backend
         self._runs: list[GroupRun] = []
         self._joiner = param_groups.GroupJoiner()
+        self._lane: Lane | None = None  # the last step, bound to its tensors (see step)
+        # Live values whose device write waits (see _write_deferred): by the tensor's id,
+        # the tensor and its latest number.
+        self._deferred: dict[int, tuple[torch.Tensor, float]] = {}
         super().__init__(params, defaults)
 
     def _rename(self, hparams: dict, where: str) -> dict:
@@ -203,6 +207,25 @@ class Optimizer(torch.optim.Optimizer):
         copy_in = [runs[i].refresh(groups[i], keys, self._factory,
                                    f"ftopt.Optimizer.step: param group {i}")
                    for i, keys in stale]
+        lane = self._lane
+        if lane is not None:
+            # The last step's tables, bound to the same groups' tensors: the gradients in
+            # leaf order, every tensor checked (fits), this step's scalars, the launches.
+            bounds = lane.bounds
+            if (lane.holds(runs, groups, self._joiner.joined)
+                    and not torch.compiler.is_compiling()
+                    and all([b.fits(b.grads()) for b in bounds])):
+                deferred = self._deferred
+                for (i, keys), copy in zip(stale, copy_in):
+                    if copy:  # (every group has gradients: the tables' leaves have)
+                        runs[i].copy_live(groups[i], copy, deferred)
+                    runs[i].remember(groups[i], keys)
+                for b in bounds:
+                    b.launch(self._write_deferred if deferred else None)
+                return loss
+            self._lane = None
+        if self._deferred:
+            self._write_deferred()
         grads_of = [list(map(_grad_of, group["params"])) for group in groups]
         for (i, keys), copy in zip(stale, copy_in):
             if not copy or any(map(operator.is_not, grads_of[i], repeat(None))):
@@ -214,9 +237,14 @@ class Optimizer(torch.optim.Optimizer):
         if fresh is not None:
             for index in fresh:
                 self._show_state(index)
+            joined = self._joiner.joined
+            if joined is not None and joined.reason is None:
+                self._bind([(joined.tx, joined.params, joined.state)])
             return loss
+        every = True  # (every group stepped: the steps may be bound)
         for index, (run, group, grads) in enumerate(zip(runs, groups, grads_of)):
             if not any(map(operator.is_not, grads, repeat(None))):
+                every = False
                 continue
             params = run.params_tree(group)
             names = group.get("param_names")
@@ -232,7 +260,42 @@ class Optimizer(torch.optim.Optimizer):
             run.state = state
             if fresh:
                 self._show_state(index)
+        if every:
+            self._bind([(run.tx, run.tree, run.state) for run in runs])
         return loss
+
+    def _write_deferred(self) -> None:
+        """Write the live values that bound steps left on the host into their tensors.
+
+        A bound step's kernel takes its hyperparameters as host numbers (the live
+        tensors' host mirrors), so a scheduler's new float is only recorded there and
+        the tensor's write (a kernel launch on a GPU) waits for the first step that reads
+        the tensor on its device: a bound step whose scalars are computed there, or any
+        other step (eager, or not bound), which writes them all first."""
+        for tensor, value in self._deferred.values():
+            param_groups.fill_live(tensor, value)
+        self._deferred.clear()
+
+    def _bind(self, steps: list) -> None:
+        """Bind the steps just taken, ``(transform, params tree, state)`` each (the
+        groups' partition, or every group's own), to their tensors (:class:`ftopt.
+        group_run.Lane`), where each was a donated fused step whose tables the next step
+        may use."""
+        fused = dispatch.loaded("fused") if self._backend != "eager" else None
+        if fused is None or not all(
+                getattr(getattr(tx.update, "__self__", None), "wrapper_step", None) is None
+                and fused.has_prepared_step(tx, self._backend) for tx, _, _ in steps):
+            return  # (a wrapper steps its inner transform, with its own bookkeeping)
+        bounds = []
+        for tx, params, state in steps:
+            bound = fused.bind_step(tx, params, state, self._backend)
+            if bound is None:
+                return
+            if not bound.fits(bound.grads()):
+                bound.refuse()
+                return
+            bounds.append(bound)
+        self._lane = Lane(self._runs, self._joiner.joined, tuple(bounds))
 
     def _show_state(self, index: int) -> None:
         """Point ``self.state[p]`` at the group's state tensors (see :mod:`param_state`)."""
@@ -252,6 +315,7 @@ class Optimizer(torch.optim.Optimizer):
         transform keeps (fp32 states, uint8 codes, integer counts).
         """
         state_dict = dict(state_dict)
+        self._write_deferred()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -294,6 +358,7 @@ class Optimizer(torch.optim.Optimizer):
         self.param_groups[:] = groups
         self._runs[:] = runs
         self._joiner.joined = None
+        self._lane = None
         self.state.clear()
         for index, run in enumerate(runs):
             if run.state is not None:

@@ -115,3 +115,18 @@ def test_built_from_non_contiguous_tensors_wants_contiguous_ones():
     check = checks.TensorCheck([t], DEVICE)
     assert check.guard is None and check.table is None
     assert not check.check([t]) and check.check([t.contiguous()])
+
+
+def test_native_grads_reads_as_the_grad_getter(native_checks):
+    """``grads``: each tensor's ``.grad`` object (``None`` where it has none), for tensors
+    and ``nn.Parameter``; anything else is refused."""
+    params = [torch.nn.Parameter(torch.randn(3)), torch.randn(2, requires_grad=True),
+              torch.nn.Parameter(torch.randn(4, 2))]
+    params[0].grad = torch.randn(3)
+    params[2].grad = torch.randn(4, 2)
+    got = native_checks.grads(params)
+    assert len(got) == 3 and got[1] is None
+    assert got[0] is params[0].grad and got[2] is params[2].grad
+    assert native_checks.grads(()) == []
+    with pytest.raises(TypeError, match="expected tensors"):
+        native_checks.grads([params[0], 3.0])

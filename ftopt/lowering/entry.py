@@ -3,7 +3,7 @@
 ``step`` and ``update`` return ``(result, None)``, or ``(None, reason)`` when a call
 cannot fuse (the reason is declared by the planner, :mod:`ftopt.lowering.plan`). A call
 takes the first path that fits: the donated step over the tables of the last one
-(:func:`ftopt.lowering.execute.fast_step`), the non-donated one over trees shaped like the
+(:func:`ftopt.lowering.fast.fast_step`), the non-donated one over trees shaped like the
 last call's (:mod:`ftopt.lowering.functional`), or the full path: every check, new
 tables, the kernels (:func:`ftopt.lowering.execute.execute`).
 """
@@ -15,7 +15,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.combine import owner
-from ftopt.lowering import execute, functional, segments
+from ftopt.lowering import bound, fast, functional, segments
 from ftopt.lowering.calls import checked_call, launch_call, with_stage_states
 from ftopt.lowering.plan import (
     SEPARATE_OUTPUTS,
@@ -25,7 +25,7 @@ from ftopt.lowering.plan import (
 )
 from ftopt.stages import check_state_tree, state_at, with_state_at
 
-__all__ = ["step", "update", "cached_step", "cached_update", "has_prepared_step"]
+__all__ = ["step", "update", "cached_step", "cached_update", "has_prepared_step", "bind_step"]
 
 
 def cached_step(tx, params, grads, state, donate: bool, backend: str):
@@ -51,7 +51,7 @@ def cached_step(tx, params, grads, state, donate: bool, backend: str):
 
 def _cached_step(plan: ChainPlan, params, grads, state, donate: bool, backend: str):
     if donate:
-        return execute.fast_step(plan, params, grads, state)
+        return fast.fast_step(plan, params, grads, state)
     return _functional(plan, params, grads, state, "p", backend)
 
 
@@ -62,6 +62,12 @@ def has_prepared_step(tx, backend: str) -> bool:
     prepared = plan.prepared
     return (not plan.reason and prepared is not None and prepared.donate
             and fast_path_allowed(prepared, backend))
+
+
+def bind_step(tx, params, state, backend: str) -> bound.BoundStep | None:
+    """The donated step of ``tx`` bound to the tensors of ``params`` and ``state``
+    (:mod:`ftopt.lowering.bound`), or ``None``."""
+    return bound.bind(tx, params, state, backend)
 
 
 def step(tx, params, grads, state, donate: bool, backend: str, *, cached: bool = True):

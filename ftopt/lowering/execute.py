@@ -41,7 +41,7 @@ def _as_tuple(picked) -> tuple:
     return picked if isinstance(picked, tuple) else (picked,)
 
 
-def _uses_tensors(plan: ChainPlan, hparams: list | None) -> bool:
+def uses_tensors(plan: ChainPlan, hparams: list | None) -> bool:
     """Whether the scalars are computed on the device: a hyperparameter is a tensor with
     no host mirror (``hparams``: :func:`ftopt.lowering.scalars.host_hparams`)."""
     if plan.tensor_hparams is None:
@@ -327,48 +327,6 @@ def _empty_like(leaf):
     return torch.empty_like(leaf)
 
 
-def _flat_dict_leaves(tree, prepared) -> tuple | None:
-    return flat_dict_leaves(prepared.flat_getter, prepared.flat_len, tree)
-
-
-def fast_step(plan: ChainPlan, params, grads, state):
-    """The donated step over the same memory as the prepared one, or ``None``."""
-    prepared = plan.prepared
-    if prepared is None or not prepared.donate:
-        return None
-    p_flat = _flat_dict_leaves(params, prepared)
-    if p_flat is None and prepared.list_getter is not None:
-        p_flat = prepared.list_getter(params)
-    if p_flat is None:
-        p_flat = optree.tree_leaves(params, none_is_leaf=False, namespace="ftopt")
-    s_flat = prepared.state_tensors(state)
-    if s_flat is None:
-        return None
-    g_flat = _flat_dict_leaves(grads, prepared)
-    if g_flat is None and prepared.list_getter is not None:
-        g_flat = prepared.list_getter(grads, drop_none=False)
-    if g_flat is None:
-        try:
-            g_flat = prepared.spec.flatten_up_to(grads)
-        except (ValueError, TypeError):
-            return None
-    if not prepared.still_valid(p_flat, s_flat, g_flat):
-        return None
-    hparams = host_hparams(plan, prepared.device)
-    steps, _, pairs = advance_counts(plan, prepared.counts, True,
-                                     _uses_tensors(plan, hparams), prepared.device,
-                                     prepared.counts_in_kernel)
-    carried = None
-    running = ()
-    if plan.running:
-        states = planned_states(plan, state)
-        carried, _ = advance_running(plan, states, steps, True)
-        running = running_targets(plan, prepared.traced, states, None, True)
-    prepared.launch(kernel_scalars(plan, prepared.traced, steps, prepared.device, hparams,
-                                   carried), pairs, running)
-    return params, state
-
-
 def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active,
             params, state, donate: bool, output: str = "p", x_flat=None,
             selection: branches.Selection | None = None):
@@ -387,7 +345,7 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
     device = p_flat[active[0]].device if active else torch.device("cpu")
     hparams = host_hparams(plan, device)
     steps, new_counts, pairs = advance_counts(plan, counts, donate,
-                                              _uses_tensors(plan, hparams), device)
+                                              uses_tensors(plan, hparams), device)
     carried, running = advance_running(plan, stage_states, steps, donate)
     p_out = list(p_flat) if output == "p" else [None] * len(p_flat)
     slot_out = [{name: list(leaves) for name, leaves in slots.items()} for slots in slot_flat]
@@ -442,4 +400,4 @@ def execute(plan: ChainPlan, spec, paths, p_flat, g_flat, stage_states, slot_fla
     return new_params, new_states, prepared
 
 
-__all__ = ["execute", "fast_step", "output_roles"]
+__all__ = ["execute", "output_roles"]

@@ -204,7 +204,40 @@ PyObject* record(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// grads(tensors) -> [t.grad for t in tensors] (None where a tensor has none), read as
+// torch's `grad` getter reads it for a tensor with no __torch_function__ of its own.
+PyObject* grads(PyObject*, PyObject* seq) {
+  PyObject* fast = PySequence_Fast(seq, "expected a sequence of tensors");
+  if (!fast) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  PyObject* out = PyList_New(n);
+  if (!out) { Py_DECREF(fast); return nullptr; }
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!THPVariable_Check(items[i])) {
+        Py_DECREF(out);
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_TypeError, "expected tensors");
+        return nullptr;
+      }
+      const at::Tensor& grad = THPVariable_Unpack(items[i]).grad();
+      PyObject* g = grad.defined() ? THPVariable_Wrap(grad) : Py_NewRef(Py_None);
+      if (!g) { Py_DECREF(out); Py_DECREF(fast); return nullptr; }
+      PyList_SET_ITEM(out, i, g);
+    }
+  } catch (const std::exception& e) {
+    Py_DECREF(out);
+    Py_DECREF(fast);
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_DECREF(fast);
+  return out;
+}
+
 PyMethodDef methods[] = {
+    {"grads", grads, METH_O, "grads(tensors) -> list of their .grad"},
     {"make", make, METH_VARARGS, "make(tensors, n_fixed) -> table"},
     {"fit", fit, METH_VARARGS, "fit(table, parts, always_list) -> None | True | list"},
     {"record", record, METH_VARARGS, "record(table, pointers)"},

@@ -46,26 +46,32 @@ def _mirrored_hparams(plan: ChainPlan, constant: list, device) -> list | None:
     tensors, ids, where, last = layout
     records, versions = mirror_records(ids), tuple(map(_version, tensors))
     if last is None:
-        changed = range(len(tensors))
-    else:
-        if versions == last[1] and all(map(_is, records, last[0])):
-            return last[2]  # (no value recorded since, no tensor written)
-        changed = [k for k, (r, v, r0, v0) in enumerate(zip(records, versions, *last[:2]))
-                   if r is not r0 or v != v0]
-    values = list(last[3]) if last is not None else [None] * len(tensors)
+        values = [host_value(t) for t in tensors]
+        if None in values:  # (floats: ``None`` equals none of them)
+            return None
+        out = [h if h is not None else {} for h in constant]
+        for i in {i for i, _ in where}:
+            out[i] = dict(plan.stages[i].rule.hparams)
+        for (i, key), value in zip(where, values):
+            out[i][key] = value
+        layout[3] = (records, versions, out, values)
+        return out
+    if versions == last[1] and all(map(_is, records, last[0])):
+        return last[2]  # (no value recorded since, no tensor written)
+    changed = [k for k, (r, v, r0, v0) in enumerate(zip(records, versions, *last[:2]))
+               if r is not r0 or v != v0]
+    # The stages whose values changed get new dicts (the last step's, with the changed
+    # values); the others are the last step's.
+    values, before, out = list(last[3]), last[2], list(last[2])
     for k in changed:
-        values[k] = host_value(tensors[k])
-    if None in values:  # (floats: ``None`` equals none of them)
-        layout[3] = None
-        return None
-    # The stages whose values changed get new dicts; the others are the last step's.
-    out = list(last[2]) if last is not None else [h if h is not None else {}
-                                                  for h in constant]
-    for i in {where[k][0] for k in changed}:
-        out[i] = dict(plan.stages[i].rule.hparams)
-        for (j, key), value in zip(where, values):
-            if j == i:
-                out[i][key] = value
+        value = values[k] = host_value(tensors[k])
+        if value is None:
+            layout[3] = None
+            return None
+        i, key = where[k]
+        if out[i] is before[i]:
+            out[i] = dict(before[i])
+        out[i][key] = value
     layout[3] = (records, versions, out, values)
     return out
 
