@@ -110,8 +110,8 @@ def test_a_switch_rebinds(bound_calls, monkeypatch):
     seen = []
     real = prepared.launch
 
-    def spy(self, scalars, pairs):
-        real(self, scalars, pairs)
+    def spy(self, scalars, pairs, *rest):
+        real(self, scalars, pairs, *rest)
         seen.append(self._bound[3] if self._bound else None)
 
     monkeypatch.setattr(prepared, "launch", spy)

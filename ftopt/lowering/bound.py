@@ -87,7 +87,10 @@ def bind(tx: Any, params: Any, state: Any, backend: str) -> BoundStep | None:
     that keeps none)."""
     plan = plan_chain(tx)
     prepared = plan.prepared
-    if (plan.reason or prepared is None or not prepared.donate or prepared.check is None
+    # (Nested inject_hyperparams wrappers load and advance their state around each step:
+    # ftopt.lowering.entry does that, so such a step is not bound.)
+    if (plan.reason or plan.injected or prepared is None or not prepared.donate
+            or prepared.check is None
             or getattr(prepared, "bind_refused", False)
             or not fast_path_allowed(prepared, backend)):
         return None

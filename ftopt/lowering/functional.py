@@ -23,9 +23,9 @@ from ftopt.lowering import checks, codegen, launch
 from ftopt.lowering.counts import advance_counts, advance_running
 from ftopt.lowering.execute import (
     PreparedStep,
-    _uses_tensors,
     misaligned,
     running_targets,
+    uses_tensors,
 )
 from ftopt.lowering.flat import flat_dict_getter, flat_dict_leaves
 from ftopt.lowering.plan import planned_states
@@ -247,7 +247,7 @@ def fast_functional(plan, params, grads, state, output: str):
         return None  # (the full path names what is wrong)
     hparams = host_hparams(plan, device)
     steps, new_counts, pairs = advance_counts(plan, counts, False,
-                                              _uses_tensors(plan, hparams), device)
+                                              uses_tensors(plan, hparams), device)
     carried, running = advance_running(plan, stage_states, steps, False)
     if cache.whole:  # every output list is replaced by one group's views
         out, slot_out = None, [{name: None for name in slots} for slots in slot_flat]
