@@ -82,7 +82,8 @@ class PreparedStep:
                                                                 slot_dtypes)
             group_traced = plan.traced(donate and in_place, output)
             work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
-                                     tiles.tile(group_traced, quant_block)[0])
+                                     tiles.tile(group_traced, quant_block)[0],
+                                     bool(group_traced.leaf_slots))
             group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work,
                                        paths=[paths[i] for i in leaves])
             group.traced = group_traced

@@ -71,8 +71,13 @@ class WorkTable:
 
 
 @lru_cache(maxsize=64)
-def work_table(numels: tuple[int, ...], device: torch.device, block: int) -> WorkTable:
-    counts = torch.tensor([triton.cdiv(n, block) for n in numels], dtype=torch.int64)
+def work_table(numels: tuple[int, ...], device: torch.device, block: int,
+               every_leaf: bool = False) -> WorkTable:
+    """Programs of ``block`` elements over the leaves; ``every_leaf``: an empty leaf gets
+    one program too (its lanes all masked), where a leaf's first program writes a
+    per-leaf value."""
+    counts = torch.tensor([max(triton.cdiv(n, block), int(every_leaf)) for n in numels],
+                          dtype=torch.int64)
     first = torch.cumsum(counts, 0) - counts
     total = int(counts.sum())
     leaf = torch.repeat_interleave(torch.arange(len(numels)), counts)
