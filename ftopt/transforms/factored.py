@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ftopt import shards
+from ftopt import eager, shards
 from ftopt import tree as tree_lib
-from ftopt._counts import host_count, remember_count
+from ftopt._counts import remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, POSITIVE, check_finite
 from ftopt.matrix import check_shards, flatten_call
@@ -192,10 +192,8 @@ class FactoredRms:
 
     def _decay(self, count: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """The decay rate at this step (from the count before the step) and the new count;
-        on the host when the count's value is known there (no device read)."""
-        known = host_count(count)
-        if known is None and count.device.type == "cpu":
-            known = int(count)
+        on the host where the count may be known there (:func:`ftopt.eager.known_count`)."""
+        known = eager.known_count(count)
         new_count = count + 1
         if known is None:
             step = count.to(torch.float64 if count.device.type in ("cpu", "cuda")
@@ -225,10 +223,12 @@ class FactoredRms:
 
 
 def _mix(old: torch.Tensor, new: torch.Tensor, beta: Any) -> torch.Tensor:
-    """beta·old + (1 − beta)·new, beta a float or a 0-d tensor."""
+    """beta·old + (1 − beta)·new, beta a float or a 0-d tensor (1 − beta taken in beta's
+    dtype, float64 on the device as on the host, then rounded: the same bits either way)."""
+    rest = 1.0 - beta
     if isinstance(beta, torch.Tensor):
-        beta = beta.to(old.dtype)
-    return beta * old + (1.0 - beta) * new
+        beta, rest = beta.to(old.dtype), rest.to(old.dtype)
+    return beta * old + rest * new
 
 
 def _without(shape, dim: int) -> tuple[int, ...]:
