@@ -121,7 +121,12 @@ class Structure:
         """Whether skip_zeros leaves the non-zero-gradient elements bit-identical to the
         plain chain: no norm or matrix stage reads an update (or its own state) that
         skip_zeros changed (SPEC §3). A matrix stage (Muon's orthogonalisation) mixes every
-        element of its leaf, its momentum kept at the zeros included."""
+        element of its leaf, its momentum kept at the zeros included. A reduction (the
+        registry's ``norms``: a global or per-leaf norm, or one over each row as
+        ``scale_by_row_norm``'s norm and ``centralize``'s mean) sees a skipped element as
+        0 where the plain chain sees a stateful stage's update there (AdEMAMix's momentum,
+        non-zero at a zero gradient), so after such a stage every element of that row,
+        leaf or tree may differ; the zero-gradient elements themselves stay exact."""
         changed = False
         for top in self.parts:
             for p in top.flat():
