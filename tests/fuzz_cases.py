@@ -367,8 +367,13 @@ def _grad(gen: torch.Generator, p: torch.Tensor, pattern: str) -> torch.Tensor:
 
 
 def draw_case(src: Source, s: Structure, device: Any = "cpu", steps: int | None = None,
-              max_leaves: int = 5) -> Case:
-    """Hyperparameters, a pytree and 2-3 steps of gradients for structure ``s``."""
+              max_leaves: int = 5, dtypes: Sequence[str] | None = None) -> Case:
+    """Hyperparameters, a pytree and 2-3 steps of gradients for structure ``s``.
+
+    ``dtypes``: the param dtypes (keys of :data:`DTYPES`) the leaves may take, each leaf
+    one of them (all one dtype, or mixed); ``None``: any, as fp32 half of the time. The
+    GPU runner gives each structure a fixed pair, since each dtype of a tree is a kernel
+    of its own to compile."""
     hps = draw_hparams(src, s, device)
     n = src.integers(1, max_leaves)
     shapes = [src.choice(SMALL_SHAPES) for _ in range(n)]
@@ -376,9 +381,13 @@ def draw_case(src: Source, s: Structure, device: Any = "cpu", steps: int | None 
         shapes[src.integers(0, n - 1)] = src.choice(BLOCK_SHAPES)
         if s.quant == "keyword":
             shapes[src.integers(0, n - 1)] = (4097,)
-    mode = src.choice(["fp32", "fp32", "fp32", "fp16", "bf16", "mixed"])
-    dtypes = [DTYPES[src.choice(sorted(DTYPES)) if mode == "mixed" else mode]
-              for _ in range(n)]
+    if dtypes is None:  # (the draws of every earlier run, so their replays still hold)
+        names: list[str] = sorted(DTYPES)
+        mode = src.choice(["fp32", "fp32", "fp32", "fp16", "bf16", "mixed"])
+    else:
+        names = list(dtypes)
+        mode = src.choice([*names, "mixed"]) if len(names) > 1 else names[0]
+    leaf_dtypes = [DTYPES[src.choice(names) if mode == "mixed" else mode] for _ in range(n)]
     seed = src.integers(0, 2**31 - 1)
     steps = steps if steps is not None else src.integers(2, 3)
     patterns = [[src.choice(["none", "scattered", "negzero", "rows", "all", "block", "none"])
@@ -386,7 +395,7 @@ def draw_case(src: Source, s: Structure, device: Any = "cpu", steps: int | None 
     nones = [[src.boolean(0.12) for _ in range(n)] for _ in range(steps)]
     gen = torch.Generator().manual_seed(seed)
     leaves = []
-    for shape, dtype in zip(shapes, dtypes):
+    for shape, dtype in zip(shapes, leaf_dtypes):
         p = torch.randn(shape, generator=gen) * 10.0 ** float(torch.randint(-1, 2, (),
                                                                             generator=gen))
         if p.numel():
