@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ftopt import shards
+from ftopt._counts import device_decided, host_count, remember_count
 
 _KIND_ORDER = {"scalar": 0, "leaf": 1, "elem": 2}
 
@@ -40,6 +41,29 @@ _FOREACH_BINARY = {
 def functorch_active() -> bool:
     """True inside ``torch.func.grad``/``vmap``/... (the eager loop mode must be used)."""
     return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def known_count(count: torch.Tensor) -> int | None:
+    """The value of the step count ``count`` for per-step scalars computed on the host: its
+    host record (:mod:`ftopt._counts`), else one read of the tensor, recorded (on every
+    device, as the fused path does). ``None``, for scalars computed on the device, where
+    the count may not be read: under ``torch.func`` or ``torch.compile``, while a CUDA
+    graph is captured, or for a count decided on the device.
+
+    One rule for every device, because host scalars (Python floats) and device scalars
+    (0-d tensors) take different ops, which may round differently on an accelerator: a
+    state whose count the host does not know (a clone, a checkpoint, a donated step's
+    write-back) must step bit for bit as the same state with a known count."""
+    known = host_count(count)
+    if known is not None:
+        return known
+    if functorch_active() or torch.compiler.is_compiling() or device_decided(count):
+        return None
+    if count.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    known = int(count)
+    remember_count(count, known)
+    return known
 
 
 def _is_number(x) -> bool:

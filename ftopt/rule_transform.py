@@ -19,7 +19,7 @@ import torch
 
 from ftopt import dispatch, eager, program, shards
 from ftopt import tree as tree_lib
-from ftopt._counts import device_decided, host_count, remember_count
+from ftopt._counts import remember_count
 from ftopt.base import GradientTransformation, register_owner
 from ftopt.domains import check_hparam as _check_hparam
 from ftopt.quant import dequantize_blockwise, dynamic_map, quantize_blockwise
@@ -98,6 +98,7 @@ class RuleTransform:
         device = tree_lib.state_device(flat)
         if self.rule.counted:
             values["count"] = torch.zeros((), dtype=torch.int32, device=device)
+            remember_count(values["count"], 0)  # (the first step reads no device)
         values.update(initial_running(self.rule, device))
         for slot in self.rule.slots:
             leaves = [self._init_slot(slot, p) for p in flat]
@@ -197,10 +198,7 @@ class RuleTransform:
         count = state.count
         check_count(self.rule.name, count)
         new_count = count + 1
-        known = host_count(count)
-        if (known is None and count.device.type == "cpu" and not eager.functorch_active()
-                and not device_decided(count)):
-            known = int(count)
+        known = eager.known_count(count)
         if known is None:
             return count, new_count, new_count
         remember_count(new_count, known + 1)

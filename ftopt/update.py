@@ -8,6 +8,7 @@ import torch
 
 from ftopt import dispatch, shards
 from ftopt import tree as tree_lib
+from ftopt._counts import device_decided, host_count, mark_device_decided, remember_count
 from ftopt.aliasing import check_disjoint
 from ftopt.base import GradientTransformation, check_transform
 
@@ -151,7 +152,11 @@ def _eager(tx, params, grads, state, donate: bool):
 
 
 def _write_back(old: Any, new: Any) -> Any:
-    """Copy ``new`` into the donated tensors of ``old`` and return ``old``'s objects."""
+    """Copy ``new`` into the donated tensors of ``old`` and return ``old``'s objects.
+
+    A copied step count keeps what the host knows of the new one (its value, or that the
+    device decides it): the next step then computes its scalars as it would from ``new``,
+    with no device read (see :func:`ftopt.eager.known_count`)."""
     old_flat, old_spec = tree_lib.leaves(old), tree_lib.structure(old)
     new_flat = old_spec.flatten_up_to(new)
     kept = True
@@ -161,9 +166,20 @@ def _write_back(old: Any, new: Any) -> Any:
                 kept = kept and o is n
             elif o is not n:
                 o.copy_(n)
+                if o.ndim == 0 and not o.is_floating_point():
+                    _carry_count(o, n)
     if kept:
         return old
     # A leaf that is no tensor (a number the caller assigned into inject_hyperparams'
     # state) cannot be written in place: the new value takes its place.
     return tree_lib.unflatten(old_spec, [o if isinstance(o, torch.Tensor) else n
                                          for o, n in zip(old_flat, new_flat)])
+
+
+def _carry_count(old: torch.Tensor, new: torch.Tensor) -> None:
+    if device_decided(new):
+        mark_device_decided(old)
+        return
+    known = host_count(new)
+    if known is not None:
+        remember_count(old, known)

@@ -121,7 +121,12 @@ class Structure:
         """Whether skip_zeros leaves the non-zero-gradient elements bit-identical to the
         plain chain: no norm or matrix stage reads an update (or its own state) that
         skip_zeros changed (SPEC §3). A matrix stage (Muon's orthogonalisation) mixes every
-        element of its leaf, its momentum kept at the zeros included."""
+        element of its leaf, its momentum kept at the zeros included. A reduction (the
+        registry's ``norms``: a global or per-leaf norm, or one over each row as
+        ``scale_by_row_norm``'s norm and ``centralize``'s mean) sees a skipped element as
+        0 where the plain chain sees a stateful stage's update there (AdEMAMix's momentum,
+        non-zero at a zero gradient), so after such a stage every element of that row,
+        leaf or tree may differ; the zero-gradient elements themselves stay exact."""
         changed = False
         for top in self.parts:
             for p in top.flat():
@@ -362,8 +367,13 @@ def _grad(gen: torch.Generator, p: torch.Tensor, pattern: str) -> torch.Tensor:
 
 
 def draw_case(src: Source, s: Structure, device: Any = "cpu", steps: int | None = None,
-              max_leaves: int = 5) -> Case:
-    """Hyperparameters, a pytree and 2-3 steps of gradients for structure ``s``."""
+              max_leaves: int = 5, dtypes: Sequence[str] | None = None) -> Case:
+    """Hyperparameters, a pytree and 2-3 steps of gradients for structure ``s``.
+
+    ``dtypes``: the param dtypes (keys of :data:`DTYPES`) the leaves may take, each leaf
+    one of them (all one dtype, or mixed); ``None``: any, as fp32 half of the time. The
+    GPU runner gives each structure a fixed pair, since each dtype of a tree is a kernel
+    of its own to compile."""
     hps = draw_hparams(src, s, device)
     n = src.integers(1, max_leaves)
     shapes = [src.choice(SMALL_SHAPES) for _ in range(n)]
@@ -371,9 +381,13 @@ def draw_case(src: Source, s: Structure, device: Any = "cpu", steps: int | None 
         shapes[src.integers(0, n - 1)] = src.choice(BLOCK_SHAPES)
         if s.quant == "keyword":
             shapes[src.integers(0, n - 1)] = (4097,)
-    mode = src.choice(["fp32", "fp32", "fp32", "fp16", "bf16", "mixed"])
-    dtypes = [DTYPES[src.choice(sorted(DTYPES)) if mode == "mixed" else mode]
-              for _ in range(n)]
+    if dtypes is None:  # (the draws of every earlier run, so their replays still hold)
+        names: list[str] = sorted(DTYPES)
+        mode = src.choice(["fp32", "fp32", "fp32", "fp16", "bf16", "mixed"])
+    else:
+        names = list(dtypes)
+        mode = src.choice([*names, "mixed"]) if len(names) > 1 else names[0]
+    leaf_dtypes = [DTYPES[src.choice(names) if mode == "mixed" else mode] for _ in range(n)]
     seed = src.integers(0, 2**31 - 1)
     steps = steps if steps is not None else src.integers(2, 3)
     patterns = [[src.choice(["none", "scattered", "negzero", "rows", "all", "block", "none"])
@@ -381,7 +395,7 @@ def draw_case(src: Source, s: Structure, device: Any = "cpu", steps: int | None 
     nones = [[src.boolean(0.12) for _ in range(n)] for _ in range(steps)]
     gen = torch.Generator().manual_seed(seed)
     leaves = []
-    for shape, dtype in zip(shapes, dtypes):
+    for shape, dtype in zip(shapes, leaf_dtypes):
         p = torch.randn(shape, generator=gen) * 10.0 ** float(torch.randint(-1, 2, (),
                                                                             generator=gen))
         if p.numel():

@@ -265,17 +265,22 @@ def fused_vs_eager(case: Case) -> None:
 def _slots(state: Any, params: Any) -> list[tuple[str, list]]:
     """The per-element state slots of ``state``: (field name, leaves aligned with the
     param leaves, ``None`` where a slot has no leaf for that param)."""
-    spec = optree.tree_structure(params, namespace="ftopt")
-    shapes = [tuple(p.shape) for p in _leaves(params)]
+    # A slot is the params' containers with a tensor, an 8-bit slot or None at each leaf:
+    # compared as structures with those three as leaves (no exception tried and caught:
+    # optree's mismatch message would format every tensor of the state).
     is_q = lambda x: isinstance(x, QuantizedSlot)
+    is_slot_leaf = lambda x: x is None or isinstance(x, (torch.Tensor, QuantizedSlot))
+    spec = optree.tree_structure(params, is_leaf=is_slot_leaf, none_is_leaf=True,
+                                 namespace="ftopt")
+    shapes = [tuple(p.shape) for p in _leaves(params)]
     found = []
 
     def walk(node: Any, name: str) -> None:
         if node is None or isinstance(node, (torch.Tensor, QuantizedSlot)):
             return
-        try:
-            flat = spec.flatten_up_to(node)
-        except (ValueError, TypeError):
+        flat, node_spec = optree.tree_flatten(node, is_leaf=is_slot_leaf, none_is_leaf=True,
+                                              namespace="ftopt")
+        if node_spec != spec:
             flat = None
         if flat is not None and all(
                 x is None or (is_q(x) and tuple(x.codes.shape) == sh)

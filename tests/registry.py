@@ -8,7 +8,9 @@ transform (``make(**hparams)``), how to draw valid hyperparameters (``sample(src
 in pytest), and its traits:
 
 * ``states``: names of its per-element state slots; ``counted``: it keeps a step count;
-* ``norms``: ``None``, ``"leaf"`` or ``"global"`` (reads a per-leaf or a global norm);
+* ``norms``: ``None``, ``"row"``, ``"leaf"`` or ``"global"`` (reads a reduction of the
+  update: over each row ``u[i, ...]``, as a row norm or a row mean; a per-leaf norm; or a
+  global norm);
 * ``uses_params``; ``keeps_zero``: a zero incoming update stays zero (so a norm after it
   sees the same value with or without ``skip_zeros``);
 * ``fusible``: it has an elementwise rule, so a chain of only fusible entries fuses;
@@ -373,7 +375,7 @@ TRANSFORMS: list[Entry] = [
     Entry("scale_by_sign", ftopt.scale_by_sign, keeps_zero=True),
     # A matrix stage (ftopt.matrix): the elementwise stages around it fuse in segments.
     Entry("scale_by_row_norm", ftopt.scale_by_row_norm, floats={"eps": HP(0.0, 1e-3)},
-          keeps_zero=True, example={"eps": 1e-8}),
+          norms="row", keeps_zero=True, example={"eps": 1e-8}),
     Entry("scale_by_lion", ftopt.scale_by_lion, floats={"b1": BETA, "b2": BETA},
           states=("mu",), counted=True, eight_bit=True,
           example={"b1": 0.9, "b2": 0.99}),
@@ -571,7 +573,7 @@ TRANSFORMS += [
           example={"max_delta": 0.5}),
     Entry("keep_params_nonnegative", ftopt.keep_params_nonnegative, uses_params=True),
     # A matrix stage (whole-leaf means): the elementwise stages around it fuse.
-    Entry("centralize", ftopt.centralize),
+    Entry("centralize", ftopt.centralize, norms="row"),  # (a mean of each row)
     # Wrappers (ftopt.wrappers): eager bookkeeping around an inner transform.
     Entry("MultiSteps",
           lambda inner=(), every_k_schedule=2, use_grad_mean=True: ftopt.MultiSteps(
@@ -846,7 +848,7 @@ def stateful() -> list[Entry]:
 
 
 def norms() -> list[Entry]:
-    """Entries that read a per-leaf or a global norm."""
+    """Entries that read a reduction of the update (per row, per leaf or global)."""
     return [e for e in TRANSFORMS if e.norms]
 
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 
 import fuzz_checks as checks
+import optree
 import pytest
 import torch
-from fuzz_cases import HypothesisSource, draw_case, draw_structure
+from fuzz_cases import DTYPES, HypothesisSource, draw_case, draw_structure
 from hypothesis import HealthCheck, Phase, given, note, seed, settings
 from hypothesis import strategies as st
 
@@ -153,3 +154,62 @@ def test_tiny_hyperparameter_in_the_interpreter(wd):
     fused, _ = ftopt.step(tx, p, g, tx.init(p), backend="fused")
     eager, _ = ftopt.step(tx, p, g, tx.init(p), backend="eager")
     torch.testing.assert_close(fused, eager, rtol=1e-6, atol=0)
+
+
+# ------------------------------------------------------------------------------------------
+# The GPU runner's bookkeeping (benchmarks/fuzz.py): shards, dtypes per structure, merge
+# ------------------------------------------------------------------------------------------
+
+
+def _runner():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "fuzz.py"
+    spec = importlib.util.spec_from_file_location("fuzz_runner", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_runner_shards_are_disjoint_and_draw_the_same_cases():
+    runner = _runner()
+    shards = [list(runner.shard_indices(50, (k, 3))) for k in range(3)]
+    assert sorted(i for s in shards for i in s) == list(range(50))
+    pool = runner.structure_pool(1, 6, dtypes=2)
+    for _, names in pool:
+        assert len(names) == 2 and set(names) <= set(runner.DTYPE_NAMES)
+    for index in (0, 7, 31):  # the same case whichever worker or shard draws it
+        a, b = (runner.example(1, index, pool, "cpu") for _ in range(2))
+        assert a.describe() == b.describe()
+        names = dict((id(s), n) for s, n in pool)[id(a.structure)]
+        leaves = optree.tree_leaves(a.params, namespace="ftopt")
+        assert {p.dtype for p in leaves} <= {DTYPES[n] for n in names}
+
+
+def test_runner_merge_sums_shards_and_refuses_overlaps(tmp_path):
+    import json
+
+    runner = _runner()
+    base = {"seeds": [0], "examples_per_seed": 10, "structures": 30, "dtypes": 2,
+            "torch": torch.__version__, "replay_flags": "--structures 30 --dtypes 2",
+            "device": "X", "gpus": 1, "workers": 2, "code_diff_elements": 1,
+            "failures": []}
+    parts = [{**base, "shards": ["0/2"], "examples": 5, "seconds": 10.0,
+              "checked": {"donate": 5}, "failed": {}},
+             {**base, "shards": ["1/2"], "examples": 5, "seconds": 12.0,
+              "checked": {"donate": 5, "purity": 5}, "failed": {"purity": 1},
+              "failures": [{"property": "purity", "message": "m", "case": "c",
+                            "replay": "0:3"}]}]
+    paths = []
+    for i, part in enumerate(parts):
+        paths.append(tmp_path / f"p{i}.json")
+        paths[-1].write_text(json.dumps(part))
+    merged = runner.merge([str(p) for p in paths])
+    assert merged["examples"] == 10 and merged["seconds"] == 12.0
+    assert merged["checked"] == {"donate": 10, "purity": 5}
+    assert merged["failed"] == {"purity": 1} and merged["code_diff_elements"] == 2
+    assert runner.report(merged, tmp_path / "merged") == 1
+    assert "| purity | 5 | 1 |" in (tmp_path / "merged.md").read_text()
+    with pytest.raises(SystemExit, match="not disjoint"):
+        runner.merge([str(paths[0]), str(paths[0])])

@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ftopt import shards
+from ftopt import eager, shards
 from ftopt import tree as tree_lib
-from ftopt._counts import host_count, remember_count
+from ftopt._counts import remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, POSITIVE, check_finite
 from ftopt.matrix import flatten_call
@@ -236,10 +236,8 @@ class FactoredRms:
 
     def _decay(self, count: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """The decay rate at this step (from the count before the step) and the new count;
-        on the host when the count's value is known there (no device read)."""
-        known = host_count(count)
-        if known is None and count.device.type == "cpu":
-            known = int(count)
+        on the host where the count may be known there (:func:`ftopt.eager.known_count`)."""
+        known = eager.known_count(count)
         new_count = count + 1
         if known is None:
             step = count.to(torch.float64 if count.device.type in ("cpu", "cuda")

@@ -112,7 +112,9 @@ def stat_zeros(p: torch.Tensor, dim: int, dtype: torch.dtype, split: frozenset[i
 
 
 def mix(old: torch.Tensor, new: torch.Tensor, beta: Any) -> torch.Tensor:
-    """beta·old + (1 − beta)·new, beta a float or a 0-d tensor."""
+    """beta·old + (1 − beta)·new, beta a float or a 0-d tensor (1 − beta taken in beta's
+    dtype, float64 on the device as on the host, then rounded: the same bits either way)."""
+    rest = 1.0 - beta
     if isinstance(beta, torch.Tensor):
-        beta = beta.to(old.dtype)
-    return beta * old + (1.0 - beta) * new
+        beta, rest = beta.to(old.dtype), rest.to(old.dtype)
+    return beta * old + rest * new

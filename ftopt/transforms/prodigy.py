@@ -43,7 +43,7 @@ import torch
 
 from ftopt import eager
 from ftopt import tree as tree_lib
-from ftopt._counts import host_count, remember_count
+from ftopt._counts import remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, POSITIVE, UNIT_OPEN, check_hparam
 from ftopt.matrix import check_shards, flatten_call
@@ -326,10 +326,8 @@ def _as(value: Any, like: torch.Tensor) -> Any:
 
 def _counts(count: torch.Tensor) -> tuple[Any, Any, torch.Tensor]:
     """(count for the schedule, t = count + 1, the new count tensor): host ints where the
-    count is known on the host, else device tensors (no device read)."""
-    known = host_count(count)
-    if known is None and count.device.type == "cpu" and not eager.functorch_active():
-        known = int(count)
+    count may be known on the host (:func:`ftopt.eager.known_count`), else device tensors."""
+    known = eager.known_count(count)
     new_count = count + 1
     if known is None:
         return count, new_count, new_count
@@ -342,9 +340,12 @@ def _bias_correction(b1: Any, b2: Any, t: Any, like: torch.Tensor) -> Any:
     if isinstance(t, int) and not isinstance(b1, torch.Tensor) \
             and not isinstance(b2, torch.Tensor):
         return math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+    # A float b made a tensor directly in the wide dtype: through float32 first (the
+    # default dtype) 1 − b1ᵗ would be ~1e-7 off the host's value.
     wide = torch.float64 if like.device.type in ("cpu", "cuda") else like.dtype
     t = torch.as_tensor(t, device=like.device).to(wide)
-    b1, b2 = (torch.as_tensor(b, device=like.device).to(wide) for b in (b1, b2))
+    b1, b2 = (b.to(like.device, wide) if isinstance(b, torch.Tensor)
+              else torch.tensor(b, dtype=wide, device=like.device) for b in (b1, b2))
     return (torch.sqrt(1 - b2 ** t) / (1 - b1 ** t)).to(like.dtype)
 
 
