@@ -48,7 +48,7 @@ from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, POSITIVE, UNIT_OPEN, check_hparam
 from ftopt.matrix import check_shards, flatten_call
 from ftopt.program import skip_update
-from ftopt.rule_transform import read_slot, stored_slot, write_slot
+from ftopt.rule_transform import read_slot, rule_transform, stored_slot, write_slot
 from ftopt.rules import QuantConfig, Rule, Slot, check_param, compute_dtype, state_dtype
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.validate import check_count, check_leaf, check_slots
@@ -349,14 +349,19 @@ def _bias_correction(b1: Any, b2: Any, t: Any, like: torch.Tensor) -> Any:
 
 
 def _bias_scalars(t, h) -> dict:
-    """``lr_bc`` = lr·√(1 − b2ᵗ)/(1 − b1ᵗ), in float64 (a device tensor where the count is)."""
+    """``lr_bc`` = lr·√(1 − b2ᵗ)/(1 − b1ᵗ), in float64 (a device tensor where the count is
+    or a beta is a tensor), ``one_minus_b1``, ``one_minus_b2`` and ``inv_estim_lr0`` = 1/E0."""
     if isinstance(t, torch.Tensor) or any(isinstance(h[k], torch.Tensor)
                                           for k in ("b1", "b2")):
         b1, b2 = (torch.as_tensor(h[k], dtype=torch.float64) for k in ("b1", "b2"))
         bc = torch.sqrt(1 - b2 ** t) / (1 - b1 ** t)
     else:
         bc = math.sqrt(1 - h["b2"] ** t) / (1 - h["b1"] ** t)
-    return {"lr_bc": h["learning_rate"] * bc}
+    # 1 − b1, 1 − b2 and 1/E0 in float64 here, not in the kernel from fp32 b1, b2 and E0:
+    # 1 − fp32(0.999) is 1.3e-5 off (√v 6e-6), 1/fp32(1e-3) rounds to 999.99994 (a bias s
+    # and num would carry every step).
+    return {"lr_bc": h["learning_rate"] * bc, "one_minus_b1": 1 - h["b1"],
+            "one_minus_b2": 1 - h["b2"], "inv_estim_lr0": 1.0 / h["estim_lr0"]}
 
 
 def _carry(t, h, old) -> tuple[dict, dict]:
@@ -369,14 +374,14 @@ def _body(safeguard: bool):
         est = x.estim_lr
         dlr = est * x.lr_bc
         dg = est * x.u
-        m = x.b1 * x.exp_avg + (1 - x.b1) * dg
-        v = x.b2 * x.exp_avg_sq + (1 - x.b2) * (dg * dg)
-        s = x.b3 * x.grad_sum + (dg * (est if safeguard else dlr)) * (1.0 / x.estim_lr0)
+        m = x.b1 * x.exp_avg + x.one_minus_b1 * dg
+        v = x.b2 * x.exp_avg_sq + x.one_minus_b2 * (dg * dg)
+        s = x.b3 * x.grad_sum + (dg * (est if safeguard else dlr)) * x.inv_estim_lr0
         # Σ|s| over the state as kept: a skipped element adds its old |s|.
         kept = s if x.skip is None else o.where(x.skip, x.grad_sum, s)
         dot = o.global_sum(x.u * (x.params0 - x.p))
         l1 = o.global_sum(o.abs(kept))
-        num = x.b3 * x.numerator_weighted + (est / x.estim_lr0) * dlr * dot
+        num = x.b3 * x.numerator_weighted + (est * x.inv_estim_lr0) * dlr * dot
         new_est = o.maximum(est, x.estim_lr_coef * num / l1)
         u = (dlr * -1.0) * m / (o.sqrt(v) + new_est * x.eps) - x.weight_decay * dlr * x.p
         return u, {"exp_avg": m, "exp_avg_sq": v, "grad_sum": s, "params0": x.params0,
@@ -442,6 +447,10 @@ def scale_by_prodigy(
         check_hparam("prodigy", name, value, domain)
     if not callable(learning_rate):
         check_hparam("prodigy", "learning_rate", learning_rate, NONNEG)
+    if weight_decay_mask is None:
+        return rule_transform(prodigy_rule(learning_rate, b1, b2, beta3, eps, float(estim_lr0),
+                                           estim_lr_coef, weight_decay,
+                                           bool(safeguard_warmup)))
     stage = ScaleByProdigy(learning_rate, b1, b2, beta3, eps, float(estim_lr0),
                            estim_lr_coef, weight_decay, bool(safeguard_warmup),
                            weight_decay_mask)
