@@ -1,7 +1,11 @@
 """Prodigy on the fused path: one rule whose global sums (Σ g·(x0 − p), Σ|s|) are the
 reduction pass's and whose estimate and numerator the main kernel computes and stores.
 With skip_zeros the skipped elements keep their params and states bit for bit, fused
-follows eager and both the float64 reference; a fused step reads nothing from the device."""
+follows eager and both the float64 reference; a fused step reads nothing from the device.
+The alias (``ftopt.prodigy``, that rule): both backends follow float64 over 20 steps, agree
+step by step within SPEC §6, fp64 params keep E in float64, ``weight_decay_mask`` (the
+torch stage) follows float64, the state is the stage's, and a donated step's launches and
+torch ops do not grow with the number of leaves."""
 
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rule():
-    """Prodigy as the one rule the fused path runs (not yet the alias' default)."""
+    """Prodigy as the one rule (the alias' transform without weight_decay_mask)."""
     return rule_transform(prodigy_rule(5.0, 0.8, 0.9, 0.9 ** 0.5, 1e-3, 1e-3, 1.0, 0.05,
                                        False))
 
