@@ -147,20 +147,21 @@ def _close(x: torch.Tensor, y: torch.Tensor, rtol: float, what: str) -> None:
     assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol}"
 
 
-def test_8bit_checkpoint_continues_bit_identically():
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_8bit_checkpoint_continues_bit_identically(backend):
     gen = torch.Generator().manual_seed(8)
     tx = ftopt.prodigy(**HP, state_bits=8)
     params = _tree(gen)
     state = tx.init(params)
-    params, state = ftopt.step(tx, params, _grads(params, gen), state, backend="eager")
+    params, state = ftopt.step(tx, params, _grads(params, gen), state, backend=backend)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
     assert _equal(loaded, state)
     grads = _grads(params, gen)
-    assert _equal(ftopt.step(tx, params, grads, loaded, backend="eager"),
-                  ftopt.step(tx, params, grads, state, backend="eager"))
+    assert _equal(ftopt.step(tx, params, grads, loaded, backend=backend),
+                  ftopt.step(tx, params, grads, state, backend=backend))
 
 
 def test_a_state_of_the_other_format_is_refused():
