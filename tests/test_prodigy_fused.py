@@ -9,6 +9,9 @@ torch ops do not grow with the number of leaves."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import optree
 import pytest
 import torch
@@ -166,9 +169,17 @@ def test_alias_fused_matches_eager_step_by_step():
         assert torch.equal(f.count, e.count)
 
 
-def test_alias_runs_as_one_fused_rule():
-    text = str(ftopt.explain(ftopt.prodigy(**ALIAS), _params(torch.Generator().manual_seed(1))))
+@pytest.mark.parametrize("bits, read, written", [(32, "24", "20"), (8, "15.047", "11.047")])
+def test_alias_runs_as_one_fused_rule(bits, read, written):
+    """One rule (no torch stage), 8-bit states too; the main kernel reads g, p, m, v, s and
+    params0 and writes p, m, v, s and params0, params0 in fp32 whatever the layout."""
+    params = {"w": torch.randn(64, 80, generator=torch.Generator().manual_seed(1))}
+    with contextlib.redirect_stdout(io.StringIO()):
+        text = str(ftopt.explain(ftopt.prodigy(**ALIAS, state_bits=bits), params,
+                                 donate=True, backend="fused"))
     assert "scale_by_prodigy" in text and "matrix stage" not in text
+    assert "path: fused" in text and "kernel launches per step: 3" in text
+    assert f"main kernel reads {read}, writes {written};" in text, text
 
 
 def test_fp64_params_keep_the_estimate_in_float64():
