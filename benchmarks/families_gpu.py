@@ -22,6 +22,13 @@ running scalars' torch ops on 0-d tensors (see the note column), each a tiny ker
 a few microseconds: 24 of them a step before they were trimmed to 13 + 1 (no fill per
 host number, no copy of b1), which is all the time over 20 B/elt there is to find.
 
+``prodigy`` now runs as one rule (it was a torch stage: 20.4 ms in ``families_h200_after.md``,
+29 ms on GPT-2 small elsewhere): a reduction pass reading g, p, x0 and s (16 B/elt) and the
+main kernel (reads g, p, m, v, s, x0: 24; writes p, m, v, s and x0: 20), 60 B/elt for
+the whole step, 3 launches and no torch op on 0-d tensors. Expected on the H200: about
+7.5 GB a step, ~1.9 ms at the copy bandwidth; the note column should read "1 norm
+pass(es); 0 + 1 ops on 0-d tensors" and "step of copy" near the other norm families'.
+
     python3 benchmarks/families_gpu.py --out DIR        # GPU; writes families.json / .md
     python3 benchmarks/families_gpu.py --smoke --out DIR  # CPU interpreter, tiny tree
 """

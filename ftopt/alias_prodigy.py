@@ -29,7 +29,9 @@ def prodigy(
     is d·lr with d a running estimate of the distance to the solution, grown from a global
     dot product Σ g·(x0 − p) and a global L1 norm of its state s. The state is optax's
     ``ProdigyState``; d (``estim_lr``) and its numerator are 0-d tensors on the params'
-    device, moved without a host read.
+    device, moved without a host read. It runs as one rule: fused, a reduction pass and one
+    main kernel per step for any number of leaves; with ``weight_decay_mask``, a stage of
+    torch ops and the fused ``p + u`` (:mod:`ftopt.transforms.prodigy`).
 
     ``learning_rate`` multiplies the estimate (a schedule that starts near 1.0, e.g. a
     linear decay to 0 after a warmup). ``state_bits=8`` stores m, v and s as 8-bit

@@ -31,6 +31,7 @@ from ftopt.rules import (
     check_param,
     compute_dtype,
     initial_running,
+    running_dtype,
     running_step,
     state_dtype,
     step_scalars,
@@ -99,7 +100,9 @@ class RuleTransform:
         if self.rule.counted:
             values["count"] = torch.zeros((), dtype=torch.int32, device=device)
             remember_count(values["count"], 0)  # (the first step reads no device)
-        values.update(initial_running(self.rule, device))
+        wide = bool(flat) and all(p.dtype == torch.float64 for p in flat)
+        values.update(initial_running(self.rule, device,
+                                      torch.float64 if wide else torch.float32))
         for slot in self.rule.slots:
             leaves = [self._init_slot(slot, p) for p in flat]
             values[slot.name] = tree_lib.unflatten(spec, leaves)
@@ -232,8 +235,7 @@ class RuleTransform:
         if running is not None and len(result) > 2:  # (running scalars the body wrote)
             for name, value in result[2].items():
                 old_value = getattr_running(carried, name)
-                running[name] = value.to(old_value.dtype) if isinstance(
-                    old_value, torch.Tensor) else value
+                running[name] = value.to(running_dtype(old_value))
         for j, i in enumerate(active):
             # A 0-d leaf whose per-step scalars are float64 tensors (a device count) would
             # be promoted to float64: updates are in the leaf's compute dtype.
@@ -336,8 +338,9 @@ class _VecAlgebra:
 
     def running_out(self, index: int, name: str, value) -> None:
         item = value.items[0] if isinstance(value, eager.Vec) else value
-        self.running[name] = torch.as_tensor(item, dtype=torch.float32,
-                                             device=self.us[0].device)
+        # (In its own dtype, at least fp32: the caller stores it in the old value's.)
+        item = torch.as_tensor(item, device=self.us[0].device)
+        self.running[name] = item.to(torch.promote_types(item.dtype, torch.float32))
 
     def slot_out(self, index: int, name: str, value) -> None:
         if any(s.per_leaf and s.name == name for s in self.rule.slots):

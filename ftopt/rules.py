@@ -41,8 +41,8 @@ from ftopt.base import EmptyState, register_state
 from ftopt.domains import Interval
 
 __all__ = ["Slot", "Rule", "QuantizedSlot", "QuantConfig", "Env", "hparam_values",
-           "step_scalars", "initial_running", "running_step", "compute_dtype", "state_dtype",
-           "check_param"]
+           "step_scalars", "initial_running", "running_dtype", "running_step", "compute_dtype",
+           "state_dtype", "check_param"]
 
 
 @dataclass(frozen=True)
@@ -130,20 +130,27 @@ def hparam_values(rule: Rule, count: Any, t: Any) -> dict:
     return {k: (v(at) if callable(v) else v) for k, v in rule.hparams.items()}
 
 
-def initial_running(rule: Rule, device: Any = None) -> dict:
-    """The running scalars of a new state: 0-d fp32 tensors on ``device``."""
+def initial_running(rule: Rule, device: Any = None,
+                    dtype: torch.dtype = torch.float32) -> dict:
+    """The running scalars of a new state: 0-d tensors on ``device``, fp32 (``dtype``
+    float64 where every param is: a float64 computation keeps them in float64)."""
     out = {}
     for name, value in rule.running.items():
         value = rule.hparams[value] if isinstance(value, str) else value
-        out[name] = torch.full((), float(value), dtype=torch.float32, device=device)
+        out[name] = torch.full((), float(value), dtype=dtype, device=device)
     return out
+
+
+def running_dtype(old: Any) -> torch.dtype:
+    """The dtype of a running scalar's new value: float64 where the old one is, else fp32."""
+    return torch.float64 if getattr(old, "dtype", None) == torch.float64 else torch.float32
 
 
 def running_step(rule: Rule, count: Any, t: Any, old: dict) -> tuple[dict, dict]:
     """One step of ``rule``'s running scalars: ``(the body's scalars from them, the new
     values)``; every backend calls this, once per step (also with no active leaf)."""
     scalars, new = rule.advance(t, hparam_values(rule, count, t), old)
-    return scalars, {k: v.to(torch.float32) for k, v in new.items()}
+    return scalars, {k: v.to(running_dtype(old.get(k))) for k, v in new.items()}
 
 
 def step_scalars(rule: Rule, count: Any, t: Any, carried: dict | None = None) -> dict:

@@ -7,6 +7,7 @@ u = −dlr·m/(√v + E·eps) − wd·dlr·p.
 ``step(..., skip=masks)`` (skip_zeros, SPEC §3): where a mask holds, m, v and s keep their
 values and the update is 0; Σ|s| is taken over the state as kept (a skipped element adds its
 old |s|); the dot product gets nothing there (g = 0); E, num and t advance.
+``decayed`` (leaf -> bool, ``weight_decay_mask``): the decay applies only where it holds.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from reference import F64, RefOptimizer
 
 class RefProdigy(RefOptimizer):
     def __init__(self, lr=1.0, b1=0.9, b2=0.999, b3=None, eps=1e-8, estim_lr0=1e-6,
-                 coef=1.0, weight_decay=0.0, safeguard_warmup=False):
+                 coef=1.0, weight_decay=0.0, safeguard_warmup=False, decayed=None):
         super().__init__()
         self.lr, self.b1, self.b2 = lr, b1, b2
         self.b3 = math.sqrt(b2) if b3 is None else b3
         self.eps, self.e0, self.coef, self.wd = eps, estim_lr0, coef, weight_decay
         self.safeguard = safeguard_warmup
+        self.decayed = decayed  # leaf -> whether the decay applies (weight_decay_mask)
         self.estim, self.num = estim_lr0, 0.0
 
     def step(self, params: dict, grads: dict, skip: dict | None = None) -> dict:
@@ -51,7 +53,8 @@ class RefProdigy(RefOptimizer):
         out = {}
         for k in p:
             st = self.state[k]
-            u = -dlr * st["m"] / (st["v"].sqrt() + self.estim * self.eps) - self.wd * dlr * p[k]
+            wd = self.wd if self.decayed is None or self.decayed[k] else 0.0
+            u = -dlr * st["m"] / (st["v"].sqrt() + self.estim * self.eps) - wd * dlr * p[k]
             if skip is not None:
                 u = torch.where(skip[k], torch.zeros((), dtype=F64), u)
             self.last_update[k] = u

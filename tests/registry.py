@@ -165,9 +165,9 @@ class Entry:
     mixes: bool = False
     moves: bool = True  # its standalone optimizer changes the params (not set_to_zero)
     # Some states stay in the compute dtype under state_bits=8 / state_dtype (a copy of the
-    # params, rules.Slot.from_params): such a leaf mixes layouts, which the kernels do not
-    # read, so the 8-bit and state_dtype suites leave it out (eight_bit False); its
-    # skip_zeros Case runs 8-bit states eagerly.
+    # params, rules.Slot.from_params): such a leaf mixes layouts (the 8-bit kernels load and
+    # store those slots as floats), which the 8-bit and state_dtype suites, written for
+    # uniform layouts, leave out (eight_bit False); its skip_zeros Case runs 8-bit states.
     mixed_layout: bool = False
     example: dict[str, Any] = field(default_factory=dict)  # hand-picked hyperparameters
     inner: tuple[str, ...] = ()  # combinators: the registry entries standalone() wraps
@@ -667,10 +667,10 @@ TRANSFORMS += [
           example={"learning_rate": 1e-2}),
 ]
 
-# ---- Prodigy (ftopt.alias_prodigy): one stage of torch ops batched over leaves (its
-# global dot product and L1 norm read whole leaves), then the fused p + u. Under
-# state_bits=8 / state_dtype its m, v and s are stored as asked and params0, a copy of the
-# params, stays in their dtype (mixed_layout, as MADGRAD's x0).
+# ---- Prodigy (ftopt.alias_prodigy): one rule (its global dot product and L1 norm are
+# global sums of the fused reduction pass, d and its numerator running scalars the main
+# kernel stores). Under state_bits=8 / state_dtype its m, v and s are stored as asked and
+# params0, a copy of the params, stays in their dtype (mixed_layout, as MADGRAD's x0).
 TRANSFORMS += [
     Entry("prodigy", ftopt.prodigy,
           floats={"learning_rate": HP(0.1, 1.0, schedule=True), "eps": EPS,

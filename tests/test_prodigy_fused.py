@@ -1,13 +1,22 @@
 """Prodigy on the fused path: one rule whose global sums (Σ g·(x0 − p), Σ|s|) are the
 reduction pass's and whose estimate and numerator the main kernel computes and stores.
 With skip_zeros the skipped elements keep their params and states bit for bit, fused
-follows eager and both the float64 reference; a fused step reads nothing from the device."""
+follows eager and both the float64 reference; a fused step reads nothing from the device.
+The alias (``ftopt.prodigy``, that rule): both backends follow float64 over 20 steps, agree
+step by step within SPEC §6, fp64 params keep E in float64, ``weight_decay_mask`` (the
+torch stage) follows float64, the state is the stage's, and a donated step's launches and
+torch ops do not grow with the number of leaves."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+
+import optree
 import pytest
 import torch
 from reference_prodigy import RefProdigy
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ftopt
 from ftopt.rule_transform import rule_transform
@@ -23,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rule():
-    """Prodigy as the one rule the fused path runs (not yet the alias' default)."""
+    """Prodigy as the one rule (the alias' transform without weight_decay_mask)."""
     return rule_transform(prodigy_rule(5.0, 0.8, 0.9, 0.9 ** 0.5, 1e-3, 1e-3, 1.0, 0.05,
                                        False))
 
@@ -96,3 +105,176 @@ def test_fused_step_reads_nothing_from_the_device(monkeypatch):
             if DEVICE == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
     assert int(state.count) == 3
+
+
+# ---- the alias (ftopt.prodigy) on both backends against float64 -------------------------
+
+ALIAS = dict(learning_rate=1.0, betas=(0.9, 0.999), eps=1e-8, estim_lr0=1e-3,
+             weight_decay=0.05)
+ALIAS_REF = dict(lr=1.0, b1=0.9, b2=0.999, eps=1e-8, estim_lr0=1e-3, weight_decay=0.05)
+# Faster moments: the estimate grows ~900-fold in 20 steps. (With lr = 5 and
+# safeguard_warmup it grows without bound, E ~1e30 by step 16: the backends and float64
+# then part ways as any two fp32 runs of a diverging recurrence do.)
+GROW = dict(learning_rate=1.0, betas=(0.8, 0.9), eps=1e-3, estim_lr0=1e-3, weight_decay=0.05)
+GROW_REF = dict(lr=1.0, b1=0.8, b2=0.9, eps=1e-3, estim_lr0=1e-3, weight_decay=0.05)
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x − ref| relative to max |ref|."""
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("safeguard", [False, True])
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_alias_follows_float64_over_20_steps(backend, safeguard):
+    """20 steps with gradients of fixed sign (the estimate grows ~500-fold): params within
+    1e-6 of the float64 reference, the estimate within 2e-6 (its numerator is a dot product
+    of fp32 sums). The two backends sum in different orders and are as close to float64."""
+    gen = torch.Generator().manual_seed(31)
+    tx = ftopt.prodigy(**GROW, safeguard_warmup=safeguard)
+    ref = RefProdigy(**GROW_REF, safeguard_warmup=safeguard)
+    params = _params(gen)
+    pr = {k: v.double().cpu() for k, v in params.items()}
+    state = tx.init(params)
+    for _ in range(20):
+        g = _grads(params, gen)
+        params, state = ftopt.step(tx, params, g, state, backend=backend, donate=True)
+        pr = ref.step(pr, {k: v.cpu() for k, v in g.items()})
+        for k in SHAPES:
+            assert _rel(params[k], pr[k]) <= 1e-6, k
+    assert ref.estim > 100 * GROW_REF["estim_lr0"]  # (the estimate did grow)
+    assert abs(float(state[0].estim_lr) / ref.estim - 1) <= 2e-6
+
+
+def test_alias_fused_matches_eager_step_by_step():
+    """SPEC §6 from the same inputs at every step: params, m, v, s, E and num within 1e-6
+    relative; counts and params0 equal."""
+    gen = torch.Generator().manual_seed(32)
+    tx = ftopt.prodigy(**ALIAS)
+    params = _params(gen)
+    state = tx.init(params)
+    for _ in range(6):
+        g = _grads(params, gen)
+        pf, sf = ftopt.step(tx, params, g, state, backend="fused")
+        params, state = ftopt.step(tx, params, g, state, backend="eager")
+        (f,), (e,) = sf, state
+        for k in SHAPES:
+            assert _rel(pf[k], params[k]) <= 1e-6, k
+            for name in ("exp_avg", "exp_avg_sq", "grad_sum"):
+                assert _rel(getattr(f, name)[k], getattr(e, name)[k]) <= 1e-6, (name, k)
+            assert torch.equal(f.params0[k], e.params0[k])
+        for name in ("estim_lr", "numerator_weighted"):
+            assert _rel(getattr(f, name), getattr(e, name)) <= 1e-6, name
+        assert torch.equal(f.count, e.count)
+
+
+@pytest.mark.parametrize("bits, read, written", [(32, "24", "20"), (8, "15.047", "11.047")])
+def test_alias_runs_as_one_fused_rule(bits, read, written):
+    """One rule (no torch stage), 8-bit states too; the main kernel reads g, p, m, v, s and
+    params0 and writes p, m, v, s and params0, params0 in fp32 whatever the layout."""
+    params = {"w": torch.randn(64, 80, generator=torch.Generator().manual_seed(1))}
+    with contextlib.redirect_stdout(io.StringIO()):
+        text = str(ftopt.explain(ftopt.prodigy(**ALIAS, state_bits=bits), params,
+                                 donate=True, backend="fused"))
+    assert "scale_by_prodigy" in text and "matrix stage" not in text
+    assert "path: fused" in text and "kernel launches per step: 3" in text
+    assert f"main kernel reads {read}, writes {written};" in text, text
+
+
+def test_fp64_params_keep_the_estimate_in_float64():
+    """fp64 params (the eager path): E and num are float64 tensors of the state and the
+    steps follow the float64 reference to 1e-12."""
+    gen = torch.Generator().manual_seed(33)
+    tx = ftopt.prodigy(**ALIAS)
+    params = {k: v.double() for k, v in _params(gen).items()}
+    ref = RefProdigy(**ALIAS_REF)
+    pr = {k: v.clone().cpu() for k, v in params.items()}
+    state = tx.init(params)
+    assert state[0].estim_lr.dtype == state[0].numerator_weighted.dtype == torch.float64
+    for _ in range(10):
+        g = {k: v.double() for k, v in _grads(params, gen).items()}
+        params, state = ftopt.step(tx, params, g, state)
+        pr = ref.step(pr, {k: v.cpu() for k, v in g.items()})
+        for k in SHAPES:
+            assert _rel(params[k], pr[k]) <= 1e-12, k
+    assert state[0].estim_lr.dtype == torch.float64
+    assert abs(float(state[0].estim_lr) / ref.estim - 1) <= 1e-12
+
+
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_weight_decay_mask_keeps_the_stage(backend):
+    """weight_decay_mask (per-leaf values, which a rule has not) runs the batched torch
+    stage: the decay where the mask holds, as the float64 reference does."""
+    gen = torch.Generator().manual_seed(34)
+    mask = {"w": True, "b": False}
+    tx = ftopt.prodigy(**ALIAS, weight_decay_mask=mask)
+    ref = RefProdigy(**ALIAS_REF, decayed=mask)
+    params = _params(gen)
+    pr = {k: v.double().cpu() for k, v in params.items()}
+    state = tx.init(params)
+    assert "matrix stage" in str(ftopt.explain(tx, params))
+    for _ in range(5):
+        g = _grads(params, gen)
+        params, state = ftopt.step(tx, params, g, state, backend=backend)
+        pr = ref.step(pr, {k: v.cpu() for k, v in g.items()})
+    for k in SHAPES:
+        assert _rel(params[k], pr[k]) <= 1e-6, k
+
+
+def test_state_layout_is_the_stage_layout():
+    """The rule's state is the stage's (optax's ProdigyState): a state either one makes
+    loads into the other and steps to the same values."""
+    gen = torch.Generator().manual_seed(35)
+    params = _params(gen)
+    rule_tx = ftopt.prodigy(**ALIAS)
+    stage_tx = ftopt.prodigy(**ALIAS, weight_decay_mask={"w": True, "b": True})
+    a, b = rule_tx.init(params), stage_tx.init(params)
+    fa, sa = optree.tree_flatten(a, namespace="ftopt")
+    fb, sb = optree.tree_flatten(b, namespace="ftopt")
+    assert sa == sb and type(a[0]) is type(b[0]) is ftopt.ProdigyState
+    assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(fa, fb))
+    params, b = ftopt.step(stage_tx, params, _grads(params, gen), b)
+    g = _grads(params, gen)
+    pa, sa = ftopt.step(rule_tx, params, g, b)  # the rule, from the stage's state
+    pb, sb = ftopt.step(stage_tx, params, g, b)
+    for k in SHAPES:
+        assert _rel(pa[k], pb[k]) <= 1e-6, k
+    assert _rel(sa[0].estim_lr, sb[0].estim_lr) <= 1e-6
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the ATen ops dispatched, host queries aside."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "promote_types" not in str(func):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_donated_step_ops_do_not_grow_with_leaves(kernel_launches):
+    """A donated fused step of the alias: the reduction pass and the main kernel, and the
+    same torch ops, for 3 leaves or 12 (no per-leaf work on the host or the device)."""
+    launches, ops = [], []
+    for n in (3, 12):
+        gen = torch.Generator().manual_seed(36)
+        params = {f"l{i}": torch.randn(5, 3 + i % 4, generator=gen).to(DEVICE)
+                  for i in range(n)}
+        tx = ftopt.prodigy(**ALIAS)
+        state = tx.init(params)
+        grads = [{k: torch.randn(v.shape, generator=gen).to(DEVICE) for k, v in params.items()}
+                 for _ in range(3)]
+        for g in grads[:2]:  # (the plan and the bound launches are cached)
+            params, state = ftopt.step(tx, params, g, state, backend="fused", donate=True)
+        before = len(kernel_launches)
+        with _Ops() as counter:
+            params, state = ftopt.step(tx, params, grads[2], state, backend="fused",
+                                       donate=True)
+        launches.append(len(kernel_launches) - before)
+        ops.append(counter.count)
+    assert launches[0] == launches[1] <= 3, launches
+    assert ops[0] == ops[1], ops

@@ -1114,7 +1114,7 @@ def _on_device(tree: dict) -> dict:
 
 
 @pytest.mark.parametrize("bits", [32, 8])
-@pytest.mark.parametrize("name", ["adamw", "lion", "clip_then_adamw", "bnb_lars"])
+@pytest.mark.parametrize("name", ["adamw", "lion", "clip_then_adamw", "bnb_lars", "prodigy"])
 def test_skip_zeros_fused_backend(name, bits):
     """§3 is exact on every backend: the same checks on ``step(backend="fused")`` (the
     Triton kernels, through the interpreter on CPU), skip-aware against plain fused."""

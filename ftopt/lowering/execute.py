@@ -272,7 +272,7 @@ def running_targets(plan: ChainPlan, traced, stage_states, running, donate: bool
         position, name = role[3:].split("_", 1)
         stage = plan.positions[int(position)][0]
         old = getattr(stage_states[stage], name)
-        target = old if donate else torch.empty((), dtype=torch.float32, device=old.device)
+        target = old if donate else torch.empty((), dtype=old.dtype, device=old.device)
         if running is not None:
             running[stage][name] = target
         out.append(target)

@@ -213,15 +213,27 @@ def _kernel_bytes(part: ChainPlan, traced, run, leaves, p_flat, sizes) -> tuple:
     for i in leaves:
         if not on[i]:
             continue
-        slots = len(traced.slot_roles) if selection is None or not part.branched else sum(
-            len(part.stages[s].rule.slots) for s in (
-                owners[i] for owners in selection.stage_of) if s is not None)
+        stages = ([traced.stages[pos[0]] for pos in traced.positions]
+                  if selection is None or not part.branched else
+                  [part.stages[s] for s in (owners[i] for owners in selection.stage_of)
+                   if s is not None])
+        state = sum(_slot_bytes(slot, slot_bytes) for stage in stages
+                    for slot in stage.rule.slots)
         share = p_flat[i].numel() / numel
-        read += share * (g_bytes + p_bytes + slot_bytes * slots + (4 if seeded[i] else 0))
-        written += share * ((p_bytes if traced.output == "p" else 4) + slot_bytes * slots)
+        read += share * (g_bytes + p_bytes + state + (4 if seeded[i] else 0))
+        written += share * ((p_bytes if traced.output == "p" else 4) + state)
     extra = sum(_reduction_reads(traced, lv, p_bytes, g_bytes)
                 for lv in range(1, traced.levels + 1))
     return read, written, extra
+
+
+def _slot_bytes(slot, stored: float) -> float:
+    """Bytes per element of a slot the kernel reads (or writes): ``stored`` (the group's
+    8-bit or 16-bit layout) but for a copy of the params (``Slot.from_params``), which
+    keeps fp32 or the dtype it was given."""
+    if slot.from_params:
+        return 4 if slot.dtype is None else slot.dtype.itemsize
+    return stored
 
 
 def _where(parts: list, runs: list, leaves: list, p_flat) -> list[str]:

@@ -273,9 +273,12 @@ def slot_reason(plan: ChainPlan, slot_flat, active, paths: list[str]) -> str | N
         return (f"8-bit block sizes {sorted(blocks)} do not divide the kernel block "
                 f"{tiles.QUANT_TILE[0]}")
     per_leaf = [{s.name for s in stage.rule.slots if s.per_leaf} for stage in plan.stages]
+    # Copies of the params (Slot.from_params) are never 8-bit: an 8-bit kernel loads and
+    # stores them as floats (roles.wide_slots), so they take no part in the layout.
+    copies = [{s.name for s in stage.rule.slots if s.from_params} for stage in plan.stages]
     for i in active:
         layouts = set()
-        for slots, own in zip(slot_flat, per_leaf):
+        for slots, own, wide in zip(slot_flat, per_leaf, copies):
             for name, leaves in slots.items():
                 leaf = leaves[i]
                 if leaf is None:  # (a stage of a partition branch the leaf is not in)
@@ -283,6 +286,13 @@ def slot_reason(plan: ChainPlan, slot_flat, active, paths: list[str]) -> str | N
                 if name in own:  # (one fp32 value per leaf, whatever the layout)
                     if leaf.dtype != torch.float32:
                         return f"state {name} at {paths[i]}: dtype {leaf.dtype} is not fp32"
+                    continue
+                if name in wide and not isinstance(leaf, QuantizedSlot):
+                    if leaf.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                        return (f"state {name} at {paths[i]}: dtype {leaf.dtype} is not "
+                                "fp32, bf16 or fp16")
+                    if not leaf.is_contiguous():
+                        return f"state {name} at {paths[i]} is not contiguous"
                     continue
                 if isinstance(leaf, QuantizedSlot):
                     layouts.add("8-bit")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["input_roles", "output_roles", "role_dtypes", "slot_signs", "element_slots"]
+__all__ = ["input_roles", "output_roles", "role_dtypes", "slot_signs", "element_slots",
+           "wide_slots"]
 
 _TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16",
               torch.bfloat16: "tl.bfloat16"}
@@ -20,11 +21,13 @@ def role_dtypes(traced, variant) -> dict:
               "x": "tl.float32"}
     state = "tl.uint8" if variant.quant_block else "tl.float32"
     half = dict(variant.slot_dtypes)
+    wide = wide_slots(traced)
     for i, name in traced.slot_roles:
         role = f"st{i}_{name}"
         for io in ("in", "out"):
-            dtypes[f"{role}_{io}"] = ("tl.float32" if role in traced.leaf_slots
-                                      else _STORED.get(half.get(role), state))
+            dtypes[f"{role}_{io}"] = (
+                "tl.float32" if role in traced.leaf_slots
+                else _STORED.get(half.get(role), "tl.float32" if role in wide else state))
             dtypes[f"{role}_amax_{io}"] = "tl.float32"
     return dtypes
 
@@ -45,11 +48,24 @@ def output_roles(traced, quantized: bool = False) -> list[str]:
 
 
 def element_slots(traced) -> list[tuple[int, str]]:
-    """The per-element slots (those 8-bit storage applies to): not the per-leaf ones."""
-    return [(i, n) for i, n in traced.slot_roles if f"st{i}_{n}" not in traced.leaf_slots]
+    """The slots 8-bit storage applies to: not the per-leaf ones, nor the copies of the
+    params (:func:`wide_slots`)."""
+    wide = wide_slots(traced)
+    return [(i, n) for i, n in traced.slot_roles
+            if f"st{i}_{n}" not in traced.leaf_slots and f"st{i}_{n}" not in wide]
+
+
+def wide_slots(traced) -> set[str]:
+    """``st{i}_{name}`` of the slots that start as a copy of the params
+    (:attr:`ftopt.rules.Slot.from_params`): never 8-bit, so an 8-bit kernel loads and
+    stores them as floats (fp32, or the 16-bit dtype they were given)."""
+    return {f"st{k}_{slot.name}" for k, pos in enumerate(traced.positions)
+            for slot in traced.stages[pos[0]].rule.slots if slot.from_params}
 
 
 def slot_signs(traced) -> dict[str, bool]:
-    """``st{i}_{name}`` -> whether the slot uses the signed 8-bit map."""
+    """``st{i}_{name}`` -> whether the slot uses the signed 8-bit map (the slots of
+    :func:`element_slots`)."""
     return {f"st{k}_{slot.name}": slot.signed for k, pos in enumerate(traced.positions)
-            for slot in traced.stages[pos[0]].rule.slots if not slot.per_leaf}
+            for slot in traced.stages[pos[0]].rule.slots
+            if not slot.per_leaf and not slot.from_params}
