@@ -28,6 +28,7 @@ from ftopt.rules import (
     QuantizedSlot,
     Rule,
     Slot,
+    as_host_numbers,
     check_param,
     compute_dtype,
     initial_running,
@@ -213,6 +214,8 @@ class RuleTransform:
         us = [u_flat[i] for i in active]
         ps = [p_flat[i] for i in active] if rule.uses_params else []
         scalars = step_scalars(rule, count, t, carried)
+        if rule.running and us:
+            scalars = as_host_numbers(scalars, compute_dtype(us[0]))
         # A tensor hyperparameter that requires grad (a meta-gradient) makes it autograd's.
         mode = eager.choose_mode(us + ps + [v for v in scalars.values()
                                             if isinstance(v, torch.Tensor)])
@@ -441,3 +444,4 @@ def _keep_skipped_blocks(old: QuantizedSlot, codes, absmax, mask, quant: QuantCo
 def rule_transform(rule: Rule) -> GradientTransformation:
     """The ``GradientTransformation`` of ``rule`` with 32-bit state."""
     return RuleTransform(rule).as_transform()
+

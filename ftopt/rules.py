@@ -205,3 +205,12 @@ def check_param(path: str, p) -> None:
                         "(expected a dense tensor)")
     if not p.is_floating_point():
         raise TypeError(f"params at {path}: expected a floating-point tensor, got {p.dtype}")
+
+def as_host_numbers(scalars: dict, dtype: torch.dtype) -> dict:
+    """Per-step scalars that are float64 0-d tensors (a device count) in ``dtype``, as
+    the host's numbers act: an op of a Python float and an fp32 tensor computes in fp32,
+    while one of two 0-d tensors would promote to float64 (a rule whose body mixes them
+    with its 0-d running scalars would round differently from the host path)."""
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.ndim == 0
+            and v.dtype == torch.float64 and dtype != torch.float64 else v
+            for k, v in scalars.items()}
