@@ -19,10 +19,10 @@ import torch
 
 from ftopt import program
 from ftopt.lowering import lanes, leaf_slots, quantized
-from ftopt.lowering.roles import input_roles, output_roles, role_dtypes, slot_signs
-from ftopt.lowering.symbolic import Graph, Reduction, SymOps
+from ftopt.lowering.roles import input_roles, kept_stores, output_roles, role_dtypes, slot_signs
+from ftopt.lowering.sym_algebra import SymbolicAlgebra, as_name
+from ftopt.lowering.symbolic import Graph, Reduction
 from ftopt.rule_transform import RuleTransform
-from ftopt.rules import step_scalars
 
 
 @dataclass(eq=False)
@@ -31,6 +31,8 @@ class TracedChain:
 
     ``in_place``: the step is donated and every stage is skip-aware, so zero-gradient
     lanes are neither loaded nor stored (their old values stay in memory).
+    ``donated``: the kernels write the states over their inputs, so a slot whose new value
+    is its old one needs no store (:func:`ftopt.lowering.roles.elided_slots`).
     ``output``: ``"p"`` (a step: writes the new params) or ``"u"`` (an update: writes
     the chain's update in fp32 and reads params only where a rule uses them).
     ``seeded``: a segment after a matrix stage: the first stage's ``u`` is read from the
@@ -44,6 +46,7 @@ class TracedChain:
     skips: list[bool]
     in_place: bool
     output: str = "p"
+    donated: bool = False
     slot_roles: list[tuple[int, str]] = field(default_factory=list)  # (stage, slot name)
     stores: list[tuple[str, str]] = field(default_factory=list)  # (role, node)
     levels: int = 0
@@ -66,8 +69,12 @@ class TracedChain:
 
 def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
                 output: str = "p", seeded: bool | str = False, positions: list | None = None,
-                flagged: list | None = None, owner_skips: list | None = None) -> TracedChain:
+                flagged: list | None = None, owner_skips: list | None = None,
+                skip_lanes: bool = True) -> TracedChain:
     """Runs every position's body on symbols, feeding each position's ``u`` to the next.
+
+    ``donate``: the step writes over its inputs; ``skip_lanes``: a donated skip_zeros step
+    may then leave zero-gradient lanes unloaded and unstored (``in_place``, where it can).
 
     ``skips[i]``: stage ``i`` is inside a skip_zeros chain; its update is zero and its
     states keep their old values where the raw gradient is zero, as the eager path does.
@@ -92,16 +99,16 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     neg_zero = g.add("tl.abs(g) * -1.0", ("g",), "elem", name="neg_zero") if masking else None
     # (A leaf passed through a branch-own skip_zeros keeps its update where g is zero:
     # the kernel must store p + u there, so it loads every lane.)
-    in_place = (donate and output == "p" and bool(skips) and all(skips)
+    in_place = (donate and skip_lanes and output == "p" and bool(skips) and all(skips)
                 and not any(o and f for o, f in zip(owner_skips, flagged)))
     if in_place:
         g.add("g != 0.0", ("g",), "elem", name="keep")
     p = g.add("tl.load(p_ptr + offs{LMASK}).to(tl.float32)", ("keep",) if in_place else (),
               "elem", name="p")
-    traced = TracedChain(g, stages, list(skips), in_place, output, seeded=seeded,
+    traced = TracedChain(g, stages, list(skips), in_place, output, donate, seeded=seeded,
                          positions=list(positions), flagged=list(flagged),
                          owner_skips=list(owner_skips))
-    algebra = _SymbolicAlgebra(traced, p, zero_node, neg_zero)
+    algebra = SymbolicAlgebra(traced, p, zero_node, neg_zero)
     first = g.sym("g")
     if seeded == "mixed":
         flag = g.leaf_value(None, "seeded") != 0.0
@@ -119,102 +126,15 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     if output == "p":
         traced.stores.append(("p_out", (p + u).name))
     else:
-        traced.stores.append(("u_out", _as_name(u, g)))
+        traced.stores.append(("u_out", as_name(u, g)))
     traced.levels = max((r.level for r in g.reductions), default=0)
     if in_place and (g.reductions or traced.leaf_slots or traced.running_stores):
         # Norms (of p, say) need every lane loaded, and a per-leaf slot's skip_zeros reads
         # a norm (of the non-zero lanes): select old values instead.
-        return trace_chain(stages, stage_skips, donate=False, output=output, seeded=seeded,
-                           positions=positions, flagged=flagged, owner_skips=owner_skips)
+        return trace_chain(stages, stage_skips, donate, output=output, seeded=seeded,
+                           positions=positions, flagged=flagged, owner_skips=owner_skips,
+                           skip_lanes=False)
     return traced
-
-
-class _SymbolicAlgebra:
-    """Triton symbols for :func:`ftopt.program.trace_chain`: inputs are loads through the
-    address tables, per-step scalars kernel arguments, leaf masks per-leaf values."""
-
-    def __init__(self, traced: TracedChain, p, zero, neg_zero):
-        self.traced, self.graph, self.p = traced, traced.graph, p
-        self.zero, self.negative_zero = zero, neg_zero
-        self._ops = SymOps(self.graph)
-        self._flags: dict = {}
-
-    def ops(self):
-        return self._ops
-
-    def zero_mask(self, g):
-        return self.zero
-
-    def neg_zero(self, g):
-        return self.negative_zero
-
-    def select(self, mask, a, b):
-        return self._ops.where(mask, a, b)
-
-    def elem(self, value, like):
-        return value  # symbols broadcast in the kernel; constants become nodes at stores
-
-    def stage_inputs(self, index: int, rule, u) -> dict:
-        inputs = {"p": self.p}
-        if rule.indexed:  # (the leaf's position in the tree: a per-leaf value)
-            o = self._ops
-            # Where the leaf's elements start in its full tensor (a shard's offset).
-            start = o.add32(o.u32(self.graph.leaf_value(None, "start_lo")),
-                            o.mul32(o.u32(self.graph.leaf_value(None, "start_hi")), 1 << 16))
-            offs = self.graph.add("offs.to(tl.uint32)", (), "elem", name="index")
-            inputs["index"] = o.add32(offs, start)
-            first = o.add32(self.graph.add("start.to(tl.uint32)", (), "leaf"), start)
-            self.graph.firsts[inputs["index"].name] = first.name  # (for ``o.paired``)
-            inputs["leaf"] = o.u32(self.graph.leaf_value(None, "leaf"))
-        in_place = self.traced.in_place
-        flag = self.leaf_flag(index) if rule.slots else None
-        for slot in rule.slots:
-            role = f"st{index}_{slot.name}"
-            self.traced.slot_roles.append((index, slot.name))
-            if slot.per_leaf:
-                self.traced.leaf_slots.add(role)
-                deps = () if flag is None else (flag.name,)
-                if flag is not None:
-                    self.traced.slot_flags[role] = flag.name
-                inputs[slot.name] = self.graph.add(leaf_slots.load(role, flag), deps, "leaf",
-                                                   name=f"{role}_old")
-                continue
-            deps, mask = ("keep",) if in_place else (), "{LMASK}"
-            if flag is not None:
-                self.traced.slot_flags[role] = flag.name
-                deps, mask = (*deps, flag.name), f"{{LMASK@{flag.name}}}"
-            inputs[slot.name] = self.graph.add(f"tl.load({role}_in + offs{mask})", deps,
-                                               "elem", name=f"{role}_old")
-        alternatives = self.traced.positions[index]
-        branch = (self.graph.leaf_value(index, "branch") if len(alternatives) > 1
-                  else None)
-        for key in step_scalars(rule, 0, 1):
-            # One kernel argument per alternative; a leaf reads its branch's.
-            value = self.graph.scalar(alternatives[-1], key)
-            for j in range(len(alternatives) - 2, -1, -1):
-                value = self._ops.where(branch == float(j),
-                                        self.graph.scalar(alternatives[j], key), value)
-            inputs[key] = value
-        return inputs
-
-    def leaf_flag(self, index: int):
-        if not self.traced.flagged[index]:
-            return None
-        if index not in self._flags:
-            self._flags[index] = self.graph.leaf_value(index, "mask") != 0.0
-        return self._flags[index]
-
-    def slot_out(self, index: int, name: str, value) -> None:
-        self.traced.stores.append((f"st{index}_{name}_out", _as_name(value, self.graph)))
-
-    def running_out(self, index: int, name: str, value) -> None:
-        self.traced.running_stores.append((f"run{index}_{name}", _as_name(value, self.graph)))
-
-
-def _as_name(value, g: Graph) -> str:
-    if hasattr(value, "name"):
-        return value.name
-    return g.add(f"tl.full((), {float(value)!r}, tl.float32)", (), "scalar").name
 
 
 @dataclass(frozen=True)
@@ -330,11 +250,10 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     quant = bool(variant.quant_block)
     roles = input_roles(traced, quant) + output_roles(traced, quant)
     dtypes = role_dtypes(traced, variant)
-    nodes = traced.graph.closure([node for _, node in traced.stores]
-                                 + [node for _, node in traced.running_stores]
-                                 + list(traced.slot_flags.values()))
-    bodies = [_body_and_stores(traced, nodes, lanes.masks(traced, tail), variant, dtypes, tail)
-              for tail in (False, True)]
+    stores = kept_stores(traced, quant)
+    nodes = main_nodes(traced, quant)
+    bodies = [_body_and_stores(traced, nodes, stores, lanes.masks(traced, tail), variant,
+                               dtypes, tail) for tail in (False, True)]
     count_args, count_lines = _count_lines(traced)
     body = _split_blocks(*bodies)
     if variant.skip_tiles:
@@ -347,7 +266,15 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     return _kernel("ftopt_main", sig, lines, traced.graph.helpers)
 
 
-def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
+def main_nodes(traced: TracedChain, quantized: bool) -> list:
+    """The nodes the main kernel computes: what its stores (less the elided ones) and
+    flags need."""
+    return traced.graph.closure([node for _, node in kept_stores(traced, quantized)]
+                                + [node for _, node in traced.running_stores]
+                                + list(traced.slot_flags.values()))
+
+
+def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, variant: Variant,
                      dtypes: dict, tail: bool) -> list[str]:
     signs = slot_signs(traced) if variant.quant_block else {}
     lines = _body_lines(traced, nodes, masks, variant, tail)
@@ -355,7 +282,7 @@ def _body_and_stores(traced: TracedChain, nodes, masks: dict, variant: Variant,
         lines.append(f"tl.store({role}_ptr + offs * 0, tl.full([BLOCK], 0.0, tl.float32) + "
                      f"{node}, mask=offs == tl.where(pid == 0, 0, -1))")
     stores: list[str] = []
-    for role, node in traced.stores:
+    for role, node in kept:
         value = node
         if traced.graph.nodes[node].kind != "elem":  # broadcast a per-leaf value
             value = f"tl.full([BLOCK], 0.0, tl.float32) + {node}"

@@ -80,7 +80,7 @@ class PreparedStep:
             # How zero gradients are skipped: per layout (tiles.skip_mode).
             in_place, skip_tiles, skip_stores = tiles.skip_mode(p_dtype, quant_block,
                                                                 slot_dtypes)
-            group_traced = plan.traced(donate and in_place, output)
+            group_traced = plan.traced(donate, output, skip_lanes=in_place)
             work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
                                      tiles.tile(group_traced, quant_block)[0],
                                      bool(group_traced.leaf_slots))

@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, check_transform
 from ftopt.combine import Masked, Partition, owner
-from ftopt.lowering import branches, runs
-from ftopt.lowering.codegen import level_reductions
+from ftopt.lowering import branches, runs, tiles
+from ftopt.lowering.codegen import level_reductions, main_nodes
 from ftopt.lowering.plan import (
     _DTYPE_BYTES,
     ChainPlan,
@@ -21,6 +21,7 @@ from ftopt.lowering.plan import (
     describe_segments,
     plan_chain,
 )
+from ftopt.lowering.roles import elided_slots
 from ftopt.rules import QuantizedSlot, initial_running, running_step
 from ftopt.validate import check_leaf
 
@@ -29,12 +30,22 @@ _BACKENDS = ("auto", "fused", "eager")
 __all__ = ["explain"]
 
 
-def _reduction_reads(traced, level: int, p_bytes: int, g_bytes: int) -> int:
+def _reduction_reads(traced, level: int, sizes: tuple) -> float:
+    """Bytes per element the norm pass of ``level`` reads: what its sums need, each slot
+    at its stored size (8-bit: a code and its share of the block's absmax)."""
+    p_bytes, g_bytes, slot_bytes = sizes
     roots = [r.source for r in level_reductions(traced, level)]
     names = {n.name for n in traced.graph.closure(roots)}
     total = (g_bytes if "g" in names else 0) + (p_bytes if "p" in names else 0)
-    total += 4 * sum(1 for i, s in traced.slot_roles if f"st{i}_{s}_old" in names)
+    total += sum(_slot_bytes(slot, slot_bytes) for k, slot in _traced_slots(traced)
+                 if f"st{k}_{slot.name}_old" in names)
     return total
+
+
+def _traced_slots(traced) -> list:
+    """``(position, slot)`` of every slot the kernels of ``traced`` reach."""
+    return [(k, slot) for k, pos in enumerate(traced.positions)
+            for slot in traced.stages[pos[0]].rule.slots]
 
 
 def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
@@ -129,9 +140,14 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
                  1 + 4 / quant.block_size if eight_bit else slot_size)
         kernels = [k for k, part in enumerate(parts) if isinstance(part, ChainPlan)]
         read = written = extra = levels = 0.0
+        # (As the step traces the group: donated, a slot returned unchanged is not stored.)
+        skip_lanes = tiles.skip_mode(p_dtype, quant.block_size if eight_bit else 0,
+                                     ((None, store),) if slot_size == 2 else ())[0]
         for k in kernels:
-            traced = parts[k].traced(donate=False, output="p" if k == kernels[-1] else "u")
-            r, w, x = _kernel_bytes(parts[k], traced, runs[k], leaves, p_flat, sizes)
+            traced = parts[k].traced(donate=bool(donate), skip_lanes=skip_lanes,
+                                     output="p" if k == kernels[-1] else "u")
+            r, w, x = _kernel_bytes(parts[k], traced, runs[k], leaves, p_flat, sizes,
+                                    eight_bit)
             read, written, extra = read + r, written + w, extra + x
             levels += traced.levels
         launches = len(kernels) + 2 * int(levels)
@@ -202,35 +218,44 @@ def _runs(plan: ChainPlan, spec, params, p_flat, g_flat, paths) -> list:
     return [(selection, on, [False] * len(g_flat))]
 
 
-def _kernel_bytes(part: ChainPlan, traced, run, leaves, p_flat, sizes) -> tuple:
+def _kernel_bytes(part: ChainPlan, traced, run, leaves, p_flat, sizes,
+                  quantized: bool) -> tuple:
     """(read, written, read by norm passes) bytes of a main kernel per element of the
-    group: each leaf counted with the slots of the stages it runs (a flag turns the
-    others off) and its ``x`` read where it is seeded."""
+    group: what the kernel loads and stores, each leaf counted with the slots of the
+    stages it runs (a flag turns the others off) and its ``x`` read where it is seeded.
+    A slot the kernel does not load (nor its stores need) or does not store (a donated
+    step's slot the body returns unchanged) is not counted."""
     selection, on, seeded = run
     p_bytes, g_bytes, slot_bytes = sizes
+    names = {n.name for n in main_nodes(traced, quantized)}
+    elided = elided_slots(traced, quantized)
     numel = sum(p_flat[i].numel() for i in leaves)
     read = written = 0.0
     for i in leaves:
         if not on[i]:
             continue
-        stages = ([traced.stages[pos[0]] for pos in traced.positions]
-                  if selection is None or not part.branched else
-                  [part.stages[s] for s in (owners[i] for owners in selection.stage_of)
-                   if s is not None])
-        state = sum(_slot_bytes(slot, slot_bytes) for stage in stages
-                    for slot in stage.rule.slots)
+        slots = (_traced_slots(traced) if selection is None or not part.branched else
+                 [(k, slot) for k, owners in enumerate(selection.stage_of)
+                  if owners[i] is not None for slot in part.stages[owners[i]].rule.slots])
         share = p_flat[i].numel() / numel
-        read += share * (g_bytes + p_bytes + state + (4 if seeded[i] else 0))
-        written += share * ((p_bytes if traced.output == "p" else 4) + state)
-    extra = sum(_reduction_reads(traced, lv, p_bytes, g_bytes)
-                for lv in range(1, traced.levels + 1))
+        loaded = sum(_slot_bytes(slot, slot_bytes) for k, slot in slots
+                     if f"st{k}_{slot.name}_old" in names)
+        stored = sum(_slot_bytes(slot, slot_bytes) for k, slot in slots
+                     if f"st{k}_{slot.name}" not in elided)
+        read += share * (g_bytes + (p_bytes if "p" in names else 0) + loaded
+                         + (4 if seeded[i] else 0))
+        written += share * ((p_bytes if traced.output == "p" else 4) + stored)
+    extra = sum(_reduction_reads(traced, lv, sizes) for lv in range(1, traced.levels + 1))
     return read, written, extra
 
 
 def _slot_bytes(slot, stored: float) -> float:
     """Bytes per element of a slot the kernel reads (or writes): ``stored`` (the group's
     8-bit or 16-bit layout) but for a copy of the params (``Slot.from_params``), which
-    keeps fp32 or the dtype it was given."""
+    keeps fp32 or the dtype it was given, and a per-leaf slot (one fp32 per leaf, not per
+    element: 0 here)."""
+    if slot.per_leaf:
+        return 0
     if slot.from_params:
         return 4 if slot.dtype is None else slot.dtype.itemsize
     return stored

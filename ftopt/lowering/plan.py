@@ -85,14 +85,16 @@ class ChainPlan:
         """The stage that stands for each position (its first alternative)."""
         return [self.stages[pos[0]] for pos in self.positions]
 
-    def traced(self, donate: bool = False, output: str = "p"):
-        """The chain's graph (donated steps may skip loads of zero-gradient lanes) for a
-        step (``output="p"``) or an update (``"u"``)."""
-        key = (donate, output, self.seeded)
+    def traced(self, donate: bool = False, output: str = "p", skip_lanes: bool = True):
+        """The chain's graph for a step (``output="p"``) or an update (``"u"``). Donated
+        (the states written over their inputs), a slot the body returns unchanged is not
+        stored, and with ``skip_lanes`` a skip_zeros step may leave zero-gradient lanes
+        unloaded and unstored."""
+        key = (donate, output, self.seeded, donate and skip_lanes)
         if key not in self._traced:
             self._traced[key] = trace_chain(self.stages, self.skips, donate, output,
                                             self.seeded, self.positions, self.flagged,
-                                            self.owner_skips)
+                                            self.owner_skips, skip_lanes=skip_lanes)
         return self._traced[key]
 
 

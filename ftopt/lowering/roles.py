@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["input_roles", "output_roles", "role_dtypes", "slot_signs", "element_slots",
-           "wide_slots"]
+           "wide_slots", "elided_slots", "kept_stores"]
 
 _TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16",
               torch.bfloat16: "tl.bfloat16"}
@@ -41,7 +41,9 @@ def input_roles(traced, quantized: bool = False) -> list[str]:
 
 
 def output_roles(traced, quantized: bool = False) -> list[str]:
-    roles = [f"{traced.output}_out"] + [f"st{i}_{n}_out" for i, n in traced.slot_roles]
+    elided = elided_slots(traced, quantized)
+    roles = [f"{traced.output}_out"] + [f"st{i}_{n}_out" for i, n in traced.slot_roles
+                                         if f"st{i}_{n}" not in elided]
     if quantized:
         roles += [f"st{i}_{n}_amax_out" for i, n in element_slots(traced)]
     return roles
@@ -69,3 +71,25 @@ def slot_signs(traced) -> dict[str, bool]:
     return {f"st{k}_{slot.name}": slot.signed for k, pos in enumerate(traced.positions)
             for slot in traced.stages[pos[0]].rule.slots
             if not slot.per_leaf and not slot.from_params}
+
+
+def elided_slots(traced, quantized: bool = False) -> set[str]:
+    """``st{i}_{name}`` of the slots a donated step does not store: the body returns the
+    slot as it was (its new value is the very node of its load), and the kernel writes
+    over the input, which already holds those bytes. Not an 8-bit slot (re-encoding its
+    old value under a new absmax may change its codes, as the eager step does), nor a
+    per-leaf one (a donated step stores those to scratch, copied back). A step that is
+    not donated stores every slot: its new state must not share the caller's tensors."""
+    if not traced.donated:
+        return set()
+    stored = {role[: -len("_out")]: node for role, node in traced.stores}
+    coded = {f"st{i}_{n}" for i, n in element_slots(traced)} if quantized else set()
+    return {role for role, node in stored.items()
+            if node == f"{role}_old" and role not in traced.leaf_slots and role not in coded}
+
+
+def kept_stores(traced, quantized: bool = False) -> list[tuple[str, str]]:
+    """``traced.stores`` but those of :func:`elided_slots`."""
+    elided = elided_slots(traced, quantized)
+    return [(role, node) for role, node in traced.stores
+            if role[: -len("_out")] not in elided]
