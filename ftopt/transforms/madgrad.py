@@ -59,8 +59,10 @@ def scale_by_madgrad(
         momentum: in [0, 1) (default: 0.9); 0 makes the params the dual average z.
         eps: added to the learning rate and to ∛G, >= 0 (default: 1e-6).
 
-    With ``state_bits=8`` or 16-bit ``state_dtype`` x0 (a copy of the params) is stored
-    in that format too, so z carries its rounding.
+    With ``state_bits=8`` or 16-bit ``state_dtype`` G and s are stored in that format;
+    x0 (a copy of the params) stays in their compute dtype (:class:`ftopt.rules.Slot`'s
+    ``from_params``), so z carries no rounding of it. A donated fused step never writes
+    x0 (the rule returns it as it was).
     """
     rule = Rule(
         "scale_by_madgrad",

@@ -36,7 +36,8 @@ least ``min_size`` elements, v with the unsigned map; or bf16/fp16): a step read
 the compute dtype, runs the math above (Σ|s| over the new s before it is stored) and stores
 each once; with ``skip_zeros`` a block whose gradients are all zero keeps its bytes.
 ``params0``, a copy of the params, stays in their compute dtype (a rounded copy would bias
-Σ g·(x0 − p)), as MADGRAD's x0 does.
+Σ g·(x0 − p)), as MADGRAD's x0 does. The body returns it as it was: a donated fused step
+reads it in the reduction pass only and never writes it.
 """
 
 from __future__ import annotations
