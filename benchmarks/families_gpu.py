@@ -24,10 +24,13 @@ host number, no copy of b1), which is all the time over 20 B/elt there is to fin
 
 ``prodigy`` now runs as one rule (it was a torch stage: 20.4 ms in ``families_h200_after.md``,
 29 ms on GPT-2 small elsewhere): a reduction pass reading g, p, x0 and s (16 B/elt) and the
-main kernel (reads g, p, m, v, s, x0: 24; writes p, m, v, s and x0: 20), 60 B/elt for
-the whole step, 3 launches and no torch op on 0-d tensors. Expected on the H200: about
-7.5 GB a step, ~1.9 ms at the copy bandwidth; the note column should read "1 norm
-pass(es); 0 + 1 ops on 0-d tensors" and "step of copy" near the other norm families'.
+donated main kernel (reads g, p, m, v, s: 20; writes p, m, v, s: 16; x0, which the rule
+returns as it was, is neither read nor written there; it was 24 + 20 before), 52 B/elt
+for the whole step, 3 launches and no torch op on 0-d tensors. Expected on the H200:
+about 6.5 GB a step, ~1.6 ms at the copy bandwidth (1.9 ms at the former 60 B/elt); the
+note column should read "1 norm pass(es); 0 + 1 ops on 0-d tensors" and "step of copy"
+near the other norm families'. ``madgrad`` likewise no longer writes x0 (B/elt 32, was
+36).
 
     python3 benchmarks/families_gpu.py --out DIR        # GPU; writes families.json / .md
     python3 benchmarks/families_gpu.py --smoke --out DIR  # CPU interpreter, tiny tree

@@ -106,3 +106,18 @@ def test_an_eager_group_reports_the_least_bytes_a_step_moves():
 def test_a_bad_bandwidth_is_refused(bad):
     with pytest.raises(ValueError, match="bandwidth must be a positive number of GB/s"):
         ftopt.explain(ftopt.adamw(1e-3), {"w": torch.randn(3)}, bandwidth=bad, file=_Null())
+
+
+@pytest.mark.parametrize("tx, want", [
+    # NovoGrad's nu is one fp32 per leaf: no bytes per element. Main kernel: g, p, m read;
+    # p, m written; the norm pass reads g (its per-leaf ‖g‖²).
+    (lambda: ftopt.novograd(1e-3), "main kernel reads 12, writes 8; norm passes read 4 more"),
+    # 8-bit LAMB: the trust ratio's pass reads g, p and both moments as codes plus their
+    # share of the block's absmax (1 + 4/256 each), as the main kernel does.
+    (lambda: ftopt.lamb(1e-3, state_bits=8),
+     "main kernel reads 10.031, writes 6.031; norm passes read 10.031 more"),
+])
+def test_bytes_per_element_count_slots_at_their_stored_size(tx, want):
+    params = {"w": torch.randn(64, 80, generator=torch.Generator().manual_seed(4))}
+    text = ftopt.explain(tx(), params, donate=True, backend="fused", file=_Null())
+    assert f"bytes per element: {want}" in text, text
