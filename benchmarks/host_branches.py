@@ -57,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     launches: list = []
-    execute.PreparedStep.launch = lambda self, scalars, pairs: (
+    execute.PreparedStep.launch = lambda self, scalars, pairs, *rest: (
         launches.append(1), increment(pairs))
     params, grads = _tree(device)
     rows: dict = {}

@@ -130,7 +130,7 @@ def main() -> None:
     # write of a count (through its address) leaves the tensor's version as it was: an
     # ``add_`` here would bump it, and every next step would read the count back from the
     # device (a synchronisation on a GPU) where the real step reads its host mirror.
-    execute.PreparedStep.launch = lambda self, scalars, pairs: launches.append(1)
+    execute.PreparedStep.launch = lambda self, scalars, pairs, *rest: launches.append(1)
     opts = {ONE: _optimizer(device, True, True), JOINED: _optimizer(device, True, False),
             APART: _optimizer(device, False, False),
             SCHEDULED: _scheduled(_optimizer(device, True, False))}

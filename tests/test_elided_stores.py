@@ -186,7 +186,7 @@ Q = 1 + 4 / 256  # an 8-bit slot: a code and its share of the block's absmax
     ("madgrad", 8, True, (12 + 2 * Q, 4 + 2 * Q, 0)),
 ])
 def test_explain_counts_the_bytes_the_kernels_move(name, bits, donate, want):
-    params = {"w": torch.randn(64, 80, generator=torch.Generator().manual_seed(3))}
+    params = {"w": torch.randn(64, 80, generator=torch.Generator().manual_seed(3)).to(DEVICE)}
     with contextlib.redirect_stdout(io.StringIO()):
         text = str(ftopt.explain(TXS[name][0](bits), params, donate=donate,
                                  backend="fused"))

@@ -348,14 +348,16 @@ def _pair_helpers(key: str, inputs: list[str], body: list[str], even: str,
     lines += ["    " + line for line in body] + [f"    return {even}, {odd}", "", "",
               "@triton.jit",
               f"def ftopt_paired_{key}(index, first{tail}, HALF: tl.constexpr):",
+              # (Triton wants a name bound in both branches to have one type in both:
+              # only ``value`` is shared, the halves have their own names.)
               "    if (first & 1) == 0:",
               "        # (pair positions wrap as the element positions do, modulo 2**31)",
               "        k = ((first >> 1) + tl.arange(0, HALF).to(tl.uint32)) & 0x7FFFFFFF",
-              f"        even, odd = ftopt_pair_{key}(k{tail})",
-              "        value = tl.interleave(even, odd)",
+              f"        even_half, odd_half = ftopt_pair_{key}(k{tail})",
+              "        value = tl.interleave(even_half, odd_half)",
               "    else:",
-              f"        even, odd = ftopt_pair_{key}(index >> 1{tail})",
-              "        value = tl.where((index & 1) == 0, even, odd)",
+              f"        even_own, odd_own = ftopt_pair_{key}(index >> 1{tail})",
+              "        value = tl.where((index & 1) == 0, even_own, odd_own)",
               "    return value"]
     return "\n".join(lines) + "\n"
 
