@@ -1,0 +1,205 @@
+"""Every generated kernel passes Triton's own front end, not only its interpreter.
+
+The interpreter runs a kernel as Python: it accepts code that Triton's compiler refuses
+(a name bound to a half block in one branch of a runtime ``if`` and to a whole block in
+the other, a constexpr branch that does not type-check). Here each kernel a fused step
+launches under the interpreter is compiled again to Triton IR for an NVIDIA target, with
+the GPU's tiles as its constexprs, on the CPU (no GPU, no ptxas: the front end only). The
+steps cover every fusible registry entry (fp32), the layouts (16-bit params and states,
+8-bit with each skip_zeros mode), donated steps, norms and noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import registry
+import torch
+from test_fused import CHAINS, _tree
+
+import ftopt
+from ftopt.lowering import launch, tiles
+
+pytestmark = [pytest.mark.skipif(not tiles.INTERPRETING, reason="the interpreter's launches "
+                                 "are what is recorded; a GPU compiles every kernel anyway"),
+              pytest.mark.usefixtures("one_thread")]
+
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+           torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32",
+           torch.uint8: "u8", torch.int8: "i8", torch.uint16: "u16", torch.bool: "i1"}
+
+
+def _record(run) -> list:
+    """The (file of the kernel's source, name, args, constants) of every generated kernel
+    ``run()`` launches."""
+    seen = []
+    real = launch._launch
+
+    def spy(kernel, grid, args, constants, device, key=()):
+        fn = getattr(kernel, "fn", kernel)
+        path = getattr(getattr(fn, "__code__", None), "co_filename", "")
+        if os.path.basename(path).startswith("ftopt_"):
+            seen.append((path, fn.__name__, list(args), dict(constants)))
+        return real(kernel, grid, args, constants, device, key)
+
+    launch._launch = spy
+    try:
+        run()
+    finally:
+        launch._launch = real
+    return seen
+
+
+def _signature(names: list[str], args: list, constants: dict) -> tuple[dict, dict]:
+    sig, const = {}, {}
+    values = dict(zip([n for n in names if n not in constants], args))
+    for i, name in enumerate(names):
+        if name in constants:
+            sig[name] = "constexpr"
+            const[(i,)] = constants[name]
+            continue
+        v = values[name]
+        if isinstance(v, torch.Tensor):
+            sig[name] = "*" + _DTYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            sig[name] = "i64" if abs(v) >= 2**31 else "i32"
+        else:
+            sig[name] = "fp32"
+    return sig, const
+
+
+def _gpu_constants(constants: dict) -> list:
+    """The constexprs with the GPU's tile as ``BLOCK`` (``tiles``' GPU defaults: one
+    8-bit block a program, else 512)."""
+    constants = dict(constants)
+    if "QBLOCK" in constants:
+        constants["BLOCK"] = max(256, constants["QBLOCK"])
+    elif "BLOCK" in constants:
+        constants["BLOCK"] = 512
+    return sorted(constants.items())
+
+
+def _compile_all(kernels: dict) -> list[str]:
+    """Triton's front end over ``kernels`` in a process where Triton is not interpreted
+    (tests/frontend_compile.py); the failures, each with its kernel's name and file."""
+    jobs = []
+    for (path, name, _), (names, args, constants) in kernels.items():
+        sig, _ = _signature(names, args, constants)
+        jobs.append({"path": path, "name": name, "signature": sig,
+                     "constexprs": [(k, v) for k, v in _gpu_constants(constants)
+                                    if k in names]})
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "frontend_compile.py")
+    done = subprocess.run([sys.executable, script], input=json.dumps(jobs), text=True,
+                          capture_output=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = json.loads(done.stdout)
+    return [f"{job['name']} of {job['path']}: {err}" for job, err in zip(jobs, errors)
+            if err is not None]
+
+
+def _steps(tx, dtype=torch.float32, donate=(False, True), zero=True):
+    def run():
+        gen = torch.Generator().manual_seed(0)
+        shapes = {"a": (7, 5), "b": (300,), "c": (5000,)}
+        params = _tree(gen, dtype, shapes)
+        state = tx.init(params)
+        grads = _tree(gen, dtype, shapes)
+        if zero:
+            grads["c"][:2000] = 0.0
+        for d in donate:
+            p = {k: v.clone() for k, v in params.items()}
+            s = ftopt.tree.map(lambda t: t.clone(), state)
+            ftopt.step(tx, p, grads, s, backend="fused", donate=d)
+            ftopt.step(tx, p, grads, s, backend="fused", donate=d)
+    return run
+
+
+def _kernels(runs) -> dict:
+    found = {}
+    for run in runs:
+        for path, name, args, constants in _record(run):
+            key = (path, name, tuple(sorted(constants.items())))
+            names = launch_arg_names(path, name)
+            found.setdefault(key, (names, args, constants))
+    return found
+
+
+def launch_arg_names(path: str, name: str) -> list[str]:
+    """The parameter names of kernel ``name`` in the generated source at ``path``."""
+    source = open(path).read()
+    head = source[source.index(f"def {name}("):]
+    params = head[head.index("(") + 1:head.index("):")]
+    return [p.split(":")[0].strip() for p in params.split(",") if p.strip()]
+
+
+LAYOUTS = {
+    "bf16 params": (torch.bfloat16, {}),
+    "bf16 states": (torch.bfloat16, {"state_dtype": torch.bfloat16}),
+    "fp16 states": (torch.float32, {"state_dtype": torch.float16}),
+    "8-bit": (torch.float32, {"state_bits": 8}),
+}
+MODES = ["in_place", "select", "stores", "tiles"]
+OTHERS = [lambda: ftopt.noisy_sgd(1e-2),
+          lambda: ftopt.chain(ftopt.clip_by_global_norm(1.0), ftopt.adamw(1e-2)),
+          lambda: ftopt.lamb(1e-2, state_bits=8),
+          lambda: ftopt.novograd(1e-2, skip_zeros=True),
+          lambda: ftopt.prodigy(1.0, state_bits=8),
+          lambda: ftopt.schedule_free_adamw(1e-2, state_bits=8)]
+
+
+def _layout_run(layout: str, mode: str):
+    dtype, kw = LAYOUTS[layout]
+    key = ("8-bit" if "state_bits" in kw else "16-bit states" if "state_dtype" in kw
+           else "16-bit")
+
+    def run():
+        old = tiles.SKIP_MODES[key]
+        tiles.SKIP_MODES[key] = mode
+        try:
+            _steps(ftopt.adam(1e-2, skip_zeros=True, **kw), dtype)()
+        finally:
+            tiles.SKIP_MODES[key] = old
+    return run
+
+
+def test_every_generated_kernel_passes_the_front_end():
+    """Every fusible registry entry (fp32, donated), Adam on each layout with each
+    skip_zeros mode, norms, noise and running scalars: each kernel they launch compiles
+    to Triton IR with the GPU's tiles."""
+    runs = [_steps(CHAINS[e.name](), donate=(True,), zero=False)
+            for e in registry.fusible()]
+    runs += [_layout_run(layout, mode) for layout in LAYOUTS for mode in MODES]
+    runs += [_steps(make()) for make in OTHERS]
+    kernels = _kernels(runs)
+    assert len(kernels) > 50
+    failures = _compile_all(kernels)
+    assert not failures, "\n\n".join(failures)
+
+
+def test_the_front_end_refuses_what_the_interpreter_runs(tmp_path):
+    """The check can fail: a helper binding one name to a half block in one branch of a
+    runtime ``if`` and to a whole block in the other runs in the interpreter and is
+    refused by Triton's compiler."""
+    path = tmp_path / "ftopt_bad.py"
+    path.write_text(
+        "import triton\nimport triton.language as tl\n\n\n"
+        "@triton.jit\ndef ftopt_main(x_ptr, n, BLOCK: tl.constexpr):\n"
+        "    offs = tl.arange(0, BLOCK)\n"
+        "    if n > 0:\n"
+        "        half = tl.arange(0, BLOCK // 2).to(tl.float32)\n"
+        "        value = tl.interleave(half, half)\n"
+        "    else:\n"
+        "        half = offs.to(tl.float32)\n"
+        "        value = half\n"
+        "    tl.store(x_ptr + offs, value)\n")
+    x = torch.zeros(8)
+    failures = _compile_all({(str(path), "ftopt_main", ()): (
+        ["x_ptr", "n", "BLOCK"], [x, 3], {"BLOCK": 8})})
+    assert len(failures) == 1 and "half" in failures[0]
