@@ -93,7 +93,7 @@ import ftopt  # noqa: E402
 from ftopt import tree as tree_lib  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from timing import Clock  # noqa: E402
+from timing import Clock, donated_step_ms  # noqa: E402
 
 LR, B1, B2, EPS = 1e-3, 0.9, 0.999, 1e-8
 MIN_8BIT = 4096  # bitsandbytes' and ftopt's default: smaller leaves keep fp32 states
@@ -1131,6 +1131,20 @@ def _all_tables(sec: dict):
 
 SECTIONS = ("copy", "single", "gpt2_fp32", "gpt2_bf16", "skip_zeros", "host", "eight_bit",
             "layouts")
+
+
+def gpt2_tree_config(device: torch.device) -> Config:
+    """The GPT-2 small tree of the layout and skip_zeros sweeps (``skip_modes_gpu.py``,
+    ``quant_regs_gpu.py``, ``tile16_gpu.py``): quick timing, no compiled peers."""
+    return Config(device=device, smoke=False, quick=True, iters=30, warmup=3, rounds=1,
+                  copy_numel=1, single_numel=1,
+                  tree_dims={"vocab": 50257, "d": 768, "ctx": 1024, "n_layer": 12},
+                  compile_single=False, compile_trees=False, tiles=[], sections=[])
+
+
+def median_step_ms(tx, params: dict, grads: dict) -> float:
+    """Median ms of a donated fused step of ``tx`` (40 steps, 3 rounds)."""
+    return statistics.median(donated_step_ms(tx, params, grads, 40, 3))
 
 
 def parse_tiles(text: str) -> list:

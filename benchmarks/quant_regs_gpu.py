@@ -12,29 +12,23 @@ spills.
 import itertools
 import json
 import pathlib
-import statistics
 import sys
 
 sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")]
 import gpu_step  # noqa: E402
 import torch  # noqa: E402
-from timing import donated_step_ms  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import codegen, tiles  # noqa: E402
 
 dev = torch.device("cuda")
-cfg = gpu_step.Config(device=dev, smoke=False, quick=True, iters=30, warmup=3, rounds=1,
-                      copy_numel=1, single_numel=1,
-                      tree_dims={"vocab": 50257, "d": 768, "ctx": 1024, "n_layer": 12},
-                      compile_single=False, compile_trees=False, tiles=[], sections=[])
+cfg = gpu_step.gpt2_tree_config(dev)
 CAPS = [None, 64, 72, 80, 96]
 TILES = [(256, 1), (256, 2)]
 MODES = ["off", "select", "stores"]
 
 
-def t(tx, params, grads):
-    return statistics.median(donated_step_ms(tx, params, grads, 40, 3))
+t = gpu_step.median_step_ms
 
 
 params, grads = gpu_step._tree(cfg, torch.float32, seed=21)

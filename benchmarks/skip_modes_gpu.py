@@ -11,26 +11,20 @@ benchmarks/RESULTS.md; this run compares the others with "stores".)
 """
 import json
 import pathlib
-import statistics
 import sys
 
 sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")]
 import gpu_step  # noqa: E402
 import torch  # noqa: E402
-from timing import donated_step_ms  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import tiles  # noqa: E402
 
 dev = torch.device("cuda")
-cfg = gpu_step.Config(device=dev, smoke=False, quick=True, iters=30, warmup=3, rounds=1,
-                      copy_numel=1, single_numel=1,
-                      tree_dims={"vocab": 50257, "d": 768, "ctx": 1024, "n_layer": 12},
-                      compile_single=False, compile_trees=False, tiles=[], sections=[])
+cfg = gpu_step.gpt2_tree_config(dev)
 
 
-def t(tx, params, grads, n=40, reps=3):
-    return statistics.median(donated_step_ms(tx, params, grads, n, reps))
+t = gpu_step.median_step_ms
 
 
 res = []

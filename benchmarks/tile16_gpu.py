@@ -15,23 +15,19 @@ import sys
 sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")]
 import gpu_step  # noqa: E402
 import torch  # noqa: E402
-from timing import donated_step_ms, event_ms  # noqa: E402
+from timing import event_ms  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import tiles  # noqa: E402
 
 dev = torch.device("cuda")
-cfg = gpu_step.Config(device=dev, smoke=False, quick=True, iters=30, warmup=3, rounds=1,
-                      copy_numel=1, single_numel=1,
-                      tree_dims={"vocab": 50257, "d": 768, "ctx": 1024, "n_layer": 12},
-                      compile_single=False, compile_trees=False, tiles=[], sections=[])
+cfg = gpu_step.gpt2_tree_config(dev)
 TILES = [(512, 4), (1024, 4), (1024, 8), (2048, 8), (512, 2), (256, 2), (4096, 8)]
 LAYOUTS = {"bf16 params, fp32 states": ({}, 22), "bf16 params, bf16 states":
            ({"state_dtype": torch.bfloat16}, 14)}
 
 
-def t(tx, params, grads):
-    return statistics.median(donated_step_ms(tx, params, grads, 40, 3))
+t = gpu_step.median_step_ms
 
 
 def copy_tb_s() -> float:
