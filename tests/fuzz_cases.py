@@ -106,10 +106,10 @@ class Structure:
 
     @property
     def fusible(self) -> bool:
-        parts = [p for top in self.parts for p in top.flat()]
-        if self.bits == 8 and any(p.entry.mixed_layout for p in parts):
-            return False  # a leaf mixing 8-bit and fp32 states runs eagerly (the planner)
-        return all(p.entry.fusible for p in parts)
+        """Every part fuses: 8-bit states included, where a leaf also keeps wide states
+        (copies of the params, the registry's ``wide_states``) that the 8-bit kernels load
+        and store as floats."""
+        return all(p.entry.fusible for top in self.parts for p in top.flat())
 
     @property
     def alias(self) -> Part | None:
@@ -196,12 +196,12 @@ def draw_structure(src: Source, fusible: bool = False, skip: bool = False) -> St
                 skip_at=src.integers(0, len(parts)), named=mode == "chain" and src.boolean(0.2))
     if any(p.entry.eight_bit for top in parts for p in top.flat()) and src.boolean(0.35):
         quant = "keyword" if s.alias is not None and src.boolean(0.15) else "wrapper"
-        eight = replace(s, bits=8, quant=quant, min_size=src.choice([0, 1, 64, 200]))
-        if eight.fusible or not fusible:  # (8-bit mixed layouts run eagerly)
-            s = eight
+        s = replace(s, bits=8, quant=quant, min_size=src.choice([0, 1, 64, 200]))
     s = replace(s, tensors=src.boolean(0.3), schedules=src.boolean(0.2))
     if any(p.entry.eight_bit for top in parts for p in top.flat()) and src.boolean(0.2):
-        s = replace(s, state_dtype=src.choice(["bfloat16", "float16"]))
+        known = any(p.entry.bf16_drops_negative_zero for top in parts for p in top.flat())
+        s = replace(s, state_dtype=src.choice(["float16"] if known  # (see the registry)
+                                              else ["bfloat16", "float16"]))
     return s
 
 

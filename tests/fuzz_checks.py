@@ -27,14 +27,14 @@ from typing import Any
 import optree
 import torch
 from fuzz_cases import Case, plain_state
+from registry import SIGNED_STATES
 
 import ftopt
 from ftopt.quant import dequantize_blockwise, dynamic_map, encode_with_absmax, expand_absmax
 from ftopt.rules import QuantizedSlot
 
 STATS: collections.Counter = collections.Counter()
-SIGNED = {"mu", "trace", "m1", "m2", "m", "ema", "previous_gradient", "v", "g", "s", "x0",
-          "prev_updates"}
+SIGNED = SIGNED_STATES  # (the 8-bit map of each state: tests/registry.py)
 BLOCK = 256
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -98,15 +98,24 @@ def pure_update(case: Case, tx, p, g, s, backend: str):
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, old: torch.Tensor | None = None) -> float:
-    """max |a - b| over the largest magnitude of a, b (and ``old``, if given)."""
+    """max |a - b| over the largest magnitude of a, b (and ``old``, if given). NaN at the
+    same elements of both agrees (Prodigy's estimate after an all-zero first step is
+    0/0, as optax's), NaN on one side only does not."""
+    a, b = a.double(), b.double()
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return float("inf")
+    a, b = a[~nan], b[~nan]
     if a.numel() == 0:
         return 0.0
-    a, b = a.double(), b.double()
     scale = torch.maximum(a.abs().max(), b.abs().max())
     if old is not None:
-        scale = torch.maximum(scale, old.double().abs().max())
+        old = old.double()
+        old = old[~old.isnan()]
+        if old.numel():
+            scale = torch.maximum(scale, old.abs().max())
     scale = scale.clamp_min(1e-30)
-    return ((a - b).abs().max() / scale).item()
+    return (torch.where(a == b, 0.0, (a - b).abs()).max() / scale).item()
 
 
 class Reference:

@@ -2,8 +2,8 @@
 for the 8-bit codes, one rounding per store for bf16/fp16), params0 stays in the params'
 dtype; a step is the 32-bit step from the state as read, stored as asked, on the eager and
 the fused backend alike; a checkpoint continues bit-identically; a state of the wrong
-format is refused naming its path. (The registry marks prodigy ``mixed_layout``, so the
-8-bit and state_dtype suites leave it out; its skip_zeros Case runs 8-bit states.)
+format is refused naming its path. (The registry's 8-bit and state_dtype suites run it too,
+params0 as a ``wide_states`` slot; these tests pin the step from the state as read.)
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Every registry entry with 8-bit states (``tests/registry.py``, trait ``eight_bit
 bitsandbytes chains:
 
 * layout: every per-element state of a leaf with >= min_size elements is uint8 codes shaped
-  like the param plus fp32 absmax of ceil(n/256) blocks; smaller leaves keep fp32 state;
+  like the param plus fp32 absmax of ceil(n/256) blocks; smaller leaves keep fp32 state, and
+  so do an entry's wide states (copies of the params: the registry's ``wide_states``);
 * maps: mu/trace/m1/m2 use the signed dynamic map, nu/sum_of_squares the unsigned one
   (checked by decoding the codes after a first step, whose 32-bit state is known);
 * memory: Adam's 8-bit state is <= 2.04 bytes per parameter (32-bit: 8);
@@ -25,7 +26,7 @@ import zlib
 import optree
 import pytest
 import torch
-from registry import BY_NAME, eight_bit, standalone
+from registry import BY_NAME, SIGNED_STATES, UNSIGNED_STATES, eight_bit, standalone
 
 import ftopt
 from ftopt.quant import create_dynamic_map, dequantize_blockwise
@@ -35,10 +36,7 @@ BLOCK = 256
 MIN_SIZE = 4096
 SIGNED = create_dynamic_map(signed=True)
 UNSIGNED = create_dynamic_map(signed=False)
-SIGNED_SLOTS = {"mu", "trace", "m1", "m2", "m", "ema", "previous_gradient", "v", "g", "s",
-                "x0", "prev_updates"}
-UNSIGNED_SLOTS = {"nu", "sum_of_squares", "nu_max", "n", "e_g", "e_x", "grad_sum_sq",
-                  "step_sizes"}
+SIGNED_SLOTS, UNSIGNED_SLOTS = SIGNED_STATES, UNSIGNED_STATES
 
 T = ftopt
 # Hand-picked hyperparameters for registry entries (by registry name; the others run with
@@ -82,12 +80,14 @@ COMPOSITES = {
 }
 assert not set(OPTIMIZERS) & set(COMPOSITES)
 OPTIMIZERS.update(COMPOSITES)
-# The slots each optimizer keeps (none may be missing from the 8-bit state).
+# The slots each optimizer keeps (none may be missing from the 8-bit state), and those of
+# them that stay fp32 (copies of the params).
 SLOTS = {
     **{e.name: set(e.states) for e in eight_bit()},
     "adam_nesterov": {"mu", "nu"}, "bnb_rmsprop": {"nu"}, "bnb_adagrad": {"sum_of_squares"},
     "bnb_lars": {"trace"},
 }
+WIDE = {e.name: e.wide() for e in eight_bit()}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -210,9 +210,9 @@ def test_layout(name):
     state = OPTIMIZERS[name](8).init(params)
     leaves = slot_leaves(state)
     assert {slot for slot, _ in leaves.values()} == SLOTS[name]
-    for (path, key), (_, leaf) in leaves.items():
+    for (path, key), (slot, leaf) in leaves.items():
         n = params[key].numel()
-        if n < MIN_SIZE:
+        if n < MIN_SIZE or slot in WIDE.get(name, ()):
             assert isinstance(leaf, torch.Tensor), (path, key)
             assert leaf.dtype == torch.float32 and leaf.shape == params[key].shape
             continue
@@ -257,8 +257,9 @@ def test_first_step_codes_use_the_right_map(name):
     exact = slot_leaves(s32)
     for where, (slot, leaf) in slot_leaves(s8).items():
         want = exact[where][1]
-        if where[1] == "b":
-            assert tree_bit_equal(leaf, want), where  # small leaf: fp32, exactly 32-bit
+        if where[1] == "b" or slot in WIDE.get(name, ()):
+            # small leaf or a wide state: fp32, exactly 32-bit
+            assert tree_bit_equal(leaf, want), where
             continue
         codes, absmax = leaf
         flat_want = want.reshape(-1)
@@ -361,9 +362,12 @@ def test_all_zero_blocks_never_nan(name, skip):
     for p in params.values():
         assert bool(torch.isfinite(p).all())
     deq = dequantize_state(state[0] if skip else state)
-    for where, (_, leaf) in slot_leaves(state[0] if skip else state).items():
-        assert isinstance(leaf, QuantizedSlot)
-        assert bool(torch.isfinite(leaf.absmax).all()), where
+    for where, (slot, leaf) in slot_leaves(state[0] if skip else state).items():
+        if slot in WIDE.get(name, ()):
+            assert leaf.dtype == torch.float32, where
+        else:
+            assert isinstance(leaf, QuantizedSlot), where
+            assert bool(torch.isfinite(leaf.absmax).all()), where
         value = slot_leaves(deq)[where][1]
         assert bool(torch.isfinite(value).all()), where
         if name in NO_DECAY and where not in nonzero_init:

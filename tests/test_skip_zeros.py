@@ -44,7 +44,15 @@ import optree
 import pytest
 import reference_prodigy as RP
 import torch
-from registry import BY_NAME, TRANSFORMS, by_trait, names, require
+from registry import (
+    BY_NAME,
+    SIGNED_STATES,
+    TRANSFORMS,
+    UNSIGNED_STATES,
+    by_trait,
+    names,
+    require,
+)
 
 import ftopt
 from ftopt.base import EmptyState
@@ -60,12 +68,9 @@ SHAPES = {
 }
 QUANTIZED = ("w", "v")
 WARMUP = 3
-SIGNED_SLOTS = {"mu", "trace", "m1", "m2", "m", "ema", "previous_gradient", "v", "g", "s",
-                "x0", "prev_updates", "z", "exp_avg", "grad_sum", "params0"}
-UNSIGNED_SLOTS = {"nu", "sum_of_squares", "nu_max", "n", "e_g", "e_x", "grad_sum_sq",
-                  "step_sizes", "exp_avg_sq"}
-# Copies of the params: fp32 under state_bits=8 too (rules.Slot; Prodigy's params0)
-FULL_WIDTH_SLOTS = {"x0", "z", "params0"}
+SIGNED_SLOTS, UNSIGNED_SLOTS = SIGNED_STATES, UNSIGNED_STATES
+# Copies of the params: fp32 under state_bits=8 too (the registry's ``wide_states``)
+FULL_WIDTH_SLOTS = {n for e in TRANSFORMS for n in e.wide_states}
 QMAP = {True: create_dynamic_map(signed=True), False: create_dynamic_map(signed=False)}
 NAN_AT = {"w": 2000, "s": 40}  # flat indices; block 7 of "w" has no zero grads
 

@@ -4,7 +4,8 @@ Every registry entry with per-element float states (trait ``eight_bit``,
 ``tests/registry.py``), with ``state_dtype`` bf16 and fp16:
 
 * layout: every float state leaf has the dtype (8-bit states where ``state_bits=8`` makes
-  them, the dtype for the leaves below ``min_size``);
+  them, the dtype for the leaves below ``min_size``), but an entry's wide states (copies of
+  the params, the registry's ``wide_states``), which keep the params' dtype;
 * fused == eager: from the same inputs, one step gives bit-identical states and params
   (math in fp32, one rounding to nearest per store on both);
 * skip_zeros: params and states bit-identical where the gradient is zero, on both
@@ -16,7 +17,9 @@ Every registry entry with per-element float states (trait ``eight_bit``,
 
 from __future__ import annotations
 
+import functools
 import io
+import zlib
 
 import pytest
 import registry
@@ -31,6 +34,9 @@ NAMES = registry.names(registry.eight_bit())
 FUSIBLE = registry.names(e for e in registry.eight_bit() if e in registry.fusible())
 # Matrix-stage aliases (``mixes``): their float64 references are in test_matrix_optimizers.
 ALIASES = registry.names(e for e in registry.eight_bit() if e.kind == "alias" and not e.mixes)
+# The float64 trajectory leaves out a ``running_scale`` (Prodigy's d: see the registry).
+TRACKED = registry.names(e for e in registry.eight_bit()
+                         if e.kind == "alias" and not e.mixes and not e.running_scale)
 
 
 def _backends(names: list[str]) -> list[tuple[str, str]]:
@@ -39,6 +45,12 @@ def _backends(names: list[str]) -> list[tuple[str, str]]:
 SHAPES = {"w": (9, 70), "b": (70,), "s": (3,)}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _seed(*key) -> int:
+    """A seed of its own for each test case, the same in every run (``hash`` of a string
+    changes from one process to the next)."""
+    return zlib.crc32(repr(key).encode())
 
 
 def _tree(gen: torch.Generator, shapes=SHAPES, dtype=torch.float32) -> dict:
@@ -57,8 +69,35 @@ def _leaves(tree) -> list:
     return [x for x in ftopt.tree.leaves(tree) if isinstance(x, torch.Tensor)]
 
 
-def _float_states(state) -> list[torch.Tensor]:
-    return [x for x in _leaves(state) if x.is_floating_point() and x.ndim > 0]
+def _float_states(state, wide: frozenset[str] = frozenset()) -> list[torch.Tensor]:
+    """The per-element float state leaves, but those of the slots named in ``wide``."""
+    kept = {id(x) for x in _leaves(_without(state, wide))}
+    return [x for x in _leaves(state) if x.is_floating_point() and x.ndim > 0
+            and id(x) in kept]
+
+
+def _without(state, names: frozenset[str]):
+    """``state`` with the slots named in ``names`` (in any NamedTuple state) left out."""
+    if hasattr(state, "_fields"):
+        return tuple(_without(getattr(state, f), names) for f in state._fields
+                     if f not in names)
+    if isinstance(state, (tuple, list)):
+        return tuple(_without(x, names) for x in state)
+    if isinstance(state, dict):
+        return {k: _without(v, names) for k, v in state.items()}
+    return state
+
+
+def _slot_dtypes(state, names: frozenset[str]) -> set:
+    """The dtypes of the leaves of the slots named in ``names``."""
+    if hasattr(state, "_fields"):
+        return set().union(*(
+            {x.dtype for x in _leaves(getattr(state, f))} if f in names
+            else _slot_dtypes(getattr(state, f), names) for f in state._fields))
+    if isinstance(state, (tuple, list, dict)):
+        values = state.values() if isinstance(state, dict) else state
+        return set().union(*(_slot_dtypes(x, names) for x in values))
+    return set()
 
 
 def _same(a, b) -> bool:
@@ -73,8 +112,10 @@ def test_layout(name, dtype):
     dt = DTYPES[dtype]
     params = _tree(torch.Generator().manual_seed(0))
     state = standalone(name, state_dtype=dt).init(params)
-    floats = _float_states(state)
+    wide = registry.entry(name).wide(state_dtype=True)
+    floats = _float_states(state, wide)
     assert floats and all(x.dtype == dt for x in floats)
+    assert _slot_dtypes(state, wide) == ({torch.float32} if wide else set())
     # With 8-bit states: 8-bit for the big leaf, the dtype for the small ones.
     tx = ftopt.quantize_states(standalone(name), bits=8, min_size=512, state_dtype=dt)
     leaves = _leaves(tx.init(params))
@@ -110,22 +151,38 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def _check_close(a, b, step) -> dict:
+def _float64_state(tx, params, grads, state):
+    """The same step in float64 on the eager backend (fp32 values widened, 16-bit states
+    read as they are)."""
+    up = lambda x: x.double() if x.dtype == torch.float32 else x  # noqa: E731
+    return ftopt.step(tx, *(ftopt.tree.map(up, t) for t in (params, grads, state)),
+                      backend="eager")[1]
+
+
+def _check_close(a, b, step, reference=None) -> dict:
     """16-bit states: identical but where the fp32 values of the two backends (which may
     differ in their last bit) straddle a rounding boundary of the storage dtype: then one
     ulp apart, for at most 2 + 1 in 200 of the elements. Returns, by leaf shape, where
-    they differ."""
+    they differ. ``reference()``: the float64 state (see below)."""
     la, lb = _leaves(a), _leaves(b)
     assert len(la) == len(lb)
     apart_at: dict = {}
     total = count = 0
-    for x, y in zip(la, lb):
+    for i, (x, y) in enumerate(zip(la, lb)):
         assert x.dtype == y.dtype
         if x.dtype not in (torch.float16, torch.bfloat16) and x.ndim == 0 \
                 and x.is_floating_point():
-            # A per-leaf state (NovoGrad's nu) comes from a norm, whose squares each
-            # backend sums in its own order: within fp32 rounding, not bit for bit.
-            torch.testing.assert_close(x, y, rtol=1e-6, atol=0)
+            # A per-leaf or running value (NovoGrad's nu, Prodigy's numerator) comes from a
+            # sum over elements, which each backend adds in its own order: within fp32
+            # rounding, not bit for bit; where the sum cancels (Prodigy's Σ g·(x0 - p)),
+            # fused as accurate as eager against float64 (as the fuzz's fused_vs_eager).
+            err = abs(float(x) - float(y)) / max(abs(float(y)), 1e-30)
+            if err > 1e-6 and reference is not None:
+                r = float(_leaves(reference())[i])
+                err = abs(float(x) - r) - 2 * abs(float(y) - r) - 1e-6 * abs(r)
+                assert err <= 0, (step, i, float(x), float(y), r)
+                continue
+            assert err <= 1e-6, (step, i, float(x), float(y))
             continue
         if x.dtype not in (torch.float16, torch.bfloat16):
             assert torch.equal(_bits(x), _bits(y)), step
@@ -145,7 +202,7 @@ def test_fused_matches_eager(name, dtype, skip):
     """Each step from the same params and 16-bit state: bit-identical on both backends
     (the chain's fp32 math is the same; each state is rounded once, to nearest)."""
     tx = standalone(name, state_dtype=DTYPES[dtype], skip_zeros=skip)
-    gen = torch.Generator().manual_seed(hash((name, dtype, skip)) % 2**31)
+    gen = torch.Generator().manual_seed(_seed(name, dtype, skip))
     params = _tree(gen)
     state = tx.init(params)
     for step in range(3):
@@ -153,7 +210,8 @@ def test_fused_matches_eager(name, dtype, skip):
         grads["w"][:2] = 0.0
         pe, se = _step(tx, params, grads, state, "eager")
         pf, sf = _step(tx, params, grads, state, "fused", donate=step == 2)
-        apart = _check_close(sf, se, step)
+        apart = _check_close(sf, se, step, functools.partial(_float64_state, tx, params,
+                                                             grads, state))
         for k in pe:
             # As fp32 (test_fused.py): the backends may round the fp32 math differently
             # in the last bit (torch.lerp's multiply-add on the CPU); an element whose
@@ -161,7 +219,8 @@ def test_fused_matches_eager(name, dtype, skip):
             same = ~apart.get(pe[k].shape, torch.zeros_like(pe[k], dtype=torch.bool))
             assert _rel_err(pf[k][same], pe[k][same]) <= 1e-6, (step, k)
         params, state = pe, se
-    assert all(x.dtype == DTYPES[dtype] for x in _float_states(state))
+    wide = registry.entry(name).wide(state_dtype=True)
+    assert all(x.dtype == DTYPES[dtype] for x in _float_states(state, wide))
 
 
 def _rounding_cases() -> torch.Tensor:
@@ -234,9 +293,10 @@ CONTROL = {"adam", "adamw", "lion", "sgd[momentum]", "rmsprop", "ademamix", "sca
 
 
 def _at(tree_state, shape, where) -> list[torch.Tensor]:
-    """The elements at ``where`` of every 16-bit state leaf shaped ``shape``."""
+    """The elements at ``where`` of every float state leaf shaped ``shape`` (16-bit, or a
+    wide state in the params' dtype)."""
     return [_bits(x)[where].clone() for x in _leaves(tree_state)
-            if x.shape == shape and x.dtype in (torch.bfloat16, torch.float16)]
+            if x.shape == shape and x.is_floating_point()]
 
 
 @pytest.mark.parametrize("name,backend", _backends(NAMES))
@@ -244,7 +304,7 @@ def test_skip_zeros_is_exact(name, backend):
     """Where the gradient is zero, params and 16-bit states are bit-identical; the
     control: without skip_zeros the same elements change."""
     dt = torch.bfloat16 if backend == "eager" else torch.float16
-    gen = torch.Generator().manual_seed(hash((name, backend)) % 2**31)
+    gen = torch.Generator().manual_seed(_seed(name, backend))
     params0 = _tree(gen)
     grads = [_tree(gen) for _ in range(3)]
     zero = torch.zeros(SHAPES["w"], dtype=torch.bool, device=DEVICE)
@@ -270,6 +330,25 @@ def test_skip_zeros_is_exact(name, backend):
     assert changed or name not in CONTROL
 
 
+@pytest.mark.xfail(strict=True, reason="the fused bf16 store writes -0.0 as +0.0: the "
+                   "registry's bf16_drops_negative_zero")
+@pytest.mark.parametrize("name", registry.names(registry.by_trait(bf16_drops_negative_zero=True)))
+def test_bf16_store_keeps_negative_zero(name):
+    """A bf16 state that holds -0.0 (a copy of a -0.0 param) keeps its bits where
+    skip_zeros skips, on the fused backend as on the eager one."""
+    tx = standalone(name, state_dtype=torch.bfloat16, skip_zeros=True)
+    params = {"w": torch.tensor([-0.0, 1.0, -0.0, 2.0], device=DEVICE)}
+    grads = {"w": torch.tensor([0.0, 1.0, 0.0, 1.0], device=DEVICE)}
+    state = tx.init(params)
+    before = [_bits(x).clone() for x in _leaves(state) if x.dtype == torch.bfloat16]
+    assert before and any(bool((b == -32768).any()) for b in before)  # (-0.0's bits)
+    for backend in ("eager", "fused"):
+        _, new = ftopt.step(tx, params, grads, state, backend=backend)
+        after = [_bits(x) for x in _leaves(new) if x.dtype == torch.bfloat16]
+        for old, now in zip(before, after):
+            assert torch.equal(now[[0, 2]], old[[0, 2]]), backend
+
+
 # -- checkpoints -----------------------------------------------------------------------
 
 
@@ -278,7 +357,7 @@ def test_skip_zeros_is_exact(name, backend):
 def test_checkpoint_round_trip(name, dtype, backend):
     dt = DTYPES[dtype]
     tx = standalone(name, state_dtype=dt, skip_zeros=True)
-    gen = torch.Generator().manual_seed(hash((name, dtype, backend)) % 2**31)
+    gen = torch.Generator().manual_seed(_seed(name, dtype, backend))
     params = _tree(gen)
     state = tx.init(params)
     grads = [_tree(gen) for _ in range(5)]
@@ -290,7 +369,8 @@ def test_checkpoint_round_trip(name, dtype, backend):
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)
     assert type(loaded["state"]) is type(state) and _same(loaded["state"], state)
-    assert all(x.dtype == dt for x in _float_states(loaded["state"]))
+    wide = registry.entry(name).wide(state_dtype=True)
+    assert all(x.dtype == dt for x in _float_states(loaded["state"], wide))
     pa, sa, pb, sb = params, state, loaded["params"], loaded["state"]
     for g in grads[2:]:
         pa, sa = ftopt.step(tx, pa, g, sa, backend=backend)
@@ -300,8 +380,14 @@ def test_checkpoint_round_trip(name, dtype, backend):
 
 # -- against float64 -------------------------------------------------------------------
 
-# reference state -> ftopt slot
-REF_NAMES = {"tr": "trace", "s": "sum_of_squares", "m": "ema", "prev": "previous_gradient"}
+# reference state -> the ftopt slot it is, where the names differ (the first one the state
+# holds; a slot of the reference's own name comes first)
+REF_NAMES = {"tr": ("trace",), "s": ("sum_of_squares", "grad_sum"), "m": ("ema", "exp_avg"),
+             "prev": ("previous_gradient",), "v": ("exp_avg_sq",), "x0": ("params0",)}
+
+
+def _slot_name(ref_name: str, slots: dict) -> str:
+    return next((n for n in (ref_name, *REF_NAMES.get(ref_name, ())) if n in slots), ref_name)
 
 
 def _slots(state, out=None) -> dict:
@@ -321,7 +407,7 @@ def _slots(state, out=None) -> dict:
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("name,backend", _backends(ALIASES))
+@pytest.mark.parametrize("name,backend", _backends(TRACKED))
 def test_tracks_float64_reference_within_rounding(name, dtype, backend):
     """20 steps against the float64 reference (``tests/reference.py``) whose states are
     rounded to the storage dtype after each step (the semantics: exact reads, one rounding
@@ -329,7 +415,7 @@ def test_tracks_float64_reference_within_rounding(name, dtype, backend):
     fp32 and fp64 values of a step straddle a rounding boundary (then about one ulp at the
     element's peak magnitude, for at most 1% of the elements), and params agree to fp32
     rounding (relative 1e-6 of max(|p|, 1), as the fp32 reference suite) wherever the states
-    always agreed."""
+    always agreed. Wide states (copies of the params, fp32) agree as params do."""
     import test_aliases_vs_reference as A
 
     dt = DTYPES[dtype]
@@ -338,16 +424,29 @@ def test_tracks_float64_reference_within_rounding(name, dtype, backend):
     make_tx, make_ref = A.CASES[case]
     tx = ftopt.quantize_states(make_tx(), bits=32, state_dtype=dt)
     ref = make_ref()
-    gen = torch.Generator().manual_seed(hash((name, dtype, backend)) % 2**31)
+    gen = torch.Generator().manual_seed(_seed(name, dtype, backend))
     params = {k: v.to(DEVICE) for k, v in A._params(gen, torch.float32).items()}
     state = tx.init(params)
+    slots = _slots(state)
+    wide = registry.entry(name).wide()  # (quantize_states' state_dtype leaves them fp32)
+
+    def stored(n: str, value):
+        """The reference's state as ftopt stores it: rounded to ``dt``, but a number (a
+        per-leaf state, NovoGrad's nu: fp32 whatever state_dtype says) or a wide state."""
+        if not isinstance(value, torch.Tensor) or _slot_name(n, slots) in wide:
+            return value
+        return value.to(dt).to(torch.float64)
+
     ref_params = {k: v.double() for k, v in params.items()}
     for k, p in ref_params.items():  # the initial states are stored (rounded) too
-        # (A number is a per-leaf state, NovoGrad's nu: fp32 whatever state_dtype says.)
-        ref.state[k] = {n: v if not isinstance(v, torch.Tensor) else v.to(dt).to(torch.float64)
-                        for n, v in ref.init_leaf(p).items()}
+        first = {n: stored(n, v) for n, v in ref.init_leaf(p).items()}
+        if first:  # (RefProdigy makes its state at its first step: zeros and a copy)
+            ref.state[k] = first
     diverged = {k: torch.zeros(v.shape, dtype=torch.bool, device=DEVICE)
                 for k, v in params.items()}
+
+    def fp32_close(ours: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+        return (ours.double() - want).abs() <= 1e-6 * want.abs().clamp_min(1.0)
     apart = total = 0
     peak: dict = {}
     finfo = torch.finfo(dt)
@@ -360,12 +459,15 @@ def test_tracks_float64_reference_within_rounding(name, dtype, backend):
             for n, value in st.items():
                 if not isinstance(value, torch.Tensor):
                     continue  # (filled at its first step; or a per-leaf number, see above)
-                st[n] = value.to(dt).to(torch.float64)  # the reference's one rounding
+                st[n] = stored(n, value)  # the reference's one rounding
                 if n == "tr" and n not in slots and "trace" not in slots:
                     continue  # (RefRMSprop keeps an unused trace without momentum)
-                key = REF_NAMES.get(n, n)
-                ours = slots[key if key in slots else n][k]
-                assert ours.dtype == dt
+                key = _slot_name(n, slots)
+                ours = slots[key][k]
+                assert ours.dtype == (torch.float32 if key in wide else dt), (key, ours.dtype)
+                if key in wide:
+                    assert fp32_close(ours.cpu(), st[n].cpu()).all(), (step, k, n)
+                    continue
                 # One rounding apart at the element's largest magnitude so far (a value
                 # that then shrinks keeps that absolute difference, or less).
                 peak[k, n] = torch.maximum(peak.get((k, n), st[n].abs()), st[n].abs())
@@ -375,7 +477,6 @@ def test_tracks_float64_reference_within_rounding(name, dtype, backend):
                 diverged[k] |= gap > 0
                 apart, total = apart + int((gap > 0).sum()), total + gap.numel()
         for k, p in params.items():
-            ok = ~diverged[k]
-            err = (p.double() - ref_params[k])[ok].abs()
-            assert (err <= 1e-6 * ref_params[k][ok].abs().clamp_min(1.0)).all(), (step, k)
+            ok = ~diverged[k].cpu()
+            assert fp32_close(p.cpu(), ref_params[k].cpu())[ok].all(), (step, k)
     assert apart <= 2 + total // 100, (apart, total)
