@@ -199,9 +199,7 @@ def draw_structure(src: Source, fusible: bool = False, skip: bool = False) -> St
         s = replace(s, bits=8, quant=quant, min_size=src.choice([0, 1, 64, 200]))
     s = replace(s, tensors=src.boolean(0.3), schedules=src.boolean(0.2))
     if any(p.entry.eight_bit for top in parts for p in top.flat()) and src.boolean(0.2):
-        known = any(p.entry.bf16_drops_negative_zero for top in parts for p in top.flat())
-        s = replace(s, state_dtype=src.choice(["float16"] if known  # (see the registry)
-                                              else ["bfloat16", "float16"]))
+        s = replace(s, state_dtype=src.choice(["bfloat16", "float16"]))
     return s
 
 

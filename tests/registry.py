@@ -189,13 +189,6 @@ class Entry:
     # state_dtype float64 trajectory leaves it out, tests/test_prodigy.py compares its steps
     # from the same state instead.
     running_scale: bool = False
-    # A fault outside the tests, named where the suites meet it: its state_dtype keyword
-    # stores copies of the params (-0.0 included) in bf16, and the fused bf16 store writes
-    # -0.0 as +0.0 (ftopt/lowering/lanes.py, bf16_store_lines: ``value + tl.zeros(...)``),
-    # so a -0.0 that skip_zeros keeps changes its bits. The fuzz draws no bf16 state_dtype
-    # for it; tests/test_state_dtype.py::test_bf16_store_keeps_negative_zero (strict xfail)
-    # fails once the store is fixed: then drop the trait.
-    bf16_drops_negative_zero: bool = False
 
     def steps_after(self, calls: int) -> int:
         """How far its step counts have advanced after ``calls`` calls from ``init``."""
@@ -666,13 +659,12 @@ TRANSFORMS += [
     Entry("schedule_free_sgd", ftopt.schedule_free_sgd,
           floats={**_SF_FLOATS, "weight_decay": WD}, kind="alias", states=("z",),
           counted=True, uses_params=True, bookkeeping=True, wide_states=("z",),
-          wide_follow_state_dtype=True, bf16_drops_negative_zero=True,
+          wide_follow_state_dtype=True,
           example={"learning_rate": 0.1, "weight_decay": 0.01}),
     Entry("schedule_free_adamw", ftopt.schedule_free_adamw,
           floats={**_SF_FLOATS, "b2": BETA, "eps": EPS, "weight_decay": WD}, kind="alias",
           states=("mu", "nu", "z"), counted=True, uses_params=True, eight_bit=True,
           wide_states=("z",), wide_follow_state_dtype=True, bookkeeping=True,
-          bf16_drops_negative_zero=True,
           example={"learning_rate": 1e-2, "weight_decay": 0.01}),
     Entry("schedule_free",
           lambda inner=(), b1=0.9: ftopt.schedule_free(

@@ -330,12 +330,11 @@ def test_skip_zeros_is_exact(name, backend):
     assert changed or name not in CONTROL
 
 
-@pytest.mark.xfail(strict=True, reason="the fused bf16 store writes -0.0 as +0.0: the "
-                   "registry's bf16_drops_negative_zero")
-@pytest.mark.parametrize("name", registry.names(registry.by_trait(bf16_drops_negative_zero=True)))
+@pytest.mark.parametrize("name", registry.names(registry.by_trait(wide_follow_state_dtype=True)))
 def test_bf16_store_keeps_negative_zero(name):
     """A bf16 state that holds -0.0 (a copy of a -0.0 param) keeps its bits where
-    skip_zeros skips, on the fused backend as on the eager one."""
+    skip_zeros skips, on the fused backend as on the eager one (the fused bf16 store once
+    broadcast its value by adding +0.0, which made -0.0 +0.0)."""
     tx = standalone(name, state_dtype=torch.bfloat16, skip_zeros=True)
     params = {"w": torch.tensor([-0.0, 1.0, -0.0, 2.0], device=DEVICE)}
     grads = {"w": torch.tensor([0.0, 1.0, 0.0, 1.0], device=DEVICE)}

@@ -279,13 +279,13 @@ def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, varian
     signs = slot_signs(traced) if variant.quant_block else {}
     lines = _body_lines(traced, nodes, masks, variant, tail)
     for role, node in traced.running_stores:  # (every group's program 0: the same value)
-        lines.append(f"tl.store({role}_ptr + offs * 0, tl.full([BLOCK], 0.0, tl.float32) + "
+        lines.append(f"tl.store({role}_ptr + offs * 0, tl.full([BLOCK], -0.0, tl.float32) + "
                      f"{node}, mask=offs == tl.where(pid == 0, 0, -1))")
     stores: list[str] = []
     for role, node in kept:
         value = node
         if traced.graph.nodes[node].kind != "elem":  # broadcast a per-leaf value
-            value = f"tl.full([BLOCK], 0.0, tl.float32) + {node}"
+            value = f"tl.full([BLOCK], -0.0, tl.float32) + {node}"  # (keeps a -0.0)
         slot = role[: -len("_out")]
         flag = traced.slot_flags.get(slot)
         if slot in traced.leaf_slots:

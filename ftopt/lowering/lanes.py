@@ -37,7 +37,8 @@ def bf16_store_lines(role: str, slot: str, value: str, mask: str) -> list[str]:
     torch's ``.to(torch.bfloat16)`` rounds."""
     b = f"b_{slot}"
     return [
-        f"{b}_x = {value} + tl.zeros([BLOCK], tl.float32)",
+        # (+ -0.0: a broadcast that keeps every value, -0.0 included)
+        f"{b}_x = {value} + tl.full([BLOCK], -0.0, tl.float32)",
         f"{b}_u = {b}_x.to(tl.uint32, bitcast=True)",
         f"{b}_u = ({b}_u + 32767 + (({b}_u >> 16) & 1)) >> 16",
         f"{b}_u = tl.where({b}_x == {b}_x, {b}_u, 32704)",
