@@ -193,14 +193,32 @@ def _fused_against_eager(tx, params, steps, zero_rows=5):
     return (p_e, s_e), (p_f, s_f)
 
 
+def test_fused_novograd_takes_one_minus_b2_in_float64():
+    """nu ← (1 − b2)·‖u‖² + b2·nu with b2 = 0.999 after a step of tiny gradients (nu then
+    mostly the first term): 1 − b2 is taken in float64, as the eager step takes it (in
+    a kernel from an fp32 b2, 1 − 0.999 is 4.7e-5 off, and so was nu)."""
+    params = _tree(torch.Generator().manual_seed(11))
+    tx = ftopt.novograd(1e-2, b2=0.999)
+    states = {}
+    for backend in ("eager", "fused"):
+        p, s = {k: v.clone() for k, v in params.items()}, tx.init(params)
+        for scale in (1e-4, 1.0):
+            g = _tree(torch.Generator().manual_seed(12), scale)
+            p, s = ftopt.step(tx, p, g, s, backend=backend)
+        states[backend] = _nu(s)
+    for k in SHAPES:
+        torch.testing.assert_close(states["fused"][k], states["eager"][k], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("b2", [0.5, 0.999])
 @pytest.mark.parametrize("skip_zeros", [False, True])
-def test_fused_novograd_equals_eager(skip_zeros):
+def test_fused_novograd_equals_eager(skip_zeros, b2):
     """The fused step (norms in the reduction pass, nu and the division in the kernel)
     against the eager one (torch's norms): params, mu and nu within fp32 rounding over 4
     steps, a partly zero and an all-zero leaf included; one fused program, no stage in
-    torch."""
+    torch. (b2 = 0.999: 1 − b2 from an fp32 b2 in the kernel was 1.3e-5 off.)"""
     params = _tree(torch.Generator().manual_seed(10))
-    tx = ftopt.novograd(1e-2, b1=0.8, b2=0.5, eps=1e-6, weight_decay=0.1,
+    tx = ftopt.novograd(1e-2, b1=0.8, b2=b2, eps=1e-6, weight_decay=0.1,
                         skip_zeros=skip_zeros)
     (p_e, s_e), (p_f, s_f) = _fused_against_eager(tx, params, 4)
     for k in SHAPES:

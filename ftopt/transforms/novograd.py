@@ -63,16 +63,17 @@ class NovogradMomentumState(NamedTuple):
 
 def _first_step(t, h) -> dict:
     """``first``: 1.0 on the first step (t = 1), else 0.0 (a device tensor where the count
-    is only on the device: no host read)."""
+    is only on the device: no host read); ``one_minus_b2`` in float64 (in a kernel from an
+    fp32 b2, 1 − 0.999 would be 1.3e-5 off)."""
     first = (t == 1).to(torch.float64) if isinstance(t, torch.Tensor) else float(t == 1)
-    return {"first": first}
+    return {"first": first, "one_minus_b2": 1 - h["b2"]}
 
 
 def _leaf_moment_body(o, x):
     norm = o.leaf_norm(x.u)
     square = norm * norm
     # ‖u‖² on the first step, else (1−b2)·‖u‖² + b2·nu (optax's ``update_moment``).
-    nu = o.where(x.first > 0.5, square, (1 - x.b2) * square + x.b2 * x.nu)
+    nu = o.where(x.first > 0.5, square, x.one_minus_b2 * square + x.b2 * x.nu)
     return x.u / (o.sqrt(nu + x.eps_root) + x.eps), {"nu": nu}
 
 
