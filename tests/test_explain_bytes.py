@@ -118,6 +118,6 @@ def test_a_bad_bandwidth_is_refused(bad):
      "main kernel reads 10.031, writes 6.031; norm passes read 10.031 more"),
 ])
 def test_bytes_per_element_count_slots_at_their_stored_size(tx, want):
-    params = {"w": torch.randn(64, 80, generator=torch.Generator().manual_seed(4))}
+    params = {"w": torch.randn(64, 80, generator=torch.Generator().manual_seed(4)).to(DEVICE)}
     text = ftopt.explain(tx(), params, donate=True, backend="fused", file=_Null())
     assert f"bytes per element: {want}" in text, text

@@ -174,7 +174,7 @@ def test_alias_runs_as_one_fused_rule(bits, read, written):
     """One rule (no torch stage), 8-bit states too; the donated main kernel reads g, p, m,
     v and s and writes p, m, v and s: params0 (fp32 whatever the layout) is read by the
     norm pass only, and a donated step leaves it where it is."""
-    params = {"w": torch.randn(64, 80, generator=torch.Generator().manual_seed(1))}
+    params = {"w": torch.randn(64, 80, generator=torch.Generator().manual_seed(1)).to(DEVICE)}
     with contextlib.redirect_stdout(io.StringIO()):
         text = str(ftopt.explain(ftopt.prodigy(**ALIAS, state_bits=bits), params,
                                  donate=True, backend="fused"))
