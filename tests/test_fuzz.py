@@ -133,6 +133,31 @@ def test_checks_catch_a_planted_bug(prop, monkeypatch):
             checks.checkpoint(case, "eager")
 
 
+def test_reference_spread_tells_ill_conditioned_chains_from_bugs():
+    """The float64 reference's spread (what one-ulp moves of the inputs do to the result)
+    is tiny for Adam, where a 1e-5 error is then rejected, and large for Yogi at b1 = b2 =
+    0 with v ≈ g² (v − g² cancels), where a one-rounding difference is admitted."""
+    import ftopt
+
+    gen = torch.Generator().manual_seed(11)
+    p = {"w": torch.randn(64, generator=gen)}
+    sign = torch.where(torch.rand(64, generator=gen) < 0.5, -1.0, 1.0)
+    g = {"w": sign * (0.999 + 1e-4 * torch.rand(64, generator=gen))}
+    spec = ftopt.tree.flatten_with_paths(p)[2]
+    spreads, results = {}, {}
+    for name, tx in (("adam", ftopt.scale_by_adam()),
+                     ("yogi", ftopt.scale_by_yogi(b1=0.0, b2=0.0,
+                                                  initial_accumulator_value=1.0))):
+        ref = checks.Reference(tx, p, g, tx.init(p))
+        r, spreads[name] = ref.update(spec, 0)
+        results[name] = (tx.update(g, tx.init(p), p, backend="eager")[0]["w"], r)
+    assert spreads["adam"] < 1e-7 < 1e-5 < spreads["yogi"]
+    e, r = results["adam"]
+    assert not checks._as_accurate(e * (1 + 1e-5), e, r, spreads["adam"])
+    e, r = results["yogi"]
+    assert checks._as_accurate(e * (1 + 2e-5), e, r, spreads["yogi"])
+
+
 # ------------------------------------------------------------------------------------------
 # Regressions found by the fuzz
 # ------------------------------------------------------------------------------------------

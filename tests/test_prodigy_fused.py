@@ -19,6 +19,7 @@ from reference_prodigy import RefProdigy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ftopt
+from ftopt.lowering import tiles
 from ftopt.rule_transform import rule_transform
 from ftopt.transforms.prodigy import prodigy_rule
 
@@ -279,3 +280,61 @@ def test_donated_step_ops_do_not_grow_with_leaves(kernel_launches):
         ops.append(counter.count)
     assert launches[0] == launches[1] <= 3, launches
     assert ops[0] == ops[1], ops
+
+
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_no_gradient_mass_keeps_the_estimate(backend, donate):
+    """Σ|s| = 0 (here: only empty leaves) keeps E and num (optax's 0/0 would be NaN); the
+    fused kernel stores them from its one masked program, with or without donation."""
+    tx = ftopt.prodigy(**HP)
+    params = {"e": torch.randn(2, 0, 3).to(DEVICE), "f": torch.randn(0).to(DEVICE)}
+    state = tx.init(params)
+    old = state[0].estim_lr.clone()
+    poison = {"e": torch.zeros(2, 0, 3).to(DEVICE), "f": torch.zeros(0).to(DEVICE)}
+    _, new = ftopt.step(tx, params, poison, state, backend=backend, donate=donate)
+    assert torch.equal(new[0].estim_lr, old)
+    assert float(new[0].numerator_weighted) == 0.0
+    assert int(new[0].count) == 1
+
+
+@pytest.mark.parametrize("mode", ["stores", "tiles"])
+@pytest.mark.parametrize("layout", ["fp32", "bf16 params", "8-bit"])
+def test_skip_zeros_zero_first_tiles_still_advance_the_estimate(layout, mode, monkeypatch):
+    """Donated skip_zeros steps whose first programs see only zero gradients (tiles that
+    store nothing, or may return at once) still store the new E
+    and num: the same bits as the steps without donation, which store every tile."""
+    monkeypatch.setattr(tiles, "SKIP_MODES", dict.fromkeys(tiles.SKIP_MODES, mode))
+    gen = torch.Generator().manual_seed(5)
+    tx = ftopt.prodigy(**HP, skip_zeros=True, state_bits=8 if layout == "8-bit" else 32)
+    params = {"w": _params(gen)["w"]}
+    if layout == "bf16 params":
+        params = {k: v.bfloat16() for k, v in params.items()}
+    grads = _grads(params, gen)
+    grads["w"].view(-1)[:4096] = 0  # (its first programs' tiles, 4096 when interpreted)
+    grads = {k: v.to(params[k].dtype) for k, v in grads.items()}
+    results = {}
+    for donate in (False, True):
+        p = optree.tree_map(torch.clone, params)
+        s = tx.init(p)
+        for _ in range(3):
+            p, s = ftopt.step(tx, p, grads, s, backend="fused", donate=donate)
+        results[donate] = s[0]
+    kept, donated = results[False], results[True]
+    assert float(kept.estim_lr) > 1e-3  # (the estimate grew: a check that can fail)
+    assert torch.equal(donated.estim_lr, kept.estim_lr)
+    assert torch.equal(donated.numerator_weighted, kept.numerator_weighted)
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_step_with_no_gradients_keeps_the_running_scalars(bits):
+    """Every gradient ``None`` (the eager one-pass step has nothing to run): E and num are
+    kept and the state is a whole ProdigyState, on both backends."""
+    tx = ftopt.prodigy(**HP, state_bits=bits)
+    params = {"w": torch.randn(300).to(DEVICE)}
+    state = tx.init(params)
+    for backend in ("eager", "fused"):
+        _, new = ftopt.step(tx, params, {"w": None}, state, backend=backend)
+        assert isinstance(new[0], ftopt.ProdigyState)
+        assert torch.equal(new[0].estim_lr, state[0].estim_lr)
+        assert torch.equal(new[0].numerator_weighted, state[0].numerator_weighted)

@@ -181,6 +181,8 @@ def _prepare(tx, stages, params, grads, state, donate: bool) -> _Prepared:
                 raise Unsupported("running scalars that update names") from None
             carried, new = running_step(stage.rule, count, t, {
                 name: getattr(st, name) for name in stage.rule.running})
+            if set(new) != set(stage.rule.running):
+                raise Unsupported("running scalars the body computes")
         running.append(new)
         scalars.append(step_scalars(stage.rule, count, t, carried))
     flags = [[m is None or bool(m[i]) if g_flat[i] is not None else False for i in range(n)]

@@ -83,7 +83,8 @@ class PreparedStep:
             group_traced = plan.traced(donate, output, skip_lanes=in_place)
             work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
                                      tiles.tile(group_traced, quant_block)[0],
-                                     bool(group_traced.leaf_slots))
+                                     bool(group_traced.leaf_slots
+                                          or group_traced.running_stores))
             group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work,
                                        paths=[paths[i] for i in leaves])
             group.traced = group_traced
@@ -91,10 +92,11 @@ class PreparedStep:
             group.slot_dtypes = slot_dtypes
             # Donated, every stage skip-aware: an all-zero tile changes nothing (8-bit:
             # its blocks keep their bytes), so its program may return at once.
-            # (Not with per-leaf slots: the leaf's first program stores its value.)
+            # (Not with per-leaf slots: the leaf's first program stores its value; tiles
+            # not with running scalars either, which program 0 stores.)
             group.skip_tiles = bool(skip_tiles and donate and output == "p"
                                     and traced.skips and all(traced.skips)
-                                    and not traced.leaf_slots)
+                                    and not (traced.leaf_slots or traced.running_stores))
             group.skip_stores = bool(skip_stores and donate and output == "p"
                                      and traced.skips and all(traced.skips)
                                      and not traced.leaf_slots)

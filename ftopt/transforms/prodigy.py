@@ -8,6 +8,8 @@ increment, bc = √(1 − b2ᵗ)/(1 − b1ᵗ) and dlr = E·lr(count)·bc::
     s ← b3·s + (dlr·dg)/E0            (safeguard_warmup: (E·dg)/E0)
     num ← b3·num + (E/E0)·dlr·Σ g·(x0 − p)       (a global dot product)
     E ← max(E, coef·num/Σ|s|)                    (a global L1 norm of the new s)
+                                                 (kept where Σ|s| = 0: optax's 0/0
+                                                  gives NaN, the PyTorch reference skips)
     u ← −dlr·m/(√v + E·eps) − wd·dlr·p           (the new E; wd where the mask holds)
 
 How it runs: one elementwise rule (:func:`prodigy_rule`). Σ g·(x0 − p) and Σ|s| are global
@@ -110,7 +112,9 @@ def _body(safeguard: bool):
         dot = o.global_sum(x.u * (x.params0 - x.p))
         l1 = o.global_sum(o.abs(kept))
         num = x.b3 * x.numerator_weighted + (est * x.inv_estim_lr0) * dlr * dot
-        new_est = o.maximum(est, x.estim_lr_coef * num / l1)
+        # Σ|s| = 0 (no gradient yet: all zero, or no elements) keeps the estimate, where
+        # optax's 0/0 would make it NaN (the PyTorch reference skips such a step).
+        new_est = o.where(l1 > 0, o.maximum(est, x.estim_lr_coef * num / l1), est)
         u = (dlr * -1.0) * m / (o.sqrt(v) + new_est * x.eps) - x.weight_decay * dlr * x.p
         return u, {"exp_avg": m, "exp_avg_sq": v, "grad_sum": s, "params0": x.params0,
                    "estim_lr": new_est, "numerator_weighted": num}

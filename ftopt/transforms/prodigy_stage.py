@@ -224,7 +224,7 @@ class ScaleByProdigy:
             kept[(dtype, device)] = (part["lists"], part["exp_avg"], part["exp_avg_sq"])
         b3 = _as(self.b3, est)
         num = b3 * state.numerator_weighted + (est / self.estim_lr0) * dlr * dot
-        new_est = torch.maximum(est, _as(self.coef, est) * num / l1)
+        new_est = torch.where(l1 > 0, torch.maximum(est, _as(self.coef, est) * num / l1), est)
         out = list(u_flat)
         decayed = self._decayed(spec, paths, params) if self.weight_decay is not None else None
         for (dtype, device), leaves in groups.items():
