@@ -231,7 +231,8 @@ def test_runner_merge_sums_shards_and_refuses_overlaps(tmp_path):
         paths.append(tmp_path / f"p{i}.json")
         paths[-1].write_text(json.dumps(part))
     merged = runner.merge([str(p) for p in paths])
-    assert merged["examples"] == 10 and merged["seconds"] == 12.0
+    assert merged["examples"] == 10 and merged["seconds"] == 22.0
+    assert merged["workers"] == 2 and len(merged["calls"]) == 2
     assert merged["checked"] == {"donate": 10, "purity": 5}
     assert merged["failed"] == {"purity": 1} and merged["code_diff_elements"] == 2
     assert runner.report(merged, tmp_path / "merged") == 1
