@@ -1,0 +1,193 @@
+"""Static instruction counts of the generated kernels, compiled for sm_90 on a CPU.
+
+The 8-bit and noise kernels are bound by their instructions, not by memory
+(``benchmarks/RESULTS.md``), and GPU time is scarce. This script runs a donated fused step
+of each case under the Triton interpreter, records the kernels it launches (as
+``tests/test_frontend.py`` does), compiles each for an H100/H200 (``GPUTarget("cuda",
+90, 32)``, the GPU's tiles, warps and register cap) with Triton's whole pipeline and the
+``ptxas`` it ships, and counts the SASS instructions by kind: a way to compare two
+versions of a kernel before timing them on the GPU. Counts are static: a kernel's full
+and tail blocks are both counted, loops once. The local Triton may be newer than the
+GPU machine's.
+
+    python benchmarks/sass_count.py                       # every case
+    python benchmarks/sass_count.py adam8 noisy_sgd       # some
+    python benchmarks/sass_count.py --out benchmarks/results/sass_counts   # .md and .json
+
+Prints a table per kernel: instructions in all, per element of a thread's share of the
+tile, and by kind (global loads/stores, MUFU, float, integer, shuffles, control).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+KINDS = {
+    "global": ("LDG", "STG", "LD", "ST", "RED", "ATOM", "ATOMG"),
+    "mufu": ("MUFU",),
+    "float": ("FFMA", "FADD", "FMUL", "FSETP", "FSEL", "FMNMX", "FCHK", "F2I", "I2F", "F2F",
+              "FRND", "FSET", "HADD2", "HMUL2", "HFMA2", "F2FP", "DADD", "DMUL", "DFMA"),
+    "integer": ("IMAD", "IADD3", "LOP3", "SHF", "ISETP", "SEL", "LEA", "IABS", "IMNMX",
+                "PRMT", "FLO", "POPC", "BREV", "VIMNMX", "I2IP", "SGXT", "LEA.HI", "IADD"),
+    "shuffle": ("SHFL", "REDUX", "VOTE", "MATCH"),
+    "control": ("BRA", "EXIT", "BSSY", "BSYNC", "BAR", "WARPSYNC", "CALL", "RET", "BMOV",
+                "YIELD", "JMP"),
+}
+
+
+def _cases() -> dict:
+    import ftopt
+
+    return {
+        "sgd": lambda: ftopt.sgd(1e-2),
+        "adam": lambda: ftopt.adam(1e-3),
+        "adam_skip": lambda: ftopt.adam(1e-3, skip_zeros=True),
+        "adam_bf16_states": lambda: ftopt.adam(1e-3, state_dtype=__import__("torch").bfloat16),
+        "adam8": lambda: ftopt.adam(1e-3, state_bits=8),
+        "adam8_skip": lambda: ftopt.adam(1e-3, state_bits=8, skip_zeros=True),
+        "noisy_sgd": lambda: ftopt.noisy_sgd(1e-2),
+        "novograd": lambda: ftopt.novograd(1e-2),
+        "fromage": lambda: ftopt.fromage(1e-2),
+    }
+
+
+def record(names: list[str]) -> list[dict]:
+    """The compile jobs of every kernel the cases launch (recorded under the
+    interpreter)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import test_frontend as tf
+
+    from ftopt.lowering import tiles
+
+    cases = _cases()
+    jobs = []
+    for name in names:
+        kernels = tf._kernels([tf._steps(cases[name](), donate=(True,), zero=False)])
+        for (path, kname, _), (arg_names, args, constants) in kernels.items():
+            sig, _ = tf._signature(arg_names, args, constants)
+            consts = dict(tf._gpu_constants(constants))
+            if "QBLOCK" in constants:
+                block, warps = tiles.QUANT_TILE if len(sys.argv) < 0 else (256, 1)
+                block = max(block, constants["QBLOCK"])
+                options = {"num_warps": warps, "maxnreg": 72}
+            else:
+                block = consts.get("BLOCK", 512)
+                options = {"num_warps": 4}
+            jobs.append({"case": name, "path": path, "name": kname, "signature": sig,
+                         "constexprs": [(k, v) for k, v in consts.items() if k in arg_names],
+                         "options": options, "block": block})
+    return jobs
+
+
+def _opcode(line: str) -> str | None:
+    m = re.search(r"\t(?:@!?U?P\w+ )?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", line)
+    if not m:
+        return None
+    op = m.group(1)
+    return None if op.startswith("NOP") else op
+
+
+def count(sass: str) -> dict:
+    kinds: collections.Counter = collections.Counter()
+    total = 0
+    for line in sass.splitlines():
+        op = _opcode(line)
+        if op is None:
+            continue
+        total += 1
+        base = op.split(".")[0]
+        for kind, ops in KINDS.items():
+            if base in ops:
+                kinds[kind] += 1
+                break
+        else:
+            kinds["other"] += 1
+    return {"total": total, **kinds}
+
+
+def compile_jobs(jobs: list[dict]) -> list[dict]:
+    """In this process (not interpreted): each job compiled to SASS and counted."""
+    import importlib.util
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.tools.disasm import get_sass
+
+    out = []
+    for job in jobs:
+        spec = importlib.util.spec_from_file_location(f"k_{abs(hash(job['path']))}",
+                                                      job["path"])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        fn = getattr(module, job["name"])
+        const = {(fn.arg_names.index(k),): v for k, v in job["constexprs"]}
+        src = ASTSource(fn, job["signature"], const)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options=job["options"])
+        counts = count(get_sass(compiled.asm["cubin"]))
+        meta = compiled.metadata
+        counts["registers"] = getattr(meta, "n_regs", None)
+        counts["spills"] = getattr(meta, "n_spills", None)
+        out.append(counts)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("cases", nargs="*", help="cases (default: all)")
+    ap.add_argument("--out", help="write <out>.md and <out>.json")
+    ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.compile:
+        json.dump(compile_jobs(json.load(sys.stdin)), sys.stdout)
+        return
+    names = args.cases or list(_cases())
+    jobs = record(names)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, __file__, "--compile"], input=json.dumps(jobs),
+                          text=True, capture_output=True, env=env, timeout=1800)
+    if done.returncode:
+        raise SystemExit(done.stderr[-4000:])
+    results = json.loads(done.stdout)
+    cols = ["total", "global", "mufu", "float", "integer", "shuffle", "control", "other"]
+    lines = ["| case | kernel | tile | elements/thread | " + " | ".join(cols)
+             + " | per element | registers |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in cols) + " | --- | --- |"]
+    rows = []
+    for job, res in zip(jobs, results):
+        per_thread = job["block"] // (32 * job["options"]["num_warps"])
+        row = {"case": job["case"], "kernel": job["name"],
+               "tile": f"{job['block']}x{job['options']['num_warps']}",
+               "elements_per_thread": per_thread, **res,
+               "per_element": round(res["total"] / max(per_thread, 1), 1)}
+        rows.append(row)
+        lines.append(f"| {row['case']} | {row['kernel']} | {row['tile']} | {per_thread} | "
+                     + " | ".join(str(res.get(c, 0)) for c in cols)
+                     + f" | {row['per_element']} | {res.get('registers')} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        import triton
+
+        head = (f"# Static SASS counts (sm_90, compiled on a CPU with triton "
+                f"{triton.__version__})\n\nCommand: `python benchmarks/sass_count.py "
+                f"{' '.join(args.cases)}`. Static: full and tail blocks both counted.\n\n")
+        pathlib.Path(args.out + ".md").write_text(head + table + "\n")
+        pathlib.Path(args.out + ".json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
