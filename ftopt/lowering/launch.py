@@ -20,7 +20,6 @@ import triton.language as tl
 from ftopt import shards
 from ftopt.lowering import codegen, quantized, tiles
 
-
 # One program sums a leaf's partials, R_BLOCK a load, in a loop whose iterations each wait
 # for their load: 256 a load took GPT-2's embedding (75,400 partials of 512 elements) ~300
 # dependent loads, ~0.1 ms of one SM while the others idled (Fromage, LARS and NovoGrad at
