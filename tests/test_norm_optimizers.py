@@ -277,3 +277,23 @@ def test_fused_novograd_step_ops_do_not_grow_with_leaves(skip_zeros):
     assert not [k for k in many if any(w in k for w in ("norm", "div", "where", "stack",
                                                          ".all."))], many
     assert many["aten._foreach_copy_.default"] == 1, many
+
+
+@pytest.mark.parametrize("r_block", [4, 4096])
+def test_leaf_sums_loop_over_many_partials(r_block, monkeypatch):
+    """The reduction pass's per-leaf sums (a loop over each leaf's partials, R_BLOCK a
+    load): with 4 a load, leaves of 10 and 3 partials take several iterations and a masked
+    tail; the norms, hence fused Fromage and LAMB, still equal eager's."""
+    from ftopt.lowering import launch, tiles
+
+    monkeypatch.setattr(launch, "_LEAF_SUMS", (("R_BLOCK", r_block), ("num_warps", 1)))
+    gen = torch.Generator().manual_seed(9)
+    shapes = {"a": (10 * tiles.BLOCK - 7,), "b": (3, tiles.BLOCK - 5), "c": (17,)}
+    params = {k: torch.randn(s, generator=gen).to(DEVICE) for k, s in shapes.items()}
+    grads = {k: torch.randn(s, generator=gen).to(DEVICE) for k, s in shapes.items()}
+    for tx in (ftopt.fromage(0.05), ftopt.lamb(1e-2)):
+        state = tx.init(params)
+        p_e, _ = ftopt.step(tx, params, grads, state, backend="eager")
+        p_f, _ = ftopt.step(tx, params, grads, state, backend="fused")
+        for k in shapes:
+            torch.testing.assert_close(p_f[k], p_e[k], rtol=1e-6, atol=1e-7)
