@@ -90,7 +90,8 @@ def test_checkpoint_round_trip(data):
     checks.checkpoint(case, src.choice(checks.backends(case)))
 
 
-@pytest.mark.parametrize("prop", ["fused_vs_eager", "skip_zeros", "donate", "checkpoint"])
+@pytest.mark.parametrize("prop", ["fused_vs_eager", "skip_zeros", "donate", "checkpoint",
+                                  "purity"])
 def test_checks_catch_a_planted_bug(prop, monkeypatch):
     """The checks can fail: a fused step that perturbs one element of one param, or of
     the state after a torch.load, is caught by each property that looks at it."""
@@ -113,6 +114,8 @@ def test_checks_catch_a_planted_bug(prop, monkeypatch):
         if {"fused_vs_eager": kw.get("backend") == "fused", "skip_zeros": True,
                 "donate": kw.get("donate", False)}.get(prop, False):
             new_p["w0"].view(-1)[3] += 1.0  # an element whose gradient is zero
+        if prop == "purity":
+            g["w1"][0].view(-1)[2] += 1.0  # (a grad of a donate=False call, in place)
         return new_p, new_s
 
     def broken_load(*args, **kw):
@@ -122,6 +125,10 @@ def test_checks_catch_a_planted_bug(prop, monkeypatch):
 
     monkeypatch.setattr(ftopt, "step", broken_step)
     monkeypatch.setattr(torch, "load", broken_load)
+    if prop == "purity":  # (p, then g: g's w1[0] is the snapshot's fourth tensor)
+        with pytest.raises(checks.PurityError, match=r"input tensor 3 \(torch.float32\(4,\)"):
+            checks.purity(case, "eager")
+        return
     with pytest.raises(AssertionError):
         if prop == "fused_vs_eager":
             checks.fused_vs_eager(case)
@@ -129,6 +136,7 @@ def test_checks_catch_a_planted_bug(prop, monkeypatch):
             checks.skip_zeros_exact(case, "eager")
         elif prop == "donate":
             checks.donate(case, "fused")
+
         else:
             checks.checkpoint(case, "eager")
 
