@@ -40,7 +40,8 @@ the likely limit: 15 processes share it (their kernels time-sliced), and the che
 ~750 ``torch.equal`` calls an example, each a kernel and a device sync. The purity and
 bitwise checks now compare all tensors of a device as one concatenation of their bytes
 (counted over 12 examples of seed 14 on a CPU: ``equal`` 8,971 -> 1,951 calls, ``clone``
-7,579 -> 981 plus 1,819 ``cat``; host reads 10,223 -> 3,203). Predicted: ~1.5-2x more
+7,579 -> 981 plus 1,819 ``cat``; host reads 10,223 -> 3,203), and the relative errors and
+skip_zeros comparisons run on host copies. Predicted: ~1.5-2x more
 examples a second on the GPU; not yet measured.
 """
 

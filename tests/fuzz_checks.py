@@ -136,11 +136,21 @@ def pure_update(case: Case, tx, p, g, s, backend: str):
 # ------------------------------------------------------------------------------------------
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu()
+
+
+def _tree_host(tree: Any) -> Any:
+    return optree.tree_map(lambda t: _host(t) if isinstance(t, torch.Tensor) else t, tree,
+                           none_is_leaf=False, namespace="ftopt")
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor, old: torch.Tensor | None = None) -> float:
     """max |a - b| over the largest magnitude of a, b (and ``old``, if given). NaN at the
     same elements of both agrees (Prodigy's estimate after an all-zero first step is
-    0/0, as optax's), NaN on one side only does not."""
-    a, b = a.double(), b.double()
+    0/0, as optax's), NaN on one side only does not. Computed on the host: a copy of
+    each tensor costs the GPU runner less than a dozen kernels and three syncs."""
+    a, b = _host(a).double(), _host(b).double()
     nan = a.isnan()
     if not torch.equal(nan, b.isnan()):
         return float("inf")
@@ -149,7 +159,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor, old: torch.Tensor | None = None) -> f
         return 0.0
     scale = torch.maximum(a.abs().max(), b.abs().max())
     if old is not None:
-        old = old.double()
+        old = _host(old).double()
         old = old[~old.isnan()]
         if old.numel():
             scale = torch.maximum(scale, old.abs().max())
@@ -263,7 +273,7 @@ def _close_param(f: torch.Tensor, e: torch.Tensor, old: torch.Tensor, what: str,
     # 16-bit: each backend rounds an fp32 value once; those values may differ by fp32
     # rounding relative to the inputs, so one ulp of the result plus that.
     fi = torch.finfo(f.dtype)
-    ef, ee, eo = f.float(), e.float(), old.float()
+    ef, ee, eo = _host(f).float(), _host(e).float(), _host(old).float()
     tol = fi.eps * torch.maximum(ee.abs(), torch.tensor(fi.smallest_normal)) \
         + 4 * torch.finfo(torch.float32).eps * eo.abs()
     bad = (ef - ee).abs() > tol
@@ -284,7 +294,7 @@ def _close_states(f: Any, e: Any, what: str, ref=None) -> None:
                     x.absmax, y.absmax, lr()[0][i].absmax, lr()[1][i]))):
                 raise AssertionError(f"{what}: 8-bit absmax of leaf {i}: relative error "
                                      f"{err:.3g}")
-            diff = (x.codes.int() - y.codes.int()).abs()
+            diff = (_host(x.codes).int() - _host(y.codes).int()).abs()
             n = int((diff > 0).sum())
             if n:
                 STATS["code_diff_elements"] += n
@@ -293,6 +303,7 @@ def _close_states(f: Any, e: Any, what: str, ref=None) -> None:
             assert n == 0 or int(diff.max()) <= 1, f"{what}: 8-bit codes differ by > 1"
             continue
         assert x.dtype == y.dtype and x.shape == y.shape, f"{what}: state leaf {i} layout"
+        x, y = _host(x), _host(y)
         if not x.is_floating_point():
             assert torch.equal(x, y), f"{what}: state leaf {i}: {x} vs {y}"
         elif x.dtype in (torch.float16, torch.bfloat16):
@@ -399,9 +410,13 @@ def skip_zeros_exact(case: Case, backend: str) -> None:
     tx, plain = case.tx(), case.tx(skip=False)
     p = case.params
     s = tx.init(p)
-    for k, g in enumerate(case.grads):
-        p1, s1 = pure_step(case, tx, p, g, s, backend)
-        p0, s0 = pure_step(case, plain, p, g, plain_state(s_, s), backend)
+    for k, g_dev in enumerate(case.grads):
+        p1_dev, s1_dev = pure_step(case, tx, p, g_dev, s, backend)
+        p0, s0 = pure_step(case, plain, p, g_dev, plain_state(s_, s), backend)
+        # (compared on the host: one copy a tensor, not an index, a kernel and a sync per
+        # comparison on the GPU runner)
+        p, g, s, p1, s1, p0, s0 = (_tree_host(x) for x in (p, g_dev, s, p1_dev, s1_dev,
+                                                             p0, s0))
         paths, flat_p, spec = ftopt.tree.flatten_with_paths(p)
         flat_g = spec.flatten_up_to(g)
         skipped = [torch.ones(x.shape, dtype=torch.bool, device=x.device) if gg is None
@@ -430,7 +445,7 @@ def skip_zeros_exact(case: Case, backend: str) -> None:
                 if s_.exact_off_zeros:
                     assert torch.equal(bits(new)[~m], bits(ctl)[~m]), \
                         f"{w} differs from the plain chain off the zeros"
-        p, s = p1, s1
+        p, s = p1_dev, s1_dev
 
 
 def _check_quantized(old: QuantizedSlot, new: QuantizedSlot, ctl: QuantizedSlot,
