@@ -53,6 +53,9 @@ def _cases() -> dict:
         "adam": lambda: ftopt.adam(1e-3),
         "adam_skip": lambda: ftopt.adam(1e-3, skip_zeros=True),
         "adam_bf16_states": lambda: ftopt.adam(1e-3, state_dtype=__import__("torch").bfloat16),
+        "adam_bf16_states_skip": lambda: ftopt.adam(
+            1e-3, state_dtype=__import__("torch").bfloat16, skip_zeros=True),
+        "adam_bf16_params": lambda: ftopt.adam(1e-3),
         "adam8": lambda: ftopt.adam(1e-3, state_bits=8),
         "adam8_skip": lambda: ftopt.adam(1e-3, state_bits=8, skip_zeros=True),
         "noisy_sgd": lambda: ftopt.noisy_sgd(1e-2),
