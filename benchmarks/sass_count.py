@@ -118,6 +118,23 @@ def count(sass: str) -> dict:
     return {"total": total, **kinds}
 
 
+def _resources(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers a thread, bytes of local memory: spills) from ``cuobjdump -res-usage``
+    (Triton's NVIDIA backend ships it)."""
+    import tempfile
+
+    import triton.backends.nvidia as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
+                              text=True).stdout
+    reg, local = re.search(r"REG:(\d+)", text), re.search(r"LOCAL:(\d+)", text)
+    return (int(reg.group(1)) if reg else None, int(local.group(1)) if local else None)
+
+
 def compile_jobs(jobs: list[dict]) -> list[dict]:
     """In this process (not interpreted): each job compiled to SASS and counted."""
     import importlib.util
@@ -140,9 +157,7 @@ def compile_jobs(jobs: list[dict]) -> list[dict]:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options=job["options"])
         counts = count(get_sass(compiled.asm["cubin"]))
-        meta = compiled.metadata
-        counts["registers"] = getattr(meta, "n_regs", None)
-        counts["spills"] = getattr(meta, "n_spills", None)
+        counts["registers"], counts["spills"] = _resources(compiled.asm["cubin"])
         out.append(counts)
     return out
 
@@ -167,8 +182,9 @@ def main() -> None:
     results = json.loads(done.stdout)
     cols = ["total", "global", "mufu", "float", "integer", "shuffle", "control", "other"]
     lines = ["| case | kernel | tile | elements/thread | " + " | ".join(cols)
-             + " | per element | registers |",
-             "| --- | --- | --- | --- | " + " | ".join("---" for _ in cols) + " | --- | --- |"]
+             + " | per element | registers | local bytes |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in cols)
+             + " | --- | --- | --- |"]
     rows = []
     for job, res in zip(jobs, results):
         per_thread = job["block"] // (32 * job["options"]["num_warps"])
@@ -179,7 +195,8 @@ def main() -> None:
         rows.append(row)
         lines.append(f"| {row['case']} | {row['kernel']} | {row['tile']} | {per_thread} | "
                      + " | ".join(str(res.get(c, 0)) for c in cols)
-                     + f" | {row['per_element']} | {res.get('registers')} |")
+                     + f" | {row['per_element']} | {res.get('registers')} | "
+                       f"{res.get('spills')} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
