@@ -57,11 +57,21 @@ from ftopt.quant import dynamic_map
 # (:func:`_rcp_lines`); "search": the former binary search (kept to time one against the
 # others). H200, 8-bit Adam, one 64M tensor / GPT-2 tree, 256 x 1 tile: arithmetic 0.606
 # / 0.977 ms, log2 0.548 / 0.990, log2-rcp 0.514 / 0.949 (benchmarks/RESULTS.md).
-ENCODER = "log2-rcp"
-ENCODERS = ("arithmetic", "log2", "log2-rcp", "search")
+ENCODER = "poly-rcp"
+ENCODERS = ("arithmetic", "log2", "log2-rcp", "poly", "poly-rcp", "search")
 
 # log10(2): the decade of ``a`` is ``floor(log2(a) * LOG10_2) + 7``.
 LOG10_2 = 0.3010299956639812
+
+# The "poly" decade: log2(a) = e + log2(1 + t) for a = 2**e (1 + t), 0 <= t < 1, with
+# log2(1 + t) ~ t (c1 + t (c2 + t (c3 + t c4))), a near-minimax fit whose error is at most
+# 1.1e-4 in float32 (3.3e-5 decades; the codes do not move for 1e-4 decades:
+# tests/test_quant_arith.py checks both). Plain float32 multiplies and adds on the float's
+# bits: no libdevice ``log2f``, whose 11 fmas and per-element branch (for inf and NaN) the
+# 8-bit kernels ran twice an element (static SASS of the 8-bit Adam kernel, 8 elements a
+# thread: 3,586 instructions with log2f, 3,137 with this; benchmarks/sass_count.py).
+POLY_LOG2 = (1.43901526927948, -0.6799482703208923, 0.32560446858406067,
+             -0.08477398753166199)
 
 # |v| >= _THRESHOLDS[k - 1] puts v in decade k or above.
 _THRESHOLDS = [10.0 ** (k - 7) for k in range(1, 7)]
@@ -159,8 +169,9 @@ def arithmetic_codes(v: torch.Tensor, qmap: torch.Tensor, signed: bool,
     v = v.to(torch.float32)
     a = v.abs() if signed else torch.clamp_min(v, 0.0)
     thresholds, a_consts, c_consts = _guess_constants(signed)
-    if decade == "log2":
-        d = torch.floor(torch.log2(a) * LOG10_2 + (7.0 + wobble)).clamp(0.0, 6.0).long()
+    if decade in ("log2", "poly"):
+        log2 = torch.log2(a) if decade == "log2" else poly_log2(a)
+        d = torch.floor(log2 * LOG10_2 + (7.0 + wobble)).clamp(0.0, 6.0).long()
         big = torch.tensor(a_consts, dtype=torch.float32, device=v.device)[d]
         off = torch.tensor(c_consts, dtype=torch.float32, device=v.device)[d]
     else:
@@ -174,6 +185,31 @@ def arithmetic_codes(v: torch.Tensor, qmap: torch.Tensor, signed: bool,
         lo = torch.where(v < 0.0, torch.clamp_min(253 - lo, 0), lo)
     lo = lo.long()
     return torch.where(v >= kernel_table(qmap).to(v.device)[256 + lo], lo + 1, lo)
+
+
+def poly_log2(a: torch.Tensor) -> torch.Tensor:
+    """:data:`POLY_LOG2`'s estimate of ``log2(max(a, 1e-30))`` for float32 ``a >= 0``, as
+    the "poly" kernels compute it (float32, operation for operation)."""
+    bits = torch.clamp_min(a.to(torch.float32), 1e-30).view(torch.int32)
+    t = ((bits & 8388607) | 1065353216).view(torch.float32) - 1.0
+    c1, c2, c3, c4 = POLY_LOG2
+    return ((bits >> 23) - 127).to(torch.float32) + t * (((c4 * t + c3) * t + c2) * t + c1)
+
+
+def _poly_lines(q: str, qmap: str, signed: bool) -> list[str]:
+    """The decade from :func:`poly_log2` (integer and float32 multiply-adds only), ``A``
+    and ``C`` from the table as the "log2" encoder."""
+    a = f"tl.abs({q}_v)" if signed else f"tl.maximum({q}_v, 0.0)"
+    c1, c2, c3, c4 = POLY_LOG2
+    return [f"{q}_a = {a}",
+            f"{q}_ab = tl.maximum({q}_a, 1e-30).to(tl.int32, bitcast=True)",
+            f"{q}_t = (({q}_ab & 8388607) | 1065353216).to(tl.float32, bitcast=True) - 1.0",
+            f"{q}_l = (({q}_ab >> 23) - 127).to(tl.float32) + {q}_t * ((({c4!r} * {q}_t "
+            f"+ {c3!r}) * {q}_t + {c2!r}) * {q}_t + {c1!r})",
+            f"{q}_d = tl.minimum(tl.maximum(tl.floor({q}_l * {LOG10_2!r} + 7.0), 0.0), "
+            "6.0).to(tl.int32)",
+            f"{q}_big = tl.load({qmap} + 512 + {q}_d)",
+            f"{q}_off = tl.load({qmap} + 520 + {q}_d)"] + _guess_lines(q, qmap, signed)
 
 
 def _arithmetic_lines(q: str, qmap: str, signed: bool, shape: str) -> list[str]:
@@ -301,6 +337,8 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
         lines += _search_lines(q, qmap, shape)
     elif encoder == "log2":
         lines += _log2_lines(q, qmap, signed)
+    elif encoder == "poly":
+        lines += _poly_lines(q, qmap, signed)
     else:
         lines += _arithmetic_lines(q, qmap, signed, shape)
     lines.append(f"{q}_block = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK)")
