@@ -27,13 +27,15 @@ the second half of a 512-entry table (:func:`kernel_table`: the map, then the
 boundaries): ONE gather and one compare give the table search's codes bit for bit, ties
 included, where two gathers did before.
 
-The default encoder ("log2-rcp") takes the decade as ``floor(log2(a) log10(2)) + 7``
-(clamped to 0..6) instead of the six compares, and ``A``, ``C`` from the table. A GPU's
-approximate ``log2`` can only put ``a`` in the neighbouring decade within about 1e-7 of a
-threshold, where both decades' guesses are the same code (the guess is continuous across
-decades); the tests move the estimate by 1e-4 decades and the codes stay. It also divides
-by the block's absmax once per block, not per element (:func:`_rcp_lines`: the same
-correctly rounded quotient).
+The "log2" encoders take the decade as ``floor(log2(a) log10(2)) + 7`` (clamped to 0..6)
+instead of the six compares, and ``A``, ``C`` from the table. An estimate of ``log2`` that
+errs a little can only put ``a`` in the neighbouring decade close to a threshold, where
+both decades' guesses are the same code (the guess is continuous across decades); the
+tests move the estimate by 1e-4 decades and the codes stay. The default ("poly-rcp")
+estimates ``log2`` by a polynomial of the float's mantissa plus its exponent
+(:data:`POLY_LOG2`, 3.3e-5 decades at worst; no libdevice call), and divides by the
+block's absmax once per block, not per element (:func:`_rcp_lines`: the same correctly
+rounded quotient).
 
 Gathers per element and quantized slot (all from the 2 KiB table, so L1 hits):
   arithmetic: 1 to decode + 1 to encode = 2 (Adam, two slots: 4); log2: also the
@@ -53,7 +55,8 @@ from ftopt.quant import dynamic_map
 # The encoder of the kernels launched from now on (part of their variant, so switching it
 # compiles the other kernel); all give the same codes. "arithmetic": the decade from six
 # compares; "log2": the decade from the value's base-2 logarithm and the per-decade
-# constants from the table; "-rcp": one division per block, not per element
+# constants from the table; "poly": the same from a polynomial estimate of the logarithm
+# (:data:`POLY_LOG2`); "-rcp": one division per block, not per element
 # (:func:`_rcp_lines`); "search": the former binary search (kept to time one against the
 # others). H200, 8-bit Adam, one 64M tensor / GPT-2 tree, 256 x 1 tile: arithmetic 0.606
 # / 0.977 ms, log2 0.548 / 0.990, log2-rcp 0.514 / 0.949 (benchmarks/RESULTS.md).
