@@ -195,11 +195,16 @@ def test_kernel_divides_like_eager(name, encoder, monkeypatch):
 
 
 def test_generated_source_has_one_gather_per_encode():
-    """The arithmetic encoder loads the table once per element, "log2" also the decade's
-    two constants (one cache line); the search ten times."""
-    for encoder, loads in (("arithmetic", 1), ("log2", 3), ("log2-rcp", 3), ("search", 10)):
+    """The arithmetic encoder loads the table once per element, "log2" and "poly" also the
+    decade's two constants (one cache line); the search ten times. (In each of the two
+    versions of the lines: a program of one block, and of several.)"""
+    for encoder, loads in (("arithmetic", 1), ("log2", 3), ("log2-rcp", 3), ("poly", 3),
+                           ("poly-rcp", 3), ("search", 10)):
         lines = quantized.store_lines("st0_mu", "st0_mu_old", "x", True, None, False, encoder)
-        assert sum(line.count("tl.load(qmap_signed_ptr") for line in lines) == loads
+        split = lines.index("else:")
+        assert lines[0] == "if BLOCK == QBLOCK:"
+        for part in (lines[1:split], lines[split + 1:]):
+            assert sum(line.count("tl.load(qmap_signed_ptr") for line in part) == loads
 
 
 @pytest.mark.parametrize("name", list(MAPS))

@@ -367,4 +367,35 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
         f"{store_mask})",
         f"tl.store({role}_amax_out + {q}_block, {q}_amax{block_mask})",
     ]
-    return lines
+    # A program of one block (the GPU tile) needs no (blocks, block) view: its reshapes
+    # to and from it put each thread's elements 32 apart, and the 8-bit kernel paid two
+    # round trips through shared memory, with barriers, per slot (benchmarks/sass_count.py).
+    return (["if BLOCK == QBLOCK:"] + ["    " + x for x in one_block(lines)] + ["else:"]
+            + ["    " + x for x in lines])
+
+
+def one_block(lines: list[str]) -> list[str]:
+    """``lines`` for a program of exactly one block: every ``tl.reshape(x, ...)`` is ``x``,
+    a reduction over ``axis=1`` is over the whole tile, ``[:, None]`` is dropped (the
+    block's values are scalars) and a (blocks, block) shape is ``[BLOCK]``."""
+    out = []
+    for line in lines:
+        while "tl.reshape(" in line:
+            start = line.index("tl.reshape(")
+            depth, i, comma = 0, start + len("tl.reshape("), None
+            while True:
+                c = line[i]
+                if c in "([":
+                    depth += 1
+                elif c in ")]":
+                    if depth == 0:
+                        break
+                    depth -= 1
+                elif c == "," and depth == 0 and comma is None:
+                    comma = i
+                i += 1
+            line = line[:start] + "(" + line[start + len("tl.reshape("):comma] + ")" \
+                + line[i + 1:]
+        out.append(line.replace(", axis=1)", ")").replace("[:, None]", "")
+                   .replace("(BLOCK // QBLOCK, QBLOCK)", "[BLOCK]"))
+    return out
