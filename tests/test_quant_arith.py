@@ -194,6 +194,38 @@ def test_kernel_divides_like_eager(name, encoder, monkeypatch):
     assert torch.equal(fused, eager)
 
 
+@pytest.mark.parametrize("name", list(MAPS))
+def test_one_block_programs_encode_like_eager(name, monkeypatch):
+    """Programs of one 256-element block (the GPU tile) quantize their tile flat, not as a
+    (blocks, block) view: the same codes and absmax as eager, at boundary-straddling
+    quotients and at the hard values, with and without skip_zeros' kept blocks."""
+    from ftopt.lowering import tiles
+
+    monkeypatch.setattr(tiles, "QUANT_TILE", (256, 1))
+    signed = MAPS[name]
+    values = torch.cat([_scaled_values(signed, blocks=24), _kernel_values(signed)[:256 * 24]])
+    fused, eager = _fused_codes(values, signed)
+    assert torch.equal(fused, eager)
+    # skip_zeros: blocks whose gradients are all zero keep their codes and absmax.
+    tx = ftopt.quantize_states(ftopt.chain(ftopt.trace(0.5), ftopt.skip_zeros()), bits=8,
+                               min_size=0)
+    gen = torch.Generator().manual_seed(3)
+    params = {"w": torch.zeros(256 * 6).to(DEVICE)}
+    state = tx.init(params)
+    g1 = {"w": torch.randn(256 * 6, generator=gen).to(DEVICE)}
+    _, state = ftopt.step(tx, params, g1, state, backend="fused")
+    g2 = {"w": torch.randn(256 * 6, generator=gen).to(DEVICE)}
+    g2["w"][256:512] = 0.0  # block 1: all zero
+    g2["w"][1024:1030] = 0.0  # block 4: partly zero
+    _, fused_state = ftopt.step(tx, params, g2, state, backend="fused")
+    _, eager_state = ftopt.step(tx, params, g2, state, backend="eager")
+    f, e = fused_state[0].trace["w"], eager_state[0].trace["w"]
+    old = state[0].trace["w"]
+    assert torch.equal(f.codes, e.codes) and torch.equal(f.absmax, e.absmax)
+    assert torch.equal(f.codes[256:512], old.codes[256:512])
+    assert f.absmax[1] == old.absmax[1] and not torch.equal(f.codes[:256], old.codes[:256])
+
+
 def test_generated_source_has_one_gather_per_encode():
     """The arithmetic encoder loads the table once per element, "log2" and "poly" also the
     decade's two constants (one cache line); the search ten times. (In each of the two
