@@ -5,7 +5,7 @@ optax's chain ``add_noise(eta, gamma) -> scale_by_learning_rate(lr)``:
 u = -lr·(g + σₜ·z), σₜ = sqrt(eta / t**gamma), with z recomputed here from the documented
 draw (ftopt/transforms/noise.py): 32-bit words of (seed, t, leaf position in the sorted
 dict, pair index k = element index >> 1) in Python-int / int64 arithmetic, then
-Box-Muller in float64: r·cos θ for element 2k, r·sin θ for element 2k + 1.
+Box-Muller in float64: r·cos θ for element 2k, r·sin θ for element 2k + 1, θ = 2π u2 − π/4.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def normals(seed: int, t: int, leaf: int, shape, start: int = 0) -> torch.Tensor
     first, second = words(seed, t, leaf, index)
     u1 = ((first >> 9).to(F64) + 0.5) / 2**23
     u2 = ((second >> 9).to(F64) + 0.5) / 2**23
-    radius, angle = torch.sqrt(-2.0 * torch.log(u1)), 2 * math.pi * u2 - math.pi
+    radius, angle = torch.sqrt(-2.0 * torch.log(u1)), 2 * math.pi * u2 - math.pi / 4
     z = torch.where(index % 2 == 0, radius * torch.cos(angle), radius * torch.sin(angle))
     return z.reshape(shape)
 

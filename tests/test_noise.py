@@ -4,9 +4,11 @@ The uniforms are compared bit for bit between the fused kernel (the Triton inter
 a CPU) and the eager torch ops, through probe rules that return the 32-bit words and the
 uniforms themselves (through ``o.paired``, as the noise draws them: the even element of a
 pair gets one value, the odd element the other); the normals within the bound of the two
-math libraries' ``log``, ``cos`` and ``sin`` (NORMAL_ULPS float32 ulps of |z| + 1; 1.3
-measured in the interpreter). The statistics run eagerly on 2**17 elements with fixed
-seeds (so they cannot flake).
+math libraries' ``log`` and of the multiply-adds the fused kernel may contract
+(NORMAL_ULPS float32 ulps of |z| + 1; 0.84 measured in the interpreter), and both against
+Box-Muller in float64 from those uniforms. The angle's polynomial sine and cosine are
+checked on every offset the noise can draw. The statistics run eagerly on 2**17 elements
+with fixed seeds (so they cannot flake).
 """
 
 from __future__ import annotations
@@ -97,6 +99,65 @@ def test_normals_fused_within_the_math_library_bound():
         assert (diff <= bound).all(), (k, float((diff / bound).max()))
 
 
+def _ulps(value: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|value − exact| in float32 ulps of ``exact`` (the spacing at its binade)."""
+    spacing = torch.exp2(torch.floor(torch.log2(exact.abs())) - 23)
+    return (value.double() - exact).abs() / spacing
+
+
+def test_quarter_sin_cos_within_an_ulp_on_every_offset_drawn():
+    """Every offset ρ = (j + 0.5 − 2**20)·π/2**22 of the 2**21 the noise draws, against
+    float64 sin and cos of the float32 ρ; the ends of the range (±π/4) and small |ρ|
+    included."""
+    j = torch.arange(1 << 21, dtype=torch.float32)
+    r = (j - (float(1 << 20) - 0.5)) * (math.pi / (1 << 22))
+    assert float(r.min()) > -math.pi / 4 and float(r.max()) < math.pi / 4
+    s, c = noise.quarter_sin_cos(r)
+    assert s.dtype == c.dtype == torch.float32
+    r64 = r.double()
+    sin_err, cos_err = _ulps(s, torch.sin(r64)), _ulps(c, torch.cos(r64))
+    assert float(sin_err.max()) <= 1.5, float(sin_err.max())
+    assert float(cos_err.max()) <= 1.5, float(cos_err.max())
+    assert float(sin_err.mean()) < 0.4 and float(cos_err.mean()) < 0.4  # mostly rounding
+
+
+def _pairs(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The even and odd elements of the whole pairs of a flattened leaf."""
+    flat = values.reshape(-1)[: values.numel() // 2 * 2]
+    return flat[0::2], flat[1::2]
+
+
+def test_angle_and_normals_match_float64_box_muller_from_the_uniforms():
+    """cos θ, sin θ and the normals, fused and eager, against float64 from the same
+    (bit-identical) uniforms: θ = 2π u2 − π/4, z = sqrt(−2 ln u1)·(cos θ, sin θ)."""
+    gen = torch.Generator().manual_seed(14)
+    shapes = {"w": (4096,), "c": (7, 5)}
+    params = {k: torch.zeros_like(v) for k, v in _tree(gen, shapes).items()}
+    grads = _tree(gen, shapes)
+    runs = {}
+    probes = {"uniforms": _per_pair(noise.pair_uniforms),
+              "circle": _per_pair(lambda o, k, key: noise.unit_circle(
+                  o, noise.pair_words(o, k, key)[1])),
+              "normals": _per_pair(noise.pair_normals)}
+    for name, fn in probes.items():
+        tx = _probe(fn)
+        runs[name] = _fused_and_eager(tx, params, grads, _at_count(tx, params, 5))
+    for k in params:
+        u1, u2 = (u.double() for u in _pairs(runs["uniforms"][1][k]))
+        assert torch.equal(runs["uniforms"][0][k], runs["uniforms"][1][k])
+        theta = 2 * math.pi * u2 - math.pi / 4
+        radius = torch.sqrt(-2 * torch.log(u1))
+        for backend in (0, 1):  # fused, eager
+            cos, sin = (v.double() for v in _pairs(runs["circle"][backend][k]))
+            assert float((cos - torch.cos(theta)).abs().max()) <= 2 * EPS32, (k, backend)
+            assert float((sin - torch.sin(theta)).abs().max()) <= 2 * EPS32, (k, backend)
+            assert torch.allclose(cos * cos + sin * sin, torch.ones_like(cos), atol=4 * EPS32)
+            for z, exact in zip(_pairs(runs["normals"][backend][k]),
+                                (radius * torch.cos(theta), radius * torch.sin(theta))):
+                bound = NORMAL_ULPS * EPS32 * (exact.abs() + 1)
+                assert ((z.double() - exact).abs() <= bound).all(), (k, backend)
+
+
 @pytest.mark.parametrize("donate", [False, True])
 def test_noisy_sgd_fused_matches_eager_over_steps(donate):
     tx = ftopt.noisy_sgd(0.1, eta=0.3, gamma=0.55, seed=7)
@@ -134,6 +195,9 @@ def test_uniforms_and_normals_are_well_distributed():
     for a, b in ((u1["w"], u2["w"]), (u1["w"][1:], u1["w"][:-1])):
         corr = float(torch.corrcoef(torch.stack([a.double(), b.double()]))[0, 1])
         assert abs(corr) < 5 / math.sqrt(n), corr
+    # The angle's quadrant is the second word's top 2 bits: the four equally often.
+    quadrant = torch.bincount((u2["w"].double() * 4).long(), minlength=4).double()
+    assert float(((quadrant - n / 4) ** 2 / (n / 4)).sum()) < 3 + 5 * math.sqrt(6), quadrant
 
 
 @pytest.mark.parametrize("steps", [1, 4])
@@ -160,6 +224,17 @@ def test_noise_has_mean_zero_and_variance_eta_over_t_to_the_gamma(steps):
     for a, b in ((z[0::2], z[1::2]), (z[1:-1:2], z[2::2])):
         corr = float(torch.corrcoef(torch.stack([a, b]))[0, 1])
         assert abs(corr) < 5 / math.sqrt(n / 2), corr
+    # The angle of a pair is uniform (64 sectors: each quadrant's rotation and the
+    # polynomials inside it) and independent of its radius (its sectors alike in the
+    # inner and the outer half of the radii, split at the median r² = 2 ln 2).
+    angle = torch.atan2(z[1::2], z[0::2])
+    sector = ((angle + math.pi) / (2 * math.pi) * 64).long().clamp(max=63)
+    outer = (z[0::2] ** 2 + z[1::2] ** 2) / variance > 2 * math.log(2)
+    for part in (sector, sector[outer], sector[~outer]):
+        counts = torch.bincount(part, minlength=64).double()
+        expected = part.numel() / 64
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 63 + 5 * math.sqrt(2 * 63), chi2
 
 
 @pytest.mark.parametrize("backend", ["eager", "fused"])

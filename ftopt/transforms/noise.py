@@ -8,18 +8,25 @@ values masked to 32 bits) and in the fused Triton kernel (uint32 values, whose a
 wraps), and gives the same 32-bit words, hence the same uniforms, bit for bit.
 
 The elements of a leaf are drawn in pairs, (2k, 2k + 1) by their positions, so one
-hash, one ``log``, one ``sqrt`` and a ``cos``/``sin`` serve two elements (``o.paired``:
-the fused kernel computes a block's pairs once and interleaves them). Two 32-bit words per
-pair come from a 32-bit integer finalizer (xor-shift-multiply, Wellons' ``lowbias32``, a
-bijection of ``[0, 2**32)``; both multipliers are below 2**31, so an int64 product never
-overflows) applied to the seed, the step, the leaf and the pair in turn: two rounds from
-the pair's counter to the first word, one more to the second, as before pairing (the
-words have the quality they had; there are half as many). Their top 23 bits give two
-uniforms ``(k + 0.5) / 2**23`` (exact in float32; never 0 or 1), and the Box-Muller
-transform two independent standard normals, ``r cos θ`` for the even element and
-``r sin θ`` for the odd one, ``r = sqrt(-2 ln u1)``, ``θ = 2π u2 − π`` (their tails end
-at |z| = 5.77, where u1 = 2**-24). Earlier builds drew one pair of words per element
-and kept only ``r cos θ``: the noise of a given seed and step differs from theirs.
+hash, one ``log``, one ``sqrt`` and one point of the unit circle serve two elements
+(``o.paired``: the fused kernel computes a block's pairs once and interleaves them). Two
+32-bit words per pair come from a 32-bit integer finalizer (xor-shift-multiply, Wellons'
+``lowbias32``, a bijection of ``[0, 2**32)``; both multipliers are below 2**31, so an
+int64 product never overflows) applied to the seed, the step, the leaf and the pair in
+turn: two rounds from the pair's counter to the first word, one more to the second. Their
+top 23 bits give two uniforms ``(k + 0.5) / 2**23`` (exact in float32; never 0 or 1), and
+the Box-Muller transform two independent standard normals, ``r cos θ`` for the even
+element and ``r sin θ`` for the odd one, ``r = sqrt(-2 ln u1)``, ``θ = 2π u2 − π/4``
+(their tails end at |z| = 5.77, where u1 = 2**-24).
+
+The angle is drawn without a library ``cos``/``sin`` (each does its own range reduction,
+most of the work of a pair in the fused kernel): the top 2 bits of the second word are a
+quadrant ``q``, the next 21 a uniform offset ``ρ = (4 u2 − q − 0.5)·π/2`` in (−π/4, π/4)
+(exact float32 arithmetic up to that last product), so ``θ = q·π/2 + ρ``; ``sin ρ`` and
+``cos ρ`` are short minimax polynomials (Cephes' ``sinf``/``cosf``, about an ulp on that
+range), rotated into the quadrant by selects. Earlier builds drew ``θ = 2π u2 − π`` with
+the math library's ``cos``/``sin`` (and, before that, one pair of words per element): the
+noise of a given seed and step differs from theirs.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule
 
 __all__ = ["AddNoiseState", "add_noise", "leaf_key", "pair_words", "pair_uniforms",
-           "pair_normals", "standard_normal"]
+           "quarter_sin_cos", "unit_circle", "pair_normals", "standard_normal"]
 
 Float = float | torch.Tensor
 
@@ -88,18 +95,44 @@ def pair_uniforms(o, k, key):
     return _unit(o, first), _unit(o, second)
 
 
+def quarter_sin_cos(r):
+    """``(sin r, cos r)`` for |r| <= π/4 in float32 arithmetic alone: Cephes' ``sinf`` and
+    ``cosf`` minimax polynomials (about an ulp on that range; not range-reduced)."""
+    z = r * r
+    sin = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4))
+    cos = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (
+        -1.388731625493765e-3 + z * 2.443315711809948e-5))
+    return sin, cos
+
+
+def unit_circle(o, word):
+    """``(cos θ, sin θ)`` of the angle ``θ = 2π u2 − π/4`` of a word, ``u2`` its uniform
+    (:func:`_unit`), with no ``cos``/``sin`` of a math library: the word's top 2 bits are
+    the quadrant ``q`` of ``θ = q·π/2 + ρ``, the next 21 bits ``j`` the offset
+    ``ρ = (4 u2 − q − 0.5)·π/2 = (j + 0.5 − 2**20)·π/2**22`` in (−π/4, π/4) (exact up to
+    that product; ``j = k − q·2**21`` of the top 23 bits ``k``), whose sine and cosine
+    (:func:`quarter_sin_cos`) the quadrant rotates: (c, s), (−s, c), (−c, −s), (s, −c)."""
+    q = o.to_float(o.shr(word, 30))
+    j = o.to_float(o.shr(word, 9)) - q * float(1 << 21)
+    s, c = quarter_sin_cos((j - (float(1 << 20) - 0.5)) * (math.pi / (1 << 22)))
+    odd = (q == 1.0) | (q == 3.0)  # q·π/2 swaps the sine and the cosine
+    x, y = o.where(odd, s, c), o.where(odd, c, s)
+    cos_negative = (q == 1.0) | (q == 2.0)
+    return o.where(cos_negative, -x, x), o.where(q >= 2.0, -y, y)
+
+
 def pair_normals(o, k, key):
     """Two independent N(0, 1) draws for pair ``k``: Box-Muller, ``r cos θ`` and
-    ``r sin θ``, ``r = sqrt(-2 ln u1)``, ``θ = 2π u2 − π``.
+    ``r sin θ``, ``r = sqrt(-2 ln u1)``, ``θ = 2π u2 − π/4`` (:func:`unit_circle`).
 
-    Everything but ``log``, ``cos`` and ``sin`` is correctly rounded float32 arithmetic,
-    the same bits on every backend; those come from the backend's math library (torch's,
-    the Triton interpreter's numpy, the GPU's libdevice), which may differ by an ulp or
-    two."""
-    u1, u2 = pair_uniforms(o, k, key)
-    radius = o.sqrt(-2.0 * o.log(u1))
-    angle = 2.0 * math.pi * u2 - math.pi
-    return radius * o.cos(angle), radius * o.sin(angle)
+    Everything but ``log`` is float32 arithmetic, the same bits on every backend where no
+    multiply and add are contracted into one (the fused kernel may: an ulp or two of the
+    polynomials); ``log`` comes from the backend's math library (torch's, the Triton
+    interpreter's numpy, the GPU's libdevice), which may differ by an ulp or two."""
+    first, second = pair_words(o, k, key)
+    radius = o.sqrt(-2.0 * o.log(_unit(o, first)))
+    cos, sin = unit_circle(o, second)
+    return radius * cos, radius * sin
 
 
 def standard_normal(o, x):
@@ -130,8 +163,10 @@ def add_noise(eta: Float = 0.01, gamma: Float = 0.55, seed: int = 0) -> Gradient
     position is the one in the full tensor, so a sharded run draws the single-process noise
     on any number of ranks (a shard that is not one run of the full tensor, ``Shard(1)`` of
     a matrix, is refused). The uniforms are the same bits everywhere; z agrees to within
-    the ``log``/``cos``/``sin`` of each backend's math library (a few float32 ulps of
-    |z| + 1). Noise values differ from those of builds before the pairing.
+    the ``log`` of each backend's math library and the fused kernel's contracted
+    multiply-adds (a few float32 ulps of |z| + 1). Noise values differ from those of
+    earlier builds: before the pairing, and before the angle's sine and cosine were
+    polynomials (``θ = 2π u2 − π`` with the math library's ``cos``/``sin``).
     With ``skip_zeros`` no noise is added where the gradient is zero. The chunked CPU
     evaluator does not run it (the eager torch ops do).
 
