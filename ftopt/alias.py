@@ -3,8 +3,9 @@
 Every alias takes keyword-only ``skip_zeros`` (see :func:`ftopt.skip_zeros`),
 ``state_bits`` (32, or 8 for 8-bit blockwise states, see :func:`quantize_states`) and
 ``state_dtype`` (``torch.bfloat16`` or ``torch.float16``: per-element float states that
-are not 8-bit stored in 16 bits, math in fp32, one rounding to nearest per store; see
-:func:`quantize_states`).
+are not 8-bit stored in 16 bits, math in fp32, one rounding per store; see
+:func:`quantize_states`) and ``state_rounding`` (``"nearest"``, the default, or
+``"stochastic"`` for bf16 states; see :mod:`ftopt.stochastic`).
 
 Hyperparameters passed through to a transform are checked by it at construction (see
 :mod:`ftopt.domains`); the alias checks its own: ``momentum`` (the decay of ``trace``,
