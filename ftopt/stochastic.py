@@ -83,8 +83,9 @@ def stochastic_rule(rule: Rule) -> Rule:
         raise ValueError(f"{rule.name}: state_rounding='stochastic' needs a step count "
                          f"(the dither changes every step); {rule.name} keeps none: use "
                          f"state_rounding='nearest'")
-    names = [(k, s.name) for k, s in enumerate(rule.slots)
-             if not s.per_leaf and not s.from_params]
+    # (A tuple: the planner keys a body by the values it closes over.)
+    names = tuple((k, s.name) for k, s in enumerate(rule.slots)
+                  if not s.per_leaf and not s.from_params)
     body = rule.body
 
     def stochastic_body(o, x):

@@ -199,6 +199,28 @@ def test_checkpoint_round_trip(backend):
     assert _same(state, s2) and _same(params, p2)
 
 
+@pytest.mark.parametrize("name", ["muon", "lion", "prodigy", "adafactor"])
+def test_other_aliases_round_stochastically(name):
+    """Aliases with other stages (a matrix stage in a partition, running scalars) step
+    with stochastic rounding; their bf16 states differ from those rounded to nearest."""
+    make = {"muon": lambda **kw: ftopt.muon(1e-2, **kw),
+            "lion": lambda **kw: ftopt.lion(1e-3, **kw),
+            "prodigy": lambda **kw: ftopt.prodigy(1.0, **kw),
+            "adafactor": lambda **kw: ftopt.adafactor(1e-2, momentum=0.9, **kw)}[name]
+    states = []
+    for rounding in ("nearest", "stochastic"):  # (the same params and gradients)
+        gen = torch.Generator().manual_seed(13)
+        tx = make(state_dtype=torch.bfloat16, state_rounding=rounding)
+        p = _tree(gen)
+        state = tx.init(p)
+        for _ in range(3):
+            p, state = ftopt.step(tx, p, _tree(gen), state)
+        states.append([x for x in ftopt.tree.leaves(state) if isinstance(x, torch.Tensor)
+                       and x.dtype == torch.bfloat16])
+    assert states[0] and len(states[0]) == len(states[1])
+    assert not all(torch.equal(a, b) for a, b in zip(*states))
+
+
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="state_rounding must be 'nearest' or 'stochastic'"):
         ftopt.adamw(1e-3, state_dtype=torch.bfloat16, state_rounding="up")
