@@ -926,6 +926,9 @@ LAYOUTS = {
     "bf16 params, fp32 states": (torch.bfloat16, {}, fp32_states),
     "bf16 params, bf16 states": (torch.bfloat16, {"state_dtype": torch.bfloat16},
                                  param_dtype_states),
+    "bf16 params, bf16 states, stochastic rounding": (
+        torch.bfloat16, {"state_dtype": torch.bfloat16, "state_rounding": "stochastic"},
+        param_dtype_states),
     "fp32 params, 8-bit states": (torch.float32, {"state_bits": 8}, bnb_8bit_states),
 }
 

@@ -3,8 +3,9 @@
 Every alias takes keyword-only ``skip_zeros`` (see :func:`ftopt.skip_zeros`),
 ``state_bits`` (32, or 8 for 8-bit blockwise states, see :func:`quantize_states`) and
 ``state_dtype`` (``torch.bfloat16`` or ``torch.float16``: per-element float states that
-are not 8-bit stored in 16 bits, math in fp32, one rounding to nearest per store; see
-:func:`quantize_states`).
+are not 8-bit stored in 16 bits, math in fp32, one rounding per store; see
+:func:`quantize_states`) and ``state_rounding`` (``"nearest"``, the default, or
+``"stochastic"`` for bf16 states; see :mod:`ftopt.stochastic`).
 
 Hyperparameters passed through to a transform are checked by it at construction (see
 :mod:`ftopt.domains`); the alias checks its own: ``momentum`` (the decay of ``trace``,
@@ -26,6 +27,7 @@ from ftopt.combine import skip_zeros as skip_zeros_marker
 from ftopt.domains import NONNEG, check_hparam
 from ftopt.quantize import check_state_dtype, quantize_states
 from ftopt.schedules import ScalarOrSchedule
+from ftopt.stochastic import check_state_rounding
 from ftopt.transforms import (
     add_decayed_weights,
     scale_by_adam,
@@ -48,27 +50,33 @@ def _check_momentum(alias: str, momentum: Any) -> None:
         check_hparam(alias, "momentum (the decay of trace)", momentum, NONNEG)
 
 
-def check_state_options(alias: str, state_bits: Any, state_dtype: Any = None) -> None:
-    """Raise unless ``state_bits`` (an alias' keyword) is 8 or 32 and ``state_dtype`` is
-    ``None`` or a storage dtype :func:`ftopt.quantize_states` takes."""
+def check_state_options(alias: str, state_bits: Any, state_dtype: Any = None,
+                        state_rounding: Any = "nearest") -> None:
+    """Raise unless ``state_bits`` (an alias' keyword) is 8 or 32, ``state_dtype`` is
+    ``None`` or a storage dtype :func:`ftopt.quantize_states` takes and ``state_rounding``
+    is ``"nearest"`` or ``"stochastic"`` (the latter with bf16 states only)."""
     if not isinstance(state_bits, int) or isinstance(state_bits, bool):
         raise TypeError(f"{alias}: state_bits must be 8 or 32, got "
                         f"{type(state_bits).__name__} {state_bits!r}")
     if state_bits not in (8, 32):
         raise ValueError(f"{alias}: state_bits must be 8 or 32, got {state_bits}")
-    check_state_dtype(alias, state_dtype)
+    check_state_rounding(alias, state_rounding, check_state_dtype(alias, state_dtype),
+                         state_bits)
 
 
 def finish(parts: list, skip_zeros: bool, state_bits: int,
-           state_dtype: torch.dtype | None = None) -> GradientTransformation:
+           state_dtype: torch.dtype | None = None,
+           state_rounding: str = "nearest") -> GradientTransformation:
     """An alias' chain of ``parts``: skip-aware with ``skip_zeros``, 8-bit states with
-    ``state_bits=8``, 16-bit state storage with ``state_dtype``."""
+    ``state_bits=8``, 16-bit state storage with ``state_dtype`` (rounded as
+    ``state_rounding`` says)."""
     if skip_zeros:
         parts.append(skip_zeros_marker())
     tx = chain(*parts)
     if state_bits == 32 and state_dtype is None:
         return tx
-    return quantize_states(tx, bits=state_bits, state_dtype=state_dtype)
+    return quantize_states(tx, bits=state_bits, state_dtype=state_dtype,
+                           state_rounding=state_rounding)
 
 
 _KEYWORD = inspect.Parameter.KEYWORD_ONLY
@@ -78,6 +86,7 @@ STATE_OPTIONS = (
     inspect.Parameter("skip_zeros", _KEYWORD, default=False, annotation="bool"),
     inspect.Parameter("state_bits", _KEYWORD, default=32, annotation="int"),
     inspect.Parameter("state_dtype", _KEYWORD, default=None, annotation="torch.dtype | None"),
+    inspect.Parameter("state_rounding", _KEYWORD, default="nearest", annotation="str"),
 )
 
 
@@ -89,7 +98,7 @@ def chain_alias(
     The alias also takes the keyword-only ``skip_zeros``, ``state_bits`` and
     ``state_dtype``: they are checked before ``build`` runs (errors name the alias), and the
     parts become one chain through :func:`finish`. It keeps ``build``'s name and docstring;
-    its signature (``inspect.signature``, ``help()``) is ``build``'s plus the three options.
+    its signature (``inspect.signature``, ``help()``) is ``build``'s plus the four options.
     """
     name = build.__name__
     signature = inspect.signature(build)
@@ -100,9 +109,11 @@ def chain_alias(
 
     @functools.wraps(build)
     def alias(*args: Any, skip_zeros: bool = False, state_bits: int = 32,
-              state_dtype: torch.dtype | None = None, **kwargs: Any) -> GradientTransformation:
-        check_state_options(name, state_bits, state_dtype)
-        return finish(build(*args, **kwargs), skip_zeros, state_bits, state_dtype)
+              state_dtype: torch.dtype | None = None, state_rounding: str = "nearest",
+              **kwargs: Any) -> GradientTransformation:
+        check_state_options(name, state_bits, state_dtype, state_rounding)
+        return finish(build(*args, **kwargs), skip_zeros, state_bits, state_dtype,
+                      state_rounding)
 
     alias.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=[*signature.parameters.values(), *STATE_OPTIONS],
@@ -110,7 +121,7 @@ def chain_alias(
     # Evaluated here, so that typing.get_type_hints resolves them in any alias module.
     own = {key: value for key, value in build.__annotations__.items() if key != "return"}
     alias.__annotations__ = {**own, "skip_zeros": bool, "state_bits": int,
-                             "state_dtype": torch.dtype | None,
+                             "state_dtype": torch.dtype | None, "state_rounding": str,
                              "return": GradientTransformation}
     return alias
 

@@ -52,6 +52,7 @@ def adafactor(
     skip_zeros: bool = False,
     state_bits: int = 32,
     state_dtype: torch.dtype | None = None,
+    state_rounding: str = "nearest",
 ) -> GradientTransformation:
     """Adafactor, as optax: ``chain(scale_by_factored_rms, clip_by_block_rms(threshold),
     scale_by_learning_rate(lr, flip_sign=False), scale_by_param_block_rms(), ema(momentum,
@@ -73,7 +74,7 @@ def adafactor(
     every layout, and ``skip_zeros`` keeps a 16-bit momentum bit for bit and an 8-bit one
     as for every 8-bit state (a block whose gradients are all zero is byte-identical).
     """
-    check_state_options("adafactor", state_bits, state_dtype)
+    check_state_options("adafactor", state_bits, state_dtype, state_rounding)
     _check_dtype_momentum(dtype_momentum, state_dtype)
     parts = [scale_by_factored_rms(factored, decay_rate, decay_offset,
                                    min_dim_size_to_factor, eps)]
@@ -90,7 +91,7 @@ def adafactor(
     if weight_decay_rate is not None:
         parts.append(add_decayed_weights(weight_decay_rate, weight_decay_mask))
     parts.append(scale(-1.0))
-    return finish(parts, skip_zeros, state_bits, state_dtype)
+    return finish(parts, skip_zeros, state_bits, state_dtype, state_rounding)
 
 
 def _check_dtype_momentum(dtype_momentum: Any, state_dtype: torch.dtype | None) -> None:
@@ -134,6 +135,7 @@ def muon(
     skip_zeros: bool = False,
     state_bits: int = 32,
     state_dtype: torch.dtype | None = None,
+    state_rounding: str = "nearest",
 ) -> GradientTransformation:
     """Muon, as optax.contrib.muon: 2-D leaves get ``chain(scale_by_muon(...),
     scale_by_shape(consistent_rms), add_decayed_weights(weight_decay, weight_decay_mask),
@@ -147,16 +149,16 @@ def muon(
     step is eager (foreach) torch ops around the batched matrix stage; the ``"muon"``
     chain alone fuses its elementwise stages (see :func:`ftopt.explain`).
     """
-    check_state_options("muon", state_bits, state_dtype)
+    check_state_options("muon", state_bits, state_dtype, state_rounding)
     matrix_part = finish([
         scale_by_muon(ns_coeffs, ns_steps, beta, eps, nesterov=nesterov, adaptive=adaptive,
                       preconditioning=preconditioning, ns_dtype=ns_dtype),
         scale_by_shape(consistent_rms),
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_learning_rate(learning_rate),
-    ], skip_zeros, state_bits, state_dtype)
+    ], skip_zeros, state_bits, state_dtype, state_rounding)
     adam_part = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
                       adam_b1, adam_b2, eps, adam_eps_root, adam_weight_decay,
                       nesterov=nesterov, skip_zeros=skip_zeros, state_bits=state_bits,
-                      state_dtype=state_dtype)
+                      state_dtype=state_dtype, state_rounding=state_rounding)
     return partition({"muon": matrix_part, "adam": adam_part}, _is_matrix)

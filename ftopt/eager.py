@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import operator
+import struct
 from collections.abc import Callable, Sequence
 
 import torch
@@ -318,6 +319,19 @@ class EagerOps:
     def to_float(self, a) -> Vec:
         """A 32-bit integer below 2**24 as a float32 (exact)."""
         return self._map(a, _scalar_fn(float, lambda v: v.to(torch.float32)))
+
+    def float_bits(self, x) -> Vec:
+        """The bit pattern of a float32 value as a 32-bit unsigned integer."""
+        return self._map(x, _scalar_fn(
+            lambda v: struct.unpack("<I", struct.pack("<f", v))[0],
+            lambda v: v.to(torch.float32).view(torch.int32).to(torch.int64) & U32_MASK))
+
+    def from_bits(self, a) -> Vec:
+        """The float32 value of a 32-bit bit pattern (the inverse of ``float_bits``)."""
+        return self._map(a, _scalar_fn(
+            lambda v: struct.unpack("<f", struct.pack("<I", int(v) & U32_MASK))[0],
+            lambda v: ((v & U32_MASK) - ((v >> 31) & 1) * (1 << 32)).to(torch.int32)
+            .view(torch.float32)))
 
     def maximum(self, a, b) -> Vec:
         return self.where(_as_vec(a, self.mode) >= b, a, b)

@@ -11,6 +11,7 @@ from ftopt.base import GradientTransformation, check_transform
 from ftopt.domains import check_int
 from ftopt.rule_transform import RuleTransform
 from ftopt.rules import QuantConfig
+from ftopt.stochastic import check_state_rounding, stochastic_rule
 
 __all__ = ["quantize_states"]
 
@@ -20,14 +21,23 @@ STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _rebuild(tx: GradientTransformation, quant: QuantConfig | None,
-             store: torch.dtype | None) -> GradientTransformation:
+             store: torch.dtype | None, rounding: str = "nearest") -> GradientTransformation:
     obj = getattr(tx.update, "__self__", None)
-    if isinstance(obj, RuleTransform) or callable(getattr(obj, "with_quant", None)):
+    if isinstance(obj, RuleTransform):
+        new = obj.with_quant(quant, store)
+        if rounding == "stochastic" and new.store is not None:
+            new = RuleTransform(stochastic_rule(new.rule), new.quant, new.store)
+        return new.as_transform()
+    if callable(getattr(obj, "with_quant", None)):
         # (a stage with per-element states of its own, Prodigy's, stores them as asked too)
+        if rounding == "stochastic":
+            raise ValueError(f"quantize_states: state_rounding='stochastic' is not "
+                             f"supported by {type(obj).__name__}; use "
+                             f"state_rounding='nearest'")
         return obj.with_quant(quant, store).as_transform()
     children = getattr(obj, "transforms", None)
     if children is not None and hasattr(obj, "rebuild"):
-        return obj.rebuild([_rebuild(t, quant, store) for t in children])
+        return obj.rebuild([_rebuild(t, quant, store, rounding) for t in children])
     return tx
 
 
@@ -44,7 +54,7 @@ def check_state_dtype(where: str, state_dtype: Any) -> torch.dtype | None:
 
 def quantize_states(
     tx: GradientTransformation, bits: int = 8, block_size: int = 256, min_size: int = 4096,
-    state_dtype: torch.dtype | None = None,
+    state_dtype: torch.dtype | None = None, state_rounding: str = "nearest",
 ) -> GradientTransformation:
     """Stores the per-element float states of ``tx`` as 8-bit blockwise codes, or in a
     16-bit float dtype.
@@ -69,12 +79,23 @@ def quantize_states(
             per store), ``torch.float32`` in 32; ``None`` (default): the params' compute
             dtype (fp32, or fp64 for fp64 params). Steps with bf16/fp16 states run fused
             as well as eagerly.
+        state_rounding: how 16-bit states are rounded at each store: ``"nearest"``
+            (default; nearest even) or ``"stochastic"`` (bf16 only, with ``bits=32``: the
+            fp32 value plus 16 random low bits, truncated; unbiased, so that a state whose
+            per-step change is below half an ulp, Adam's v with b2 = 0.999, still moves
+            on average). The random bits are a hash of the step count, the leaf's
+            position, the slot and the element's position: the same bits fused and
+            eagerly, no generator state (see :mod:`ftopt.stochastic`). Every stage with
+            per-element state must keep a step count (Adam's and most others do;
+            ``trace`` does not).
 
     Raises:
         TypeError: an argument that is not an int (``bool`` and floats included), a
             ``state_dtype`` that is not a ``torch.dtype``.
         ValueError: ``bits`` not 8 or 32, ``block_size`` < 1 or ``min_size`` < 0, a
-            ``state_dtype`` other than fp32, bf16 and fp16.
+            ``state_dtype`` other than fp32, bf16 and fp16; ``state_rounding`` not
+            ``"nearest"`` or ``"stochastic"``, or ``"stochastic"`` without bf16 states,
+            with ``bits=8`` or with a stage that keeps no step count.
     """
     check_transform(tx, "quantize_states: argument tx")
     bits = check_int("quantize_states", "bits", bits)
@@ -83,5 +104,6 @@ def quantize_states(
     block_size = check_int("quantize_states", "block_size", block_size, minimum=1)
     min_size = check_int("quantize_states", "min_size", min_size, minimum=0)
     store = check_state_dtype("quantize_states", state_dtype)
+    rounding = check_state_rounding("quantize_states", state_rounding, store, bits)
     quant = None if bits == 32 else QuantConfig(bits, block_size, min_size)
-    return _rebuild(tx, quant, store)
+    return _rebuild(tx, quant, store, rounding)

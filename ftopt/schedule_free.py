@@ -148,6 +148,14 @@ def schedule_free(
                          state_dtype))
 
 
+def _nearest_only(where: str, state_rounding: str) -> None:
+    """Schedule-Free rounds its states to nearest: z (a copy of the params) is stored in
+    ``state_dtype`` by the stage itself, not by :func:`ftopt.quantize_states`."""
+    if state_rounding != "nearest":
+        raise ValueError(f"{where}: state_rounding must be 'nearest' (Schedule-Free's "
+                         f"states are not rounded stochastically), got {state_rounding!r}")
+
+
 def _parts(where: str, base_optimizer: GradientTransformation, learning_rate, b1,
            weight_lr_power, state_dtype) -> list[GradientTransformation]:
     b1 = _check_b1(where, b1)
@@ -174,13 +182,15 @@ def schedule_free_sgd(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_rounding: str = "nearest",
 ) -> GradientTransformation:
     """Schedule-Free SGD (as optax.contrib): ``schedule_free(chain(add_decayed_weights(wd),
     scale_by_learning_rate(lr)), lr, b1, weight_lr_power)``, the decay only where
     ``weight_decay`` is not ``None``. ``warmup_steps``: lr becomes
     ``warmup_constant_schedule(0, lr, warmup_steps)``. ``state_dtype``: the storage of z
     (as optax) and of the base states. Evaluate at :func:`schedule_free_eval_params`."""
-    check_state_options("schedule_free_sgd", state_bits, state_dtype)
+    check_state_options("schedule_free_sgd", state_bits, state_dtype, state_rounding)
+    _nearest_only("schedule_free_sgd", state_rounding)
     lr = _warmup("schedule_free_sgd", learning_rate, warmup_steps)
     parts = [] if weight_decay is None else [add_decayed_weights(weight_decay)]
     base = chain(*parts, scale_by_learning_rate(lr))
@@ -200,6 +210,7 @@ def schedule_free_adamw(
     *,
     skip_zeros: bool = False,
     state_bits: int = 32,
+    state_rounding: str = "nearest",
 ) -> GradientTransformation:
     """Schedule-Free AdamW (as optax.contrib): ``schedule_free(chain(scale_by_adam(0, b2,
     eps), add_decayed_weights(wd), scale_by_learning_rate(lr)), lr, b1, weight_lr_power)``.
@@ -209,7 +220,8 @@ def schedule_free_adamw(
     always the gradient, is Adam's ``mu`` slot. ``warmup_steps``: lr becomes
     ``warmup_constant_schedule(0, lr, warmup_steps)``. ``state_dtype``: the storage of z
     (as optax) and of the base states."""
-    check_state_options("schedule_free_adamw", state_bits, state_dtype)
+    check_state_options("schedule_free_adamw", state_bits, state_dtype, state_rounding)
+    _nearest_only("schedule_free_adamw", state_rounding)
     lr = _warmup("schedule_free_adamw", learning_rate, warmup_steps)
     base = chain(scale_by_adam(0.0, b2, eps), add_decayed_weights(weight_decay),
                  scale_by_learning_rate(lr))

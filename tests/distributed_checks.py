@@ -778,11 +778,12 @@ def check_call_cache(mesh, rank, device):
     return out
 
 
-def check_noise(rank, device):
+def check_noise(rank, device, make=None):
     """``noisy_sgd`` on shards draws the single process's noise, bit for bit: an
     element's position is the one in the full tensor (uneven Shard(0) on one mesh dim and
     on both of a 2-D mesh, HSDP, Replicate), eager, fused and through ``tx.update``; a
-    leaf split on dim 1 is refused before anything is written, naming it."""
+    leaf split on dim 1 is refused before anything is written, naming it. ``make``: another
+    transform that hashes element positions (stochastic rounding of bf16 states)."""
     torch.manual_seed(8)
     # fc-like (5 rows over 2 ranks: 3 and 2), a vector (7: 4 and 3), a replicated leaf.
     full_params = {"w": torch.randn(5, 6), "v": torch.randn(7), "r": torch.randn(3, 2)}
@@ -794,7 +795,7 @@ def check_noise(rank, device):
         "hsdp": (mesh2, {"w": [Replicate(), Shard(0)], "v": [Shard(0), Shard(0)],
                          "r": [Replicate(), Replicate()]}),
     }
-    make = lambda: ftopt.noisy_sgd(0.1, eta=1.0, seed=11)  # noqa: E731
+    make = make or (lambda: ftopt.noisy_sgd(0.1, eta=1.0, seed=11))
     out = {}
     for backend in ("eager",) + (("fused",) if device is not None else ()):
         ref_tx = make()
@@ -853,6 +854,8 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "optimizer": lambda: check_optimizer(mesh, rank, directory),
         "matrix_stages": lambda: check_matrix_stages(mesh, rank, fused_device),
         "noise": lambda: check_noise(rank, fused_device),
+        "stochastic_rounding": lambda: check_noise(rank, fused_device, lambda: ftopt.adamw(
+            0.1, state_dtype=torch.bfloat16, state_rounding="stochastic")),
         "call_cache": lambda: check_call_cache(mesh, rank, fused_device),
         "dcp_scalars": lambda: check_dcp_scalars(mesh, rank, directory),
         "novograd_split": lambda: check_novograd_split(mesh, fused_device),

@@ -254,6 +254,21 @@ def test_noise_on_shards_equals_one_process(results):
         assert got[key.replace("_error", "_count")] == 0
 
 
+def test_stochastic_rounding_on_shards_equals_one_process(results):
+    """AdamW with stochastically rounded bf16 states over Shard(0) (uneven), HSDP and
+    Replicate leaves: the params of one process bit for bit (the dither hashes the
+    element's position in the full tensor); Shard(1) is refused before anything changes."""
+    got = _check(results, "stochastic_rounding")
+    for key in [k for k in got if k.endswith("_diff")]:
+        assert got[key] == 0.0, (key, got[key])
+    assert "shard0_update_diff" in got and "hsdp_eager_diff" in got
+    for key in [k for k in got if k.endswith("_error")]:
+        error = got[key]
+        assert error is not None and "scale_by_adam at ['w']" in error, (key, error)
+        assert got[key.replace("_error", "_untouched")]
+        assert got[key.replace("_error", "_count")] == 0
+
+
 @pytest.mark.parametrize("shape, local, start, want", [
     ((5, 6), (3, 6), (0, 0), 0),
     ((5, 6), (2, 6), (3, 0), 18),  # the second of an uneven Shard(0)

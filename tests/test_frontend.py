@@ -142,6 +142,8 @@ def launch_arg_names(path: str, name: str) -> list[str]:
 LAYOUTS = {
     "bf16 params": (torch.bfloat16, {}),
     "bf16 states": (torch.bfloat16, {"state_dtype": torch.bfloat16}),
+    "bf16 states, stochastic": (torch.float32, {"state_dtype": torch.bfloat16,
+                                                "state_rounding": "stochastic"}),
     "fp16 states": (torch.float32, {"state_dtype": torch.float16}),
     "8-bit": (torch.float32, {"state_bits": 8}),
 }
@@ -151,7 +153,8 @@ OTHERS = [lambda: ftopt.noisy_sgd(1e-2),
           lambda: ftopt.lamb(1e-2, state_bits=8),
           lambda: ftopt.novograd(1e-2, skip_zeros=True),
           lambda: ftopt.prodigy(1.0, state_bits=8),
-          lambda: ftopt.schedule_free_adamw(1e-2, state_bits=8)]
+          lambda: ftopt.schedule_free_adamw(1e-2, state_bits=8),
+          lambda: ftopt.lion(1e-3, state_dtype=torch.bfloat16, state_rounding="stochastic")]
 
 
 def _layout_run(layout: str, mode: str):

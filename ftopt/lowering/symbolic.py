@@ -302,6 +302,12 @@ class SymOps:
     def to_float(self, a) -> Sym:
         return self._unary(a, "{x}.to(tl.float32)")
 
+    def float_bits(self, x) -> Sym:
+        return self._unary(x, "{x}.to(tl.float32).to(tl.uint32, bitcast=True)")
+
+    def from_bits(self, a) -> Sym:
+        return self._unary(a, "{x}.to(tl.uint32).to(tl.float32, bitcast=True)")
+
     def maximum(self, a, b) -> Sym:
         return self.where(_as_sym(a, self.graph) >= b, a, b)
 
