@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch
 
 from ftopt.rules import Rule
-from ftopt.transforms.noise import _mix, leaf_key
+from ftopt.transforms.noise import leaf_key, mix32
 
 __all__ = ["ROUNDINGS", "check_state_rounding", "stochastic_rule", "round_bf16_stochastic"]
 
@@ -96,8 +96,8 @@ def stochastic_rule(rule: Rule) -> Rule:
         key = leaf_key(o, step)
         for k, name in names:
             if name in slots:
-                slot_key = _mix(o, o.add32(key, (_SLOT_SALT * (k + 1)) & 0xFFFFFFFF))
-                word = _mix(o, _mix(o, o.add32(x.index, slot_key)))
+                slot_key = mix32(o, o.add32(key, (_SLOT_SALT * (k + 1)) & 0xFFFFFFFF))
+                word = mix32(o, mix32(o, o.add32(x.index, slot_key)))
                 slots[name] = round_bf16_stochastic(o, slots[name], word)
         return (u, slots, *out[2:])
 

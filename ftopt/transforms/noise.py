@@ -41,7 +41,7 @@ from ftopt.domains import NONNEG, check_int
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule
 
-__all__ = ["AddNoiseState", "add_noise", "leaf_key", "pair_words", "pair_uniforms",
+__all__ = ["AddNoiseState", "add_noise", "leaf_key", "mix32", "pair_words", "pair_uniforms",
            "quarter_sin_cos", "unit_circle", "pair_normals", "standard_normal"]
 
 Float = float | torch.Tensor
@@ -59,7 +59,7 @@ class AddNoiseState(NamedTuple):
     count: Any
 
 
-def _mix(o, h):
+def mix32(o, h):
     """A 32-bit finalizer: xor-shift-multiply rounds, a bijection of ``[0, 2**32)``."""
     h = o.xor(h, o.shr(h, 16))
     h = o.mul32(h, 0x21F0AAAD)
@@ -73,14 +73,14 @@ def leaf_key(o, x):
     ``x.t_lo``/``x.t_hi`` (16-bit halves) and ``x.leaf`` (per-leaf values in the kernel)."""
     seed = o.add32(o.u32(x.seed_lo), o.mul32(o.u32(x.seed_hi), _HALF))
     step = o.add32(o.u32(x.t_lo), o.mul32(o.u32(x.t_hi), _HALF))
-    step_key = _mix(o, o.xor(_mix(o, seed), step))
-    return _mix(o, o.xor(step_key, _mix(o, o.add32(x.leaf, _GOLDEN))))
+    step_key = mix32(o, o.xor(mix32(o, seed), step))
+    return mix32(o, o.xor(step_key, mix32(o, o.add32(x.leaf, _GOLDEN))))
 
 
 def pair_words(o, k, key):
     """Two 32-bit words for pair ``k`` of the leaf of ``key``: three finalizer rounds."""
-    first = _mix(o, _mix(o, o.add32(k, key)))
-    second = _mix(o, o.add32(first, _SECOND))
+    first = mix32(o, mix32(o, o.add32(k, key)))
+    second = mix32(o, o.add32(first, _SECOND))
     return first, second
 
 
