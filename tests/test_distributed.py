@@ -243,13 +243,21 @@ def test_noise_on_shards_equals_one_process(results):
     process bit for bit (eager, fused, tx.update); Shard(1) is refused, naming the leaf
     and its placements, before the params or the count change."""
     got = _check(results, "noise")
+    _assert_equals_one_process_and_refuses_shard1(got, "add_noise at ['w']")
+    for key in [k for k in got if k.endswith("_error")]:
+        assert "(Shard(dim=1),)" in got[key], got[key]
+
+
+def _assert_equals_one_process_and_refuses_shard1(got: dict, names: str) -> None:
+    """The sharded runs' differences from one process are 0 (update, eager and fused);
+    every Shard(1) run raised an error naming ``names`` before the params or the count
+    changed."""
     for key in [k for k in got if k.endswith("_diff")]:
         assert got[key] == 0.0, (key, got[key])
     assert "shard0_update_diff" in got and "hsdp_eager_diff" in got
     for key in [k for k in got if k.endswith("_error")]:
         error = got[key]
-        assert error is not None and "add_noise at ['w']" in error, (key, error)
-        assert "(Shard(dim=1),)" in error, error
+        assert error is not None and names in error, (key, error)
         assert got[key.replace("_error", "_untouched")]
         assert got[key.replace("_error", "_count")] == 0
 
@@ -259,14 +267,7 @@ def test_stochastic_rounding_on_shards_equals_one_process(results):
     Replicate leaves: the params of one process bit for bit (the dither hashes the
     element's position in the full tensor); Shard(1) is refused before anything changes."""
     got = _check(results, "stochastic_rounding")
-    for key in [k for k in got if k.endswith("_diff")]:
-        assert got[key] == 0.0, (key, got[key])
-    assert "shard0_update_diff" in got and "hsdp_eager_diff" in got
-    for key in [k for k in got if k.endswith("_error")]:
-        error = got[key]
-        assert error is not None and "scale_by_adam at ['w']" in error, (key, error)
-        assert got[key.replace("_error", "_untouched")]
-        assert got[key.replace("_error", "_count")] == 0
+    _assert_equals_one_process_and_refuses_shard1(got, "scale_by_adam at ['w']")
 
 
 @pytest.mark.parametrize("shape, local, start, want", [
