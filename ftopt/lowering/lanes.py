@@ -4,8 +4,6 @@ off; and the bf16 store that rounds as torch does."""
 
 from __future__ import annotations
 
-from ftopt.lowering import tiles
-
 __all__ = ["masks", "flag_mask", "load_mask", "bf16_store_lines"]
 
 
@@ -34,21 +32,14 @@ def masks(traced, tail: bool) -> dict[str, str]:
     return {"GMASK": "", "LMASK": "", "SMASK": ""}
 
 
-def bf16_store_lines(role: str, slot: str, value: str, mask: str,
-                     hardware: bool | None = None) -> list[str]:
+def bf16_store_lines(role: str, slot: str, value: str, mask: str) -> list[str]:
     """Stores fp32 ``value`` as bf16 bits, rounded to nearest even (NaN: 0x7FC0), as
-    torch's ``.to(torch.bfloat16)`` rounds. On a GPU the conversion instruction rounds so
-    (one instruction where the integer rounding below takes five) and only a NaN's bits
-    are chosen; Triton's interpreter converts by truncation, so there the rounding is
-    spelled out (``hardware``: the GPU's lines; default: unless interpreted)."""
+    torch's ``.to(torch.bfloat16)`` rounds, with integer operations: exact on every
+    backend (Triton's interpreter converts by truncation, and Triton 3.6's conversion on
+    an H200 makes -0.0 +0.0), and as fast as the conversion instruction on the H200
+    (bf16 params and states, GPT-2: 0.465 ms with these lines, 0.469 with the
+    instruction)."""
     b = f"b_{slot}"
-    if hardware if hardware is not None else not tiles.INTERPRETING:
-        return [
-            f"{b}_x = {value} + tl.full([BLOCK], -0.0, tl.float32)",
-            f"{b}_u = tl.where({b}_x == {b}_x, {b}_x.to(tl.bfloat16).to(tl.uint16, "
-            "bitcast=True).to(tl.uint32), 32704)",
-            f"tl.store({role} + offs, {b}_u.to(tl.uint16){mask})",
-        ]
     return [
         # (+ -0.0: a broadcast that keeps every value, -0.0 included)
         f"{b}_x = {value} + tl.full([BLOCK], -0.0, tl.float32)",
