@@ -299,6 +299,22 @@ class Case:
     def tx(self, skip: bool = True) -> GradientTransformation:
         return build(self.structure, self.hparams, skip)
 
+    def moved_tx(self, rng: random.Random, skip: bool = True) -> GradientTransformation:
+        """The transformation with every float hyperparameter (not 0 or 1) moved by a
+        random relative amount of up to one fp32 ulp: what an fp32 rounding of a
+        hyperparameter, or of a scalar made from it, can do (``Reference.moved32``).
+        A move that leaves a hyperparameter's domain keeps that draw's hparams as they
+        are."""
+        def move(h):
+            return {k: ([move(q) for q in v] if k == "__inner__" else
+                        v * (1 + 2.0 ** -23 * (2 * rng.random() - 1))
+                        if isinstance(v, float) and v not in (0.0, 1.0) else v)
+                    for k, v in h.items()}
+        try:
+            return build(self.structure, [move(h) for h in self.hparams], skip)
+        except ValueError:
+            return self.tx(skip)
+
     def hparam_tensors(self) -> list[torch.Tensor]:
         out = []
 

@@ -166,6 +166,39 @@ def test_reference_spread_tells_ill_conditioned_chains_from_bugs():
     assert checks._as_accurate(e * (1 + 2e-5), e, r, spreads["yogi"])
 
 
+def test_fp32_spread_sees_roundings_inside_a_chain():
+    """The fp32 spread (eager rerun from inputs moved by one fp32 ulp) sees what the
+    float64 spread cannot: a rounding early in a chain amplified later in it. The H200's
+    fuzz found such a chain (seed 17 example 8920, yogi -> adan -> rms -> adan: a GPU's
+    fused multiply-adds gave a state leaf 2.4e-6 from eager's, which the float64 spread,
+    2.6e-7, did not admit). That leaf moves by far more in fp32, and the difference is
+    admitted; Adam's state moves by ~1e-7, and a 1e-5 difference is refused."""
+    import ftopt
+
+    runner = _runner()
+    case = runner.example(17, 8920, runner.structure_pool(17, 30, 2), "cpu")
+    ill = case.tx()
+    p1, s1 = ftopt.step(ill, case.params, case.grads[0], ill.init(case.params),
+                        backend="eager")
+    gen = torch.Generator().manual_seed(12)
+    w = {"w": torch.randn(300, generator=gen)}
+    adam = ftopt.adam(1e-3)
+    got = {}
+    for name, tx, p, g, s, i in (("ill", ill, p1, case.grads[1], s1, 37),
+                                 ("adam", adam, w, {"w": torch.randn(300, generator=gen)},
+                                  adam.init(w), None)):
+        ref = checks.Reference(tx, p, g, s)
+        e = checks._state_leaves(ftopt.step(tx, p, g, s, backend="eager")[1])
+        i = i if i is not None else max(range(len(e)), key=lambda k: e[k].numel())
+        moved = [m[i] for m in ref.moved_states("step")]
+        got[name] = max(checks._rel(m, e[i]) for m in moved)
+        got[name + " admits"] = [checks._within_fp32_spread(e[i] * (1 + d), e[i],
+                                                            lambda m=moved: m)
+                                 for d in (1e-5, 2.4e-6)]
+    assert got["adam"] < 1e-6 < got["ill"], got
+    assert got["adam admits"] == [False, False] and got["ill admits"][1], got
+
+
 # ------------------------------------------------------------------------------------------
 # Regressions found by the fuzz
 # ------------------------------------------------------------------------------------------

@@ -274,18 +274,24 @@ def main_nodes(traced: TracedChain, quantized: bool) -> list:
                                 + list(traced.slot_flags.values()))
 
 
+def _broadcast(value: str) -> str:
+    """``value`` as a [BLOCK] tensor, every bit kept: a product with 1.0 (a sum with a
+    -0.0 literal, which would keep a -0.0 too, becomes +0.0 in Triton 3.6 on an H200)."""
+    return f"tl.full([BLOCK], 1.0, tl.float32) * {value}"
+
+
 def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, variant: Variant,
                      dtypes: dict, tail: bool) -> list[str]:
     signs = slot_signs(traced) if variant.quant_block else {}
     lines = _body_lines(traced, nodes, masks, variant, tail)
     for role, node in traced.running_stores:  # (every group's program 0: the same value)
-        lines.append(f"tl.store({role}_ptr + offs * 0, tl.full([BLOCK], -0.0, tl.float32) + "
-                     f"{node}, mask=offs == tl.where(pid == 0, 0, -1))")
+        lines.append(f"tl.store({role}_ptr + offs * 0, {_broadcast(node)}, "
+                     f"mask=offs == tl.where(pid == 0, 0, -1))")
     stores: list[str] = []
     for role, node in kept:
         value = node
         if traced.graph.nodes[node].kind != "elem":  # broadcast a per-leaf value
-            value = f"tl.full([BLOCK], -0.0, tl.float32) + {node}"  # (keeps a -0.0)
+            value = _broadcast(node)
         slot = role[: -len("_out")]
         flag = traced.slot_flags.get(slot)
         if slot in traced.leaf_slots:

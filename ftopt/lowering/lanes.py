@@ -35,14 +35,14 @@ def masks(traced, tail: bool) -> dict[str, str]:
 def bf16_store_lines(role: str, slot: str, value: str, mask: str) -> list[str]:
     """Stores fp32 ``value`` as bf16 bits, rounded to nearest even (NaN: 0x7FC0), as
     torch's ``.to(torch.bfloat16)`` rounds, with integer operations: exact on every
-    backend (Triton's interpreter converts by truncation, and Triton 3.6's conversion on
-    an H200 makes -0.0 +0.0), and as fast as the conversion instruction on the H200
+    backend (Triton's interpreter converts by truncation), and as fast as the conversion instruction on the H200
     (bf16 params and states, GPT-2: 0.465 ms with these lines, 0.469 with the
     instruction)."""
     b = f"b_{slot}"
     return [
-        # (+ -0.0: a broadcast that keeps every value, -0.0 included)
-        f"{b}_x = {value} + tl.full([BLOCK], -0.0, tl.float32)",
+        # (* 1.0: a broadcast that keeps every value, -0.0 included; a sum with a -0.0
+        # literal becomes +0.0 in Triton 3.6 on an H200)
+        f"{b}_x = {value} * tl.full([BLOCK], 1.0, tl.float32)",
         f"{b}_u = {b}_x.to(tl.uint32, bitcast=True)",
         f"{b}_u = ({b}_u + 32767 + (({b}_u >> 16) & 1)) >> 16",
         f"{b}_u = tl.where({b}_x == {b}_x, {b}_u, 32704)",
