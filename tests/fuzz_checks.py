@@ -370,12 +370,15 @@ def _close_states(f: Any, e: Any, what: str, ref=None, moved=None) -> None:
                 STATS["code_diff_elements"] += n
                 warnings.warn(f"{what}: {n} 8-bit codes differ between fused and eager "
                               f"(max {int(diff.max())})", stacklevel=2)
-            if n and int(diff.max()) > 1 and moved is not None:
-                # A code may differ by more than one where eager's own code moves by
-                # that much more when its inputs move by one fp32 ulp (ill-conditioned).
-                diff = diff - torch.stack([(_host(m[i].codes).int() - _host(y.codes).int())
-                                           .abs() for m in moved()]).amax(0)
-            assert n == 0 or int(diff.max()) <= 1, f"{what}: 8-bit codes differ by > 1"
+            allowed = 1
+            if n and int(diff.max()) > 1 and moved is not None and y.codes.numel():
+                # An ill-conditioned leaf: eager's own codes move by up to k when its
+                # inputs and hyperparameters move by one fp32 ulp (a few draws, so by
+                # leaf, not by element); fused may then differ by up to 1 + k.
+                allowed += max(int((_host(m[i].codes).int() - _host(y.codes).int()).abs()
+                                   .max()) for m in moved())
+            assert n == 0 or int(diff.max()) <= allowed, (
+                f"{what}: 8-bit codes of leaf {i} differ by {int(diff.max())} > {allowed}")
             continue
         assert x.dtype == y.dtype and x.shape == y.shape, f"{what}: state leaf {i} layout"
         x, y = _host(x), _host(y)
