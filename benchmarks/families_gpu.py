@@ -93,12 +93,39 @@ def time_family(tx, params, grads, iters: int, device) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in ts)
 
 
+PROFILED = 10
+
+
+def profile_kernels(tx, params, grads) -> list:
+    """(kernel, device microseconds a step, launches a step) of ``PROFILED`` donated
+    steps, largest first: where a step's time goes that its bytes do not explain."""
+    from torch.profiler import ProfilerActivity, profile
+
+    p = {k: v.clone() for k, v in params.items()}
+    state = tx.init(p)
+    for _ in range(3):
+        p, state = ftopt.step(tx, p, grads, state, donate=True, backend="fused")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED):
+            p, state = ftopt.step(tx, p, grads, state, donate=True, backend="fused")
+        torch.cuda.synchronize()
+    rows = [(a.key, a.device_time_total / PROFILED, a.count // PROFILED)
+            for a in prof.key_averages() if a.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=pathlib.Path, required=True)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--only", default=None, help="comma-separated family names")
+    ap.add_argument("--profile", action="store_true",
+                    help="also each family's kernels: device time a step (torch.profiler)")
+    ap.add_argument("--tag", default="", help="suffix of the output files' names")
     args = ap.parse_args()
+    only = set(args.only.split(",")) if args.only else None
     import gpu_step
     import registry
 
@@ -112,7 +139,7 @@ def main() -> int:
     copy = None if args.smoke else copy_tbps(device, 1 << 28)
     rows = []
     for e in registry.TRANSFORMS:
-        if e.kind != "alias" or not e.fusible or e.mixes:
+        if e.kind != "alias" or not e.fusible or e.mixes or (only and e.name not in only):
             continue
         tx = e.make(**e.example)
         with contextlib.redirect_stdout(io.StringIO()):
@@ -131,18 +158,23 @@ def main() -> int:
         step_elt = per_elt + (int(reread.group(1)) if reread else 0)
         tbps = n * per_elt / (ms * 1e-3) / 1e12
         step_tbps = n * step_elt / (ms * 1e-3) / 1e12
+        kernels = profile_kernels(tx, params, grads) if args.profile and copy else None
         rows.append({"name": e.name, "states": list(e.states), "ms": ms, "B_per_elt": per_elt,
+                     "kernels": kernels,
                      "tbps": tbps, "of_copy": tbps / copy if copy else None,
                      "step_B_per_elt": step_elt, "step_tbps": step_tbps,
                      "step_of_copy": step_tbps / copy if copy else None, "note": note})
         frac = "" if copy is None else f"{tbps / copy:.2f} / {step_tbps / copy:.2f} of copy"
         print(f"{e.name:28s} {ms:8.3f} ms  {per_elt:3d} / {step_elt:3d} B/elt  "
               f"{tbps:6.3f} / {step_tbps:6.3f} TB/s  {frac}", flush=True)
+        for name, us, calls in kernels or ():
+            print(f"    {us:9.1f} us  x{calls:<3d} {name[:90]}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "copy_tbps": copy, "numel": n, "leaves": len(params),
             "date": time.strftime("%Y-%m-%d")}
-    (args.out / "families.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / f"families{args.tag}.json").write_text(
+        json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = [f"# Fused families, GPT-2 fp32 ({n / 1e6:.1f}M params, {len(params)} leaves)", "",
           f"device {meta['device']}, copy {copy and round(copy, 3)} TB/s, {meta['date']}", "",
           "B/elt: the main kernel's bytes per element (explain); step B/elt: the whole "
@@ -155,7 +187,13 @@ def main() -> int:
         md.append(f"| {r['name']} | {', '.join(r['states']) or '-'} | {r['ms']:.3f} | "
                   f"{r['B_per_elt']} | {r['tbps']:.3f} | {oc} | {r['step_B_per_elt']} | "
                   f"{r['step_tbps']:.3f} | {soc} | {r['note']} |")
-    (args.out / "families.md").write_text("\n".join(md) + "\n")
+    for r in rows:
+        if r.get("kernels"):
+            md += ["", f"{r['name']}: device time a step by kernel (torch.profiler, "
+                   f"{PROFILED} steps)", ""]
+            md += [f"    {us:9.1f} us  x{calls:<3d} {name[:100]}"
+                   for name, us, calls in r["kernels"]]
+    (args.out / f"families{args.tag}.md").write_text("\n".join(md) + "\n")
     return 0
 
 
