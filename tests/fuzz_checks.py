@@ -377,6 +377,14 @@ def _close_states(f: Any, e: Any, what: str, ref=None, moved=None) -> None:
                 # leaf, not by element); fused may then differ by up to 1 + k.
                 allowed += max(int((_host(m[i].codes).int() - _host(y.codes).int()).abs()
                                    .max()) for m in moved())
+            if n and int(diff.max()) > allowed and lr is not None and y.codes.numel():
+                # Or fused's codes are about as far from float64's as eager's are: a
+                # discontinuity at a near-tie (Yogi's sign(v - g²), H200 fuzz seed 17
+                # example 2160: eager's absmax 63% from float64's, codes 127 apart).
+                cr = _host(lr()[0][i].codes).int()
+                far = [int((_host(c.codes).int() - cr).abs().max()) for c in (x, y)]
+                if far[0] <= 2 * far[1] + allowed:
+                    allowed = int(diff.max())
             assert n == 0 or int(diff.max()) <= allowed, (
                 f"{what}: 8-bit codes of leaf {i} differ by {int(diff.max())} > {allowed}")
             continue

@@ -199,6 +199,35 @@ def test_fp32_spread_sees_roundings_inside_a_chain():
     assert got["adam admits"] == [False, False] and got["ill admits"][1], got
 
 
+@pytest.mark.filterwarnings("ignore:.*8-bit codes differ")
+def test_codes_far_apart_only_where_eager_is_far_from_float64():
+    """8-bit codes more than one apart are refused, unless eager's own codes are as far
+    from the float64 reference's (a near-tie that rounding decides, such as Yogi's
+    sign(v - g²)) or move by as much when the inputs move by one fp32 ulp."""
+    from ftopt.rules import QuantizedSlot
+
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 256, (512,), generator=gen, dtype=torch.uint8)
+    absmax = torch.rand(2, generator=gen) + 0.5
+    eager = {"w": QuantizedSlot(codes, absmax)}
+    off = codes.clone()
+    off[7] = (int(off[7]) + 127) % 256
+    fused = {"w": QuantizedSlot(off, absmax.clone())}
+    like_eager = lambda: ([eager["w"]], [0.0])  # noqa: E731
+    with pytest.raises(AssertionError, match="differ by 127 > 1"):
+        checks._close_states(fused, eager, "planted", like_eager)
+    far = codes.clone()
+    far[7] = (int(far[7]) + 100) % 256
+    far_ref = lambda: ([QuantizedSlot(far, absmax)], [0.0])  # noqa: E731
+    checks._close_states(fused, eager, "near-tie", far_ref)  # admitted
+    moved = lambda: [[QuantizedSlot(off, absmax)]]  # noqa: E731
+    checks._close_states(fused, eager, "moved", like_eager, moved)  # admitted
+    with pytest.raises(AssertionError, match="differ by 127 > 2"):
+        checks._close_states(fused, eager, "moved by 1", like_eager,
+                             lambda: [[QuantizedSlot(torch.where(
+                                 torch.arange(512) == 9, codes ^ 1, codes), absmax)]])
+
+
 # ------------------------------------------------------------------------------------------
 # Regressions found by the fuzz
 # ------------------------------------------------------------------------------------------
