@@ -224,3 +224,28 @@ def test_the_bf16_store_passes_the_front_end(tmp_path):
     failures = _compile_all({(str(path), "ftopt_main", ()): (
         ["x_ptr", "y_ptr", "n", "BLOCK"], [x, y, 3], {"BLOCK": 512})})
     assert not failures, failures
+
+
+def test_reduction_and_noise_kernels_get_the_heavy_tile(monkeypatch):
+    """Kernels with per-program work beyond their elements (a reduction pass and the main
+    kernel reading its per-leaf results; noise) run tiles.HEAVY_TILE, the others
+    tiles.BLOCK: the work table and every launch of a step agree on it."""
+    from ftopt.lowering import tiles
+
+    heavy = (1024, 4) if tiles.BLOCK != 1024 else (2048, 4)
+    monkeypatch.setattr(tiles, "HEAVY_TILE", heavy)
+    for tx, want in ((ftopt.fromage(1e-2), heavy[0]), (ftopt.noisy_sgd(1e-2), heavy[0]),
+                     (ftopt.adam(1e-3), tiles.BLOCK)):
+        blocks = {c["BLOCK"] for _, _, c in _kernels([_steps(tx, donate=(True,))]).values()
+                  if "BLOCK" in c}
+        assert blocks == {want}, (tx, blocks)
+    # (the same steps against eager at this tile: FTOPT_HEAVY_TILE in the GPU runs and
+    # test_norm_optimizers / test_noise under FTOPT_HEAVY_TILE=1024x4)
+    gen = torch.Generator().manual_seed(1)
+    p = {"a": torch.randn(3000, generator=gen), "b": torch.randn(7, 5, generator=gen)}
+    g = {k: torch.randn(v.shape, generator=gen) for k, v in p.items()}
+    for tx in (ftopt.fromage(1e-2), ftopt.lars(1e-2), ftopt.noisy_sgd(1e-2)):
+        fused, _ = ftopt.step(tx, p, g, tx.init(p), backend="fused")
+        eager, _ = ftopt.step(tx, p, g, tx.init(p), backend="eager")
+        for k in p:
+            torch.testing.assert_close(fused[k], eager[k], rtol=1e-6, atol=1e-7)

@@ -35,9 +35,9 @@ def masks(traced, tail: bool) -> dict[str, str]:
 def bf16_store_lines(role: str, slot: str, value: str, mask: str) -> list[str]:
     """Stores fp32 ``value`` as bf16 bits, rounded to nearest even (NaN: 0x7FC0), as
     torch's ``.to(torch.bfloat16)`` rounds, with integer operations: exact on every
-    backend (Triton's interpreter converts by truncation), and as fast as the conversion instruction on the H200
-    (bf16 params and states, GPT-2: 0.465 ms with these lines, 0.469 with the
-    instruction)."""
+    backend (Triton's interpreter converts by truncation), and as fast as the conversion
+    instruction on the H200 (bf16 params and states, GPT-2: 0.465 ms with these lines,
+    0.469 with the instruction)."""
     b = f"b_{slot}"
     return [
         # (* 1.0: a broadcast that keeps every value, -0.0 included; a sum with a -0.0

@@ -39,6 +39,17 @@ QUANT_TILE = tuple(int(x) for x in os.environ.get(
 QUANT_MAXNREG = int(os.environ.get("FTOPT_QUANT_MAXNREG", "72"))
 
 
+# Kernels with per-program work beyond their elements: a reduction pass and the main
+# kernel that reads its per-leaf results (LARS, LAMB, NovoGrad, Fromage, Prodigy: each
+# program stores partial sums, which a per-leaf pass then adds up, and recomputes its
+# leaf's ratio), and noise (a per-leaf key). Twice the elements halve that work (H200,
+# GPT-2 fp32, FTOPT_BLOCK=1024: Fromage 0.676 -> 0.601 ms, noisy_sgd 0.418 -> 0.367; 1024
+# with 8 warps and 256 with 2 were no faster than 512/4). FTOPT_HEAVY_TILE overrides it.
+HEAVY_TILE = tuple(int(x) for x in os.environ.get(
+    "FTOPT_HEAVY_TILE", f"{BLOCK}x{NUM_WARPS}" if INTERPRETING or "FTOPT_BLOCK" in os.environ
+    else "1024x4").split("x"))
+
+
 def tile(traced, quant_block: int = 0) -> tuple[int, int]:
     """(elements, warps) per program of ``traced``'s kernels (``quant_block``: the
     group's 8-bit block size, 0 for fp32 slots)."""
@@ -46,6 +57,9 @@ def tile(traced, quant_block: int = 0) -> tuple[int, int]:
         return quant_tile(quant_block)
     if traced.in_place:
         return IN_PLACE_TILE
+    if traced.levels or any(getattr(st, "rule", None) is not None and st.rule.indexed
+                            for st in traced.stages):
+        return HEAVY_TILE
     return BLOCK, NUM_WARPS
 
 
