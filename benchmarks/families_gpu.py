@@ -16,6 +16,10 @@ of copy: compute-bound): about 14 integer ops, 1 conversion, half a ``log`` + ``
 ``sin``/``cos`` and 3 multiplies a element, about 50-55 instructions, which the issue rate
 of 132 SMs covers in about 0.3 ms, under the memory time: 0.36-0.40 ms, >= 0.9 of copy.
 
+Measured (H200, 2026-11-30): 0.418 ms (0.84 of copy) with 512-element tiles, 0.367 ms
+(0.96) with the 1024-element tiles that noise and reduction kernels now get
+(``tiles.HEAVY_TILE``): per-program work (the leaf's key; partial sums) halved.
+
 ``schedule_free_sgd``'s kernel moves exactly its 20 B/elt (reads g, p, z; writes p, z:
 its generated source has three loads and two stores); the rest of its step is the
 running scalars' torch ops on 0-d tensors (see the note column), each a tiny kernel of

@@ -42,7 +42,8 @@ bitwise checks now compare all tensors of a device as one concatenation of their
 (counted over 12 examples of seed 14 on a CPU: ``equal`` 8,971 -> 1,951 calls, ``clone``
 7,579 -> 981 plus 1,819 ``cat``; host reads 10,223 -> 3,203), and the relative errors and
 skip_zeros comparisons run on host copies. Predicted: ~1.5-2x more
-examples a second on the GPU; not yet measured.
+examples a second on the GPU. Got: 37-53 examples a second on two H200s with 30 workers
+(seeds 17 and 18: 10,000 examples in 251-270 s), ~5x per GPU.
 """
 
 from __future__ import annotations
