@@ -249,3 +249,37 @@ def test_reduction_and_noise_kernels_get_the_heavy_tile(monkeypatch):
         eager, _ = ftopt.step(tx, p, g, tx.init(p), backend="eager")
         for k in p:
             torch.testing.assert_close(fused[k], eager[k], rtol=1e-6, atol=1e-7)
+
+
+def test_fast_math_layouts_take_the_approximate_instructions(monkeypatch):
+    """A layout in tiles.FAST_MATH gets approximate sqrt and division in its main kernel
+    (which pass the front end), the others keep the correctly rounded ones; 8-bit slots
+    never take them (their codes must equal eager's). Results stay within the contract."""
+    from ftopt.lowering import tiles
+
+    monkeypatch.setattr(tiles, "FAST_MATH",
+                        frozenset({"16-bit states", "16-bit", "8-bit"}))
+    cases = ((ftopt.adam(1e-3, state_dtype=torch.bfloat16), torch.float32, True),
+             (ftopt.adam(1e-3), torch.bfloat16, True),
+             (ftopt.adam(1e-3), torch.float32, False),
+             (ftopt.adam(1e-3, state_bits=8), torch.float32, False))
+    for tx, dtype, fast in cases:
+        kernels = _kernels([_steps(tx, dtype, donate=(True,))])
+        mains = [open(path).read() for (path, name, _) in kernels if name == "ftopt_main"]
+        assert mains
+        for src in mains:
+            body = src.split("pid = tl.program_id(0)", 1)[1]
+            assert ("tl.fdiv(" in body and "tl.sqrt(" in body) == fast, (tx, dtype)
+            assert ("tl.div_rn(" in body or "tl.sqrt_rn(" in body) != fast, (tx, dtype)
+        if fast:
+            assert not _compile_all(kernels)
+    gen = torch.Generator().manual_seed(2)
+    p = {"w": torch.randn(3000, generator=gen).to(torch.bfloat16)}
+    g = {"w": torch.randn(3000, generator=gen).to(torch.bfloat16)}
+    tx = ftopt.adam(1e-2, state_dtype=torch.bfloat16)
+    s = tx.init(p)
+    for _ in range(3):
+        (pf, sf), (pe, se) = (ftopt.step(tx, p, g, s, backend=b) for b in ("fused", "eager"))
+        # (one bf16 ulp: the interpreter truncates where a GPU rounds to nearest)
+        torch.testing.assert_close(pf["w"].float(), pe["w"].float(), rtol=2 ** -7, atol=0)
+        p, s = pe, se

@@ -156,6 +156,12 @@ class Variant:
     # nothing (its params and states keep their bytes); 8-bit blocks then need no select
     # of their old codes when a program is one block.
     skip_stores: bool = False
+    # Approximate sqrt and division in the body (tiles.FAST_MATH).
+    fast_math: bool = False
+
+
+def _fast_math(line: str) -> str:
+    return line.replace("tl.sqrt_rn(", "tl.sqrt(").replace("tl.div_rn(", "tl.fdiv(")
 
 
 def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list[str]:
@@ -256,6 +262,8 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
                                dtypes, tail) for tail in (False, True)]
     count_args, count_lines = _count_lines(traced)
     body = _split_blocks(*bodies)
+    if variant.fast_math:
+        body = [_fast_math(x) for x in body]
     if variant.skip_tiles:
         body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0) != 0.0)"
                 ".to(tl.int32)) > 0:"] + ["    " + x for x in body]

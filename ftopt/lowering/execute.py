@@ -90,6 +90,7 @@ class PreparedStep:
             group.traced = group_traced
             group.quant_block = quant_block
             group.slot_dtypes = slot_dtypes
+            group.fast_math = tiles.fast_math(p_dtype, quant_block, slot_dtypes)
             # Donated, every stage skip-aware: an all-zero tile changes nothing (8-bit:
             # its blocks keep their bytes), so its program may return at once.
             # (Not with per-leaf slots: the leaf's first program stores its value; tiles

@@ -101,17 +101,34 @@ SKIP_MODES.update(dict(kv.split("=") for kv in os.environ.get(
     "FTOPT_SKIP_MODES", "").split(",") if kv))
 
 
+# Layouts whose main kernels take square roots and quotients with the GPU's approximate
+# instructions (within 1-2 fp32 ulps, as SPEC's tolerance allows) in place of correctly
+# rounded ones, whose refinement steps and special-case branches make up most of a 16-bit
+# kernel's instructions (static SASS, sm_90, Adam with bf16 states: 824 -> 493). An
+# experiment: none by default; FTOPT_FAST_MATH="16-bit,16-bit states" turns it on for
+# those layouts (never for 8-bit states, whose codes must equal eager's).
+FAST_MATH = frozenset(x for x in os.environ.get("FTOPT_FAST_MATH", "").split(",") if x)
+
+
+def layout(p_dtype, quant_block: int, slot_dtypes: tuple) -> str:
+    """The layout of a kernel group: "8-bit", "16-bit states", "16-bit" or "fp32"."""
+    if quant_block:
+        return "8-bit"
+    if slot_dtypes:
+        return "16-bit states"
+    return "16-bit" if p_dtype.itemsize == 2 else "fp32"
+
+
 def skip_mode(p_dtype, quant_block: int, slot_dtypes: tuple) -> tuple[bool, bool, bool]:
     """(in place, skip tiles, skip stores) for a donated skip_zeros group of this
     layout."""
-    if quant_block:
-        layout = "8-bit"
-    elif slot_dtypes:
-        layout = "16-bit states"
-    elif p_dtype.itemsize == 2:
-        layout = "16-bit"
-    else:
-        layout = "fp32"
-    mode = SKIP_MODES[layout]
+    mode = SKIP_MODES[layout(p_dtype, quant_block, slot_dtypes)]
     return "in_place" in mode and not quant_block, "tiles" in mode, "stores" in mode
+
+
+def fast_math(p_dtype, quant_block: int, slot_dtypes: tuple) -> bool:
+    """Whether this layout's main kernel uses approximate sqrt and division
+    (:data:`FAST_MATH`)."""
+    kind = layout(p_dtype, quant_block, slot_dtypes)
+    return kind != "8-bit" and kind in FAST_MATH
 
