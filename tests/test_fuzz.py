@@ -169,10 +169,11 @@ def test_reference_spread_tells_ill_conditioned_chains_from_bugs():
 def test_fp32_spread_sees_roundings_inside_a_chain():
     """The fp32 spread (eager rerun from inputs moved by one fp32 ulp) sees what the
     float64 spread cannot: a rounding early in a chain amplified later in it. The H200's
-    fuzz found such a chain (seed 17 example 8920, yogi -> adan -> rms -> adan: a GPU's
-    fused multiply-adds gave a state leaf 2.4e-6 from eager's, which the float64 spread,
-    2.6e-7, did not admit). That leaf moves by far more in fp32, and the difference is
-    admitted; Adam's state moves by ~1e-7, and a 1e-5 difference is refused."""
+    fuzz found such a chain (seed 17 example 8920, yogi -> adan -> rms -> adan: on a GPU,
+    where eager runs torch's CUDA kernels, fused gave a state leaf 2.4e-6 from eager's,
+    which the float64 spread, 2.6e-7, did not admit). That leaf moves by far more in
+    fp32, and the difference is admitted; Adam's state moves by ~1e-7, and a 1e-5
+    difference is refused."""
     import ftopt
 
     runner = _runner()
