@@ -383,8 +383,8 @@ def _close_states(f: Any, e: Any, what: str, ref=None, moved=None) -> None:
                 # example 2160: eager's absmax 63% from float64's, codes 127 apart).
                 cr = _host(lr()[0][i].codes).int()
                 far = [int((_host(c.codes).int() - cr).abs().max()) for c in (x, y)]
-                if far[0] <= 2 * far[1] + allowed:
-                    allowed = int(diff.max())
+                if far[1] > 1 and far[0] <= 2 * far[1] + allowed:  # (eager off by more
+                    allowed = int(diff.max())  # than its own rounding: ill-conditioned)
             assert n == 0 or int(diff.max()) <= allowed, (
                 f"{what}: 8-bit codes of leaf {i} differ by {int(diff.max())} > {allowed}")
             continue

@@ -221,6 +221,11 @@ def test_codes_far_apart_only_where_eager_is_far_from_float64():
     far[7] = (int(far[7]) + 100) % 256
     far_ref = lambda: ([QuantizedSlot(far, absmax)], [0.0])  # noqa: E731
     checks._close_states(fused, eager, "near-tie", far_ref)  # admitted
+    one = codes.clone()
+    one[7] = (int(one[7]) + 1) % 256  # eager one code from float64: rounding, not a tie
+    with pytest.raises(AssertionError, match="differ by 127 > 1"):
+        checks._close_states(fused, eager, "planted", lambda: ([QuantizedSlot(one, absmax)],
+                                                               [0.0]))
     moved = lambda: [[QuantizedSlot(off, absmax)]]  # noqa: E731
     checks._close_states(fused, eager, "moved", like_eager, moved)  # admitted
     with pytest.raises(AssertionError, match="differ by 127 > 2"):
