@@ -20,6 +20,18 @@ def bits(x: torch.Tensor) -> torch.Tensor:
     return x.detach().view(_INT_OF_SIZE[x.element_size()])
 
 
+def with_zero_rows_and_columns(grads: list[dict], key: str = "w") -> torch.Tensor:
+    """Zeros leaf ``key`` of every gradient after the first (a warm-up) in rows 2-4 and
+    every 7th column, in place; returns that mask (a 2-D leaf's skip_zeros pattern)."""
+    leaf = grads[0][key]
+    zero = torch.zeros(leaf.shape, dtype=torch.bool, device=leaf.device)
+    zero[2:5] = True
+    zero[:, ::7] = True
+    for g in grads[1:]:
+        g[key][zero] = 0.0
+    return zero
+
+
 def assert_trees_close(a: Any, b: Any, rtol: float = 1e-6, atol: float = 1e-7) -> None:
     """The same tree structure (``None`` holes included), and every leaf of the same dtype
     and shape and equal within ``rtol``/``atol``."""

@@ -25,6 +25,7 @@ import pytest
 import registry
 import torch
 from registry import standalone
+from step_checks import with_zero_rows_and_columns
 
 import ftopt
 
@@ -307,11 +308,7 @@ def test_skip_zeros_is_exact(name, backend):
     gen = torch.Generator().manual_seed(_seed(name, backend))
     params0 = _tree(gen)
     grads = [_tree(gen) for _ in range(3)]
-    zero = torch.zeros(SHAPES["w"], dtype=torch.bool, device=DEVICE)
-    zero[2:5] = True
-    zero[:, ::7] = True
-    for g in grads[1:]:
-        g["w"][zero] = 0.0
+    zero = with_zero_rows_and_columns(grads)
     changed = False
     for skip in (True, False):
         tx = standalone(name, state_dtype=dt, skip_zeros=skip)
