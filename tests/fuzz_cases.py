@@ -256,13 +256,15 @@ def build(s: Structure, hps: list, skip: bool = True) -> GradientTransformation:
     return tx
 
 
-def plain_state(s: Structure, state: Any) -> Any:
+def plain_state(s: Structure, state: Any, like: Any = None) -> Any:
     """The state of ``build(s, hps, skip=False)`` from that of ``build(s, hps)``: the same
-    but for the skip_zeros marker's empty state."""
+    but for the skip_zeros marker's empty state. ``like``: the plain chain's initial state
+    (an alias' ``skip_zeros=True`` may put a marker at the end of each branch's chain, as
+    Muon's partition does, not only at the end of its own chain)."""
     if s.skip == "wrap":
         return state[0]
     if s.skip == "keyword":
-        return state[:-1]
+        return state[:-1] if like is None else _without_markers(state, like)
     if s.skip != "marker":
         return state
     n = len(s.parts) + 1
@@ -272,6 +274,21 @@ def plain_state(s: Structure, state: Any) -> Any:
         return OrderedDict((f"n{i}", v) for i, (_, v) in enumerate(kept))
     rest = tuple(v for i, v in enumerate(state) if i != k)
     return rest[0] if len(rest) == 1 else rest
+
+
+def _without_markers(state: Any, like: Any) -> Any:
+    """``state`` shaped as ``like``: a tuple one longer than ``like``'s, ending in an
+    :class:`ftopt.EmptyState` (a skip_zeros marker), loses that end."""
+    if isinstance(state, ftopt.EmptyState) or not isinstance(state, (tuple, dict)):
+        return state
+    if isinstance(state, dict):
+        return type(state)((k, _without_markers(v, like[k])) for k, v in state.items())
+    items = list(state)
+    if (not hasattr(state, "_fields") and len(items) == len(like) + 1
+            and isinstance(items[-1], ftopt.EmptyState)):
+        items = items[:-1]
+    items = [_without_markers(x, y) for x, y in zip(items, like)]
+    return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)
 
 
 # ------------------------------------------------------------------------------------------

@@ -343,6 +343,9 @@ def _close_param(f: torch.Tensor, e: torch.Tensor, old: torch.Tensor, what: str,
     tol = fi.eps * torch.maximum(ee.abs(), torch.tensor(fi.smallest_normal)) \
         + 4 * torch.finfo(torch.float32).eps * eo.abs()
     bad = (ef - ee).abs() > tol
+    if bad.any() and ((ref is not None and _as_accurate(f, e, *ref()))
+                      or _within_fp32_spread(f, e, moved, old)):
+        return  # (an ill-conditioned chain: as for fp32 params above)
     assert not bad.any(), (f"{what}: {int(bad.sum())} elements beyond one ulp, e.g. fused "
                            f"{ef[bad][:3].tolist()} eager {ee[bad][:3].tolist()}")
 
@@ -503,9 +506,10 @@ def skip_zeros_exact(case: Case, backend: str) -> None:
     tx, plain = case.tx(), case.tx(skip=False)
     p = case.params
     s = tx.init(p)
+    plain_like = plain.init(p)
     for k, g_dev in enumerate(case.grads):
         p1_dev, s1_dev = pure_step(case, tx, p, g_dev, s, backend)
-        p0, s0 = pure_step(case, plain, p, g_dev, plain_state(s_, s), backend)
+        p0, s0 = pure_step(case, plain, p, g_dev, plain_state(s_, s, plain_like), backend)
         # (compared on the host: one copy a tensor, not an index, a kernel and a sync per
         # comparison on the GPU runner)
         p, g, s, p1, s1, p0, s0 = (_tree_host(x) for x in (p, g_dev, s, p1_dev, s1_dev,

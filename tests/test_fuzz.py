@@ -315,3 +315,43 @@ def test_runner_merge_sums_shards_and_refuses_overlaps(tmp_path):
     assert "| purity | 5 | 1 |" in (tmp_path / "merged.md").read_text()
     with pytest.raises(SystemExit, match="not disjoint"):
         runner.merge([str(paths[0]), str(paths[0])])
+
+
+def test_plain_state_of_a_keyword_skip_zeros_partition():
+    """An alias' ``skip_zeros=True`` may put its marker at the end of each branch's chain
+    (Muon's partition: H200 fuzz, seed 21), not only at the end of its own: the control
+    run's state is the plain alias' layout, the same tensors."""
+    from fuzz_cases import Structure, plain_state
+
+    import ftopt
+
+    gen = torch.Generator().manual_seed(3)
+    p = {"w": torch.randn(4, 5, generator=gen), "b": torch.randn(5, generator=gen)}
+    skip, plain = ftopt.muon(1e-2, skip_zeros=True), ftopt.muon(1e-2)
+    s = skip.init(p)
+    s = ftopt.step(skip, p, {k: torch.randn_like(v) for k, v in p.items()}, s)[1]
+    like = plain.init(p)
+    got = plain_state(Structure(parts=(), skip="keyword"), s, like)
+    assert optree.tree_structure(got, namespace="ftopt") == \
+        optree.tree_structure(like, namespace="ftopt")
+    assert all(a is b for a, b in zip(optree.tree_leaves(got, namespace="ftopt"),
+                                      optree.tree_leaves(s, namespace="ftopt")))
+    ftopt.step(plain, p, {k: torch.randn_like(v) for k, v in p.items()}, got)
+
+
+def test_16bit_params_get_the_ill_conditioning_rules():
+    """A 16-bit param more than one ulp from eager's is refused, unless fused is as
+    accurate against float64 as eager or eager moves as much by itself when its inputs
+    move by one fp32 ulp (H200 fuzz, seed 20 example 1753: Muon then Yogi, fp16, fused
+    7.5e-4 from float64 where eager was 1.4e-3)."""
+    e = torch.tensor([-107.125, 116.4375, 3.0], dtype=torch.float16)
+    f = torch.tensor([-107.0, 116.25, 3.0], dtype=torch.float16)
+    old = torch.tensor([-100.0, 110.0, 3.0], dtype=torch.float16)
+    r = torch.tensor([-107.03, 116.3, 3.0], dtype=torch.float64)
+    with pytest.raises(AssertionError, match="beyond one ulp"):
+        checks._close_param(f, e, old, "p")
+    checks._close_param(f, e, old, "p", ref=lambda: (r, 0.0))
+    checks._close_param(f, e, old, "p", moved=lambda: [f.clone()])
+    far = torch.tensor([-106.5, 116.25, 3.0], dtype=torch.float16)
+    with pytest.raises(AssertionError, match="beyond one ulp"):
+        checks._close_param(far, e, old, "p", ref=lambda: (r, 0.0))
