@@ -4,10 +4,10 @@ For each layout of ``gpu_step.LAYOUTS`` and each way a donated step may skip zer
 gradients, the time of Adam with skip_zeros against without, with dense gradients and with
 90% of the embedding's rows zero (GPT-2 tree); then each compiled kernel's registers.
 
-    python3 benchmarks/skip_modes_gpu.py OUT
+    python3 benchmarks/skip_modes_gpu.py OUT [MODES]     # MODES: e.g. "select,chunks"
 
 ("tiles" and "in_place+tiles" were measured before and lost on every layout: see
-benchmarks/RESULTS.md; this run compares the others with "stores".)
+benchmarks/RESULTS.md; this run compares the others with "stores" and "chunks".)
 """
 import json
 import pathlib
@@ -25,6 +25,8 @@ cfg = gpu_step.gpt2_tree_config(dev)
 
 
 t = gpu_step.median_step_ms
+# python3 benchmarks/skip_modes_gpu.py OUT [MODE,MODE...]: only those modes
+ONLY = sys.argv[2].split(",") if len(sys.argv) > 2 else []
 
 
 res = []
@@ -36,7 +38,8 @@ for name, (dtype, kw, _) in gpu_step.LAYOUTS.items():
     pairs = (("dense", grads), ("sparse", sparse))
     base = {g: t(ftopt.adam(1e-3, **kw), params, gr) for g, gr in pairs}
     modes = (["select", "stores"] if key == "8-bit"
-             else ["in_place", "select", "stores", "in_place+stores"])
+             else ["in_place", "select", "stores", "in_place+stores", "chunks"])
+    modes = [m for m in modes if not ONLY or m in ONLY]
     for mode in modes:
         tiles.SKIP_MODES[key] = mode
         gpu_step._clear_lowering_caches()

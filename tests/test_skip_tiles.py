@@ -83,7 +83,7 @@ LAYOUTS = {"fp32": (torch.float32, {}), "bf16 params": (torch.bfloat16, {}),
 
 
 @pytest.mark.parametrize("mode", ["in_place", "tiles", "in_place+tiles", "select", "stores",
-                                  "in_place+stores"])
+                                  "in_place+stores", "chunks"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     """Each way a donated step may skip zero gradients (tiles.SKIP_MODES) gives the
@@ -115,6 +115,8 @@ def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     assert [g.skip_stores for g in groups] == ["stores" in mode] * len(groups)
     in_place = "in_place" in mode and key != "8-bit"
     assert [g.traced.in_place for g in groups] == [in_place] * len(groups)
+    chunks = tiles.CHUNK_LANES if mode == "chunks" and key != "8-bit" else 0
+    assert [g.chunk_lanes for g in groups] == [chunks] * len(groups)
     assert not torch.equal(full[0]["w"][:10], params["w"][:10])
     assert torch.equal(full[0]["w"][tile:2 * tile], params["w"][tile:2 * tile])
 

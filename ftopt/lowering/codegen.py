@@ -158,6 +158,9 @@ class Variant:
     skip_stores: bool = False
     # Approximate sqrt and division in the body (tiles.FAST_MATH).
     fast_math: bool = False
+    # A donated skip_zeros step of a plain chain (tiles.chunk_lanes): the tile is rows of
+    # this many lanes; a row whose gradients are all zero is neither loaded nor stored.
+    chunk_lanes: int = 0
 
 
 def _fast_math(line: str) -> str:
@@ -170,7 +173,8 @@ def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list
         "leaf = tl.load(block_leaf_ptr + pid)",
         "start = tl.multiple_of(tl.load(block_start_ptr + pid), BLOCK)",
         "n = tl.load(numel_ptr + leaf)",
-        "offs = start + tl.arange(0, BLOCK)",
+        "offs = start + tl.arange(0, BLOCK)" if not variant.chunk_lanes else
+        f"offs = start + {lanes.rows(variant.chunk_lanes)}",
     ]
     for role in roles:
         pointer = f"tl.load({role}_addr_ptr + leaf).to(tl.pointer_type({dtypes[role]}))"
@@ -258,8 +262,11 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     dtypes = role_dtypes(traced, variant)
     stores = kept_stores(traced, quant)
     nodes = main_nodes(traced, quant)
-    bodies = [_body_and_stores(traced, nodes, stores, lanes.masks(traced, tail), variant,
+    bodies = [_body_and_stores(traced, nodes, stores,
+                               lanes.masks(traced, tail, bool(variant.chunk_lanes)), variant,
                                dtypes, tail) for tail in (False, True)]
+    if variant.chunk_lanes:
+        bodies = [lanes.with_live_rows(body, variant.chunk_lanes) for body in bodies]
     count_args, count_lines = _count_lines(traced)
     body = _split_blocks(*bodies)
     if variant.fast_math:

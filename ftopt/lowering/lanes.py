@@ -4,7 +4,7 @@ off; and the bf16 store that rounds as torch does."""
 
 from __future__ import annotations
 
-__all__ = ["masks", "flag_mask", "load_mask", "bf16_store_lines"]
+__all__ = ["masks", "flag_mask", "load_mask", "bf16_store_lines", "rows", "with_live_rows"]
 
 
 def flag_mask(traced, flag: str, load: bool) -> str:
@@ -20,9 +20,14 @@ def load_mask(traced, masks: dict, tail: bool, role: str) -> str:
     return masks["LMASK"] if flag is None else flag_mask(traced, flag, True)
 
 
-def masks(traced, tail: bool) -> dict[str, str]:
-    """Load and store masks of the full-block and the tail-block code."""
+def masks(traced, tail: bool, chunks: bool = False) -> dict[str, str]:
+    """Load and store masks of the full-block and the tail-block code (``chunks``: the
+    rows of a "chunks" kernel, :func:`with_live_rows`)."""
     keep = " & keep" if traced.in_place else ""
+    if chunks:
+        both = "in_range & live" if tail else "live"
+        return {"GMASK": ", mask=in_range, other=0.0" if tail else "",
+                "LMASK": f", mask={both}, other=0.0", "SMASK": f", mask={both}"}
     if tail:
         return {"GMASK": ", mask=in_range, other=0.0",
                 "LMASK": f", mask=in_range{keep}, other=0.0",
@@ -48,3 +53,22 @@ def bf16_store_lines(role: str, slot: str, value: str, mask: str) -> list[str]:
         f"{b}_u = tl.where({b}_x == {b}_x, {b}_u, 32704)",
         f"tl.store({role} + offs, {b}_u.to(tl.uint16){mask})",
     ]
+
+
+def rows(lanes: int) -> str:
+    """A tile's offsets as ``(BLOCK // lanes, lanes)`` rows: each row is contiguous, so a
+    mask constant along it (:func:`with_live_rows`) keeps its loads vectorized."""
+    return (f"tl.arange(0, BLOCK // {lanes})[:, None] * {lanes} + "
+            f"tl.arange(0, {lanes})[None, :]")
+
+
+def with_live_rows(body: list[str], lanes: int) -> list[str]:
+    """A "chunks" body: ``live`` (a row with a non-zero gradient) right after the
+    gradient's load, before any load masked by it, and 2-d broadcasts."""
+    at = next(i for i, line in enumerate(body) if line.startswith("g = "))
+    assert not any("live" in line for line in body[:at])
+    live = "live = tl.max((g != 0.0).to(tl.int32), axis=1)[:, None] != 0"
+    shape = f"[BLOCK // {lanes}, {lanes}]"
+    body = [line.replace("tl.full([BLOCK],", f"tl.full({shape},")
+            .replace("tl.zeros([BLOCK],", f"tl.zeros({shape},") for line in body]
+    return body[:at + 1] + [live] + body[at + 1:]

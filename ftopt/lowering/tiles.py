@@ -81,7 +81,11 @@ def quant_tile(quant_block: int) -> tuple[int, int]:
 # old values by selects), "in_place+tiles", "select" (selects only), or "stores" (selects,
 # and a program whose gradients are all zero writes nothing: its loads are not delayed,
 # and 8-bit blocks of one program need no select of their old codes and absmax), also
-# "in_place+stores". 8-bit blocks need every lane, so "in_place" does not apply to them.
+# "in_place+stores", or "chunks" (the tile is rows of CHUNK_LANES elements, a warp's
+# vectorized loads: a row whose gradients are all zero is neither loaded nor stored,
+# the zero lanes of other rows keep their old values by selects; plain elementwise chains
+# only, the others select). 8-bit blocks need every lane, so neither "in_place" nor
+# "chunks" applies to them.
 # FTOPT_SKIP_MODES overrides ("fp32=tiles,16-bit=select"). H200, GPT-2 Adam, skip_zeros
 # against no skip_zeros with dense gradients / with 90% of the embedding's rows zero
 # (benchmarks/RESULTS.md):
@@ -95,6 +99,8 @@ def quant_tile(quant_block: int) -> tuple[int, int]:
 #   bf16 params +7.6% / -6.1%, bf16 states +21.5% / +3.1%; 8-bit at 72 registers
 #   +12.2% / -19.3% (select +28.3% / +22.8%).
 # "16-bit" covers 16-bit params with fp32 states; "16-bit states" any 16-bit state slot.
+# A "chunks" row: 32 threads of 4 elements (16-byte fp32 loads; FTOPT_CHUNK_LANES).
+CHUNK_LANES = int(os.environ.get("FTOPT_CHUNK_LANES", "128"))
 SKIP_MODES = {"fp32": "in_place", "16-bit": "stores", "16-bit states": "select",
               "8-bit": "stores"}
 SKIP_MODES.update(dict(kv.split("=") for kv in os.environ.get(
@@ -119,11 +125,27 @@ def layout(p_dtype, quant_block: int, slot_dtypes: tuple) -> str:
     return "16-bit" if p_dtype.itemsize == 2 else "fp32"
 
 
-def skip_mode(p_dtype, quant_block: int, slot_dtypes: tuple) -> tuple[bool, bool, bool]:
-    """(in place, skip tiles, skip stores) for a donated skip_zeros group of this
+def skip_mode(p_dtype, quant_block: int,
+              slot_dtypes: tuple) -> tuple[bool, bool, bool, bool]:
+    """(in place, skip tiles, skip stores, chunks) for a donated skip_zeros group of this
     layout."""
     mode = SKIP_MODES[layout(p_dtype, quant_block, slot_dtypes)]
-    return "in_place" in mode and not quant_block, "tiles" in mode, "stores" in mode
+    return ("in_place" in mode and not quant_block, "tiles" in mode, "stores" in mode,
+            "chunks" in mode and not quant_block)
+
+
+def chunk_lanes(traced) -> int:
+    """Lanes of the rows of ``traced``'s "chunks" kernel; 0 where it keeps the select
+    mode: norms, per-leaf or running values, flags, seeded segments and indexed rules
+    (whose code is not only per element), or a tile that does not split into rows of
+    :data:`CHUNK_LANES`."""
+    if (traced.in_place or traced.levels or traced.leaf_slots or traced.running_stores
+            or traced.slot_flags or traced.seeded
+            or any(getattr(st, "rule", None) is not None and st.rule.indexed
+                   for st in traced.stages)):
+        return 0
+    block = tile(traced)[0]
+    return CHUNK_LANES if block % CHUNK_LANES == 0 and block >= CHUNK_LANES else 0
 
 
 def fast_math(p_dtype, quant_block: int, slot_dtypes: tuple) -> bool:
