@@ -98,6 +98,11 @@ def quant_tile(quant_block: int) -> tuple[int, int]:
 #   "stores" (benchmarks/quant_regs_gpu.py, skip_modes_gpu.py): fp32 +1.3% / -10.9%,
 #   bf16 params +7.6% / -6.1%, bf16 states +21.5% / +3.1%; 8-bit at 72 registers
 #   +12.2% / -19.3% (select +28.3% / +22.8%).
+#   "chunks" (skipmodes_h200_chunks*.json, same run as in_place +1.9% / -12.2%, stores
+#   +7.8% / -6.6%, select +12.6% / +13.0% for bf16 states): fp32 +4.7% / -6.8%, bf16
+#   params +12.5% / +3.3%, bf16 states +25.7% / +19.0%; with FAST_MATH, bf16 params
+#   +5.1% / -11.3% (in_place +8.0% / -11.7%, stores +7.3% / -3.9%, select +1.7% / +1.6%)
+#   and bf16 states +11.0% / +2.0% (select +6.3% / +7.3%); rows of 256 lanes lose more.
 # "16-bit" covers 16-bit params with fp32 states; "16-bit states" any 16-bit state slot.
 # A "chunks" row: 32 threads of 4 elements (16-byte fp32 loads; FTOPT_CHUNK_LANES).
 CHUNK_LANES = int(os.environ.get("FTOPT_CHUNK_LANES", "128"))
