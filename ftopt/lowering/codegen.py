@@ -164,7 +164,19 @@ class Variant:
 
 
 def _fast_math(line: str) -> str:
-    return line.replace("tl.sqrt_rn(", "tl.sqrt(").replace("tl.div_rn(", "tl.fdiv(")
+    return line.replace("tl.sqrt_rn(", "ftopt_fast_sqrt(").replace("tl.div_rn(", "tl.fdiv(")
+
+
+# The approximate square root flushes denormal inputs to zero (``sqrt.approx.ftz.f32`` on
+# NVIDIA GPUs: with eps=0 a gradient below ~1e-19 would then divide by zero). Below the
+# smallest normal, x * 2**64 (exact) is normal, and its root times 2**-32 (exact) is x's.
+# (The approximate division, ``div.full.f32``, keeps denormals.)
+FAST_SQRT = """@triton.jit
+def ftopt_fast_sqrt(x):
+    tiny = x < 1.1754943508222875e-38
+    root = tl.sqrt(tl.where(tiny, x * 18446744073709551616.0, x))
+    return tl.where(tiny, root * 2.3283064365386963e-10, root)
+"""
 
 
 def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list[str]:
@@ -269,8 +281,10 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
         bodies = [lanes.with_live_rows(body, variant.chunk_lanes) for body in bodies]
     count_args, count_lines = _count_lines(traced)
     body = _split_blocks(*bodies)
+    helpers = traced.graph.helpers
     if variant.fast_math:
         body = [_fast_math(x) for x in body]
+        helpers = {**helpers, "ftopt_fast_sqrt": FAST_SQRT}
     if variant.skip_tiles:
         body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0) != 0.0)"
                 ".to(tl.int32)) > 0:"] + ["    " + x for x in body]
@@ -278,7 +292,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     running_args = [f"{role}_ptr" for role, _ in traced.running_stores]
     sig = _signature(roles, count_args + running_args, len(traced.graph.scalars), variant,
                      ("COUNT",))
-    return _kernel("ftopt_main", sig, lines, traced.graph.helpers)
+    return _kernel("ftopt_main", sig, lines, helpers)
 
 
 def main_nodes(traced: TracedChain, quantized: bool) -> list:
