@@ -121,3 +121,29 @@ def test_bytes_per_element_count_slots_at_their_stored_size(tx, want):
     params = {"w": torch.randn(64, 80, generator=torch.Generator().manual_seed(4)).to(DEVICE)}
     text = ftopt.explain(tx(), params, donate=True, backend="fused", file=_Null())
     assert f"bytes per element: {want}" in text, text
+
+
+def test_explain_names_the_skip_mode_and_fast_math(monkeypatch):
+    """A donated skip_zeros step names its layout's skip mode, and what the chain falls
+    back to where its kernels cannot take it; fast-math layouts say so."""
+    from ftopt.lowering import tiles
+
+    monkeypatch.setattr(tiles, "SKIP_MODES", {"fp32": "in_place", "16-bit": "stores",
+                                              "16-bit states": "chunks", "8-bit": "stores"})
+    monkeypatch.setattr(tiles, "FAST_MATH", frozenset({"16-bit states"}))
+    w = torch.randn(5000).to(DEVICE)
+    cases = [
+        (ftopt.adam(1e-3, skip_zeros=True), w, "mode 'in_place' of the 'fp32' layout ("),
+        (ftopt.lamb(1e-3, skip_zeros=True), w, "here 'select'"),
+        (ftopt.adam(1e-3, skip_zeros=True), w.bfloat16(), "mode 'stores' of the '16-bit'"),
+        (ftopt.adam(1e-3, skip_zeros=True, state_dtype=torch.bfloat16), w,
+         "mode 'chunks' of the '16-bit states' layout ("),
+        (ftopt.adam(1e-3, skip_zeros=True, state_bits=8), w, "mode 'stores' of the '8-bit'"),
+    ]
+    for tx, x, want in cases:
+        text = ftopt.explain(tx, {"w": x}, donate=True, backend="fused", file=_Null())
+        assert want in text, text
+        assert ("approximate" in text) == ("16-bit states" in want), text
+    text = ftopt.explain(ftopt.adam(1e-3, skip_zeros=True), {"w": w}, backend="fused",
+                         file=_Null())
+    assert "skip_zeros (donated)" not in text

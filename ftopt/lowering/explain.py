@@ -157,6 +157,13 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
             lines += _where(parts, runs, leaves, p_flat)
         lines.append(f"  kernel launches per step: {launches} "
                      f"({int(levels)} norm pass(es) + {len(kernels)} main)")
+        quant_block = quant.block_size if eight_bit else 0
+        slot_dtypes = ((None, store),) if slot_size == 2 else ()
+        if donate and any(plan.skips):
+            lines.append(_skip_line(traced, p_dtype, quant_block, slot_dtypes))
+        if tiles.fast_math(p_dtype, quant_block, slot_dtypes):
+            lines.append("  square root and division: the GPU's approximate ones "
+                         "(FTOPT_FAST_MATH)")
         main = ("main kernel reads {}, writes {}" if len(kernels) == 1 else
                 "main kernels read {}, write {}").format(_num(read), _num(written))
         lines.append(f"  bytes per element: {main}"
@@ -171,6 +178,22 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     text = "\n".join(lines)
     print(text, file=file)
     return text
+
+
+def _skip_line(traced, p_dtype, quant_block: int, slot_dtypes: tuple) -> str:
+    """How the donated step skips zero gradients in this group: its layout's mode
+    (:data:`ftopt.lowering.tiles.SKIP_MODES`), and what it falls back to where the chain
+    needs every lane (norms, per-leaf values) or is not plain elementwise ("chunks")."""
+    layout = tiles.layout(p_dtype, quant_block, slot_dtypes)
+    mode = used = tiles.SKIP_MODES[layout]
+    if "in_place" in mode and not traced.in_place:
+        used = mode.replace("in_place+", "").replace("in_place", "select")
+    if mode == "chunks" and not (quant_block == 0 and tiles.chunk_lanes(traced)):
+        used = "select"
+    text = f"  skip_zeros (donated): mode {mode!r} of the {layout!r} layout"
+    if used != mode:
+        text += f", here {used!r} (what this chain's kernels can take)"
+    return text + " (ftopt.lowering.tiles.SKIP_MODES; FTOPT_SKIP_MODES overrides)"
 
 
 _HOST_OPS = ("lift_fresh", "scalar_tensor")
