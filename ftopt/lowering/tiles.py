@@ -57,10 +57,15 @@ def tile(traced, quant_block: int = 0) -> tuple[int, int]:
         return quant_tile(quant_block)
     if traced.in_place:
         return IN_PLACE_TILE
-    if traced.levels or any(getattr(st, "rule", None) is not None and st.rule.indexed
-                            for st in traced.stages):
+    if traced.levels or _indexed(traced):
         return HEAVY_TILE
     return BLOCK, NUM_WARPS
+
+
+def _indexed(traced) -> bool:
+    """A stage's rule reads the element's index (noise keys)."""
+    return any(getattr(st, "rule", None) is not None and st.rule.indexed
+               for st in traced.stages)
 
 
 def quant_tile(quant_block: int) -> tuple[int, int]:
@@ -145,9 +150,7 @@ def chunk_lanes(traced) -> int:
     (whose code is not only per element), or a tile that does not split into rows of
     :data:`CHUNK_LANES`."""
     if (traced.in_place or traced.levels or traced.leaf_slots or traced.running_stores
-            or traced.slot_flags or traced.seeded
-            or any(getattr(st, "rule", None) is not None and st.rule.indexed
-                   for st in traced.stages)):
+            or traced.slot_flags or traced.seeded or _indexed(traced)):
         return 0
     block = tile(traced)[0]
     return CHUNK_LANES if block % CHUNK_LANES == 0 and block >= CHUNK_LANES else 0
