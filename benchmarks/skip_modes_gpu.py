@@ -37,8 +37,9 @@ for name, (dtype, kw, _) in gpu_step.LAYOUTS.items():
     sparse, frac = gpu_step._sparse_wte(grads, cfg)
     pairs = (("dense", grads), ("sparse", sparse))
     base = {g: t(ftopt.adam(1e-3, **kw), params, gr) for g, gr in pairs}
-    modes = (["select", "stores"] if key == "8-bit"
-             else ["in_place", "select", "stores", "in_place+stores", "chunks"])
+    modes = (["select", "stores", "split+select", "split+stores"] if key == "8-bit"
+             else ["in_place", "select", "stores", "in_place+stores", "chunks",
+                   "split+in_place", "split+select", "split+stores"])
     modes = [m for m in modes if not ONLY or m in ONLY]
     for mode in modes:
         tiles.SKIP_MODES[key] = mode
@@ -60,7 +61,8 @@ for key, mod in codegen._MODULES.items():
     src = open(mod.__file__).read()
     tags = " ".join(t for t, on in (
         ("8bit", "qmap" in src), ("tiles", "if tl.sum((tl.load(g_ptr" in src),
-        ("inplace", "mask=keep" in src or "& keep" in src), ("bf16", "uint16" in src)) if on)
+        ("inplace", "mask=keep" in src or "& keep" in src), ("bf16", "uint16" in src),
+        ("split", "live_lanes" in src)) if on)
     fn = getattr(mod, "ftopt_main", None)
     for cache in (fn.device_caches.values() if fn is not None else ()):
         for k in cache[0].values():

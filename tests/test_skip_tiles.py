@@ -83,7 +83,8 @@ LAYOUTS = {"fp32": (torch.float32, {}), "bf16 params": (torch.bfloat16, {}),
 
 
 @pytest.mark.parametrize("mode", ["in_place", "tiles", "in_place+tiles", "select", "stores",
-                                  "in_place+stores", "chunks"])
+                                  "in_place+stores", "chunks", "split+select",
+                                  "split+in_place", "split+stores"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     """Each way a donated step may skip zero gradients (tiles.SKIP_MODES) gives the
@@ -117,6 +118,7 @@ def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     assert [g.traced.in_place for g in groups] == [in_place] * len(groups)
     chunks = tiles.CHUNK_LANES if mode == "chunks" and key != "8-bit" else 0
     assert [g.chunk_lanes for g in groups] == [chunks] * len(groups)
+    assert [g.split for g in groups] == ["split" in mode] * len(groups)
     assert not torch.equal(full[0]["w"][:10], params["w"][:10])
     assert torch.equal(full[0]["w"][tile:2 * tile], params["w"][tile:2 * tile])
 

@@ -535,6 +535,7 @@ def test_fast_math_check_admits_rounding_of_the_inputs_only(monkeypatch):
     # (the bound: 4 fp32 ulps of 0.0317, 1.5e-8; 6e-8 is four times that)
     far = {"t": torch.tensor([5.4016709327697754e-08 + 6e-8], dtype=torch.bfloat16)}
     assert int((_bits(fused["t"]).int() - _bits(eager["t"]).int()).abs()) == 8
+    monkeypatch.setattr(tiles, "FAST_MATH", frozenset())
     with pytest.raises(AssertionError):
         _check_close(fused, eager, 0, old=old)
     monkeypatch.setattr(tiles, "FAST_MATH", frozenset({"16-bit states"}))

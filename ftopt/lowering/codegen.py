@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -161,6 +161,10 @@ class Variant:
     # A donated skip_zeros step of a plain chain (tiles.chunk_lanes): the tile is rows of
     # this many lanes; a row whose gradients are all zero is neither loaded nor stored.
     chunk_lanes: int = 0
+    # A donated skip_zeros step whose all-zero programs may write nothing (as
+    # ``skip_stores``): a program with no zero gradient runs the body with the skip
+    # masks constant (its selects fold away), one with only zeros returns at once.
+    split: bool = False
 
 
 def _fast_math(line: str) -> str:
@@ -279,6 +283,10 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
                                dtypes, tail) for tail in (False, True)]
     if variant.chunk_lanes:
         bodies = [lanes.with_live_rows(body, variant.chunk_lanes) for body in bodies]
+    if variant.split:
+        dense = replace(variant, skip_stores=False, split=False)
+        bodies[0] = _split_on_zeros(bodies[0], _body_and_stores(
+            traced, nodes, stores, lanes.masks(traced, False), dense, dtypes, False))
     count_args, count_lines = _count_lines(traced)
     body = _split_blocks(*bodies)
     helpers = traced.graph.helpers
@@ -293,6 +301,24 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     sig = _signature(roles, count_args + running_args, len(traced.graph.scalars), variant,
                      ("COUNT",))
     return _kernel("ftopt_main", sig, lines, helpers)
+
+
+# In a program without zero gradients, the skip masks as constants: the compiler folds
+# the selects of old values (and the masks of in-place loads and stores) away.
+_NO_ZEROS = {"zero = g == 0.0": "zero = tl.full([BLOCK], 0, tl.int1)",
+             "keep = g != 0.0": "keep = tl.full([BLOCK], 1, tl.int1)"}
+
+
+def _split_on_zeros(body: list[str], dense: list[str]) -> list[str]:
+    """A full block's code of a "split" kernel: after the gradient's load, ``dense`` (the
+    same body with the skip masks constant, no gating of stores) where every gradient is
+    non-zero, ``body`` where some are, nothing where all are zero."""
+    at = next(i for i, line in enumerate(body) if line.startswith("g = "))
+    assert dense[:at + 1] == body[:at + 1]
+    dense = [_NO_ZEROS.get(line, line) for line in dense[at + 1:]]
+    return (body[:at + 1] + ["live_lanes = tl.sum((g != 0.0).to(tl.int32))",
+                             "if live_lanes == BLOCK:"] + ["    " + x for x in dense]
+            + ["elif live_lanes > 0:"] + ["    " + x for x in body[at + 1:]])
 
 
 def main_nodes(traced: TracedChain, quantized: bool) -> list:

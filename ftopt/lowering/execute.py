@@ -78,7 +78,7 @@ class PreparedStep:
             by_key.setdefault(key, []).append(i)
         for (p_dtype, g_dtype, quant_block, slot_dtypes), leaves in by_key.items():
             # How zero gradients are skipped: per layout (tiles.skip_mode).
-            in_place, skip_tiles, skip_stores, chunks = tiles.skip_mode(
+            in_place, skip_tiles, skip_stores, chunks, split = tiles.skip_mode(
                 p_dtype, quant_block, slot_dtypes)
             group_traced = plan.traced(donate, output, skip_lanes=in_place)
             work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
@@ -103,6 +103,11 @@ class PreparedStep:
                                      and not traced.leaf_slots)
             if chunks and donate and output == "p" and traced.skips and all(traced.skips):
                 group.chunk_lanes = tiles.chunk_lanes(group_traced)
+            # (As skip_stores, and not with running scalars: program 0 stores them.)
+            group.split = bool(split and donate
+                               and output == "p" and traced.skips and all(traced.skips)
+                               and not (traced.leaf_slots or traced.running_stores
+                                        or group.chunk_lanes or group.skip_tiles))
             if quant_block:
                 group.qmaps = (quantized.table(True, self.device),
                                quantized.table(False, self.device))

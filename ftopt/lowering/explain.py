@@ -190,6 +190,8 @@ def _skip_line(traced, p_dtype, quant_block: int, slot_dtypes: tuple) -> str:
         used = mode.replace("in_place+", "").replace("in_place", "select")
     if mode == "chunks" and not (quant_block == 0 and tiles.chunk_lanes(traced)):
         used = "select"
+    if "split" in used and (traced.leaf_slots or traced.running_stores):
+        used = used.replace("split+", "")
     text = f"  skip_zeros (donated): mode {mode!r} of the {layout!r} layout"
     if used != mode:
         text += f", here {used!r} (what this chain's kernels can take)"

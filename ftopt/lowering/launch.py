@@ -128,6 +128,7 @@ class GroupLaunch:
     skip_stores: bool = False  # all-zero-gradient programs write nothing (codegen.Variant)
     fast_math: bool = False  # approximate sqrt and division (codegen.Variant)
     chunk_lanes: int = 0  # rows of all-zero gradients neither loaded nor stored
+    split: bool = False  # a no-zero program runs the plain body (codegen.Variant)
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
 
@@ -142,7 +143,7 @@ class GroupLaunch:
         return _variant(self.p_dtype, self.g_dtype, self.aligned, isinstance(scalars, list),
                         self.quant_block, self.slot_dtypes, self.skip_tiles and SKIP_TILES,
                         quantized.ENCODER if self.quant_block else "arithmetic",
-                        self.skip_stores, self.fast_math, self.chunk_lanes)
+                        self.skip_stores, self.fast_math, self.chunk_lanes, self.split)
 
 
 @lru_cache(maxsize=256)
@@ -171,9 +172,10 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tu
 def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool, quant_block: int,
              slot_dtypes: tuple = (), skip_tiles: bool = False,
              encoder: str = "arithmetic", skip_stores: bool = False,
-             fast_math: bool = False, chunk_lanes: int = 0) -> codegen.Variant:
+             fast_math: bool = False, chunk_lanes: int = 0,
+             split: bool = False) -> codegen.Variant:
     return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block, slot_dtypes,
-                           skip_tiles, encoder, skip_stores, fast_math, chunk_lanes)
+                           skip_tiles, encoder, skip_stores, fast_math, chunk_lanes, split)
 
 
 @lru_cache(maxsize=256)

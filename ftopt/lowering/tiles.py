@@ -108,11 +108,18 @@ def quant_tile(quant_block: int) -> tuple[int, int]:
 #   params +12.5% / +3.3%, bf16 states +25.7% / +19.0%; with FAST_MATH, bf16 params
 #   +5.1% / -11.3% (in_place +8.0% / -11.7%, stores +7.3% / -3.9%, select +1.7% / +1.6%)
 #   and bf16 states +11.0% / +2.0% (select +6.3% / +7.3%); rows of 256 lanes lose more.
+#   "split+MODE" (skipmodes_h200_split.json; with FAST_MATH for 16-bit states): a program
+#   with no zero gradient runs the body with the skip masks constant, so its selects and
+#   load masks fold away; one with some runs MODE; one with only zeros returns after
+#   loading its gradients. fp32 split+in_place +2.3% / -18.5% (in_place +2.3% / -12.0%),
+#   bf16 params split+in_place +0.8% / -20.3% (stores +6.7% / -6.5%), bf16 states
+#   split+in_place +2.1% / -15.0% (select +7.9% / +8.2%), 8-bit split+select -0.5% /
+#   -24.4% (stores +3.6% / -21.1%); split+select and split+stores lose elsewhere.
 # "16-bit" covers 16-bit params with fp32 states; "16-bit states" any 16-bit state slot.
 # A "chunks" row: 32 threads of 4 elements (16-byte fp32 loads; FTOPT_CHUNK_LANES).
 CHUNK_LANES = int(os.environ.get("FTOPT_CHUNK_LANES", "128"))
-SKIP_MODES = {"fp32": "in_place", "16-bit": "stores", "16-bit states": "select",
-              "8-bit": "stores"}
+SKIP_MODES = {"fp32": "split+in_place", "16-bit": "split+in_place",
+              "16-bit states": "split+in_place", "8-bit": "split+select"}
 SKIP_MODES.update(dict(kv.split("=") for kv in os.environ.get(
     "FTOPT_SKIP_MODES", "").split(",") if kv))
 
@@ -120,10 +127,14 @@ SKIP_MODES.update(dict(kv.split("=") for kv in os.environ.get(
 # Layouts whose main kernels take square roots and quotients with the GPU's approximate
 # instructions (within 1-2 fp32 ulps, as SPEC's tolerance allows) in place of correctly
 # rounded ones, whose refinement steps and special-case branches make up most of a 16-bit
-# kernel's instructions (static SASS, sm_90, Adam with bf16 states: 824 -> 493). An
-# experiment: none by default; FTOPT_FAST_MATH="16-bit,16-bit states" turns it on for
-# those layouts (never for 8-bit states, whose codes must equal eager's).
-FAST_MATH = frozenset(x for x in os.environ.get("FTOPT_FAST_MATH", "").split(",") if x)
+# kernel's instructions (static SASS, sm_90, Adam with bf16 states: 824 -> 493). By
+# default "16-bit states" (H200, GPT-2 Adam, bf16 params and states: 0.469 -> 0.454 ms,
+# 0.87 -> 0.90 of copy; stochastic rounding 0.744 -> 0.633), whose stored values round
+# to 8 bits of mantissa anyway; bf16 params with fp32 states gain nothing (0.678 ->
+# 0.677). FTOPT_FAST_MATH overrides: "" for none, "16-bit,16-bit states" for both; never
+# 8-bit states, whose codes must equal eager's.
+FAST_MATH = frozenset(x for x in os.environ.get("FTOPT_FAST_MATH", "16-bit states").split(",")
+                      if x)
 
 
 def layout(p_dtype, quant_block: int, slot_dtypes: tuple) -> str:
@@ -136,12 +147,12 @@ def layout(p_dtype, quant_block: int, slot_dtypes: tuple) -> str:
 
 
 def skip_mode(p_dtype, quant_block: int,
-              slot_dtypes: tuple) -> tuple[bool, bool, bool, bool]:
-    """(in place, skip tiles, skip stores, chunks) for a donated skip_zeros group of this
-    layout."""
+              slot_dtypes: tuple) -> tuple[bool, bool, bool, bool, bool]:
+    """(in place, skip tiles, skip stores, chunks, split) for a donated skip_zeros group
+    of this layout."""
     mode = SKIP_MODES[layout(p_dtype, quant_block, slot_dtypes)]
     return ("in_place" in mode and not quant_block, "tiles" in mode, "stores" in mode,
-            "chunks" in mode and not quant_block)
+            "chunks" in mode and not quant_block, "split" in mode)
 
 
 def chunk_lanes(traced) -> int:
