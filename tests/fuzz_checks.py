@@ -316,6 +316,18 @@ def _as_accurate(f: torch.Tensor, e: torch.Tensor, r: torch.Tensor,
     return _rel(f, r) <= 2 * _rel(e, r) + 4 * spread + 1e-6
 
 
+def _as_accurate_as_moved(f: torch.Tensor, ref, moved, old=None) -> bool:
+    """Fused's error against float64 at most twice the largest of eager's when eager's
+    inputs move by up to one fp32 ulp (``moved``): where a chain amplifies its own
+    roundings, which of two backends lands nearer float64 is luck, and eager's lucky draw
+    is no bar (the H200's fuzz, seed 22: a Yogi -> AMSGrad chain whose CUDA eager update
+    was 6e-7 from float64 where the CPU's eager and both fused were 4.5e-6)."""
+    if ref is None or moved is None:
+        return False
+    r = ref()[0]
+    return _rel(f, r, old) <= 2 * max(_rel(m, r, old) for m in moved()) + 1e-6
+
+
 def _within_fp32_spread(f: torch.Tensor, e: torch.Tensor, moved, old=None) -> bool:
     """Fused differs from eager by at most twice what eager moves by itself when its
     inputs move by one fp32 ulp (``moved``: () -> the same leaf of each draw)."""
@@ -332,7 +344,8 @@ def _close_param(f: torch.Tensor, e: torch.Tensor, old: torch.Tensor, what: str,
         # rounding of u (an ulp of |p|) is all that is left.
         err = _rel(f, e, old)
         if err > 1e-6 and ((ref is not None and _as_accurate(f, e, *ref()))
-                           or _within_fp32_spread(f, e, moved, old)):
+                           or _within_fp32_spread(f, e, moved, old)
+                           or _as_accurate_as_moved(f, ref, moved, old)):
             return
         assert err <= 1e-6, f"{what}: relative error {err:.3g} > 1e-6"
         return
@@ -344,7 +357,8 @@ def _close_param(f: torch.Tensor, e: torch.Tensor, old: torch.Tensor, what: str,
         + 4 * torch.finfo(torch.float32).eps * eo.abs()
     bad = (ef - ee).abs() > tol
     if bad.any() and ((ref is not None and _as_accurate(f, e, *ref()))
-                      or _within_fp32_spread(f, e, moved, old)):
+                      or _within_fp32_spread(f, e, moved, old)
+                      or _as_accurate_as_moved(f, ref, moved, old)):
         return  # (an ill-conditioned chain: as for fp32 params above)
     assert not bad.any(), (f"{what}: {int(bad.sum())} elements beyond one ulp, e.g. fused "
                            f"{ef[bad][:3].tolist()} eager {ee[bad][:3].tolist()}")
@@ -441,9 +455,11 @@ def fused_vs_eager(case: Case) -> None:
                 if a is not None:
                     assert a.dtype == b.dtype, f"update {k} at {path}: {a.dtype} vs {b.dtype}"
                     err = _rel(a, b)
+                    moved = functools.partial(ref.moved_leaf, "update", spec, j)
                     if err > 1e-6 and (_as_accurate(a, b, *ref.update(spec, j))
-                                       or _within_fp32_spread(a, b, functools.partial(
-                                           ref.moved_leaf, "update", spec, j))):
+                                       or _within_fp32_spread(a, b, moved)
+                                       or _as_accurate_as_moved(a, functools.partial(
+                                           ref.update, spec, j), moved)):
                         continue  # ill-conditioned: fused about as accurate as eager
                     r, spread = ref.update(spec, j)
                     assert err <= 1e-6, (f"update {k} at {path}: relative error {err:.3g} "
