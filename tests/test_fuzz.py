@@ -392,3 +392,40 @@ def test_fused_is_held_to_eager_under_moved_inputs_not_to_its_lucky_draw():
     assert not checks._as_accurate_as_moved(
         e * (1 + 1e-5), functools.partial(ref.update, spec, 0),
         functools.partial(ref.moved_leaf, "update", spec, 0))
+
+
+def test_host_eager_runs_the_same_step_on_the_cpu():
+    """:meth:`Reference.host_leaf` (the GPU's fuzz admits fused as accurate as the CPU's
+    eager, where CUDA's eager may contract multiply-adds) copies params, grads and a
+    state with 8-bit slots to the CPU and runs eager there: on a CPU case, eager's own
+    bits. A well-conditioned Adam 1e-5 away from that is refused."""
+    import functools
+
+    import ftopt
+
+    runner = _runner()
+    case = runner.example(22, 644, runner.structure_pool(22, 30, 2), "cpu")
+    assert case.structure.bits == 8 and not case.structure.tensors
+    tx = case.tx()
+    p, g = case.params, case.grads[0]
+    s = tx.init(p)
+    ref = checks.Reference(tx, p, g, s, case.moved_tx, host_eager=True)
+    spec = ftopt.tree.flatten_with_paths(p)[2]
+    eager = spec.flatten_up_to(tx.update(g, s, p, backend="eager")[0])
+    stepped = spec.flatten_up_to(ftopt.step(tx, p, g, s, backend="eager")[0])
+    for j in range(len(eager)):
+        if eager[j] is not None:
+            assert torch.equal(ref.host_leaf("update", spec, j), eager[j])
+        assert torch.equal(ref.host_leaf("step", spec, j), stepped[j])
+    gen = torch.Generator().manual_seed(14)
+    w = {"w": torch.randn(300, generator=gen)}
+    gw = {"w": torch.randn(300, generator=gen)}
+    adam = ftopt.scale_by_adam()
+    ref = checks.Reference(adam, w, gw, adam.init(w), host_eager=True)
+    e = adam.update(gw, adam.init(w), w, backend="eager")[0]["w"]
+    spec = ftopt.tree.flatten_with_paths(w)[2]
+    upd = functools.partial(ref.update, spec, 0)
+    host = functools.partial(ref.host_leaf, "update", spec, 0)
+    assert checks._as_accurate_as_host(e, upd, host)
+    assert not checks._as_accurate_as_host(e * (1 + 1e-5), upd, host)
+    assert not checks._as_accurate_as_host(e, upd, lambda: None)
