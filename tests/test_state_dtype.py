@@ -542,3 +542,36 @@ def test_fast_math_check_admits_rounding_of_the_inputs_only(monkeypatch):
     _check_close(fused, eager, 0, old=old)
     with pytest.raises(AssertionError):
         _check_close(far, eager, 0, old=old)
+
+
+def test_fast_math_keeps_the_8bit_encoder_exact(monkeypatch):
+    """With fast math on the 8-bit layout only the update's square root and division are
+    approximate: the encoder keeps its correctly rounded division by the block's absmax,
+    so Adam's states (computed without either) get eager's codes, and the params stay
+    within fp32 rounding of eager's (4 ulps of the param before or after the step)."""
+    from ftopt.lowering import codegen, quantized
+    from ftopt.lowering.plan import plan_chain
+
+    monkeypatch.setattr(tiles, "FAST_MATH", frozenset({"8-bit"}))
+    tx = ftopt.adam(1e-2, state_bits=8)
+    gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
+    p = {"w": torch.randn(3 * 4096 + 300, generator=gen).to(DEVICE)}
+    s = tx.init(p)
+    for _ in range(3):
+        g = {"w": torch.randn(p["w"].shape, generator=gen).to(DEVICE)}
+        (pf, sf), (pe, se) = (ftopt.step(tx, p, g, s, backend=b) for b in ("fused", "eager"))
+        assert torch.equal(sf[0].mu["w"].codes, se[0].mu["w"].codes)
+        assert torch.equal(sf[0].nu["w"].codes, se[0].nu["w"].codes)
+        # (relative to the larger of the param before and after the step)
+        bound = 4 * torch.finfo(torch.float32).eps * torch.maximum(p["w"].abs(),
+                                                                   pe["w"].abs())
+        assert ((pf["w"] - pe["w"]).abs() <= bound).all()
+        p, s = pe, se
+    traced = plan_chain(tx).traced(True)
+    variant = codegen.Variant(torch.float32, torch.float32, True, True, quant_block=256,
+                              fast_math=True, encoder=quantized.ENCODER)
+    source = codegen.main_source(traced, variant)
+    assert "ftopt_fast_sqrt(" in source and "tl.fdiv(" in source
+    assert all("tl.fdiv(" not in line for line in source.splitlines()
+               if line.lstrip().startswith("q_"))
+    assert "tl.div_rn(1.0, q_st0_mu_ms)" in source

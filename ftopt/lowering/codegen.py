@@ -168,6 +168,10 @@ class Variant:
 
 
 def _fast_math(line: str) -> str:
+    # (Not in an 8-bit encoder, ``q_*``: its division by the block's absmax must give the
+    # codes eager gives.)
+    if line.lstrip().startswith("q_"):
+        return line
     return line.replace("tl.sqrt_rn(", "ftopt_fast_sqrt(").replace("tl.div_rn(", "tl.fdiv(")
 
 

@@ -163,7 +163,8 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
             lines.append(_skip_line(traced, p_dtype, quant_block, slot_dtypes))
         if tiles.fast_math(p_dtype, quant_block, slot_dtypes):
             lines.append("  square root and division: the GPU's approximate ones "
-                         "(FTOPT_FAST_MATH)")
+                         + ("in the update, the 8-bit encoder's exact " if quant_block
+                            else "") + "(FTOPT_FAST_MATH)")
         main = ("main kernel reads {}, writes {}" if len(kernels) == 1 else
                 "main kernels read {}, write {}").format(_num(read), _num(written))
         lines.append(f"  bytes per element: {main}"
