@@ -429,3 +429,21 @@ def test_host_eager_runs_the_same_step_on_the_cpu():
     assert checks._as_accurate_as_host(e, upd, host)
     assert not checks._as_accurate_as_host(e * (1 + 1e-5), upd, host)
     assert not checks._as_accurate_as_host(e, upd, lambda: None)
+
+
+def test_stage_replay_names_every_prefix_of_the_chain():
+    """``benchmarks/fuzz_stages.py`` (where fused and eager part, stage by stage) prints
+    one line per prefix of the chain and leaf, each with the three distances."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "fuzz_stages.py"
+    spec = importlib.util.spec_from_file_location("fuzz_stages", path)
+    stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages)
+    runner = _runner()
+    case = runner.example(22, 2453, runner.structure_pool(22, 30, 2), "cpu")
+    lines = stages.prefixes(case, 0)
+    names = [part.entry.name for part in case.structure.parts]
+    assert [line.split(" ")[1] for line in lines[::3]] == names
+    assert all("fused-eager" in x and "fused-f64" in x and "eager-f64" in x for x in lines)
