@@ -2,7 +2,9 @@
 
 For each layout of ``gpu_step.LAYOUTS`` and each way a donated step may skip zero
 gradients, the time of Adam with skip_zeros against without, with dense gradients and with
-90% of the embedding's rows zero (GPT-2 tree); then each compiled kernel's registers.
+90% of the embedding's rows zero (GPT-2 tree); with all gradients zero (the default
+mode), against the time of reading the gradients at the copy bandwidth; then each
+compiled kernel's registers.
 
     python3 benchmarks/skip_modes_gpu.py OUT [MODES]     # MODES: e.g. "select,chunks"
 
@@ -29,6 +31,23 @@ t = gpu_step.median_step_ms
 ONLY = sys.argv[2].split(",") if len(sys.argv) > 2 else []
 
 
+def _copy_tbps() -> float:
+    """The device's copy bandwidth (read + write), one 1 GiB fp32 copy, median of 20."""
+    src = torch.rand(2**28, device=dev)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return 2 * src.numel() * 4 / (sorted(times[5:])[10] * 1e-3) / 1e12
+
+
+DEFAULTS = dict(tiles.SKIP_MODES)
+COPY_TBPS = _copy_tbps()
 res = []
 for name, (dtype, kw, _) in gpu_step.LAYOUTS.items():
     key = ("8-bit" if "state_bits" in kw else "16-bit states" if "state_dtype" in kw
@@ -49,7 +68,18 @@ for name, (dtype, kw, _) in gpu_step.LAYOUTS.items():
             res.append(dict(layout=name, mode=mode, grads=g, base=base[g], skip=ms))
             print(f"{name:26s} {mode:15s} {g:6s} base {base[g]:.3f} skip {ms:.3f} "
                   f"({(ms / base[g] - 1) * 100:+.1f}%)", flush=True)
-    del params, grads, sparse
+    # All gradients zero, the default mode: every program returns after reading its
+    # gradients, so the floor is those bytes at the copy bandwidth; the excess is what
+    # the programs cost beyond their bytes (their latency).
+    tiles.SKIP_MODES[key] = DEFAULTS[key]
+    gpu_step._clear_lowering_caches()
+    zeros = {k: torch.zeros_like(v) for k, v in grads.items()}
+    ms = t(ftopt.adam(1e-3, skip_zeros=True, **kw), params, zeros)
+    floor = sum(v.numel() * v.element_size() for v in zeros.values()) / COPY_TBPS / 1e9
+    res.append(dict(layout=name, mode=DEFAULTS[key], grads="zero", skip=ms, floor=floor))
+    print(f"{name:26s} {DEFAULTS[key]:15s} zero   skip {ms:.3f} floor {floor:.3f} "
+          f"(copy {COPY_TBPS:.2f} TB/s)", flush=True)
+    del params, grads, sparse, zeros
     torch.cuda.empty_cache()
 out = pathlib.Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
