@@ -7,7 +7,8 @@ thread without skip_zeros, 120-128 with it, one warp a program). For each regist
 and with 90% of the embedding's rows zero, then each compiled kernel's registers and
 spills.
 
-    python3 benchmarks/quant_regs_gpu.py OUT
+    python3 benchmarks/quant_regs_gpu.py OUT [CAPS [TILES [MODES]]]
+    # e.g. none,64,72 256x1,256x2 off,split+select (the defaults below)
 """
 import itertools
 import json
@@ -23,9 +24,10 @@ from ftopt.lowering import codegen, tiles  # noqa: E402
 
 dev = torch.device("cuda")
 cfg = gpu_step.gpt2_tree_config(dev)
-CAPS = [None, 64, 72, 80, 96]
-TILES = [(256, 1), (256, 2)]
-MODES = ["off", "select", "stores"]
+ARGS = sys.argv[2:] + [""] * 3
+CAPS = [None if c == "none" else int(c) for c in (ARGS[0] or "none,64,72,80,96").split(",")]
+TILES = [tuple(int(x) for x in t.split("x")) for t in (ARGS[1] or "256x1,256x2").split(",")]
+MODES = (ARGS[2] or "off,select,stores").split(",")
 
 
 t = gpu_step.median_step_ms
@@ -35,7 +37,8 @@ params, grads = gpu_step._tree(cfg, torch.float32, seed=21)
 sparse, frac = gpu_step._sparse_wte(grads, cfg)
 res = []
 for cap, tile, mode in itertools.product(CAPS, TILES, MODES):
-    tiles.QUANT_MAXNREG, tiles.QUANT_TILE = cap, tile
+    tiles.QUANT_MAXNREG = tiles.QUANT_SKIP_MAXNREG = cap
+    tiles.QUANT_TILE = tile
     tiles.SKIP_MODES["8-bit"] = "select" if mode == "off" else mode
     gpu_step._clear_lowering_caches()
     tx = ftopt.adam(1e-3, state_bits=8, skip_zeros=mode != "off")

@@ -119,8 +119,8 @@ def count(sass: str) -> dict:
 
 
 def _resources(cubin: bytes) -> tuple[int | None, int | None]:
-    """(registers a thread, bytes of local memory: spills) from ``cuobjdump -res-usage``
-    (Triton's NVIDIA backend ships it)."""
+    """(registers a thread, bytes of stack and local memory: spills) from ``cuobjdump
+    -res-usage`` (Triton's NVIDIA backend ships it)."""
     import tempfile
 
     import triton.backends.nvidia as nvidia
@@ -131,8 +131,9 @@ def _resources(cubin: bytes) -> tuple[int | None, int | None]:
         f.flush()
         text = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
                               text=True).stdout
-    reg, local = re.search(r"REG:(\d+)", text), re.search(r"LOCAL:(\d+)", text)
-    return (int(reg.group(1)) if reg else None, int(local.group(1)) if local else None)
+    reg = re.search(r"REG:(\d+)", text)
+    spilled = [int(m.group(1)) for m in re.finditer(r"(?:STACK|LOCAL):(\d+)", text)]
+    return (int(reg.group(1)) if reg else None, sum(spilled) if spilled else None)
 
 
 def compile_jobs(jobs: list[dict]) -> list[dict]:

@@ -6,7 +6,8 @@ gradients, the time of Adam with skip_zeros against without, with dense gradient
 mode), against the time of reading the gradients at the copy bandwidth; then each
 compiled kernel's registers.
 
-    python3 benchmarks/skip_modes_gpu.py OUT [MODES]     # MODES: e.g. "select,chunks"
+    python3 benchmarks/skip_modes_gpu.py OUT [MODES]
+    # MODES: e.g. "select,chunks", or "defaults" (each layout's own)
 
 ("tiles" and "in_place+tiles" were measured before and lost on every layout: see
 benchmarks/RESULTS.md; this run compares the others with "stores" and "chunks".)
@@ -59,7 +60,8 @@ for name, (dtype, kw, _) in gpu_step.LAYOUTS.items():
     modes = (["select", "stores", "split+select", "split+stores"] if key == "8-bit"
              else ["in_place", "select", "stores", "in_place+stores", "chunks",
                    "split+in_place", "split+select", "split+stores"])
-    modes = [m for m in modes if not ONLY or m in ONLY]
+    modes = ([DEFAULTS[key]] if ONLY == ["defaults"] else
+             [m for m in modes if not ONLY or m in ONLY])
     for mode in modes:
         tiles.SKIP_MODES[key] = mode
         gpu_step._clear_lowering_caches()
