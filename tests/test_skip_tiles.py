@@ -123,7 +123,27 @@ def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     assert torch.equal(full[0]["w"][tile:2 * tile], params["w"][tile:2 * tile])
 
 
-@pytest.mark.parametrize("mode", ["select", "stores", "tiles"])
+def test_8bit_split_kernels_load_their_codes_before_the_zero_check(monkeypatch):
+    """A "split" kernel with 8-bit slots loads and decodes them once, before it checks
+    its gradients (both branches use them), not once per branch after the check."""
+    traced = plan_chain(ftopt.adam(1e-2, skip_zeros=True, state_bits=8)).traced(True)
+    src = codegen.main_source(traced, codegen.Variant(
+        torch.float32, torch.float32, True, True, 256, split=True)).splitlines()
+    check = next(i for i, x in enumerate(src) if "live_lanes = tl.sum(" in x)
+    loads = [i for i, x in enumerate(src) if "st0_mu_old_code = tl.load(" in x]
+    assert len(loads) == 2 and loads[0] < check < loads[1]  # (the second: the tail block)
+    assert any("st0_nu_old = tl.load(qmap_unsigned_ptr" in x for x in src[:check])
+
+
+def test_8bit_kernels_with_skip_zeros_take_their_own_register_cap(monkeypatch):
+    monkeypatch.setattr(tiles, "QUANT_MAXNREG", 64)
+    monkeypatch.setattr(tiles, "QUANT_SKIP_MAXNREG", 80)
+    plain = plan_chain(ftopt.adam(1e-2, state_bits=8)).traced(True)
+    skip = plan_chain(ftopt.adam(1e-2, state_bits=8, skip_zeros=True)).traced(True)
+    assert (tiles.quant_maxnreg(plain), tiles.quant_maxnreg(skip)) == (64, 80)
+
+
+@pytest.mark.parametrize("mode", ["select", "stores", "tiles", "split+select"])
 @pytest.mark.parametrize("name", ["adamw", "lion"])
 def test_8bit_one_block_per_program_equals_the_full_step(name, mode, monkeypatch):
     """With one 8-bit block per program (the GPU's tile) a "stores" program whose

@@ -161,8 +161,9 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tu
     }
     if quant_block:
         constants["QBLOCK"] = quant_block
-        if tiles.QUANT_MAXNREG and not tiles.INTERPRETING and _NVIDIA:
-            constants["maxnreg"] = tiles.QUANT_MAXNREG
+        cap = tiles.quant_maxnreg(traced)
+        if cap and not tiles.INTERPRETING and _NVIDIA:
+            constants["maxnreg"] = cap
     if count is not None:
         constants["COUNT"] = count
     return tuple(constants.items())

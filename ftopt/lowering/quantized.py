@@ -47,6 +47,7 @@ Gathers per element and quantized slot (all from the 2 KiB table, so L1 hits):
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -60,7 +61,8 @@ from ftopt.quant import dynamic_map
 # (:func:`_rcp_lines`); "search": the former binary search (kept to time one against the
 # others). H200, 8-bit Adam, one 64M tensor / GPT-2 tree, 256 x 1 tile: arithmetic 0.606
 # / 0.977 ms, log2 0.548 / 0.990, log2-rcp 0.514 / 0.949 (benchmarks/RESULTS.md).
-ENCODER = "poly-rcp"
+# FTOPT_QUANT_ENCODER overrides it.
+ENCODER = os.environ.get("FTOPT_QUANT_ENCODER", "poly-rcp")
 ENCODERS = ("arithmetic", "log2", "log2-rcp", "poly", "poly-rcp", "search")
 
 # log10(2): the decade of ``a`` is ``floor(log2(a) * LOG10_2) + 7``.
@@ -309,6 +311,26 @@ def load_lines(name: str, role: str, signed: bool, load_mask: str) -> list[str]:
                   "else:",
                   f"    {name}_scale = {scale}"]
     return lines + [f"{name} = tl.load({qmap_var(signed)} + {name}_code) * {name}_scale"]
+
+
+def hoisted(lines: list[str]) -> tuple[list[str], list[str]]:
+    """(the :func:`load_lines` of every 8-bit slot in ``lines``, loads of a full block,
+    and the other lines): the loads and decodes a "split" kernel issues before its
+    zero-gradient check."""
+    early, rest, i = [], [], 0
+    while i < len(lines):
+        line = lines[i]
+        name = line.split(" = tl.load(", 1)[0] if "_old_code = tl.load(" in line else ""
+        if name.endswith("_code") and not line.startswith(" "):
+            old = name[: -len("_code")]
+            end = next(j for j in range(i, len(lines))
+                       if lines[j].startswith(f"{old} = tl.load("))
+            early += lines[i:end + 1]
+            i = end + 1
+            continue
+        rest.append(line)
+        i += 1
+    return early, rest
 
 
 def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,

@@ -35,8 +35,21 @@ QUANT_TILE = tuple(int(x) for x in os.environ.get(
 # compiler's choice). These kernels are bound by latency at the occupancy their registers
 # allow: H200, GPT-2 8-bit Adam, 256x1 tile (benchmarks/quant_regs_gpu.py), the compiler's
 # 96 registers 0.945 ms, 80 0.912, 72 0.876 (14 spills), 64 0.883; with skip_zeros
-# ("stores") its 120 registers 1.371 ms, 72 0.983. FTOPT_QUANT_MAXNREG overrides it.
-QUANT_MAXNREG = int(os.environ.get("FTOPT_QUANT_MAXNREG", "72"))
+# ("stores") its 120 registers 1.371 ms, 72 0.983. With FAST_MATH (fewer registers
+# live), 64 is fastest (eight_bit_ablation.py, 64M tensor / GPT-2: 56 0.422 / 0.789 ms,
+# 64 0.412 / 0.757, 72 0.423 / 0.776, 80 0.446 / 0.810, none 0.483 / 0.800).
+# FTOPT_QUANT_MAXNREG overrides it.
+QUANT_MAXNREG = int(os.environ.get("FTOPT_QUANT_MAXNREG", "64"))
+# The same for 8-bit kernels with skip_zeros (their "split" body holds the update twice);
+# H200, GPT-2, split+select under FAST_MATH, dense / sparse (quant_regs_gpu.py): 64
+# 0.839 / 0.678 ms (38 registers spilled), 72 0.861 / 0.697, 80 0.877 / 0.706, 96 0.934 /
+# 0.764 (none spilled), none (142) 1.264 / 1.048. FTOPT_QUANT_SKIP_MAXNREG overrides it.
+QUANT_SKIP_MAXNREG = int(os.environ.get("FTOPT_QUANT_SKIP_MAXNREG", "64"))
+
+
+def quant_maxnreg(traced) -> int:
+    """The register cap of ``traced``'s 8-bit kernels (0: the compiler's choice)."""
+    return QUANT_SKIP_MAXNREG if any(traced.skips) else QUANT_MAXNREG
 
 
 # Kernels with per-program work beyond their elements: a reduction pass and the main
@@ -131,13 +144,15 @@ SKIP_MODES.update(dict(kv.split("=") for kv in os.environ.get(
 # default "16-bit states" (H200, GPT-2 Adam, bf16 params and states: 0.469 -> 0.454 ms,
 # 0.87 -> 0.90 of copy; stochastic rounding 0.744 -> 0.633), whose stored values round
 # to 8 bits of mantissa anyway; bf16 params with fp32 states gain nothing (0.678 ->
-# 0.677). FTOPT_FAST_MATH overrides: "" for none, "16-bit,16-bit states" for both.
-# "8-bit" (opt-in, not yet timed) approximates the update's math only: the encoder's
+# 0.677). "8-bit" (a default too) approximates the update's math only: the encoder's
 # division by the block's absmax stays correctly rounded, so a state computed without
-# sqrt or division (Adam's) gets eager's codes (static SASS of 8-bit Adam, sm_90:
-# 3039 -> 2686 instructions, 198 -> 42 of them control).
-FAST_MATH = frozenset(x for x in os.environ.get("FTOPT_FAST_MATH", "16-bit states").split(",")
-                      if x)
+# sqrt or division (Adam's) gets eager's codes (static SASS of 8-bit Adam, sm_90: 3039 ->
+# 2686 instructions, 198 -> 42 of them control; H200, 64M tensor 0.464 -> 0.420 ms,
+# GPT-2 0.842 -> 0.761, with skip_zeros 0.851 -> 0.857: its kernels gain nothing; the
+# fuzz at these defaults, seed 24: 5,235 examples, no failure). FTOPT_FAST_MATH
+# overrides: "" for none, "16-bit,16-bit states,8-bit" for every layout.
+FAST_MATH = frozenset(x for x in os.environ.get(
+    "FTOPT_FAST_MATH", "16-bit states,8-bit").split(",") if x)
 
 
 def layout(p_dtype, quant_block: int, slot_dtypes: tuple) -> str:
