@@ -6,8 +6,9 @@ gradients, the time of Adam with skip_zeros against without, with dense gradient
 mode), against the time of reading the gradients at the copy bandwidth; then each
 compiled kernel's registers.
 
-    python3 benchmarks/skip_modes_gpu.py OUT [MODES]
-    # MODES: e.g. "select,chunks", or "defaults" (each layout's own)
+    python3 benchmarks/skip_modes_gpu.py OUT [MODES] [--interleave=0,16,64]
+    # MODES: e.g. "select,chunks", or "defaults" (each layout's own); --interleave: the
+    # main kernels' program orders to time in turn (tiles.INTERLEAVE; 0: in order)
 
 ("tiles" and "in_place+tiles" were measured before and lost on every layout: see
 benchmarks/RESULTS.md; this run compares the others with "stores" and "chunks".)
@@ -29,7 +30,10 @@ cfg = gpu_step.gpt2_tree_config(dev)
 
 t = gpu_step.median_step_ms
 # python3 benchmarks/skip_modes_gpu.py OUT [MODE,MODE...]: only those modes
-ONLY = sys.argv[2].split(",") if len(sys.argv) > 2 else []
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--interleave=")]
+ORDERS = [int(x) for a in sys.argv[1:] if a.startswith("--interleave=")
+          for x in a.split("=", 1)[1].split(",")] or [tiles.INTERLEAVE]
+ONLY = ARGS[1].split(",") if len(ARGS) > 1 else []
 
 
 def _copy_tbps() -> float:
@@ -50,40 +54,45 @@ def _copy_tbps() -> float:
 DEFAULTS = dict(tiles.SKIP_MODES)
 COPY_TBPS = _copy_tbps()
 res = []
-for name, (dtype, kw, _) in gpu_step.LAYOUTS.items():
-    key = ("8-bit" if "state_bits" in kw else "16-bit states" if "state_dtype" in kw
-           else "fp32" if name == "fp32" else "16-bit")
-    params, grads = gpu_step._tree(cfg, dtype, seed=21)
-    sparse, frac = gpu_step._sparse_wte(grads, cfg)
-    pairs = (("dense", grads), ("sparse", sparse))
-    base = {g: t(ftopt.adam(1e-3, **kw), params, gr) for g, gr in pairs}
-    modes = (["select", "stores", "split+select", "split+stores"] if key == "8-bit"
-             else ["in_place", "select", "stores", "in_place+stores", "chunks",
-                   "split+in_place", "split+select", "split+stores"])
-    modes = ([DEFAULTS[key]] if ONLY == ["defaults"] else
-             [m for m in modes if not ONLY or m in ONLY])
-    for mode in modes:
-        tiles.SKIP_MODES[key] = mode
-        gpu_step._clear_lowering_caches()
-        for g, gr in (("dense", grads), ("sparse", sparse)):
-            ms = t(ftopt.adam(1e-3, skip_zeros=True, **kw), params, gr)
-            res.append(dict(layout=name, mode=mode, grads=g, base=base[g], skip=ms))
-            print(f"{name:26s} {mode:15s} {g:6s} base {base[g]:.3f} skip {ms:.3f} "
-                  f"({(ms / base[g] - 1) * 100:+.1f}%)", flush=True)
-    # All gradients zero, the default mode: every program returns after reading its
-    # gradients, so the floor is those bytes at the copy bandwidth; the excess is what
-    # the programs cost beyond their bytes (their latency).
-    tiles.SKIP_MODES[key] = DEFAULTS[key]
+for order in ORDERS:
+    tiles.INTERLEAVE = order
     gpu_step._clear_lowering_caches()
-    zeros = {k: torch.zeros_like(v) for k, v in grads.items()}
-    ms = t(ftopt.adam(1e-3, skip_zeros=True, **kw), params, zeros)
-    floor = sum(v.numel() * v.element_size() for v in zeros.values()) / COPY_TBPS / 1e9
-    res.append(dict(layout=name, mode=DEFAULTS[key], grads="zero", skip=ms, floor=floor))
-    print(f"{name:26s} {DEFAULTS[key]:15s} zero   skip {ms:.3f} floor {floor:.3f} "
-          f"(copy {COPY_TBPS:.2f} TB/s)", flush=True)
-    del params, grads, sparse, zeros
-    torch.cuda.empty_cache()
-out = pathlib.Path(sys.argv[1])
+    for name, (dtype, kw, _) in gpu_step.LAYOUTS.items():
+        key = ("8-bit" if "state_bits" in kw else "16-bit states" if "state_dtype" in kw
+               else "fp32" if name == "fp32" else "16-bit")
+        params, grads = gpu_step._tree(cfg, dtype, seed=21)
+        sparse, frac = gpu_step._sparse_wte(grads, cfg)
+        pairs = (("dense", grads), ("sparse", sparse))
+        base = {g: t(ftopt.adam(1e-3, **kw), params, gr) for g, gr in pairs}
+        modes = (["select", "stores", "split+select", "split+stores"] if key == "8-bit"
+                 else ["in_place", "select", "stores", "in_place+stores", "chunks",
+                       "split+in_place", "split+select", "split+stores"])
+        modes = ([DEFAULTS[key]] if ONLY == ["defaults"] else
+                 [m for m in modes if not ONLY or m in ONLY])
+        for mode in modes:
+            tiles.SKIP_MODES[key] = mode
+            gpu_step._clear_lowering_caches()
+            for g, gr in (("dense", grads), ("sparse", sparse)):
+                ms = t(ftopt.adam(1e-3, skip_zeros=True, **kw), params, gr)
+                res.append(dict(interleave=order, layout=name, mode=mode, grads=g,
+                            base=base[g], skip=ms))
+                print(f"{order:3d} {name:26s} {mode:15s} {g:6s} base {base[g]:.3f} skip {ms:.3f} "
+                      f"({(ms / base[g] - 1) * 100:+.1f}%)", flush=True)
+        # All gradients zero, the default mode: every program returns after reading its
+        # gradients, so the floor is those bytes at the copy bandwidth; the excess is what
+        # the programs cost beyond their bytes (their latency).
+        tiles.SKIP_MODES[key] = DEFAULTS[key]
+        gpu_step._clear_lowering_caches()
+        zeros = {k: torch.zeros_like(v) for k, v in grads.items()}
+        ms = t(ftopt.adam(1e-3, skip_zeros=True, **kw), params, zeros)
+        floor = sum(v.numel() * v.element_size() for v in zeros.values()) / COPY_TBPS / 1e9
+        res.append(dict(interleave=order, layout=name, mode=DEFAULTS[key], grads="zero",
+                        skip=ms, floor=floor))
+        print(f"{order:3d} {name:26s} {DEFAULTS[key]:15s} zero   skip {ms:.3f} floor {floor:.3f} "
+              f"(copy {COPY_TBPS:.2f} TB/s)", flush=True)
+        del params, grads, sparse, zeros
+        torch.cuda.empty_cache()
+out = pathlib.Path(ARGS[0])
 out.mkdir(parents=True, exist_ok=True)
 (out / "skipmodes.json").write_text(json.dumps(res, indent=1))
 

@@ -20,7 +20,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
-from ftopt.lowering import branches, checks, launch, leaf_slots, quantized, tiles
+from ftopt.lowering import branches, checks, launch, leaf_slots, quantized, tiles, work
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.counts import advance_counts, advance_running, counts_on, increment
 from ftopt.lowering.flat import dict_list_getter, flat_dict_getter, flat_dict_leaves
@@ -81,11 +81,11 @@ class PreparedStep:
             in_place, skip_tiles, skip_stores, chunks, split = tiles.skip_mode(
                 p_dtype, quant_block, slot_dtypes)
             group_traced = plan.traced(donate, output, skip_lanes=in_place)
-            work = launch.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
-                                     tiles.tile(group_traced, quant_block)[0],
-                                     bool(group_traced.leaf_slots
-                                          or group_traced.running_stores))
-            group = launch.GroupLaunch(p_dtype, g_dtype, leaves, work,
+            table = work.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
+                                    tiles.tile(group_traced, quant_block)[0],
+                                    bool(group_traced.leaf_slots
+                                         or group_traced.running_stores), tiles.INTERLEAVE)
+            group = launch.GroupLaunch(p_dtype, g_dtype, leaves, table,
                                        paths=[paths[i] for i in leaves])
             group.traced = group_traced
             group.quant_block = quant_block

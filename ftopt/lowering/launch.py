@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ftopt import shards
-from ftopt.lowering import codegen, quantized, tiles
+from ftopt.lowering import codegen, quantized, tiles, work
 
 # One program sums a leaf's partials, R_BLOCK a load, in a loop whose iterations each wait
 # for their load: 256 a load took GPT-2's embedding (75,400 partials of 512 elements) ~300
@@ -64,36 +64,6 @@ def device_guard(device: torch.device):
     return module.device(device.index)
 
 
-@dataclass
-class WorkTable:
-    """Blocks of a group's leaves: program ``pid`` runs ``BLOCK`` elements of one leaf."""
-
-    block_leaf: torch.Tensor
-    block_start: torch.Tensor
-    numel: torch.Tensor
-    first_block: torch.Tensor
-    blocks_per_leaf: torch.Tensor
-    num_blocks: int
-    num_leaves: int
-
-
-@lru_cache(maxsize=64)
-def work_table(numels: tuple[int, ...], device: torch.device, block: int,
-               every_leaf: bool = False) -> WorkTable:
-    """Programs of ``block`` elements over the leaves; ``every_leaf``: an empty leaf gets
-    one program too (its lanes all masked), where a leaf's first program writes a
-    per-leaf value."""
-    counts = torch.tensor([max(triton.cdiv(n, block), int(every_leaf)) for n in numels],
-                          dtype=torch.int64)
-    first = torch.cumsum(counts, 0) - counts
-    total = int(counts.sum())
-    leaf = torch.repeat_interleave(torch.arange(len(numels)), counts)
-    start = (torch.arange(total) - first[leaf]) * block
-    move = lambda t, dt=torch.int64: t.to(dt).to(device)  # noqa: E731
-    return WorkTable(move(leaf, torch.int32), move(start), move(torch.tensor(numels)),
-                     move(first), move(counts), total, len(numels))
-
-
 # Triton's register cap (``maxnreg``) is an option of its NVIDIA backend only.
 _NVIDIA = torch.version.cuda is not None and torch.version.hip is None
 
@@ -115,7 +85,7 @@ class GroupLaunch:
     p_dtype: torch.dtype
     g_dtype: torch.dtype
     leaves: list[int]
-    work: WorkTable
+    work: work.WorkTable
     traced: object = None  # the chain's graph for this group's layout
     addresses: dict[str, torch.Tensor] = field(default_factory=dict)
     leaf_values: torch.Tensor | None = None
@@ -132,11 +102,13 @@ class GroupLaunch:
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
 
-    def args(self, roles, scalars, reductions, global_reductions) -> list:
-        """``scalars``: a list of floats (kernel arguments) or a device buffer."""
+    def args(self, roles, scalars, reductions, global_reductions, main: bool = True) -> list:
+        """``scalars``: a list of floats (kernel arguments) or a device buffer; ``main``:
+        the blocks in the main kernel's order, else in the reduction pass's."""
         w = self.work
         scalar_args = scalars if isinstance(scalars, list) else [scalars]
-        return [w.block_leaf, w.block_start, w.numel, *[self.addresses[r] for r in roles],
+        leaf, start = (w.main_leaf, w.main_start) if main else (w.block_leaf, w.block_start)
+        return [leaf, start, w.numel, *[self.addresses[r] for r in roles],
                 *scalar_args, self.leaf_values, reductions, global_reductions, *self.qmaps]
 
     def variant(self, scalars) -> codegen.Variant:
@@ -289,7 +261,7 @@ def run_reductions(traced, groups: list[GroupLaunch], scalars, device):
             partials = torch.empty(w.num_blocks * len(reds), dtype=torch.float32,
                                    device=device)
             _launch(kernel, (w.num_blocks,),
-                    [*group.args(roles, scalars, buf, global_buf), partials],
+                    [*group.args(roles, scalars, buf, global_buf, False), partials],
                     _constants_cached(group.traced, group.quant_block), device)
             sums = torch.empty(w.num_leaves * len(reds), dtype=torch.float32, device=device)
             _launch(_leaf_sums, (w.num_leaves, len(reds)),
@@ -417,7 +389,7 @@ def bind_main(traced, groups: list[GroupLaunch], scalars, counts: list,
         if found is None:
             return None
         compiled, tail = found
-        before = [w.block_leaf, w.block_start, w.numel, *[group.addresses[r] for r in roles]]
+        before = [w.main_leaf, w.main_start, w.numel, *[group.addresses[r] for r in roles]]
         after = [group.leaf_values, dummy, dummy, *group.qmaps, *counts, *running, *tail]
         bound.append(BoundLaunch(group, compiled[(w.num_blocks, 1, 1)], before, after,
                                  3 + roles.index("g")))

@@ -52,6 +52,18 @@ def quant_maxnreg(traced) -> int:
     return QUANT_SKIP_MAXNREG if any(traced.skips) else QUANT_MAXNREG
 
 
+# The main kernels' programs take their blocks in runs of INTERLEAVE consecutive blocks,
+# the runs in a low-discrepancy order (ftopt.lowering.work.interleaved; 0: in order, the
+# default). GPUs start programs roughly in launch order, so in order a stretch of blocks
+# whose gradients are all zero (an embedding's unused rows under skip_zeros) runs alone:
+# programs that load their gradients and return, each a chain of dependent loads, the
+# memory bus mostly idle (H200, GPT-2 Adam, every gradient zero: 1.9-3.5x the time of
+# reading them). Interleaved block by block they hid under the other blocks' transfers,
+# but the dense step lost as much (fp32 +4%: benchmarks/RESULTS.md); runs keep
+# consecutive programs on neighbouring memory. FTOPT_INTERLEAVE overrides it.
+INTERLEAVE = int(os.environ.get("FTOPT_INTERLEAVE", "0"))
+
+
 # Kernels with per-program work beyond their elements: a reduction pass and the main
 # kernel that reads its per-leaf results (LARS, LAMB, NovoGrad, Fromage, Prodigy: each
 # program stores partial sums, which a per-leaf pass then adds up, and recomputes its
