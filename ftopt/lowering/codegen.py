@@ -323,8 +323,9 @@ def _split_on_zeros(body: list[str], dense: list[str]) -> list[str]:
 
     8-bit slots are loaded and decoded before the check (:func:`quantized.hoisted`): a
     program would otherwise wait for its gradients before it starts the loads its math
-    needs first, two trips to memory in a row (H200, GPT-2 8-bit Adam: +11% over no
-    skip_zeros); an all-zero program then reads its codes too (1 byte an element each)."""
+    needs first, two trips to memory in a row (H200, GPT-2 8-bit Adam with skip_zeros:
+    0.843 -> 0.832 ms; without skip_zeros 0.767); an all-zero program then reads its codes
+    too (1 byte an element each)."""
     at = next(i for i, line in enumerate(body) if line.startswith("g = "))
     assert dense[:at + 1] == body[:at + 1]
     early, rest = quantized.hoisted(body[at + 1:])
