@@ -93,21 +93,21 @@ class PreparedStep:
             group.fast_math = tiles.fast_math(p_dtype, quant_block, slot_dtypes)
             # Donated, every stage skip-aware: an all-zero tile changes nothing (8-bit:
             # its blocks keep their bytes), so its program may return at once.
-            # (Not with per-leaf slots: the leaf's first program stores its value; tiles
-            # not with running scalars either, which program 0 stores.)
+            # (skip_stores not with per-leaf slots: the leaf's first program stores its
+            # value; tiles and split not with running scalars either: tiles.
+            # may_return_early.)
             group.skip_tiles = bool(skip_tiles and donate and output == "p"
                                     and traced.skips and all(traced.skips)
-                                    and not (traced.leaf_slots or traced.running_stores))
+                                    and tiles.may_return_early(traced))
             group.skip_stores = bool(skip_stores and donate and output == "p"
                                      and traced.skips and all(traced.skips)
                                      and not traced.leaf_slots)
             if chunks and donate and output == "p" and traced.skips and all(traced.skips):
                 group.chunk_lanes = tiles.chunk_lanes(group_traced)
-            # (As skip_stores, and not with running scalars: program 0 stores them.)
             group.split = bool(split and donate
                                and output == "p" and traced.skips and all(traced.skips)
-                               and not (traced.leaf_slots or traced.running_stores
-                                        or group.chunk_lanes or group.skip_tiles))
+                               and tiles.may_return_early(traced)
+                               and not (group.chunk_lanes or group.skip_tiles))
             if quant_block:
                 group.qmaps = (quantized.table(True, self.device),
                                quantized.table(False, self.device))

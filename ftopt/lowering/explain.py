@@ -191,7 +191,7 @@ def _skip_line(traced, p_dtype, quant_block: int, slot_dtypes: tuple) -> str:
         used = mode.replace("in_place+", "").replace("in_place", "select")
     if mode == "chunks" and not (quant_block == 0 and tiles.chunk_lanes(traced)):
         used = "select"
-    if "split" in used and (traced.leaf_slots or traced.running_stores):
+    if "split" in used and not tiles.may_return_early(traced):
         used = used.replace("split+", "")
     text = f"  skip_zeros (donated): mode {mode!r} of the {layout!r} layout"
     if used != mode:

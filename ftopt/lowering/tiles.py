@@ -187,6 +187,13 @@ def skip_mode(p_dtype, quant_block: int,
             "chunks" in mode and not quant_block, "split" in mode)
 
 
+def may_return_early(traced) -> bool:
+    """Whether a program of ``traced``'s main kernel may skip its body or part of it
+    ("tiles", "split"): not where it may be the one that stores a per-leaf slot (the
+    leaf's first program) or a running scalar (program 0)."""
+    return not (traced.leaf_slots or traced.running_stores)
+
+
 def chunk_lanes(traced) -> int:
     """Lanes of the rows of ``traced``'s "chunks" kernel; 0 where it keeps the select
     mode: norms, per-leaf or running values, flags, seeded segments and indexed rules
