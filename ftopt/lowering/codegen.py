@@ -372,9 +372,10 @@ def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, varian
         if slot in signs:
             stage = int(slot[2:].split("_", 1)[0])
             zero = "zero" if traced.skips[stage] else None
+            # (a split kernel's full blocks reach this body only with a live lane)
             stores += quantized.store_lines(slot, f"{slot}_old", value, signs[slot], zero,
                                             tail, variant.encoder, flag,
-                                            variant.skip_stores)
+                                            variant.skip_stores or (variant.split and not tail))
             continue
         if dict(variant.slot_dtypes).get(slot) == torch.bfloat16:
             stores += lanes.bf16_store_lines(role, slot, value, store_mask)
