@@ -1,6 +1,6 @@
 """The fused kernel's arithmetic 8-bit encoder gives the table search's codes, bit for bit.
 
-``ftopt.lowering.quantized.arithmetic_codes`` mirrors the generated Triton operation for
+``ftopt.lowering.quant_tables.arithmetic_codes`` mirrors the generated Triton operation for
 operation; it is checked against :func:`ftopt.quant.nearest_code` (``searchsorted`` plus
 the float32 neighbour comparison) on both maps, exhaustively over every bf16-representable
 value in [-1, 1], every code value, every midpoint between neighbouring codes and its two
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ftopt
-from ftopt.lowering import quantized
+from ftopt.lowering import quant_tables, quantized
 from ftopt.quant import create_dynamic_map, nearest_code, quantize_blockwise
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,7 +61,7 @@ def test_arithmetic_equals_table_search(name, slack, decade, wobble):
     qmap = create_dynamic_map(signed)
     v = torch.cat([_bf16_grid(), _hard_values(qmap), _random_floats(200_000)])
     want = nearest_code(v, qmap).long()
-    got = quantized.arithmetic_codes(v, qmap, signed, slack, decade, wobble)
+    got = quant_tables.arithmetic_codes(v, qmap, signed, slack, decade, wobble)
     bad = (got != want).nonzero().flatten()[:5]
     assert bad.numel() == 0, [(v[i].item(), got[i].item(), want[i].item()) for i in bad]
     # Every code is hit (the values exercise the whole map).
@@ -76,7 +76,7 @@ def test_the_margin_is_finite(name):
     qmap = create_dynamic_map(signed)
     v = _hard_values(qmap)
     want = nearest_code(v, qmap).long()
-    assert (quantized.arithmetic_codes(v, qmap, signed, 0.45) != want).any()
+    assert (quant_tables.arithmetic_codes(v, qmap, signed, 0.45) != want).any()
 
 
 @pytest.mark.parametrize("name", list(MAPS))
@@ -87,7 +87,7 @@ def test_the_log2_decade_matters(name):
     qmap = create_dynamic_map(signed)
     v = _hard_values(qmap)
     want = nearest_code(v, qmap).long()
-    got = quantized.arithmetic_codes(v, qmap, signed, decade="log2", wobble=0.5)
+    got = quant_tables.arithmetic_codes(v, qmap, signed, decade="log2", wobble=0.5)
     assert (got != want).any()
 
 
@@ -98,11 +98,11 @@ def test_poly_log2_is_within_the_margin_on_every_mantissa():
     mantissas = torch.arange(2**23, dtype=torch.int32)
     for exponent in (127, 100, 50):  # (1.0, 2**-27, 2**-77: the error depends on t only)
         a = (mantissas | (exponent << 23)).view(torch.float32)
-        err = (quantized.poly_log2(a).double() - torch.log2(a.double())).abs().max().item()
+        err = (quant_tables.poly_log2(a).double() - torch.log2(a.double())).abs().max().item()
         assert err <= 1.1e-4, err
     powers = torch.tensor([2.0 ** k for k in range(-99, 1)])
-    assert torch.equal(quantized.poly_log2(powers), torch.log2(powers))
-    assert err * quantized.LOG10_2 < 0.4e-4  # (in decades, against the tested 1e-4)
+    assert torch.equal(quant_tables.poly_log2(powers), torch.log2(powers))
+    assert err * quant_tables.LOG10_2 < 0.4e-4  # (in decades, against the tested 1e-4)
 
 
 def _fused_codes(values: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +160,7 @@ def _scaled_values(signed: bool, blocks: int = 96) -> torch.Tensor:
     signed map (the unsigned chain's square of an infinite gradient is NaN, not inf)."""
     gen = torch.Generator().manual_seed(7)
     qmap = create_dynamic_map(signed)
-    b = quantized.boundaries(qmap)
+    b = quant_tables.boundaries(qmap)
     exps = torch.randint(-140, 127, (blocks,), generator=gen).double()
     m = (torch.rand(blocks, generator=gen, dtype=torch.float64) + 1.0) * 2.0 ** exps
     m = m.float().clamp_min(1e-44)
@@ -194,16 +194,22 @@ def test_kernel_divides_like_eager(name, encoder, monkeypatch):
     assert torch.equal(fused, eager)
 
 
+@pytest.mark.parametrize("encoder", ["poly-rcp", "lg2-rcp"])
 @pytest.mark.parametrize("name", list(MAPS))
-def test_one_block_programs_encode_like_eager(name, monkeypatch):
+def test_one_block_programs_encode_like_eager(name, encoder, monkeypatch):
     """Programs of one 256-element block (the GPU tile) quantize their tile flat, not as a
     (blocks, block) view: the same codes and absmax as eager, at boundary-straddling
-    quotients and at the hard values, with and without skip_zeros' kept blocks."""
+    quotients and at the hard values, with and without skip_zeros' kept blocks; blocks
+    with NaN or +-inf take the path that clamps (the others the all-finite one)."""
     from ftopt.lowering import tiles
 
     monkeypatch.setattr(tiles, "QUANT_TILE", (256, 1))
+    monkeypatch.setattr(quantized, "ENCODER", encoder)
     signed = MAPS[name]
     values = torch.cat([_scaled_values(signed, blocks=24), _kernel_values(signed)[:256 * 24]])
+    blocks = values[: values.numel() // 256 * 256].view(-1, 256)
+    finite = blocks.isfinite().all(dim=1)
+    assert finite.any() and not finite.all()  # both paths of the one-block encoder
     fused, eager = _fused_codes(values, signed)
     assert torch.equal(fused, eager)
     # skip_zeros: blocks whose gradients are all zero keep their codes and absmax.
@@ -231,7 +237,7 @@ def test_generated_source_has_one_gather_per_encode():
     decade's two constants (one cache line); the search ten times. (In each of the two
     versions of the lines: a program of one block, and of several.)"""
     for encoder, loads in (("arithmetic", 1), ("log2", 3), ("log2-rcp", 3), ("poly", 3),
-                           ("poly-rcp", 3), ("search", 10)):
+                           ("poly-rcp", 3), ("lg2", 3), ("lg2-rcp", 3), ("search", 10)):
         lines = quantized.store_lines("st0_mu", "st0_mu_old", "x", True, None, False, encoder)
         split = lines.index("else:")
         assert lines[0] == "if BLOCK == QBLOCK:"
@@ -245,7 +251,7 @@ def test_boundaries_are_exactly_where_the_upper_code_gets_nearer(name):
     ``qmap[lo+1] - v < v - qmap[lo]`` holds: it holds there and at the next float32 up,
     and not at the float32 below; the kernel table holds the map, then them."""
     qmap = create_dynamic_map(MAPS[name])
-    b = quantized.boundaries(qmap)
+    b = quant_tables.boundaries(qmap)
     q0, q1 = qmap[:-1], qmap[1:]
 
     def rule(v):
@@ -256,8 +262,34 @@ def test_boundaries_are_exactly_where_the_upper_code_gets_nearer(name):
     assert rule(b).all() and rule(torch.nextafter(b, inf)).all()
     assert not rule(torch.nextafter(b, -inf)).any()
     assert ((q0 < b) & (b <= q1)).all()
-    table = quantized.kernel_table(qmap)
+    table = quant_tables.kernel_table(qmap)
     assert table.shape == (528,) and torch.equal(table[:256], qmap)
     assert torch.equal(table[256:511], b) and table[511] == inf
-    _, a_consts, c_consts = quantized._guess_constants(MAPS[name])
+    _, a_consts, c_consts = quant_tables.guess_constants(MAPS[name])
     assert table[512:519].tolist() == a_consts and table[520:527].tolist() == c_consts
+
+
+def test_one_block_encoder_takes_the_absmax_from_bits_when_all_finite():
+    """The one-block lines of the "-rcp" encoders: an integer max of the magnitudes' bits,
+    and the clamping and NaN zeroing only on the branch for non-finite blocks."""
+    lines = quantized.store_lines("st0_mu", "st0_mu_old", "x", True, None, False, "lg2-rcp")
+    single = lines[1:lines.index("else:")]
+    top = next(i for i, line in enumerate(single) if "_top = tl.max(" in line)
+    branch = single.index("    if q_st0_mu_top < 2139095040:")
+    otherwise = single.index("    else:", branch)
+    clamps = [i for i, line in enumerate(single) if "tl.minimum(tl.maximum(q_st0_mu_x" in line]
+    assert top < branch < otherwise and clamps and all(i > otherwise for i in clamps)
+
+
+def test_lg2_decade_is_the_gpu_logarithm_or_numpy_s(monkeypatch):
+    """"lg2" kernels call a helper: ``lg2.approx`` (libdevice's ``fast_log2f``) on a GPU,
+    numpy's log2 under the interpreter (which runs no libdevice)."""
+    from ftopt.lowering import codegen, plan, tiles
+
+    traced = plan.plan_chain(ftopt.adam(1e-3)).traced(False)
+    variant = codegen.Variant(torch.float32, torch.float32, False, True, 256,
+                              encoder="lg2-rcp")
+    for interpreting, call in ((True, "tl.log2("), (False, "libdevice.fast_log2f(")):
+        monkeypatch.setattr(tiles, "INTERPRETING", interpreting)
+        source = codegen.main_source(traced, variant)
+        assert "ftopt_lg2(q_st0_mu_a)" in source and call in source

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ftopt import program
-from ftopt.lowering import lanes, leaf_slots, quantized
+from ftopt.lowering import lanes, leaf_slots, quantized, tiles
 from ftopt.lowering.roles import input_roles, kept_stores, output_roles, role_dtypes, slot_signs
 from ftopt.lowering.sym_algebra import SymbolicAlgebra, as_name
 from ftopt.lowering.symbolic import Graph, Reduction
@@ -300,6 +300,9 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     if variant.fast_math:
         body = [_fast_math(x) for x in body]
         helpers = {**helpers, "ftopt_fast_sqrt": FAST_SQRT}
+    if variant.quant_block and variant.encoder.startswith("lg2"):
+        helpers = {**helpers, "ftopt_lg2": quantized.LG2_HELPER[
+            "interpreter" if tiles.INTERPRETING else "cuda"]}
     if variant.skip_tiles:
         body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0) != 0.0)"
                 ".to(tl.int32)) > 0:"] + ["    " + x for x in body]

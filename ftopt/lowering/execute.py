@@ -20,7 +20,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
-from ftopt.lowering import branches, checks, launch, leaf_slots, quantized, tiles, work
+from ftopt.lowering import branches, checks, launch, leaf_slots, quant_tables, tiles, work
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.counts import advance_counts, advance_running, counts_on, increment
 from ftopt.lowering.flat import dict_list_getter, flat_dict_getter, flat_dict_leaves
@@ -109,8 +109,8 @@ class PreparedStep:
                                and tiles.may_return_early(traced)
                                and not (group.chunk_lanes or group.skip_tiles))
             if quant_block:
-                group.qmaps = (quantized.table(True, self.device),
-                               quantized.table(False, self.device))
+                group.qmaps = (quant_tables.table(True, self.device),
+                               quant_tables.table(False, self.device))
             roles = _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
                                  x_flat)
             group.addresses = {r: _addresses(ts, self.device) for r, ts in roles.items()}

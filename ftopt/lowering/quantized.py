@@ -31,11 +31,14 @@ The "log2" encoders take the decade as ``floor(log2(a) log10(2)) + 7`` (clamped 
 instead of the six compares, and ``A``, ``C`` from the table. An estimate of ``log2`` that
 errs a little can only put ``a`` in the neighbouring decade close to a threshold, where
 both decades' guesses are the same code (the guess is continuous across decades); the
-tests move the estimate by 1e-4 decades and the codes stay. The default ("poly-rcp")
-estimates ``log2`` by a polynomial of the float's mantissa plus its exponent
-(:data:`POLY_LOG2`, 3.3e-5 decades at worst; no libdevice call), and divides by the
-block's absmax once per block, not per element (:func:`_rcp_lines`: the same correctly
-rounded quotient).
+tests move the estimate by 1e-4 decades and the codes stay. The default on NVIDIA GPUs
+("lg2-rcp") takes ``log2`` from the GPU's approximate logarithm (``lg2.approx``, one
+instruction, within 1e-7 decades); elsewhere ("poly-rcp") from a polynomial of the
+float's mantissa plus its exponent (:data:`POLY_LOG2`, 3.3e-5 decades at worst). Both
+divide by the block's absmax once per block, not per element (:func:`_rcp_lines`: the
+same correctly rounded quotient), and a program of one block whose values are all finite
+takes that absmax as the largest of the magnitudes' bit patterns, with nothing to clamp
+(:func:`_finite_first`).
 
 Gathers per element and quantized slot (all from the 2 KiB table, so L1 hits):
   arithmetic: 1 to decode + 1 to encode = 2 (Adam, two slots: 4); log2: also the
@@ -46,160 +49,44 @@ Gathers per element and quantized slot (all from the 2 KiB table, so L1 hits):
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
-from ftopt.quant import dynamic_map
+from ftopt.lowering import tiles
+from ftopt.lowering.quant_tables import LOG10_2, POLY_LOG2, guess_constants
 
 # The encoder of the kernels launched from now on (part of their variant, so switching it
 # compiles the other kernel); all give the same codes. "arithmetic": the decade from six
 # compares; "log2": the decade from the value's base-2 logarithm and the per-decade
 # constants from the table; "poly": the same from a polynomial estimate of the logarithm
-# (:data:`POLY_LOG2`); "-rcp": one division per block, not per element
-# (:func:`_rcp_lines`); "search": the former binary search (kept to time one against the
-# others). H200, 8-bit Adam, one 64M tensor / GPT-2 tree, 256 x 1 tile: arithmetic 0.606
-# / 0.977 ms, log2 0.548 / 0.990, log2-rcp 0.514 / 0.949 (benchmarks/RESULTS.md).
-# FTOPT_QUANT_ENCODER overrides it.
-ENCODER = os.environ.get("FTOPT_QUANT_ENCODER", "poly-rcp")
-ENCODERS = ("arithmetic", "log2", "log2-rcp", "poly", "poly-rcp", "search")
+# (:data:`POLY_LOG2`); "lg2": from the GPU's approximate logarithm (one instruction,
+# :data:`LG2_HELPER`; NVIDIA's libdevice only, so "poly" on other GPUs); "-rcp": one
+# division per block, not per element (:func:`_rcp_lines`); "search": the former binary
+# search (kept to time one against the others). H200, 8-bit Adam, one 64M tensor / GPT-2
+# tree, 256 x 1 tile: arithmetic 0.606 / 0.977 ms, log2 0.548 / 0.990, log2-rcp 0.514 /
+# 0.949; later, at fast math and a 64-register cap, poly-rcp 0.412 / 0.780, lg2-rcp 0.351 /
+# 0.670 (benchmarks/RESULTS.md). FTOPT_QUANT_ENCODER overrides it.
+_NVIDIA_OR_INTERPRETED = tiles.INTERPRETING or (
+    torch.version.cuda is not None and torch.version.hip is None)
+ENCODER = os.environ.get("FTOPT_QUANT_ENCODER",
+                         "lg2-rcp" if _NVIDIA_OR_INTERPRETED else "poly-rcp")
+ENCODERS = ("arithmetic", "log2", "log2-rcp", "poly", "poly-rcp", "lg2", "lg2-rcp", "search")
 
-# log10(2): the decade of ``a`` is ``floor(log2(a) * LOG10_2) + 7``.
-LOG10_2 = 0.3010299956639812
-
-# The "poly" decade: log2(a) = e + log2(1 + t) for a = 2**e (1 + t), 0 <= t < 1, with
-# log2(1 + t) ~ t (c1 + t (c2 + t (c3 + t c4))), a near-minimax fit whose error is at most
-# 1.1e-4 in float32 (3.3e-5 decades; the codes do not move for 1e-4 decades:
-# tests/test_quant_arith.py checks both). Plain float32 multiplies and adds on the float's
-# bits: no libdevice ``log2f``, whose 11 fmas and per-element branch (for inf and NaN) the
-# 8-bit kernels ran twice an element (static SASS of the 8-bit Adam kernel, 8 elements a
-# thread: 3,586 instructions with log2f, 3,137 with this; benchmarks/sass_count.py).
-POLY_LOG2 = (1.43901526927948, -0.6799482703208923, 0.32560446858406067,
-             -0.08477398753166199)
-
-# |v| >= _THRESHOLDS[k - 1] puts v in decade k or above.
-_THRESHOLDS = [10.0 ** (k - 7) for k in range(1, 7)]
+# The "lg2" decade: the GPU's approximate log2 (``lg2.approx``, one instruction; error
+# below 1e-6 decades), under the interpreter numpy's log2.
+LG2_HELPER = {
+    "interpreter": """@triton.jit
+def ftopt_lg2(x):
+    return tl.log2(tl.maximum(x, 1e-30))
+""",
+    "cuda": """from triton.language.extra import libdevice
 
 
-def _f32(x: float) -> float:
-    return torch.tensor(x, dtype=torch.float32).item()
-
-
-def _guess_constants(signed: bool) -> tuple[list[float], list[float], list[float]]:
-    """Float32 thresholds and per-decade ``A``, ``C`` of the first guess.
-
-    In decade ``d`` (scale ``s = 10**(d-6)``, ``n`` bins of width ``0.9 s / n``) code ``k``
-    of the decade sits at position ``t = (a / s - 0.1) * n / 0.9 - 0.5 = k``, and the
-    decade's codes start after ``base`` (the index of the last code below it):
-    ``lo = base + floor(t) + 1 = trunc(a * A - C)`` as ``t + 1 > 0``.
-    """
-    a_consts, c_consts = [], []
-    for d in range(7):
-        n = 2 ** d if signed else 2 ** (d + 1)
-        base = 126 + n if signed else n - 2
-        a_consts.append(_f32(10.0 ** (6 - d) * n / 0.9))
-        c_consts.append(_f32(0.1 * n / 0.9 - 0.5 - base))
-    return [_f32(t) for t in _THRESHOLDS], a_consts, c_consts
-
-
-def _ordered(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> int64 keys in the order of the values (-0.0 just below +0.0)."""
-    bits = x.to(torch.float32).view(torch.int32).to(torch.int64)
-    return torch.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)
-
-
-def _from_ordered(keys: torch.Tensor) -> torch.Tensor:
-    bits = torch.where(keys < 0, (-(keys + 1)) | -0x80000000, keys)
-    return bits.to(torch.int32).view(torch.float32)
-
-
-def boundaries(qmap: torch.Tensor) -> torch.Tensor:
-    """Per ``lo`` in 0..254, the smallest float32 ``v`` with
-    ``qmap[lo+1] - v < v - qmap[lo]`` (float32): the nearest-code rule of the table search
-    takes ``lo + 1`` exactly for ``v >= boundaries[lo]``. (+inf where it never does.)"""
-    q = qmap.to(torch.float32).cpu()
-    q0, q1 = q[:-1], q[1:]
-
-    def upper_nearer(v: torch.Tensor) -> torch.Tensor:
-        return (q1 - v) < (v - q0)
-
-    # The predicate is false at q0 and true at q1 where q1 > q0; bisect in between.
-    lo, hi = _ordered(q0), _ordered(q1)
-    never = ~upper_nearer(q1)
-    for _ in range(40):
-        mid = (lo + hi).div(2, rounding_mode="floor")
-        take = upper_nearer(_from_ordered(mid))
-        hi = torch.where(take, mid, hi)
-        lo = torch.where(take, lo, mid)
-        if bool((hi - lo <= 1).all()):
-            break
-    out = _from_ordered(hi)
-    return torch.where(never, torch.full_like(out, float("inf")), out)
-
-
-def kernel_table(qmap: torch.Tensor) -> torch.Tensor:
-    """What the kernels read for a map: its 256 values, then its 255 boundaries
-    (:func:`boundaries`) and one +inf, then the first guess's per-decade ``A`` (7 and a
-    pad) and ``C`` (7 and a pad) of the "log2" encoder, on ``qmap``'s device (528 floats).
-    The map is signed when its first code is negative."""
-    b = boundaries(qmap)
-    _, a_consts, c_consts = _guess_constants(bool(qmap[0] < 0))
-    guess = torch.tensor(a_consts + [0.0] + c_consts + [0.0], dtype=torch.float32)
-    return torch.cat([qmap.to(torch.float32).cpu(), b, b.new_full((1,), float("inf")),
-                      guess]).to(qmap.device)
-
-
-@functools.cache
-def table(signed: bool, device: torch.device) -> torch.Tensor:
-    """The kernels' table of the default signed or unsigned map on ``device``, cached
-    (:func:`kernel_table`); read-only."""
-    return kernel_table(dynamic_map(signed, "cpu")).to(device)
-
-
-def arithmetic_codes(v: torch.Tensor, qmap: torch.Tensor, signed: bool,
-                     slack: float = 0.0, decade: str = "compare",
-                     wobble: float = 0.0) -> torch.Tensor:
-    """The kernel's arithmetic encoders in torch, operation for operation (float32).
-
-    ``v``: normalised values (finite, in [-1, 1]); ``qmap``: the default dynamic map of
-    ``signed``. Returns int64 codes. ``decade``: "compare" (the six thresholds, encoder
-    "arithmetic") or "log2" (encoder "log2"). ``slack`` moves the guess ``a * A - C`` and
-    ``wobble`` the "log2" decade estimate before its floor, in decades (tests only: the
-    codes must not depend on them for ``|slack| <= 0.25``, ``|wobble| <= 1e-4``; a GPU's
-    approximate ``log2`` errs by far less than that, and a decade taken one off next to a
-    threshold moves the guess by less than a hundredth of a code, as the guess is
-    continuous across decades).
-    """
-    v = v.to(torch.float32)
-    a = v.abs() if signed else torch.clamp_min(v, 0.0)
-    thresholds, a_consts, c_consts = _guess_constants(signed)
-    if decade in ("log2", "poly"):
-        log2 = torch.log2(a) if decade == "log2" else poly_log2(a)
-        d = torch.floor(log2 * LOG10_2 + (7.0 + wobble)).clamp(0.0, 6.0).long()
-        big = torch.tensor(a_consts, dtype=torch.float32, device=v.device)[d]
-        off = torch.tensor(c_consts, dtype=torch.float32, device=v.device)[d]
-    else:
-        big, off = torch.full_like(a, a_consts[0]), torch.full_like(a, c_consts[0])
-        for threshold, big_d, off_d in zip(thresholds, a_consts[1:], c_consts[1:]):
-            reached = a >= threshold
-            big = torch.where(reached, big_d, big)
-            off = torch.where(reached, off_d, off)
-    lo = (a * big - off + slack).to(torch.int32)
-    if signed:
-        lo = torch.where(v < 0.0, torch.clamp_min(253 - lo, 0), lo)
-    lo = lo.long()
-    return torch.where(v >= kernel_table(qmap).to(v.device)[256 + lo], lo + 1, lo)
-
-
-def poly_log2(a: torch.Tensor) -> torch.Tensor:
-    """:data:`POLY_LOG2`'s estimate of ``log2(max(a, 1e-30))`` for float32 ``a >= 0``, as
-    the "poly" kernels compute it (float32, operation for operation)."""
-    bits = torch.clamp_min(a.to(torch.float32), 1e-30).view(torch.int32)
-    t = ((bits & 8388607) | 1065353216).view(torch.float32) - 1.0
-    c1, c2, c3, c4 = POLY_LOG2
-    return ((bits >> 23) - 127).to(torch.float32) + t * (((c4 * t + c3) * t + c2) * t + c1)
-
+@triton.jit
+def ftopt_lg2(x):
+    return libdevice.fast_log2f(x)
+"""}
 
 def _poly_lines(q: str, qmap: str, signed: bool) -> list[str]:
     """The decade from :func:`poly_log2` (integer and float32 multiply-adds only), ``A``
@@ -217,8 +104,17 @@ def _poly_lines(q: str, qmap: str, signed: bool) -> list[str]:
             f"{q}_off = tl.load({qmap} + 520 + {q}_d)"] + _guess_lines(q, qmap, signed)
 
 
+def _lg2_lines(q: str, qmap: str, signed: bool) -> list[str]:
+    a = f"tl.abs({q}_v)" if signed else f"tl.maximum({q}_v, 0.0)"
+    return [f"{q}_a = {a}",
+            f"{q}_d = tl.minimum(tl.maximum(tl.floor(ftopt_lg2({q}_a) * {LOG10_2!r} + 7.0), "
+            "0.0), 6.0).to(tl.int32)",
+            f"{q}_big = tl.load({qmap} + 512 + {q}_d)",
+            f"{q}_off = tl.load({qmap} + 520 + {q}_d)"] + _guess_lines(q, qmap, signed)
+
+
 def _arithmetic_lines(q: str, qmap: str, signed: bool, shape: str) -> list[str]:
-    thresholds, a_consts, c_consts = _guess_constants(signed)
+    thresholds, a_consts, c_consts = guess_constants(signed)
     a = f"tl.abs({q}_v)" if signed else f"tl.maximum({q}_v, 0.0)"
     lines = [f"{q}_a = {a}",
              f"{q}_big = tl.full({shape}, {a_consts[0]!r}, tl.float32)",
@@ -352,7 +248,8 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
         f"{q}_abs = tl.abs({q}_x)",
         f"{q}_amax = tl.max(tl.where({q}_abs <= 3.4028234663852886e38, {q}_abs, 0.0), axis=1)",
     ]
-    lines += _rcp_lines(q) if encoder.endswith("-rcp") else [
+    rcp = encoder.endswith("-rcp")
+    lines += _rcp_lines(q) if rcp else [
         f"{q}_v = tl.div_rn({q}_x, tl.where({q}_amax > 0.0, {q}_amax, 1.0)[:, None])",
         f"{q}_v = tl.where({q}_v == {q}_v, {q}_v, 0.0)",
         f"{q}_v = tl.minimum(tl.maximum({q}_v, -1.0), 1.0)",
@@ -364,6 +261,8 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
         lines += _log2_lines(q, qmap, signed)
     elif encoder == "poly":
         lines += _poly_lines(q, qmap, signed)
+    elif encoder == "lg2":
+        lines += _lg2_lines(q, qmap, signed)
     else:
         lines += _arithmetic_lines(q, qmap, signed, shape)
     lines.append(f"{q}_block = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK)")
@@ -392,8 +291,36 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
     # A program of one block (the GPU tile) needs no (blocks, block) view: its reshapes
     # to and from it put each thread's elements 32 apart, and the 8-bit kernel paid two
     # round trips through shared memory, with barriers, per slot (benchmarks/sass_count.py).
-    return (["if BLOCK == QBLOCK:"] + ["    " + x for x in one_block(lines)] + ["else:"]
+    single = one_block(lines)
+    if rcp:
+        single = _finite_first(q, x) + single[single.index(f"{q}_ms = {q}_m * {q}_k"):]
+        single = [ln for ln in single if not ln.startswith((f"{q}_xc = ", f"{q}_xs = "))]
+        single.insert(single.index(f"{q}_q0 = {q}_xs * {q}_y"), f"{q}_xs = {q}_xf * {q}_k")
+    return (["if BLOCK == QBLOCK:"] + ["    " + x for x in single] + ["else:"]
             + ["    " + x for x in lines])
+
+
+def _finite_first(q: str, x: str) -> list[str]:
+    """A one-block program's absmax, ``m`` and scale ``k`` as :func:`_rcp_lines` has them,
+    and ``xf``, the values it divides: where every value is finite (almost always), the
+    largest magnitude is the largest of the magnitudes' bit patterns (one integer max an
+    element) and nothing needs clamping or zeroing; otherwise as :func:`_rcp_lines` does."""
+    return [
+        f"{q}_x = tl.broadcast_to({x}, [BLOCK])",
+        f"{q}_top = tl.max({q}_x.to(tl.int32, bitcast=True) & 2147483647)",
+        f"if {q}_top < 2139095040:",
+        f"    {q}_amax = {q}_top.to(tl.float32, bitcast=True)",
+        f"    {q}_xf = {q}_x",
+        "else:",
+        f"    {q}_abs = tl.abs({q}_x)",
+        f"    {q}_amax = tl.max(tl.where({q}_abs <= 3.4028234663852886e38, {q}_abs, 0.0))",
+        f"    {q}_mm = tl.where({q}_amax > 0.0, {q}_amax, 1.0)",
+        f"    {q}_xf = tl.where({q}_x == {q}_x, tl.minimum(tl.maximum({q}_x, -{q}_mm), "
+        f"{q}_mm), 0.0)",
+        f"{q}_m = tl.where({q}_amax > 0.0, {q}_amax, 1.0)",
+        f"{q}_e = tl.minimum(({q}_m.to(tl.int32, bitcast=True) >> 23) & 255, 253)",
+        f"{q}_k = ((254 - {q}_e) << 23).to(tl.float32, bitcast=True)",
+    ]
 
 
 def one_block(lines: list[str]) -> list[str]:
