@@ -37,15 +37,18 @@ QUANT_TILE = tuple(int(x) for x in os.environ.get(
 # 96 registers 0.945 ms, 80 0.912, 72 0.876 (14 spills), 64 0.883; with skip_zeros
 # ("stores") its 120 registers 1.371 ms, 72 0.983. With FAST_MATH (fewer registers
 # live), 64 is fastest (eight_bit_ablation.py, 64M tensor / GPT-2: 56 0.422 / 0.789 ms,
-# 64 0.412 / 0.757, 72 0.423 / 0.776, 80 0.446 / 0.810, none 0.483 / 0.800).
-# FTOPT_QUANT_MAXNREG overrides it.
+# 64 0.412 / 0.757, 72 0.423 / 0.776, 80 0.446 / 0.810, none 0.483 / 0.800); with the
+# "lg2" encoder, GPT-2 64 0.605-0.609 ms, 72 0.627, 80 0.665. FTOPT_QUANT_MAXNREG
+# overrides it.
 QUANT_MAXNREG = int(os.environ.get("FTOPT_QUANT_MAXNREG", "64"))
 # The same for 8-bit kernels with skip_zeros (their "split" body holds the update twice);
 # H200, GPT-2, split+select under FAST_MATH, dense / sparse (quant_regs_gpu.py): 64
 # 0.839 / 0.678 ms (38 registers spilled; 24 since the skipped update's -0.0 is a
 # constant), 72 0.861 / 0.697, 80 0.877 / 0.706, 96 0.934 / 0.764 (none spilled), none
-# (142) 1.264 / 1.048. FTOPT_QUANT_SKIP_MAXNREG overrides it.
-QUANT_SKIP_MAXNREG = int(os.environ.get("FTOPT_QUANT_SKIP_MAXNREG", "64"))
+# (142) 1.264 / 1.048. With the "lg2" encoder and the all-finite absmax (two runs): 64
+# 0.695 / 0.588-0.591 ms (44 spilled), 72 0.676 / 0.570-0.577 (28), 80 0.723 / 0.614.
+# FTOPT_QUANT_SKIP_MAXNREG overrides it.
+QUANT_SKIP_MAXNREG = int(os.environ.get("FTOPT_QUANT_SKIP_MAXNREG", "72"))
 
 
 def quant_maxnreg(traced) -> int:
