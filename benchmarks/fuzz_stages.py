@@ -43,7 +43,7 @@ def prefixes(case, step: int) -> list[str]:
         paths = ftopt.tree.flatten_with_paths(runs[0])[0]
         leaves = [ftopt.tree.flatten_with_paths(r)[1] for r in runs]
         for path, f, e, r in zip(paths, *leaves):
-            if f is None:
+            if f is None or f.numel() == 0:
                 continue
             line = (f"{k} {st.parts[k - 1].entry.name} {path}: fused-eager {_rel(f, e):.3g}, "
                     f"fused-f64 {_rel(f, r):.3g}, eager-f64 {_rel(e, r):.3g}")

@@ -82,7 +82,8 @@ def record(names: list[str]) -> list[dict]:
             if "QBLOCK" in constants:
                 block, warps = tiles.QUANT_TILE if len(sys.argv) < 0 else (256, 1)
                 block = max(block, constants["QBLOCK"])
-                options = {"num_warps": warps, "maxnreg": 72}
+                cap = (tiles.QUANT_SKIP_MAXNREG if "skip" in name else tiles.QUANT_MAXNREG)
+                options = {"num_warps": warps, **({"maxnreg": cap} if cap else {})}
             else:
                 block = consts.get("BLOCK", 512)
                 options = {"num_warps": 4}
@@ -147,8 +148,16 @@ def compile_jobs(jobs: list[dict]) -> list[dict]:
 
     out = []
     for job in jobs:
-        spec = importlib.util.spec_from_file_location(f"k_{abs(hash(job['path']))}",
-                                                      job["path"])
+        # (recorded under the interpreter: its helpers in place of the GPU's)
+        from ftopt.lowering import quantized
+
+        path = pathlib.Path(job["path"])
+        source = path.read_text()
+        gpu = source.replace(quantized.LG2_HELPER["interpreter"], quantized.LG2_HELPER["cuda"])
+        if gpu != source:
+            path = path.with_name(path.stem + "_gpu.py")
+            path.write_text(gpu)
+        spec = importlib.util.spec_from_file_location(f"k_{abs(hash(str(path)))}", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
@@ -157,7 +166,11 @@ def compile_jobs(jobs: list[dict]) -> list[dict]:
         src = ASTSource(fn, job["signature"], const)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options=job["options"])
-        counts = count(get_sass(compiled.asm["cubin"]))
+        sass = get_sass(compiled.asm["cubin"])
+        if os.environ.get("SASS_DUMP"):  # --dump DIR: each kernel's listing
+            name = f"{job['case']}_{job['name']}_{len(out)}.sass"
+            pathlib.Path(os.environ["SASS_DUMP"], name).write_text(sass)
+        counts = count(sass)
         counts["registers"], counts["spills"] = _resources(compiled.asm["cubin"])
         out.append(counts)
     return out
@@ -167,6 +180,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("cases", nargs="*", help="cases (default: all)")
     ap.add_argument("--out", help="write <out>.md and <out>.json")
+    ap.add_argument("--dump", help="write each kernel's SASS listing to this folder")
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.compile:
@@ -176,6 +190,9 @@ def main() -> None:
     jobs = record(names)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if args.dump:
+        pathlib.Path(args.dump).mkdir(parents=True, exist_ok=True)
+        env["SASS_DUMP"] = str(pathlib.Path(args.dump).resolve())
     done = subprocess.run([sys.executable, __file__, "--compile"], input=json.dumps(jobs),
                           text=True, capture_output=True, env=env, timeout=1800)
     if done.returncode:
