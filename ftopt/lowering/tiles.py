@@ -63,8 +63,8 @@ def quant_maxnreg(traced) -> int:
 # programs that load their gradients and return, each a chain of dependent loads, the
 # memory bus mostly idle (H200, GPT-2 Adam, every gradient zero: 1.9-3.5x the time of
 # reading them). Interleaved block by block they hid under the other blocks' transfers,
-# but the dense step lost as much (fp32 +4%: benchmarks/RESULTS.md); runs keep
-# consecutive programs on neighbouring memory. FTOPT_INTERLEAVE overrides it.
+# but the dense step lost as much (fp32 +4%: benchmarks/RESULTS.md). Runs of 4 to 256
+# blocks lost too (fp32 dense +4.7-6.6%, sparse no faster). FTOPT_INTERLEAVE overrides it.
 INTERLEAVE = int(os.environ.get("FTOPT_INTERLEAVE", "0"))
 
 
