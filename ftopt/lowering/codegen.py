@@ -375,10 +375,11 @@ def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, varian
         if slot in signs:
             stage = int(slot[2:].split("_", 1)[0])
             zero = "zero" if traced.skips[stage] else None
-            # (a split kernel's full blocks reach this body only with a live lane)
+            # (an all-zero program writes nothing, returns at once, or in a split kernel's
+            # full blocks never reaches this body)
+            quiet = variant.skip_stores or variant.skip_tiles or (variant.split and not tail)
             stores += quantized.store_lines(slot, f"{slot}_old", value, signs[slot], zero,
-                                            tail, variant.encoder, flag,
-                                            variant.skip_stores or (variant.split and not tail))
+                                            tail, variant.encoder, flag, quiet)
             continue
         if dict(variant.slot_dtypes).get(slot) == torch.bfloat16:
             stores += lanes.bf16_store_lines(role, slot, value, store_mask)
