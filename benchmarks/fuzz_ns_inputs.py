@@ -15,7 +15,6 @@ the params differently. Compare fused with eager within one chain.)
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import sys
@@ -25,6 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 from fuzz_cases import build  # noqa: E402
+from fuzz_stages import replayed_case  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.transforms import muon  # noqa: E402
@@ -57,20 +57,8 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    import fuzz
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("replay", help="SEED:INDEX of a fuzz example")
-    ap.add_argument("--step", type=int, default=1)
-    ap.add_argument("--prefix", type=int, default=None, help="also the first K stages")
-    ap.add_argument("--structures", type=int, default=30)
-    ap.add_argument("--dtypes", type=int, default=2)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args()
-    seed, index = (int(x) for x in args.replay.split(":"))
-    case = fuzz.example(seed, index, fuzz.structure_pool(seed, args.structures, args.dtypes),
-                        args.device)
-    print(case.describe())
+    case, args = replayed_case(__doc__.split("\n")[0], 1, lambda ap: ap.add_argument(
+        "--prefix", type=int, default=None, help="also the first K stages"))
     muon.newton_schulz = _recorded
     whole = len(case.structure.parts)
     for k in sorted({args.prefix or whole, whole}):

@@ -56,20 +56,30 @@ def prefixes(case, step: int) -> list[str]:
     return lines
 
 
-def main() -> None:
+def replayed_case(description: str, step: int, extra=None):
+    """(the fuzz example named on the command line, the parsed arguments): SEED:INDEX,
+    ``--step`` (default ``step``), ``--structures``, ``--dtypes``, ``--device``, and what
+    ``extra(parser)`` adds."""
     import fuzz
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("replay", help="SEED:INDEX of a fuzz example")
-    ap.add_argument("--step", type=int, default=0)
+    ap.add_argument("--step", type=int, default=step)
     ap.add_argument("--structures", type=int, default=30)
     ap.add_argument("--dtypes", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    if extra is not None:
+        extra(ap)
     args = ap.parse_args()
     seed, index = (int(x) for x in args.replay.split(":"))
     case = fuzz.example(seed, index, fuzz.structure_pool(seed, args.structures, args.dtypes),
                         args.device)
     print(case.describe())
+    return case, args
+
+
+def main() -> None:
+    case, args = replayed_case(__doc__.split("\n")[0], 0)
     print("\n".join(prefixes(case, args.step)))
 
 
