@@ -332,6 +332,14 @@ class Case:
         except ValueError:
             return self.tx(skip)
 
+    def host_tx(self, skip: bool = True) -> GradientTransformation:
+        """The transformation with its hyperparameter tensors on the CPU (for eager run
+        there: ``fuzz_checks.Reference.host_leaf``)."""
+        def cpu(h):
+            return {k: ([cpu(q) for q in v] if k == "__inner__" else
+                        v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in h.items()}
+        return build(self.structure, [cpu(h) for h in self.hparams], skip)
+
     def hparam_tensors(self) -> list[torch.Tensor]:
         out = []
 

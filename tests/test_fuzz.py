@@ -380,6 +380,14 @@ def test_host_eager_runs_the_same_step_on_the_cpu():
         if eager[j] is not None:
             assert torch.equal(ref.host_leaf("update", spec, j), eager[j])
         assert torch.equal(ref.host_leaf("step", spec, j), stepped[j])
+    states = checks._state_leaves(ftopt.step(tx, p, g, s, backend="eager")[1])
+    host_states = ref.host_states("step")
+    assert len(host_states) == len(states)
+    for a, b in zip(host_states, states):
+        if isinstance(b, checks.QuantizedSlot):
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.absmax, b.absmax)
+        else:
+            assert torch.equal(a, b)
     gen = torch.Generator().manual_seed(14)
     w = {"w": torch.randn(300, generator=gen)}
     gw = {"w": torch.randn(300, generator=gen)}
@@ -392,6 +400,37 @@ def test_host_eager_runs_the_same_step_on_the_cpu():
     assert checks._as_accurate_as_host(e, upd, host)
     assert not checks._as_accurate_as_host(e * (1 + 1e-5), upd, host)
     assert not checks._as_accurate_as_host(e, upd, lambda: None)
+
+
+def test_state_check_admits_fused_as_accurate_as_the_cpus_eager():
+    """A float state 3e-6 from CUDA's eager (which may contract a multiply-add, so sit
+    nearer float64) passes where it equals eager run on the CPU, and only then."""
+    exact = torch.tensor([0.25, -1.5, 3.0])
+    fused = exact * (1 + 3e-6)
+    ref = lambda: ([exact.double()], [0.0])  # noqa: E731
+    checks._close_states([fused], [exact], "s", ref, None, lambda: [fused.clone()])
+    for host in (None, lambda: None, lambda: [exact.clone()]):
+        with pytest.raises(AssertionError, match="relative error"):
+            checks._close_states([fused], [exact], "s", ref, None, host)
+
+
+def test_host_tx_moves_hyperparameter_tensors_to_the_cpu():
+    """:meth:`Case.host_tx`: the same transformation with its hyperparameter tensors on
+    the CPU (the fuzz's CPU eager run of a structure with tensor hyperparameters)."""
+    import ftopt
+
+    runner = _runner()
+    pool = runner.structure_pool(26, 30, 2)
+    case = next(c for c in (runner.example(26, i, pool, "cpu") for i in range(200))
+                if c.structure.tensors and c.hparam_tensors())
+    host = case.host_tx()
+    p, g = case.params, case.grads[0]
+    s = case.tx().init(p)
+    want = ftopt.step(case.tx(), p, g, s, backend="eager")[0]
+    got = ftopt.step(host, p, g, s, backend="eager")[0]
+    for a, b in zip(ftopt.tree.flatten_with_paths(got)[1],
+                    ftopt.tree.flatten_with_paths(want)[1]):
+        assert torch.equal(a, b)
 
 
 def test_stage_replay_names_every_prefix_of_the_chain():
