@@ -407,6 +407,10 @@ def _close_param(f: torch.Tensor, e: torch.Tensor, old: torch.Tensor, what: str,
                            f"{ef[bad][:3].tolist()} eager {ee[bad][:3].tolist()}")
 
 
+def _nth(leaves: list | None, i: int):
+    return None if leaves is None else leaves[i]
+
+
 def _close_states(f: Any, e: Any, what: str, ref=None, moved=None, host=None) -> None:
     """``moved``: () -> the state leaves (8-bit slots whole) of each draw of
     :meth:`Reference.moved32`; ``host``: () -> those of eager on the CPU, or None
@@ -471,7 +475,7 @@ def _close_states(f: Any, e: Any, what: str, ref=None, moved=None, host=None) ->
                                    lambda i=i: [_host(m[i]) for m in moved()]))
                                or _as_accurate_as_host(
                                    x, lr and (lambda i=i: (lr()[0][i], lr()[1][i])),
-                                   host and (lambda i=i: (host() or [None] * (i + 1))[i]))):
+                                   host and (lambda i=i: _nth(host(), i)))):
                 continue
             assert err <= 1e-6, f"{what}: state leaf {i}: relative error {err:.3g} > 1e-6"
 

@@ -73,8 +73,8 @@ ENCODER = os.environ.get("FTOPT_QUANT_ENCODER",
                          "lg2-rcp" if _NVIDIA_OR_INTERPRETED else "poly-rcp")
 ENCODERS = ("arithmetic", "log2", "log2-rcp", "poly", "poly-rcp", "lg2", "lg2-rcp", "search")
 
-# The "lg2" decade: the GPU's approximate log2 (``lg2.approx``, one instruction; error
-# below 1e-6 decades), under the interpreter numpy's log2.
+# The "lg2" decade: the GPU's approximate log2 (``lg2.approx``, one instruction; within
+# 1e-7 decades), under the interpreter numpy's log2.
 LG2_HELPER = {
     "interpreter": """@triton.jit
 def ftopt_lg2(x):
@@ -147,7 +147,7 @@ def _guess_lines(q: str, qmap: str, signed: bool) -> list[str]:
     return lines
 
 
-def _rcp_lines(q: str) -> list[str]:
+def _rcp_lines(q: str, finite: str | None = None) -> list[str]:
     """``v = x / m`` rounded to nearest (as ``tl.div_rn``), NaN -> 0, clamped to [-1, 1],
     with one division per block instead of one per element.
 
@@ -159,16 +159,20 @@ def _rcp_lines(q: str) -> list[str]:
     quotient (Markstein's theorem; the
     division's own fast path). Clamping ``x`` to [-m, m] before dividing equals clamping
     the quotient to [-1, 1] (rounding is monotone and ``m / m = 1``) and leaves no
-    infinity to make the remainder NaN.
+    infinity to make the remainder NaN. ``finite``: the values to divide, already clamped
+    and without NaN (:func:`_finite_first`), in place of ``x``.
     """
+    clamped = ([f"{q}_xc = tl.minimum(tl.maximum({q}_x, -{q}_m[:, None]), {q}_m[:, None])",
+                f"{q}_xc = tl.where({q}_x == {q}_x, {q}_xc, 0.0)"] if finite is None
+               else [f"{q}_xc = {finite}"])
     return [
         f"{q}_m = tl.where({q}_amax > 0.0, {q}_amax, 1.0)",
         f"{q}_e = tl.minimum(({q}_m.to(tl.int32, bitcast=True) >> 23) & 255, 253)",
         f"{q}_k = ((254 - {q}_e) << 23).to(tl.float32, bitcast=True)",
         f"{q}_ms = {q}_m * {q}_k",
         f"{q}_y = tl.div_rn(1.0, {q}_ms)",
-        f"{q}_xc = tl.minimum(tl.maximum({q}_x, -{q}_m[:, None]), {q}_m[:, None])",
-        f"{q}_xs = tl.where({q}_x == {q}_x, {q}_xc, 0.0) * {q}_k[:, None]",
+        *clamped,
+        f"{q}_xs = {q}_xc * {q}_k[:, None]",
         f"{q}_q0 = {q}_xs * {q}_y[:, None]",
         f"{q}_r = tl.fma(-{q}_ms[:, None], {q}_q0, {q}_xs)",
         f"{q}_v = tl.fma({q}_r, {q}_y[:, None], {q}_q0)",
@@ -242,18 +246,22 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
     qmap = qmap_var(signed)
     shape = "(BLOCK // QBLOCK, QBLOCK)"
     x = f"tl.where(in_range, {value}, 0.0)" if tail else value
-    lines = [
+    head = [
         f"{q}_x = tl.reshape({x} + tl.zeros([BLOCK], tl.float32), {shape})",
         # The largest finite magnitude; NaN codes as 0, +-Inf as +-1 (ftopt.quant).
         f"{q}_abs = tl.abs({q}_x)",
         f"{q}_amax = tl.max(tl.where({q}_abs <= 3.4028234663852886e38, {q}_abs, 0.0), axis=1)",
     ]
     rcp = encoder.endswith("-rcp")
-    lines += _rcp_lines(q) if rcp else [
+    head += _rcp_lines(q) if rcp else [
         f"{q}_v = tl.div_rn({q}_x, tl.where({q}_amax > 0.0, {q}_amax, 1.0)[:, None])",
         f"{q}_v = tl.where({q}_v == {q}_v, {q}_v, 0.0)",
         f"{q}_v = tl.minimum(tl.maximum({q}_v, -1.0), 1.0)",
     ]
+    # A program of one block with an "-rcp" encoder: an all-finite block's absmax from the
+    # bits, nothing to clamp (:func:`_finite_first`).
+    single_head = _finite_first(q, x) + _rcp_lines(q, f"{q}_xf") if rcp else head
+    lines: list[str] = []
     encoder = encoder.removesuffix("-rcp")
     if encoder == "search":
         lines += _search_lines(q, qmap, shape)
@@ -291,20 +299,15 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
     # A program of one block (the GPU tile) needs no (blocks, block) view: its reshapes
     # to and from it put each thread's elements 32 apart, and the 8-bit kernel paid two
     # round trips through shared memory, with barriers, per slot (benchmarks/sass_count.py).
-    single = one_block(lines)
-    if rcp:
-        single = _finite_first(q, x) + single[single.index(f"{q}_ms = {q}_m * {q}_k"):]
-        single = [ln for ln in single if not ln.startswith((f"{q}_xc = ", f"{q}_xs = "))]
-        single.insert(single.index(f"{q}_q0 = {q}_xs * {q}_y"), f"{q}_xs = {q}_xf * {q}_k")
-    return (["if BLOCK == QBLOCK:"] + ["    " + x for x in single] + ["else:"]
-            + ["    " + x for x in lines])
+    return (["if BLOCK == QBLOCK:"] + ["    " + x for x in one_block(single_head + lines)]
+            + ["else:"] + ["    " + x for x in head + lines])
 
 
 def _finite_first(q: str, x: str) -> list[str]:
-    """A one-block program's absmax, ``m`` and scale ``k`` as :func:`_rcp_lines` has them,
-    and ``xf``, the values it divides: where every value is finite (almost always), the
-    largest magnitude is the largest of the magnitudes' bit patterns (one integer max an
-    element) and nothing needs clamping or zeroing; otherwise as :func:`_rcp_lines` does."""
+    """A one-block program's absmax and ``xf``, the values :func:`_rcp_lines` divides:
+    where every value is finite (almost always), the largest magnitude is the largest of
+    the magnitudes' bit patterns (one integer max an element) and nothing needs clamping
+    or zeroing; otherwise clamped and zeroed as :func:`_rcp_lines` does."""
     return [
         f"{q}_x = tl.broadcast_to({x}, [BLOCK])",
         f"{q}_top = tl.max({q}_x.to(tl.int32, bitcast=True) & 2147483647)",
@@ -317,9 +320,6 @@ def _finite_first(q: str, x: str) -> list[str]:
         f"    {q}_mm = tl.where({q}_amax > 0.0, {q}_amax, 1.0)",
         f"    {q}_xf = tl.where({q}_x == {q}_x, tl.minimum(tl.maximum({q}_x, -{q}_mm), "
         f"{q}_mm), 0.0)",
-        f"{q}_m = tl.where({q}_amax > 0.0, {q}_amax, 1.0)",
-        f"{q}_e = tl.minimum(({q}_m.to(tl.int32, bitcast=True) >> 23) & 255, 253)",
-        f"{q}_k = ((254 - {q}_e) << 23).to(tl.float32, bitcast=True)",
     ]
 
 
