@@ -5,7 +5,8 @@ thread without skip_zeros, 120-128 with it, one warp a program). For each regist
 (``tiles.QUANT_MAXNREG``), 8-bit tile (``tiles.QUANT_TILE``) and skip_zeros mode
 (off, "select", "stores"), the donated step time of the GPT-2 tree with dense gradients
 and with 90% of the embedding's rows zero, then each compiled kernel's registers and
-spills.
+spills. Also with every block part zero ("mixed": one gradient in 97 zero), where a
+"split" mode runs its select body everywhere.
 
     python3 benchmarks/quant_regs_gpu.py OUT [CAPS [TILES [MODES]]]
     # e.g. none,64,72 256x1,256x2 off,split+select (the defaults below)
@@ -35,18 +36,22 @@ t = gpu_step.median_step_ms
 
 params, grads = gpu_step._tree(cfg, torch.float32, seed=21)
 sparse, frac = gpu_step._sparse_wte(grads, cfg)
+# Every 8-bit block part zero (one gradient in 97 zero): the worst case of a "split" mode.
+mixed = {k: v.clone().view(-1).index_fill_(0, torch.arange(0, v.numel(), 97, device=dev),
+                                           0.0).view_as(v) for k, v in grads.items()}
 res = []
 for cap, tile, mode in itertools.product(CAPS, TILES, MODES):
-    tiles.QUANT_MAXNREG = tiles.QUANT_SKIP_MAXNREG = cap
+    tiles.QUANT_MAXNREG = tiles.QUANT_SKIP_MAXNREG = tiles.QUANT_DEFER_MAXNREG = cap
     tiles.QUANT_TILE = tile
     tiles.SKIP_MODES["8-bit"] = "select" if mode == "off" else mode
     gpu_step._clear_lowering_caches()
     tx = ftopt.adam(1e-3, state_bits=8, skip_zeros=mode != "off")
     row = dict(maxnreg=cap, tile=f"{tile[0]}x{tile[1]}", mode=mode,
-               dense=t(tx, params, grads), sparse=t(tx, params, sparse))
+               dense=t(tx, params, grads), sparse=t(tx, params, sparse),
+               mixed=t(tx, params, mixed))
     res.append(row)
-    print(f"maxnreg {str(cap):5s} tile {row['tile']:6s} {mode:7s} dense {row['dense']:.3f} "
-          f"sparse {row['sparse']:.3f}", flush=True)
+    print(f"maxnreg {str(cap):5s} tile {row['tile']:6s} {mode:12s} dense {row['dense']:.3f} "
+          f"sparse {row['sparse']:.3f} mixed {row['mixed']:.3f}", flush=True)
 regs = []
 for key, mod in codegen._MODULES.items():
     fn = getattr(mod, "ftopt_main", None)

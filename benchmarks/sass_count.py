@@ -83,6 +83,9 @@ def record(names: list[str]) -> list[dict]:
                 block, warps = tiles.QUANT_TILE if len(sys.argv) < 0 else (256, 1)
                 block = max(block, constants["QBLOCK"])
                 cap = (tiles.QUANT_SKIP_MAXNREG if "skip" in name else tiles.QUANT_MAXNREG)
+                source = pathlib.Path(path).read_text()
+                if "flags_ptr" in source and "first = tl.program_id(0)" not in source:
+                    cap = tiles.QUANT_DEFER_MAXNREG  # a "split+defer" main kernel
                 options = {"num_warps": warps, **({"maxnreg": cap} if cap else {})}
             else:
                 block = consts.get("BLOCK", 512)

@@ -64,7 +64,8 @@ for order in ORDERS:
         sparse, frac = gpu_step._sparse_wte(grads, cfg)
         pairs = (("dense", grads), ("sparse", sparse))
         base = {g: t(ftopt.adam(1e-3, **kw), params, gr) for g, gr in pairs}
-        modes = (["select", "stores", "split+select", "split+stores"] if key == "8-bit"
+        modes = (["select", "stores", "split+select", "split+stores", "split+defer"]
+                 if key == "8-bit"
                  else ["in_place", "select", "stores", "in_place+stores", "chunks",
                        "split+in_place", "split+select", "split+stores"])
         modes = ([DEFAULTS[key]] if ONLY == ["defaults"] else

@@ -147,3 +147,22 @@ def test_explain_names_the_skip_mode_and_fast_math(monkeypatch):
     text = ftopt.explain(ftopt.adam(1e-3, skip_zeros=True), {"w": w}, backend="fused",
                          file=_Null())
     assert "skip_zeros (donated)" not in text
+
+
+def test_explain_counts_the_deferred_launch(monkeypatch):
+    """"split+defer" takes a second launch in a donated step (not in a chain whose
+    kernels cannot return early, which falls back to "select")."""
+    from ftopt.lowering import tiles
+
+    monkeypatch.setitem(tiles.SKIP_MODES, "8-bit", "split+defer")
+    w = {"w": torch.randn(5000).to(DEVICE)}
+    adam = ftopt.adam(1e-3, skip_zeros=True, state_bits=8)
+    text = ftopt.explain(adam, w, donate=True, backend="fused", file=_Null())
+    assert "kernel launches per step: 2 (0 norm pass(es) + 1 main + 1 for skipped" in text
+    assert "one more launch runs the programs with some zero gradients" in text, text
+    text = ftopt.explain(adam, w, backend="fused", file=_Null())
+    assert "kernel launches per step: 1 (0 norm pass(es) + 1 main)" in text, text
+    novograd = ftopt.novograd(1e-2, skip_zeros=True, state_bits=8)  # (per-leaf values)
+    text = ftopt.explain(novograd, w, donate=True, backend="fused", file=_Null())
+    assert "here 'select'" in text and "one more launch" not in text, text
+    assert "+ 1 for skipped" not in text, text

@@ -147,7 +147,7 @@ LAYOUTS = {
     "fp16 states": (torch.float32, {"state_dtype": torch.float16}),
     "8-bit": (torch.float32, {"state_bits": 8}),
 }
-MODES = ["in_place", "select", "stores", "tiles", "chunks"]
+MODES = ["in_place", "select", "stores", "tiles", "chunks", "split+defer"]
 OTHERS = [lambda: ftopt.noisy_sgd(1e-2),
           lambda: ftopt.chain(ftopt.clip_by_global_norm(1.0), ftopt.adamw(1e-2)),
           lambda: ftopt.lamb(1e-2, state_bits=8),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ftopt
-from ftopt.lowering import codegen, launch, tiles
+from ftopt.lowering import codegen, launch, tiles, work
 from ftopt.lowering.plan import plan_chain
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,7 +84,7 @@ LAYOUTS = {"fp32": (torch.float32, {}), "bf16 params": (torch.bfloat16, {}),
 
 @pytest.mark.parametrize("mode", ["in_place", "tiles", "in_place+tiles", "select", "stores",
                                   "in_place+stores", "chunks", "split+select",
-                                  "split+in_place", "split+stores"])
+                                  "split+in_place", "split+stores", "split+defer"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     """Each way a donated step may skip zero gradients (tiles.SKIP_MODES) gives the
@@ -119,6 +119,7 @@ def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     chunks = tiles.CHUNK_LANES if mode == "chunks" and key != "8-bit" else 0
     assert [g.chunk_lanes for g in groups] == [chunks] * len(groups)
     assert [g.split for g in groups] == ["split" in mode] * len(groups)
+    assert [g.flags is not None for g in groups] == [mode == "split+defer"] * len(groups)
     assert not torch.equal(full[0]["w"][:10], params["w"][:10])
     assert torch.equal(full[0]["w"][tile:2 * tile], params["w"][tile:2 * tile])
 
@@ -143,7 +144,7 @@ def test_8bit_kernels_with_skip_zeros_take_their_own_register_cap(monkeypatch):
     assert (tiles.quant_maxnreg(plain), tiles.quant_maxnreg(skip)) == (64, 80)
 
 
-@pytest.mark.parametrize("mode", ["select", "stores", "tiles", "split+select"])
+@pytest.mark.parametrize("mode", ["select", "stores", "tiles", "split+select", "split+defer"])
 @pytest.mark.parametrize("name", ["adamw", "lion"])
 def test_8bit_one_block_per_program_equals_the_full_step(name, mode, monkeypatch):
     """With one 8-bit block per program (the GPU's tile) a "stores" program whose
@@ -179,3 +180,62 @@ def test_8bit_one_block_per_program_equals_the_full_step(name, mode, monkeypatch
     finally:
         launch._constants_cached.cache_clear()
         launch._kernel.cache_clear()
+
+
+@pytest.mark.parametrize("interleave", [0, 3])
+@pytest.mark.parametrize("layout", ["8-bit", "fp32"])
+def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, interleave,
+                                                                      monkeypatch):
+    """"split+defer": the main kernel runs the programs without zero gradients, writes
+    nothing for all-zero ones, and flags those with some zeros and the tail; the second
+    launch runs exactly the flagged ones (in the main kernel's program order, also
+    interleaved). Without it (the control) the flagged blocks are not written, so the
+    donated step would differ from the full one."""
+    dtype, kw = LAYOUTS[layout]
+    key = "8-bit" if kw else "fp32"
+    monkeypatch.setitem(tiles.SKIP_MODES, key, "split+defer")
+    monkeypatch.setattr(tiles, "QUANT_TILE", (256, 1))
+    monkeypatch.setattr(tiles, "DEFER_FLAGS", 4)
+    for cache in (launch._constants_cached, launch._kernel):
+        cache.cache_clear()
+    monkeypatch.setattr(tiles, "BLOCK", 256)
+    monkeypatch.setattr(tiles, "INTERLEAVE", interleave)
+    try:
+        tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+        n = 256 * 17 + 77  # (8-bit states from 4096 elements)
+        params = {"w": torch.randn(n, generator=gen).to(DEVICE, dtype)}
+        state = tx.init(params)
+        params, state = ftopt.step(tx, params, {"w": torch.randn_like(params["w"])}, state,
+                                   backend="fused")
+        g = torch.randn(n, generator=gen).to(DEVICE, dtype)
+        g[256:512] = 0.0  # program 1: all zero
+        g[600:700] = 0.0  # program 2: some zero
+        g[1800] = 0.0  # program 7: one zero
+        full = ftopt.step(tx, params, {"w": g}, state, backend="fused")
+        launched = []
+        real = launch._launch
+        monkeypatch.setattr(launch, "_launch", lambda k, grid, *a, **kw_: (
+            launched.append(grid), real(k, grid, *a, **kw_))[1])
+        donated = ftopt.step(tx, _clone(params), {"w": g}, _clone(state), backend="fused",
+                             donate=True)
+        assert _same(donated, full)
+        assert launched == [(18,), (5,)]  # 18 programs; their flags in runs of 4
+        (group,) = plan_chain(tx).prepared.groups
+        flagged = torch.zeros(20, dtype=torch.uint8)
+        order = work.interleaved(18, interleave) if interleave else torch.arange(18)
+        flagged[[list(order).index(k) for k in (2, 7, 17)]] = 1
+        assert torch.equal(group.flags.cpu(), flagged)
+        first_only = launch.GroupLaunch.kernels
+        monkeypatch.setattr(launch.GroupLaunch, "kernels",
+                            lambda self, *a: first_only(self, *a)[:1])
+        launch._COMPILED.clear()
+        control = ftopt.step(tx, _clone(params), {"w": g}, _clone(state), backend="fused",
+                             donate=True)
+        assert torch.equal(control[0]["w"][:256], full[0]["w"][:256])
+        for part in (slice(512, 600), slice(1792, 2048), slice(4352, n)):  # flagged
+            assert not torch.equal(control[0]["w"][part], full[0]["w"][part])
+            assert torch.equal(control[0]["w"][part], params["w"][part])
+    finally:
+        for cache in (launch._constants_cached, launch._kernel):
+            cache.cache_clear()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ftopt import program
-from ftopt.lowering import lanes, leaf_slots, quantized, tiles
+from ftopt.lowering import lanes, leaf_slots, quantized, split, tiles
 from ftopt.lowering.roles import input_roles, kept_stores, output_roles, role_dtypes, slot_signs
 from ftopt.lowering.sym_algebra import SymbolicAlgebra, as_name
 from ftopt.lowering.symbolic import Graph, Reduction
@@ -168,6 +168,12 @@ class Variant:
     # ``skip_stores``): a program with no zero gradient runs the body with the skip
     # masks constant (its selects fold away), one with only zeros returns at once.
     split: bool = False
+    # "split+defer" (ftopt.lowering.split): 1, the main kernel (a program with some zero
+    # gradients, or a tail program, stores a flag); 2, the deferred kernel (runs them).
+    defer: int = 0
+    # The body of a "split" kernel's program without zero gradients (the skip masks
+    # constant): no select of an all-zero 8-bit block's old codes and absmax.
+    dense: bool = False
 
 
 def _fast_math(line: str) -> str:
@@ -290,12 +296,15 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
                                dtypes, tail) for tail in (False, True)]
     if variant.chunk_lanes:
         bodies = [lanes.with_live_rows(body, variant.chunk_lanes) for body in bodies]
-    if variant.split:
-        dense = replace(variant, skip_stores=False, split=False)
-        bodies[0] = _split_on_zeros(bodies[0], _body_and_stores(
-            traced, nodes, stores, lanes.masks(traced, False), dense, dtypes, False))
+    if variant.split and variant.defer != 2:
+        dense = replace(variant, skip_stores=False, split=False, dense=True)
+        bodies[0] = split.split_on_zeros(bodies[0], _body_and_stores(
+            traced, nodes, stores, lanes.masks(traced, False), dense, dtypes, False),
+            bool(variant.defer))
+        if variant.defer:
+            bodies[1] = split.deferred_tail()
     count_args, count_lines = _count_lines(traced)
-    body = _split_blocks(*bodies)
+    body = (split.deferred_blocks if variant.defer == 2 else _split_blocks)(*bodies)
     helpers = traced.graph.helpers
     if variant.fast_math:
         body = [_fast_math(x) for x in body]
@@ -307,36 +316,12 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
         body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0) != 0.0)"
                 ".to(tl.int32)) > 0:"] + ["    " + x for x in body]
     lines = _prelude(roles, dtypes, variant) + count_lines + body
+    if variant.defer == 2:
+        lines = split.deferred(_prelude(roles, dtypes, variant), body)
     running_args = [f"{role}_ptr" for role, _ in traced.running_stores]
-    sig = _signature(roles, count_args + running_args, len(traced.graph.scalars), variant,
-                     ("COUNT",))
+    sig = _signature(roles, count_args + running_args + ["flags_ptr"] * bool(variant.defer),
+                     len(traced.graph.scalars), variant, ("COUNT",))
     return _kernel("ftopt_main", sig, lines, helpers)
-
-
-# In a program without zero gradients, the skip masks as constants: the compiler folds
-# the selects of old values (and the masks of in-place loads and stores) away.
-_NO_ZEROS = {"zero = g == 0.0": "zero = tl.full([BLOCK], 0, tl.int1)",
-             "keep = g != 0.0": "keep = tl.full([BLOCK], 1, tl.int1)"}
-
-
-def _split_on_zeros(body: list[str], dense: list[str]) -> list[str]:
-    """A full block's code of a "split" kernel: after the gradient's load, ``dense`` (the
-    same body with the skip masks constant, no gating of stores) where every gradient is
-    non-zero, ``body`` where some are, nothing where all are zero.
-
-    8-bit slots are loaded and decoded before the check (:func:`quantized.hoisted`): a
-    program would otherwise wait for its gradients before it starts the loads its math
-    needs first, two trips to memory in a row (H200, GPT-2 8-bit Adam with skip_zeros:
-    0.843 -> 0.832 ms; without skip_zeros 0.767); an all-zero program then reads its codes
-    too (1 byte an element each)."""
-    at = next(i for i, line in enumerate(body) if line.startswith("g = "))
-    assert dense[:at + 1] == body[:at + 1]
-    early, rest = quantized.hoisted(body[at + 1:])
-    early_dense, dense = quantized.hoisted([_NO_ZEROS.get(x, x) for x in dense[at + 1:]])
-    assert early == early_dense
-    return (body[:at + 1] + early + ["live_lanes = tl.sum((g != 0.0).to(tl.int32))",
-                                     "if live_lanes == BLOCK:"] + ["    " + x for x in dense]
-            + ["elif live_lanes > 0:"] + ["    " + x for x in rest])
 
 
 def main_nodes(traced: TracedChain, quantized: bool) -> list:
@@ -374,7 +359,7 @@ def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, varian
                       else lanes.flag_mask(traced, flag, False))
         if slot in signs:
             stage = int(slot[2:].split("_", 1)[0])
-            zero = "zero" if traced.skips[stage] else None
+            zero = "zero" if traced.skips[stage] and not variant.dense else None
             # (an all-zero program writes nothing, returns at once, or in a split kernel's
             # full blocks never reaches this body)
             quiet = variant.skip_stores or variant.skip_tiles or (variant.split and not tail)

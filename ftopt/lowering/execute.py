@@ -21,6 +21,7 @@ import torch
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
 from ftopt.lowering import branches, checks, launch, leaf_slots, quant_tables, tiles, work
+from ftopt.lowering import split as split_kernels
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.counts import advance_counts, advance_running, counts_on, increment
 from ftopt.lowering.flat import dict_list_getter, flat_dict_getter, flat_dict_leaves
@@ -78,7 +79,7 @@ class PreparedStep:
             by_key.setdefault(key, []).append(i)
         for (p_dtype, g_dtype, quant_block, slot_dtypes), leaves in by_key.items():
             # How zero gradients are skipped: per layout (tiles.skip_mode).
-            in_place, skip_tiles, skip_stores, chunks, split = tiles.skip_mode(
+            in_place, skip_tiles, skip_stores, chunks, split, defer = tiles.skip_mode(
                 p_dtype, quant_block, slot_dtypes)
             group_traced = plan.traced(donate, output, skip_lanes=in_place)
             table = work.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
@@ -108,6 +109,9 @@ class PreparedStep:
                                and output == "p" and traced.skips and all(traced.skips)
                                and tiles.may_return_early(traced)
                                and not (group.chunk_lanes or group.skip_tiles))
+            if group.split and defer and not group_traced.in_place:
+                group.flags = torch.zeros(split_kernels.flag_count(table.num_blocks),
+                                          dtype=torch.uint8, device=self.device)
             if quant_block:
                 group.qmaps = (quant_tables.table(True, self.device),
                                quant_tables.table(False, self.device))

@@ -150,17 +150,21 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
                                     eight_bit)
             read, written, extra = read + r, written + w, extra + x
             levels += traced.levels
-        launches = len(kernels) + 2 * int(levels)
+        quant_block = quant.block_size if eight_bit else 0
+        slot_dtypes = ((None, store),) if slot_size == 2 else ()
+        skip = (_skip_used(traced, p_dtype, quant_block, slot_dtypes)
+                if donate and any(plan.skips) else None)
+        deferred = int(skip is not None and "defer" in skip[1])
+        launches = len(kernels) + 2 * int(levels) + deferred
         lines.append("  path: fused (one Triton kernel over all leaves of the group"
                      + (" per segment)" if plan.segments is not None else ")"))
         if plan.segments is not None:
             lines += _where(parts, runs, leaves, p_flat)
         lines.append(f"  kernel launches per step: {launches} "
-                     f"({int(levels)} norm pass(es) + {len(kernels)} main)")
-        quant_block = quant.block_size if eight_bit else 0
-        slot_dtypes = ((None, store),) if slot_size == 2 else ()
-        if donate and any(plan.skips):
-            lines.append(_skip_line(traced, p_dtype, quant_block, slot_dtypes))
+                     f"({int(levels)} norm pass(es) + {len(kernels)} main"
+                     + (" + 1 for skipped blocks, donated)" if deferred else ")"))
+        if skip is not None:
+            lines.append(_skip_line(*skip))
         if tiles.fast_math(p_dtype, quant_block, slot_dtypes):
             lines.append("  square root and division: the GPU's approximate ones "
                          + ("in the update, the 8-bit encoder's exact " if quant_block
@@ -181,10 +185,11 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
     return text
 
 
-def _skip_line(traced, p_dtype, quant_block: int, slot_dtypes: tuple) -> str:
-    """How the donated step skips zero gradients in this group: its layout's mode
-    (:data:`ftopt.lowering.tiles.SKIP_MODES`), and what it falls back to where the chain
-    needs every lane (norms, per-leaf values) or is not plain elementwise ("chunks")."""
+def _skip_used(traced, p_dtype, quant_block: int, slot_dtypes: tuple) -> tuple:
+    """(layout's mode, the mode this chain's kernels take, layout) of a donated step's
+    skip_zeros in this group (:data:`ftopt.lowering.tiles.SKIP_MODES`): what the chain
+    falls back to where it needs every lane (norms, per-leaf values) or is not plain
+    elementwise ("chunks")."""
     layout = tiles.layout(p_dtype, quant_block, slot_dtypes)
     mode = used = tiles.SKIP_MODES[layout]
     if "in_place" in mode and not traced.in_place:
@@ -193,10 +198,21 @@ def _skip_line(traced, p_dtype, quant_block: int, slot_dtypes: tuple) -> str:
         used = "select"
     if "split" in used and not tiles.may_return_early(traced):
         used = used.replace("split+", "")
+    if used == "defer":
+        used = "select"
+    return mode, used, layout
+
+
+def _skip_line(mode: str, used: str, layout: str) -> str:
+    """How the donated step skips zero gradients in this group (:func:`_skip_used`)."""
     text = f"  skip_zeros (donated): mode {mode!r} of the {layout!r} layout"
     if used != mode:
         text += f", here {used!r} (what this chain's kernels can take)"
-    return text + " (ftopt.lowering.tiles.SKIP_MODES; FTOPT_SKIP_MODES overrides)"
+    text += " (ftopt.lowering.tiles.SKIP_MODES; FTOPT_SKIP_MODES overrides)"
+    if "defer" in used:
+        text += ("; one more launch runs the programs with some zero gradients and the "
+                 "leaves' last blocks")
+    return text
 
 
 _HOST_OPS = ("lift_fresh", "scalar_tensor")

@@ -99,6 +99,9 @@ class GroupLaunch:
     fast_math: bool = False  # approximate sqrt and division (codegen.Variant)
     chunk_lanes: int = 0  # rows of all-zero gradients neither loaded nor stored
     split: bool = False  # a no-zero program runs the plain body (codegen.Variant)
+    # "split+defer": programs with some zero gradients run in a second launch, which
+    # reads their flags here (ftopt.lowering.split; one byte a main program).
+    flags: torch.Tensor | None = None
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
 
@@ -111,16 +114,36 @@ class GroupLaunch:
         return [leaf, start, w.numel, *[self.addresses[r] for r in roles],
                 *scalar_args, self.leaf_values, reductions, global_reductions, *self.qmaps]
 
-    def variant(self, scalars) -> codegen.Variant:
+    def variant(self, scalars, deferred: bool = False) -> codegen.Variant:
+        """The main kernel's variant (``deferred``: the deferred kernel's)."""
+        defer = 0 if self.flags is None else 1 + deferred
         return _variant(self.p_dtype, self.g_dtype, self.aligned, isinstance(scalars, list),
                         self.quant_block, self.slot_dtypes, self.skip_tiles and SKIP_TILES,
                         quantized.ENCODER if self.quant_block else "arithmetic",
-                        self.skip_stores, self.fast_math, self.chunk_lanes, self.split)
+                        self.skip_stores, self.fast_math, self.chunk_lanes, self.split,
+                        defer)
+
+    def kernels(self, scalars, counted: bool) -> list[tuple]:
+        """(kernel, grid, constants, trailing arguments) of each main launch of this
+        group: the main kernel's, and the deferred kernel's of a "split+defer" step."""
+        w = self.work
+        variant = self.variant(scalars)
+        out = [(_kernel(self.traced, "main", 0, variant), (w.num_blocks,),
+                _constants_cached(self.traced, self.quant_block, not counted, variant.defer),
+                [] if self.flags is None else [self.flags])]
+        if self.flags is not None:
+            out.append((_kernel(self.traced, "main", 0, self.variant(scalars, True)),
+                        (self.flags.numel() // tiles.DEFER_FLAGS,),
+                        _constants_cached(self.traced, self.quant_block, False, 2),
+                        [self.flags]))
+        return out
 
 
 @lru_cache(maxsize=256)
-def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tuple:
-    """Constexprs and launch options (``count``: the main kernel's ``COUNT``)."""
+def _constants_cached(traced, quant_block: int, count: bool | None = None,
+                      defer: int = 0) -> tuple:
+    """Constexprs and launch options (``count``: the main kernel's ``COUNT``; ``defer``:
+    :attr:`codegen.Variant.defer`)."""
     block, warps = tiles.tile(traced, quant_block)
     constants = {
         "N_LEAF_VALUES": max(len(traced.graph.leaf_values), 1),
@@ -133,7 +156,7 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None) -> tu
     }
     if quant_block:
         constants["QBLOCK"] = quant_block
-        cap = tiles.quant_maxnreg(traced)
+        cap = tiles.quant_maxnreg(traced, defer)
         if cap and not tiles.INTERPRETING and _NVIDIA:
             constants["maxnreg"] = cap
     if count is not None:
@@ -146,9 +169,10 @@ def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool, quant_block: in
              slot_dtypes: tuple = (), skip_tiles: bool = False,
              encoder: str = "arithmetic", skip_stores: bool = False,
              fast_math: bool = False, chunk_lanes: int = 0,
-             split: bool = False) -> codegen.Variant:
+             split: bool = False, defer: int = 0) -> codegen.Variant:
     return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block, slot_dtypes,
-                           skip_tiles, encoder, skip_stores, fast_math, chunk_lanes, split)
+                           skip_tiles, encoder, skip_stores, fast_math, chunk_lanes, split,
+                           defer)
 
 
 @lru_cache(maxsize=256)
@@ -321,11 +345,10 @@ def run_main(traced, groups: list[GroupLaunch], scalars, leaf_bufs, global_buf,
             continue
         quant = bool(group.quant_block)
         roles = _main_roles(group.traced, quant)
-        kernel = _kernel(group.traced, "main", 0, group.variant(scalars))
-        constants = _constants_cached(group.traced, group.quant_block, not counted)
-        _launch(kernel, (w.num_blocks,), [*group.args(roles, scalars, buf, global_buf),
-                                          *counts, *running], constants, device,
-                (count_key, _aligned(running)))
+        args = [*group.args(roles, scalars, buf, global_buf), *counts, *running]
+        for kernel, grid, constants, more in group.kernels(scalars, counted):
+            _launch(kernel, grid, args + more, constants, device,
+                    (count_key, _aligned(running)))
         counted = launched = True
     return launched
 
@@ -383,16 +406,18 @@ def bind_main(traced, groups: list[GroupLaunch], scalars, counts: list,
         if w.num_blocks == 0:
             continue
         roles = _main_roles(group.traced, bool(group.quant_block))
-        kernel = _kernel(group.traced, "main", 0, group.variant(scalars))
-        constants = _constants_cached(group.traced, group.quant_block, not counted)
-        found = _COMPILED.get((kernel, constants, device, (count_key, _aligned(running))))
-        if found is None:
-            return None
-        compiled, tail = found
-        before = [w.main_leaf, w.main_start, w.numel, *[group.addresses[r] for r in roles]]
-        after = [group.leaf_values, dummy, dummy, *group.qmaps, *counts, *running, *tail]
-        bound.append(BoundLaunch(group, compiled[(w.num_blocks, 1, 1)], before, after,
-                                 3 + roles.index("g")))
+        for kernel, grid, constants, more in group.kernels(scalars, counted):
+            found = _COMPILED.get((kernel, constants, device,
+                                   (count_key, _aligned(running))))
+            if found is None:
+                return None
+            compiled, tail = found
+            before = [w.main_leaf, w.main_start, w.numel,
+                      *[group.addresses[r] for r in roles]]
+            after = [group.leaf_values, dummy, dummy, *group.qmaps, *counts, *running,
+                     *more, *tail]
+            bound.append(BoundLaunch(group, compiled[grid + (1, 1)], before, after,
+                                     3 + roles.index("g")))
         counted = True
     return bound
 

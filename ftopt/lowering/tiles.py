@@ -51,8 +51,26 @@ QUANT_MAXNREG = int(os.environ.get("FTOPT_QUANT_MAXNREG", "64"))
 QUANT_SKIP_MAXNREG = int(os.environ.get("FTOPT_QUANT_SKIP_MAXNREG", "72"))
 
 
-def quant_maxnreg(traced) -> int:
-    """The register cap of ``traced``'s 8-bit kernels (0: the compiler's choice)."""
+# The same for the main kernel of a "split+defer" step (ftopt.lowering.split: it holds
+# the plain body alone; its deferred kernel takes QUANT_SKIP_MAXNREG). Static SASS (sm_90,
+# 8-bit Adam, benchmarks/sass_count.py): the split kernel's select bodies spill 96 bytes
+# at 72 registers; the main kernel without them needs 64 registers and spills nothing
+# (on the H200 too, at caps 64 and 72). FTOPT_QUANT_DEFER_MAXNREG overrides it.
+QUANT_DEFER_MAXNREG = int(os.environ.get("FTOPT_QUANT_DEFER_MAXNREG", "72"))
+# Flags (main programs) a program of the deferred kernel reads at once; where one is set
+# it runs their bodies in turn. H200, GPT-2 8-bit Adam, dense / 90% of the embedding's
+# rows zero / every block part zero (ms; off 0.607-0.613): 8 0.644 / 0.550 / 1.002, 16
+# 0.624 / 0.539 / 1.011, 32 0.613 / 0.523 / 1.031, 64 0.607 / 0.527 / 1.111, 256 0.623-0.628
+# / 0.539 / 1.339 (fewer programs, each running more flagged blocks in turn).
+# FTOPT_DEFER_FLAGS overrides it (a power of two).
+DEFER_FLAGS = int(os.environ.get("FTOPT_DEFER_FLAGS", "32"))
+
+
+def quant_maxnreg(traced, defer: int = 0) -> int:
+    """The register cap of ``traced``'s 8-bit kernels (0: the compiler's choice);
+    ``defer``: 1 for the main kernel of a "split+defer" step."""
+    if defer == 1:
+        return QUANT_DEFER_MAXNREG
     return QUANT_SKIP_MAXNREG if any(traced.skips) else QUANT_MAXNREG
 
 
@@ -144,11 +162,19 @@ def quant_tile(quant_block: int) -> tuple[int, int]:
 #   bf16 params split+in_place +0.8% / -20.3% (stores +6.7% / -6.5%), bf16 states
 #   split+in_place +2.1% / -15.0% (select +7.9% / +8.2%), 8-bit split+select -0.5% /
 #   -24.4% (stores +3.6% / -21.1%); split+select and split+stores lose elsewhere.
+#   "split+defer" (ftopt.lowering.split; benchmarks/RESULTS.md, 2026-12-01 afternoon):
+#   as "split", but a program with some zero gradients (and a tail program) only flags
+#   itself, and a second launch runs the flagged ones with the select body, so the main
+#   kernel holds the plain body alone. 8-bit, GPT-2 Adam, against off (profiled, 0.601-
+#   0.613 ms): dense 0.613-0.621 (+0-3%; split+select 0.648-0.650, +7.5%), 90% of the
+#   embedding's rows zero 0.523-0.535 (1.14-1.17x; split+select 0.549-0.564), but every
+#   block part zero (one gradient in 97) 1.01-1.03 ms (split+select 0.689): pruned
+#   weights with scattered zeros may want "8-bit=split+select".
 # "16-bit" covers 16-bit params with fp32 states; "16-bit states" any 16-bit state slot.
 # A "chunks" row: 32 threads of 4 elements (16-byte fp32 loads; FTOPT_CHUNK_LANES).
 CHUNK_LANES = int(os.environ.get("FTOPT_CHUNK_LANES", "128"))
 SKIP_MODES = {"fp32": "split+in_place", "16-bit": "split+in_place",
-              "16-bit states": "split+in_place", "8-bit": "split+select"}
+              "16-bit states": "split+in_place", "8-bit": "split+defer"}
 SKIP_MODES.update(dict(kv.split("=") for kv in os.environ.get(
     "FTOPT_SKIP_MODES", "").split(",") if kv))
 
@@ -182,12 +208,14 @@ def layout(p_dtype, quant_block: int, slot_dtypes: tuple) -> str:
 
 
 def skip_mode(p_dtype, quant_block: int,
-              slot_dtypes: tuple) -> tuple[bool, bool, bool, bool, bool]:
-    """(in place, skip tiles, skip stores, chunks, split) for a donated skip_zeros group
-    of this layout."""
+              slot_dtypes: tuple) -> tuple[bool, bool, bool, bool, bool, bool]:
+    """(in place, skip tiles, skip stores, chunks, split, defer) for a donated skip_zeros
+    group of this layout."""
     mode = SKIP_MODES[layout(p_dtype, quant_block, slot_dtypes)]
-    return ("in_place" in mode and not quant_block, "tiles" in mode, "stores" in mode,
-            "chunks" in mode and not quant_block, "split" in mode)
+    in_place = "in_place" in mode and not quant_block
+    return (in_place, "tiles" in mode, "stores" in mode,
+            "chunks" in mode and not quant_block, "split" in mode,
+            "split" in mode and "defer" in mode and not in_place)
 
 
 def may_return_early(traced) -> bool:
