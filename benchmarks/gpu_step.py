@@ -306,15 +306,20 @@ def tile_hooks(tile) -> tuple[Callable, Callable]:
     saved = []
 
     def enter():
-        saved.append(tuple(getattr(launch, n) for n in names))
+        saved.append(tuple(getattr(launch, n) for n in names)
+                     + (getattr(launch, "IN_PLACE_TILES", None),))
         block, warps, ip_block, ip_warps, q_block, q_warps = tile
         launch.BLOCK, launch.NUM_WARPS = block, warps
         launch.IN_PLACE_TILE, launch.QUANT_TILE = (ip_block, ip_warps), (q_block, q_warps)
+        launch.IN_PLACE_TILES = {}  # (the tile asked for, on every layout)
         _clear_lowering_caches()
 
     def exit_():
-        for n, v in zip(names, saved.pop()):
+        *values, per_layout = saved.pop()
+        for n, v in zip(names, values):
             setattr(launch, n, v)
+        if per_layout is not None:
+            launch.IN_PLACE_TILES = per_layout
         _clear_lowering_caches()
 
     return enter, exit_

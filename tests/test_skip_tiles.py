@@ -239,3 +239,38 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
     finally:
         for cache in (launch._constants_cached, launch._kernel):
             cache.cache_clear()
+
+
+def test_in_place_tile_per_layout(monkeypatch):
+    """``tiles.IN_PLACE_TILES`` gives a layout its own in-place tile (fp32 on a GPU):
+    a step over fp32 and bf16 params runs each group at its tile, its work table and
+    kernel constants agreeing, and equals the step not donated."""
+    monkeypatch.setattr(tiles, "IN_PLACE_TILE", (2048, 4))
+    monkeypatch.setattr(tiles, "IN_PLACE_TILES", {"fp32": (1024, 4)})
+    for cache in (launch._constants_cached, work.work_table):
+        cache.cache_clear()
+    try:
+        tx = ftopt.adam(1e-2, skip_zeros=True)
+        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+        params = {"a": torch.randn(5000, generator=gen).to(DEVICE),
+                  "b": torch.randn(5000, generator=gen).to(DEVICE, torch.bfloat16)}
+        state = tx.init(params)
+        grads = {k: torch.randn_like(v) for k, v in params.items()}
+        grads["a"][1024:2048] = 0.0
+        grads["b"][:2048] = 0.0
+        full = ftopt.step(tx, params, grads, state, backend="fused")
+        donated = ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused",
+                             donate=True)
+        assert _same(donated, full)
+        groups = {g.p_dtype: g for g in plan_chain(tx).prepared.groups}
+        for dtype, block in ((torch.float32, 1024), (torch.bfloat16, 2048)):
+            group = groups[dtype]
+            assert group.traced.in_place
+            assert group.work.num_blocks == -(-5000 // block)
+            assert dict(launch._constants_cached(group.traced, 0, True, 0, group.kind))[
+                "BLOCK"] == block
+        assert not torch.equal(full[0]["a"][:1024], params["a"][:1024])  # the control
+        assert torch.equal(full[0]["a"][1024:2048], params["a"][1024:2048])
+    finally:
+        for cache in (launch._constants_cached, work.work_table):
+            cache.cache_clear()

@@ -83,7 +83,8 @@ class PreparedStep:
                 p_dtype, quant_block, slot_dtypes)
             group_traced = plan.traced(donate, output, skip_lanes=in_place)
             table = work.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
-                                    tiles.tile(group_traced, quant_block)[0],
+                                    tiles.tile(group_traced, quant_block, tiles.layout(
+                                        p_dtype, quant_block, slot_dtypes))[0],
                                     bool(group_traced.leaf_slots
                                          or group_traced.running_stores), tiles.INTERLEAVE)
             group = launch.GroupLaunch(p_dtype, g_dtype, leaves, table,

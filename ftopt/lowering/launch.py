@@ -114,6 +114,11 @@ class GroupLaunch:
         return [leaf, start, w.numel, *[self.addresses[r] for r in roles],
                 *scalar_args, self.leaf_values, reductions, global_reductions, *self.qmaps]
 
+    @property
+    def kind(self) -> str:
+        """The group's layout (:func:`tiles.layout`)."""
+        return tiles.layout(self.p_dtype, self.quant_block, self.slot_dtypes)
+
     def variant(self, scalars, deferred: bool = False) -> codegen.Variant:
         """The main kernel's variant (``deferred``: the deferred kernel's)."""
         defer = 0 if self.flags is None else 1 + deferred
@@ -129,22 +134,23 @@ class GroupLaunch:
         w = self.work
         variant = self.variant(scalars)
         out = [(_kernel(self.traced, "main", 0, variant), (w.num_blocks,),
-                _constants_cached(self.traced, self.quant_block, not counted, variant.defer),
+                _constants_cached(self.traced, self.quant_block, not counted, variant.defer,
+                                  self.kind),
                 [] if self.flags is None else [self.flags])]
         if self.flags is not None:
             out.append((_kernel(self.traced, "main", 0, self.variant(scalars, True)),
                         (self.flags.numel() // tiles.DEFER_FLAGS,),
-                        _constants_cached(self.traced, self.quant_block, False, 2),
+                        _constants_cached(self.traced, self.quant_block, False, 2, self.kind),
                         [self.flags]))
         return out
 
 
 @lru_cache(maxsize=256)
 def _constants_cached(traced, quant_block: int, count: bool | None = None,
-                      defer: int = 0) -> tuple:
+                      defer: int = 0, kind: str = "") -> tuple:
     """Constexprs and launch options (``count``: the main kernel's ``COUNT``; ``defer``:
-    :attr:`codegen.Variant.defer`)."""
-    block, warps = tiles.tile(traced, quant_block)
+    :attr:`codegen.Variant.defer`; ``kind``: the group's layout, :func:`tiles.layout`)."""
+    block, warps = tiles.tile(traced, quant_block, kind)
     constants = {
         "N_LEAF_VALUES": max(len(traced.graph.leaf_values), 1),
         "N_REDUCTIONS": max(len(traced.graph.reductions), 1),
@@ -286,7 +292,7 @@ def run_reductions(traced, groups: list[GroupLaunch], scalars, device):
                                    device=device)
             _launch(kernel, (w.num_blocks,),
                     [*group.args(roles, scalars, buf, global_buf, False), partials],
-                    _constants_cached(group.traced, group.quant_block), device)
+                    _constants_cached(group.traced, group.quant_block, kind=group.kind), device)
             sums = torch.empty(w.num_leaves * len(reds), dtype=torch.float32, device=device)
             _launch(_leaf_sums, (w.num_leaves, len(reds)),
                     [partials, w.first_block, w.blocks_per_leaf, sums],

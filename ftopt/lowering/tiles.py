@@ -23,6 +23,13 @@ NUM_WARPS = int(os.environ.get("FTOPT_NUM_WARPS", "4"))
 # FTOPT_IN_PLACE_TILE ("BLOCKxWARPS") overrides it.
 IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
     "FTOPT_IN_PLACE_TILE", "2048x4" if INTERPRETING else "512x4").split("x"))
+# Layouts (:func:`layout`) whose in-place tile differs. fp32, "split+in_place", H200,
+# GPT-2 Adam, dense / 90% of the embedding's rows zero against no skip_zeros: 512x4
+# +1.6-2.2% / 1.24x, 1024x4 -0.2..+0.5% / 1.25-1.26x (two runs, benchmarks/RESULTS.md);
+# bf16 params lose 31% at 1024x4, bf16 states 3-5%. FTOPT_IN_PLACE_TILE, where set, is
+# every layout's tile.
+IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
+                  else {"fp32": (1024, 4)})
 # Kernels with 8-bit slots are not bound by memory: one 256-element block per program
 # with one warp is the fastest tile (H200, Adam, log2-rcp encoder, one 64M tensor / GPT-2
 # tree: 256/1 0.514 / 0.949 ms, 256/2 0.572 / 1.056, 512/1 0.743 / 1.329, 1024/1 0.718 /
@@ -97,13 +104,13 @@ HEAVY_TILE = tuple(int(x) for x in os.environ.get(
     else "1024x4").split("x"))
 
 
-def tile(traced, quant_block: int = 0) -> tuple[int, int]:
+def tile(traced, quant_block: int = 0, kind: str = "") -> tuple[int, int]:
     """(elements, warps) per program of ``traced``'s kernels (``quant_block``: the
-    group's 8-bit block size, 0 for fp32 slots)."""
+    group's 8-bit block size, 0 for fp32 slots; ``kind``: the group's :func:`layout`)."""
     if quant_block:
         return quant_tile(quant_block)
     if traced.in_place:
-        return IN_PLACE_TILE
+        return IN_PLACE_TILES.get(kind, IN_PLACE_TILE)
     if traced.levels or _indexed(traced):
         return HEAVY_TILE
     return BLOCK, NUM_WARPS
