@@ -13,6 +13,7 @@ import copy
 import datetime
 import json
 import os
+import time
 import traceback
 
 import torch
@@ -861,13 +862,19 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "novograd_split": lambda: check_novograd_split(mesh, fused_device),
     }
     results = {}
-    for name, check in checks.items():
-        try:
-            results[name] = check()
-        except Exception:  # reported to the test, which fails naming it
-            results[name] = {"raised": traceback.format_exc()}
-    if rank == 0:
-        with open(os.path.join(directory, "results.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    # Where a rank dies (a signal, not an exception), the test names the check it was in.
+    with open(os.path.join(directory, f"progress_{rank}.log"), "a") as progress:
+        for name, check in checks.items():
+            print(f"{time.monotonic():.3f} start {name}", file=progress, flush=True)
+            try:
+                results[name] = check()
+            except Exception:  # reported to the test, which fails naming it
+                results[name] = {"raised": traceback.format_exc()}
+            print(f"{time.monotonic():.3f} done {name}", file=progress, flush=True)
+        if rank == 0:
+            with open(os.path.join(directory, "results.json"), "w") as f:
+                json.dump(results, f, indent=1)
+        dist.barrier()
+        print(f"{time.monotonic():.3f} barrier", file=progress, flush=True)
+        dist.destroy_process_group()
+        print(f"{time.monotonic():.3f} destroyed", file=progress, flush=True)

@@ -36,7 +36,15 @@ def results(tmp_path_factory):
     import torch.multiprocessing as mp
 
     directory = str(tmp_path_factory.mktemp("distributed"))
-    mp.spawn(distributed_checks.run, args=(2, directory, _free_port()), nprocs=2)
+    try:
+        mp.spawn(distributed_checks.run, args=(2, directory, _free_port()), nprocs=2)
+    except Exception as err:  # a rank died: say where each rank was
+        logs = []
+        for rank in range(2):
+            path = os.path.join(directory, f"progress_{rank}.log")
+            lines = open(path).read().splitlines()[-3:] if os.path.exists(path) else []
+            logs.append(f"rank {rank}: {lines}")
+        raise RuntimeError(f"{err}; last progress: {'; '.join(logs)}") from err
     with open(os.path.join(directory, "results.json")) as f:
         found = json.load(f)
     found["_directory"] = directory
