@@ -315,9 +315,9 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     if variant.skip_tiles:
         body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0) != 0.0)"
                 ".to(tl.int32)) > 0:"] + ["    " + x for x in body]
-    lines = _prelude(roles, dtypes, variant) + count_lines + body
-    if variant.defer == 2:
-        lines = split.deferred(_prelude(roles, dtypes, variant), body)
+    prelude = _prelude(roles, dtypes, variant)
+    lines = (split.deferred(prelude, body) if variant.defer == 2
+             else prelude + count_lines + body)
     running_args = [f"{role}_ptr" for role, _ in traced.running_stores]
     sig = _signature(roles, count_args + running_args + ["flags_ptr"] * bool(variant.defer),
                      len(traced.graph.scalars), variant, ("COUNT",))
