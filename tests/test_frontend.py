@@ -172,13 +172,32 @@ def _layout_run(layout: str, mode: str):
     return run
 
 
+def _span_run(layout: str):
+    """Adam with skip_zeros on ``layout``, its in-place programs four blocks each
+    (``tiles.IN_PLACE_SPANS``)."""
+    dtype, kw = LAYOUTS[layout]
+    key = "16-bit states" if "state_dtype" in kw else "16-bit"
+
+    def run():
+        old = dict(tiles.IN_PLACE_SPANS), tiles.SKIP_MODES[key]
+        tiles.IN_PLACE_SPANS[key], tiles.SKIP_MODES[key] = 4, "split+in_place"
+        try:
+            _steps(ftopt.adam(1e-2, skip_zeros=True, **kw), dtype)()
+        finally:
+            tiles.IN_PLACE_SPANS.clear()
+            tiles.IN_PLACE_SPANS.update(old[0])
+            tiles.SKIP_MODES[key] = old[1]
+    return run
+
+
 def test_every_generated_kernel_passes_the_front_end():
     """Every fusible registry entry (fp32, donated), Adam on each layout with each
-    skip_zeros mode, norms, noise and running scalars: each kernel they launch compiles
-    to Triton IR with the GPU's tiles."""
+    skip_zeros mode (and in-place programs of several blocks), norms, noise and running
+    scalars: each kernel they launch compiles to Triton IR with the GPU's tiles."""
     runs = [_steps(CHAINS[e.name](), donate=(True,), zero=False)
             for e in registry.fusible()]
     runs += [_layout_run(layout, mode) for layout in LAYOUTS for mode in MODES]
+    runs += [_span_run(layout) for layout in ("bf16 params", "bf16 states")]
     runs += [_steps(make()) for make in OTHERS]
     kernels = _kernels(runs)
     assert len(kernels) > 50

@@ -274,3 +274,87 @@ def test_in_place_tile_per_layout(monkeypatch):
     finally:
         for cache in (launch._constants_cached, work.work_table):
             cache.cache_clear()
+
+
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, None),
+                                               (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.bfloat16)])
+def test_in_place_span_checks_its_tiles_at_once_and_runs_each(dtype, state_dtype,
+                                                              monkeypatch):
+    """``tiles.IN_PLACE_SPANS``: a program of an in-place "split" kernel runs several
+    blocks of its work table. Spans all zero, spans with one block all zero and the
+    others dense, blocks with some zeros, a leaf's partial last block, a span across two
+    leaves and one padded past the table's end all equal the step not donated; the
+    elements with zero gradients keep their bytes, the others change (the control)."""
+    span = 4
+    monkeypatch.setattr(tiles, "IN_PLACE_TILE", (256, 4))
+    monkeypatch.setattr(tiles, "IN_PLACE_TILES", {})
+    monkeypatch.setattr(tiles, "IN_PLACE_SPANS", {"fp32": span, "16-bit": span,
+                                                  "16-bit states": span})
+    for cache in (launch._constants_cached, launch._kernel, work.work_table):
+        cache.cache_clear()
+    try:
+        kw = {"state_dtype": state_dtype} if state_dtype else {}
+        tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+        n = 256 * span * 4 + 256 + 100  # four spans, one tile and a partial one
+        params = {"a": torch.randn(n, generator=gen).to(DEVICE, dtype),
+                  "b": torch.randn(600, generator=gen).to(DEVICE, dtype)}
+        state = tx.init(params)
+        grads = {k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
+                 for k, v in params.items()}
+        w = grads["a"]  # (the first leaf: its blocks start the table)
+        w[:256 * span] = 0.0  # a whole span
+        w[256 * span: 256 * (span + 1)] = 0.0  # the first tile of a span, the rest dense
+        w[256 * (2 * span) + 7: 256 * (2 * span) + 90] = 0.0  # part of a block
+        w[256 * (2 * span + 1): 256 * (3 * span + 1)] = 0.0  # all but a span's first
+        w[256 * 4 * span + 256:] = 0.0  # the partial last tile
+        full = ftopt.step(tx, params, grads, state, backend="fused")
+        donated = ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused",
+                             donate=True)
+        assert _same(donated, full)
+        group = next(g for g in plan_chain(tx).prepared.groups if g.traced.in_place)
+        assert group.span == span and group.split
+        blocks = -(-n // 256) + 3  # 18 and "b"'s 3: the last span crosses to "b"
+        assert group.work.num_blocks == blocks and blocks % span
+        assert len(group.work.main_leaf) == -(-blocks // span) * span  # padded
+        assert group.kernels([0.0] * 16, False)[0][1] == (-(-blocks // span),)
+        assert torch.equal(_bits(full[0]["b"][grads["b"] == 0]),
+                           _bits(params["b"][grads["b"] == 0]))
+        assert not torch.equal(full[0]["b"], params["b"])
+        zero = w == 0
+        new, old = full[0]["a"], params["a"]
+        assert torch.equal(_bits(new[zero]), _bits(old[zero]))
+        assert not torch.equal(new[~zero], old[~zero])  # the control
+        assert (new[~zero] != old[~zero]).float().mean() > 0.9
+    finally:
+        for cache in (launch._constants_cached, launch._kernel, work.work_table):
+            cache.cache_clear()
+
+
+def test_in_place_register_cap_per_layout(monkeypatch):
+    """``tiles.IN_PLACE_MAXNREG``: on an NVIDIA GPU a layout's in-place kernels take its
+    register cap, and only they."""
+    tx = ftopt.adam(1e-2, skip_zeros=True)
+    params = {"a": torch.randn(3000).to(DEVICE),
+              "b": torch.randn(3000).to(DEVICE, torch.bfloat16)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    state = tx.init(params)
+    ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused", donate=True)
+    groups = {g.p_dtype: g for g in plan_chain(tx).prepared.groups}
+    monkeypatch.setattr(tiles, "INTERPRETING", False)
+    monkeypatch.setattr(launch, "_NVIDIA", True)
+    monkeypatch.setattr(tiles, "IN_PLACE_MAXNREG", {"fp32": 56})
+    launch._constants_cached.cache_clear()
+    try:
+        def cap(group):
+            return dict(launch._constants_cached(group.traced, 0, True, 0, group.kind)).get(
+                "maxnreg")
+
+        assert groups[torch.float32].traced.in_place and cap(groups[torch.float32]) == 56
+        assert groups[torch.bfloat16].traced.in_place and cap(groups[torch.bfloat16]) is None
+        monkeypatch.setattr(tiles, "IN_PLACE_MAXNREG", {})
+        launch._constants_cached.cache_clear()
+        assert cap(groups[torch.float32]) is None  # (the control)
+    finally:
+        launch._constants_cached.cache_clear()

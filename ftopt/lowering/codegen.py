@@ -174,6 +174,9 @@ class Variant:
     # The body of a "split" kernel's program without zero gradients (the skip masks
     # constant): no select of an all-zero 8-bit block's old codes and absmax.
     dense: bool = False
+    # An in-place "split" kernel's tiles a program (tiles.IN_PLACE_SPANS): it checks the
+    # gradients of all of them at once, then runs each (ftopt.lowering.split.spanned).
+    span: int = 1
 
 
 def _fast_math(line: str) -> str:
@@ -304,7 +307,12 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
         if variant.defer:
             bodies[1] = split.deferred_tail()
     count_args, count_lines = _count_lines(traced)
-    body = (split.deferred_blocks if variant.defer == 2 else _split_blocks)(*bodies)
+    prelude = _prelude(roles, dtypes, variant)
+    if variant.span > 1:
+        body = split.spanned(prelude, *bodies, variant.span, dtypes["g"])
+        prelude = prelude[:1]
+    else:
+        body = (split.deferred_blocks if variant.defer == 2 else _split_blocks)(*bodies)
     helpers = traced.graph.helpers
     if variant.fast_math:
         body = [_fast_math(x) for x in body]
@@ -315,7 +323,6 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     if variant.skip_tiles:
         body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0) != 0.0)"
                 ".to(tl.int32)) > 0:"] + ["    " + x for x in body]
-    prelude = _prelude(roles, dtypes, variant)
     lines = (split.deferred(prelude, body) if variant.defer == 2
              else prelude + count_lines + body)
     running_args = [f"{role}_ptr" for role, _ in traced.running_stores]

@@ -82,11 +82,12 @@ class PreparedStep:
             in_place, skip_tiles, skip_stores, chunks, split, defer = tiles.skip_mode(
                 p_dtype, quant_block, slot_dtypes)
             group_traced = plan.traced(donate, output, skip_lanes=in_place)
-            table = work.work_table(tuple(p_flat[i].numel() for i in leaves), self.device,
-                                    tiles.tile(group_traced, quant_block, tiles.layout(
-                                        p_dtype, quant_block, slot_dtypes))[0],
-                                    bool(group_traced.leaf_slots
-                                         or group_traced.running_stores), tiles.INTERLEAVE)
+            table_args = (tuple(p_flat[i].numel() for i in leaves),
+                          tiles.tile(group_traced, quant_block, tiles.layout(
+                              p_dtype, quant_block, slot_dtypes))[0],
+                          bool(group_traced.leaf_slots or group_traced.running_stores),
+                          tiles.INTERLEAVE)
+            table = work.work_table(table_args[0], self.device, *table_args[1:])
             group = launch.GroupLaunch(p_dtype, g_dtype, leaves, table,
                                        paths=[paths[i] for i in leaves])
             group.traced = group_traced
@@ -110,6 +111,11 @@ class PreparedStep:
                                and output == "p" and traced.skips and all(traced.skips)
                                and tiles.may_return_early(traced)
                                and not (group.chunk_lanes or group.skip_tiles))
+            if group.split and group_traced.in_place and tiles.IN_PLACE_SPANS.get(
+                    group.kind, 1) > 1:
+                group.span = tiles.IN_PLACE_SPANS[group.kind]
+                group.work = work.work_table(table_args[0], self.device, *table_args[1:],
+                                             group.span)
             if group.split and defer and not group_traced.in_place:
                 group.flags = torch.zeros(split_kernels.flag_count(table.num_blocks),
                                           dtype=torch.uint8, device=self.device)

@@ -102,6 +102,7 @@ class GroupLaunch:
     # "split+defer": programs with some zero gradients run in a second launch, which
     # reads their flags here (ftopt.lowering.split; one byte a main program).
     flags: torch.Tensor | None = None
+    span: int = 1  # tiles a program of an in-place "split" kernel (codegen.Variant)
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
 
@@ -126,14 +127,14 @@ class GroupLaunch:
                         self.quant_block, self.slot_dtypes, self.skip_tiles and SKIP_TILES,
                         quantized.ENCODER if self.quant_block else "arithmetic",
                         self.skip_stores, self.fast_math, self.chunk_lanes, self.split,
-                        defer)
+                        defer, self.span)
 
     def kernels(self, scalars, counted: bool) -> list[tuple]:
         """(kernel, grid, constants, trailing arguments) of each main launch of this
         group: the main kernel's, and the deferred kernel's of a "split+defer" step."""
         w = self.work
         variant = self.variant(scalars)
-        out = [(_kernel(self.traced, "main", 0, variant), (w.num_blocks,),
+        out = [(_kernel(self.traced, "main", 0, variant), (-(-w.num_blocks // self.span),),
                 _constants_cached(self.traced, self.quant_block, not counted, variant.defer,
                                   self.kind),
                 [] if self.flags is None else [self.flags])]
@@ -165,6 +166,9 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None,
         cap = tiles.quant_maxnreg(traced, defer)
         if cap and not tiles.INTERPRETING and _NVIDIA:
             constants["maxnreg"] = cap
+    elif (traced.in_place and tiles.IN_PLACE_MAXNREG.get(kind) and not tiles.INTERPRETING
+          and _NVIDIA):
+        constants["maxnreg"] = tiles.IN_PLACE_MAXNREG[kind]
     if count is not None:
         constants["COUNT"] = count
     return tuple(constants.items())
@@ -175,10 +179,10 @@ def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool, quant_block: in
              slot_dtypes: tuple = (), skip_tiles: bool = False,
              encoder: str = "arithmetic", skip_stores: bool = False,
              fast_math: bool = False, chunk_lanes: int = 0,
-             split: bool = False, defer: int = 0) -> codegen.Variant:
+             split: bool = False, defer: int = 0, span: int = 1) -> codegen.Variant:
     return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block, slot_dtypes,
                            skip_tiles, encoder, skip_stores, fast_math, chunk_lanes, split,
-                           defer)
+                           defer, span=span)
 
 
 @lru_cache(maxsize=256)

@@ -89,3 +89,35 @@ def flag_count(num_blocks: int) -> int:
     """Bytes of a group's flags: one per main program, in whole runs of
     :data:`tiles.DEFER_FLAGS` (the padding stays zero)."""
     return -(-num_blocks // tiles.DEFER_FLAGS) * tiles.DEFER_FLAGS
+
+
+def spanned(prelude: list[str], full: list[str], tail: list[str], span: int,
+            g_dtype: str) -> list[str]:
+    """The code of an in-place "split" kernel whose program runs ``span`` consecutive
+    blocks of its work table (:data:`tiles.IN_PLACE_SPANS`; the table padded with empty
+    blocks to whole spans: :func:`ftopt.lowering.work.work_table`): the gradients of all
+    of them are loaded at once, and the program ends where every one is zero; else each
+    block in turn runs as the program of one block would (``prelude``, the main kernel's
+    from its ``pid``, then its full or tail block; its gradients again, from the cache).
+
+    An all-zero program waits on the same chain of dependent loads (work table, addresses,
+    gradients) for ``span`` times the bytes. The blocks' addresses are loaded in the loop,
+    not before it: live across it they would take two registers each (static SASS, sm_90,
+    Adam with bf16 states: 32 registers a thread without the loop, 40 with the addresses
+    loaded before it). Two ``if``s in the loop, as in :func:`deferred_blocks`."""
+    assert prelude[0] == "pid = tl.program_id(0)" and prelude[1].endswith("+ pid)")
+    return ([f"span_blocks = tl.program_id(0) * {span} + tl.arange(0, {span})",
+             "span_leaf = tl.load(block_leaf_ptr + span_blocks)",
+             "span_offs = (tl.load(block_start_ptr + span_blocks)[:, None]"
+             " + tl.arange(0, BLOCK)[None, :])",
+             "span_g = tl.load(g_addr_ptr + span_leaf).to(tl.pointer_type("
+             f"{g_dtype}))[:, None] + span_offs",
+             "span_live = (tl.load(span_g, mask=span_offs < tl.load(numel_ptr + span_leaf)"
+             "[:, None], other=0.0) != 0.0).to(tl.int32)",
+             "if tl.max(tl.max(span_live, 1), 0) > 0:",
+             f"    for sub in range({span}):",
+             f"        pid = tl.program_id(0) * {span} + sub"]
+            + _indent(prelude[1:], 2)
+            + ["        if start + BLOCK <= n:"] + _indent(full, 3)
+            + ["        if (start + BLOCK > n) & (start < n):",
+               "            in_range = offs < n"] + _indent(tail, 3))

@@ -30,6 +30,30 @@ IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
 # every layout's tile.
 IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
                   else {"fp32": (1024, 4)})
+# Register caps (Triton's ``maxnreg``) of in-place kernels on NVIDIA GPUs, per layout
+# (none: the compiler's choice). H200, GPT-2 Adam with skip_zeros, dense / 90% of the
+# embedding's rows zero against no skip_zeros: fp32 at 1024x4 takes 58 registers (8
+# programs a multiprocessor), +0.2% / 1.25-1.27x; capped at 56 (9 programs, no spills)
+# -1.0..+0.5% / 1.27-1.29x in four runs. bf16 params at 1024x4 take 108 registers
+# (+31%), and capped at 64 spill (+17%). FTOPT_IN_PLACE_MAXNREG ("fp32=56,16-bit=64")
+# overrides.
+IN_PLACE_MAXNREG = {k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
+    "FTOPT_IN_PLACE_MAXNREG", "fp32=56").split(",") if kv)}
+# Blocks a program of an in-place "split" kernel runs, per layout (a power of two;
+# :func:`ftopt.lowering.split.spanned`): it loads the gradients of all of them, returns
+# where every one is zero, else runs them one after another. A program whose gradients
+# are all zero waits on three dependent loads (its work-table entry, the gradients'
+# address, the gradients) and ends, so an all-zero stretch runs at the programs' latency,
+# not at its bytes' bandwidth (1.9-3.5x the time of reading them): more bytes a program,
+# fewer waits. H200, GPT-2 Adam with skip_zeros, dense / 90% of the embedding's rows zero
+# against no skip_zeros / all zero (ms): bf16 params 1 block +1.8% / 1.24x / 0.205, 2
+# +2.2% / 1.27x / 0.128, 4 +1.0..1.3% / 1.30x / 0.096; the loop costs registers (bf16
+# params 39 -> 56 a thread; Adam with bf16 states 32 -> 40, 4 fewer programs a
+# multiprocessor: +9.6% dense, 1.13x); fp32 at 512x4, 2 blocks +1.2% / 1.27x, as its
+# 1024x4 tile. FTOPT_IN_PLACE_SPAN ("16-bit=4,fp32=2") overrides.
+IN_PLACE_SPANS = ({} if INTERPRETING and "FTOPT_IN_PLACE_SPAN" not in os.environ else {
+    k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
+        "FTOPT_IN_PLACE_SPAN", "16-bit=4").split(",") if kv)})
 # Kernels with 8-bit slots are not bound by memory: one 256-element block per program
 # with one warp is the fastest tile (H200, Adam, log2-rcp encoder, one 64M tensor / GPT-2
 # tree: 256/1 0.514 / 0.949 ms, 256/2 0.572 / 1.056, 512/1 0.743 / 1.329, 1024/1 0.718 /

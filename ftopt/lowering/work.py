@@ -44,13 +44,19 @@ def interleaved(total: int, chunk: int) -> torch.Tensor:
     return blocks[blocks < total]
 
 
+# The start of a padding block: past any leaf's end, and a multiple of any tile.
+PAST_THE_END = 1 << 40
+
+
 @lru_cache(maxsize=64)
 def work_table(numels: tuple[int, ...], device: torch.device, block: int,
-               every_leaf: bool = False, interleave: int = 0) -> WorkTable:
+               every_leaf: bool = False, interleave: int = 0, span: int = 1) -> WorkTable:
     """Programs of ``block`` elements over the leaves; ``every_leaf``: an empty leaf gets
     one program too (its lanes all masked), where a leaf's first program writes a
     per-leaf value; ``interleave``: the main kernel takes the blocks in runs of that many
-    (:func:`interleaved`; 0: in order)."""
+    (:func:`interleaved`; 0: in order); ``span``: the main kernel's programs take that
+    many blocks each (:func:`ftopt.lowering.split.spanned`), its blocks padded to whole
+    spans with empty ones (leaf 0, from :data:`PAST_THE_END`)."""
     counts = torch.tensor([max(triton.cdiv(n, block), int(every_leaf)) for n in numels],
                           dtype=torch.int64)
     first = torch.cumsum(counts, 0) - counts
@@ -63,5 +69,9 @@ def work_table(numels: tuple[int, ...], device: torch.device, block: int,
     if interleave and total > 2 * interleave:
         order = interleaved(total, interleave)
         main_leaf, main_start = move(leaf[order], torch.int32), move(start[order])
+    if span > 1 and total % span:
+        pad = span - total % span
+        main_leaf = torch.cat([main_leaf, main_leaf.new_zeros(pad)])
+        main_start = torch.cat([main_start, main_start.new_full((pad,), PAST_THE_END)])
     return WorkTable(block_leaf, block_start, move(torch.tensor(numels)), move(first),
                      move(counts), total, len(numels), main_leaf, main_start)
