@@ -173,19 +173,21 @@ def _layout_run(layout: str, mode: str):
 
 
 def _span_run(layout: str):
-    """Adam with skip_zeros on ``layout``, its in-place programs four blocks each
-    (``tiles.IN_PLACE_SPANS``)."""
+    """Adam with skip_zeros on ``layout``, the programs of its "split" main kernel four
+    blocks each (``tiles.SPANS``)."""
     dtype, kw = LAYOUTS[layout]
-    key = "16-bit states" if "state_dtype" in kw else "16-bit"
+    key = ("8-bit" if "state_bits" in kw else "16-bit states" if "state_dtype" in kw
+           else "16-bit")
 
     def run():
-        old = dict(tiles.IN_PLACE_SPANS), tiles.SKIP_MODES[key]
-        tiles.IN_PLACE_SPANS[key], tiles.SKIP_MODES[key] = 4, "split+in_place"
+        old = dict(tiles.SPANS), tiles.SKIP_MODES[key]
+        tiles.SPANS[key] = 4
+        tiles.SKIP_MODES[key] = "split+defer" if key == "8-bit" else "split+in_place"
         try:
             _steps(ftopt.adam(1e-2, skip_zeros=True, **kw), dtype)()
         finally:
-            tiles.IN_PLACE_SPANS.clear()
-            tiles.IN_PLACE_SPANS.update(old[0])
+            tiles.SPANS.clear()
+            tiles.SPANS.update(old[0])
             tiles.SKIP_MODES[key] = old[1]
     return run
 
@@ -197,7 +199,7 @@ def test_every_generated_kernel_passes_the_front_end():
     runs = [_steps(CHAINS[e.name](), donate=(True,), zero=False)
             for e in registry.fusible()]
     runs += [_layout_run(layout, mode) for layout in LAYOUTS for mode in MODES]
-    runs += [_span_run(layout) for layout in ("bf16 params", "bf16 states")]
+    runs += [_span_run(layout) for layout in ("bf16 params", "bf16 states", "8-bit")]
     runs += [_steps(make()) for make in OTHERS]
     kernels = _kernels(runs)
     assert len(kernels) > 50

@@ -182,18 +182,22 @@ def test_8bit_one_block_per_program_equals_the_full_step(name, mode, monkeypatch
         launch._kernel.cache_clear()
 
 
+@pytest.mark.parametrize("span", [1, 4])
 @pytest.mark.parametrize("interleave", [0, 3])
 @pytest.mark.parametrize("layout", ["8-bit", "fp32"])
 def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, interleave,
-                                                                      monkeypatch):
-    """"split+defer": the main kernel runs the programs without zero gradients, writes
+                                                                      span, monkeypatch):
+    """"split+defer": the main kernel runs the blocks without zero gradients, writes
     nothing for all-zero ones, and flags those with some zeros and the tail; the second
     launch runs exactly the flagged ones (in the main kernel's program order, also
     interleaved). Without it (the control) the flagged blocks are not written, so the
-    donated step would differ from the full one."""
+    donated step would differ from the full one. With programs of several blocks
+    (``tiles.SPANS``), one whose blocks are all zero clears their flags: a flag left
+    from an earlier step would run its block again."""
     dtype, kw = LAYOUTS[layout]
     key = "8-bit" if kw else "fp32"
     monkeypatch.setitem(tiles.SKIP_MODES, key, "split+defer")
+    monkeypatch.setattr(tiles, "SPANS", {key: span})
     monkeypatch.setattr(tiles, "QUANT_TILE", (256, 1))
     monkeypatch.setattr(tiles, "DEFER_FLAGS", 4)
     for cache in (launch._constants_cached, launch._kernel):
@@ -212,6 +216,7 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         g[256:512] = 0.0  # program 1: all zero
         g[600:700] = 0.0  # program 2: some zero
         g[1800] = 0.0  # program 7: one zero
+        g[2048:3072] = 0.0  # programs 8-11 (in order, one span of 4): all zero
         full = ftopt.step(tx, params, {"w": g}, state, backend="fused")
         launched = []
         real = launch._launch
@@ -220,11 +225,21 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         donated = ftopt.step(tx, _clone(params), {"w": g}, _clone(state), backend="fused",
                              donate=True)
         assert _same(donated, full)
-        assert launched == [(18,), (5,)]  # 18 programs; their flags in runs of 4
+        # 18 blocks, in programs of ``span``; their flags in runs of 4
+        assert launched == [(-(-18 // span),), (5,)]
         (group,) = plan_chain(tx).prepared.groups
         flagged = torch.zeros(20, dtype=torch.uint8)
         order = work.interleaved(18, interleave) if interleave else torch.arange(18)
         flagged[[list(order).index(k) for k in (2, 7, 17)]] = 1
+        assert torch.equal(group.flags.cpu(), flagged)
+        # Flags left from an earlier step: the next donated step of the same tensors
+        full2 = ftopt.step(tx, _clone(donated[0]), {"w": g}, _clone(donated[1]),
+                           backend="fused")
+        group.flags[:18].fill_(1)
+        again = ftopt.step(tx, *donated[:1], {"w": g}, donated[1], backend="fused",
+                           donate=True)
+        assert plan_chain(tx).prepared.groups[0] is group
+        assert _same(again, full2)
         assert torch.equal(group.flags.cpu(), flagged)
         first_only = launch.GroupLaunch.kernels
         monkeypatch.setattr(launch.GroupLaunch, "kernels",
@@ -281,7 +296,7 @@ def test_in_place_tile_per_layout(monkeypatch):
                                                (torch.bfloat16, torch.bfloat16)])
 def test_in_place_span_checks_its_tiles_at_once_and_runs_each(dtype, state_dtype,
                                                               monkeypatch):
-    """``tiles.IN_PLACE_SPANS``: a program of an in-place "split" kernel runs several
+    """``tiles.SPANS``: a program of an in-place "split" kernel runs several
     blocks of its work table. Spans all zero, spans with one block all zero and the
     others dense, blocks with some zeros, a leaf's partial last block, a span across two
     leaves and one padded past the table's end all equal the step not donated; the
@@ -289,7 +304,7 @@ def test_in_place_span_checks_its_tiles_at_once_and_runs_each(dtype, state_dtype
     span = 4
     monkeypatch.setattr(tiles, "IN_PLACE_TILE", (256, 4))
     monkeypatch.setattr(tiles, "IN_PLACE_TILES", {})
-    monkeypatch.setattr(tiles, "IN_PLACE_SPANS", {"fp32": span, "16-bit": span,
+    monkeypatch.setattr(tiles, "SPANS", {"fp32": span, "16-bit": span,
                                                   "16-bit states": span})
     for cache in (launch._constants_cached, launch._kernel, work.work_table):
         cache.cache_clear()

@@ -174,8 +174,8 @@ class Variant:
     # The body of a "split" kernel's program without zero gradients (the skip masks
     # constant): no select of an all-zero 8-bit block's old codes and absmax.
     dense: bool = False
-    # An in-place "split" kernel's tiles a program (tiles.IN_PLACE_SPANS): it checks the
-    # gradients of all of them at once, then runs each (ftopt.lowering.split.spanned).
+    # A "split" main kernel's blocks a program (tiles.SPANS): it checks the gradients of
+    # all of them at once, then runs each (ftopt.lowering.split.spanned).
     span: int = 1
 
 
@@ -309,7 +309,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     count_args, count_lines = _count_lines(traced)
     prelude = _prelude(roles, dtypes, variant)
     if variant.span > 1:
-        body = split.spanned(prelude, *bodies, variant.span, dtypes["g"])
+        body = split.spanned(prelude, *bodies, variant.span, dtypes["g"], variant.defer)
         prelude = prelude[:1]
     else:
         body = (split.deferred_blocks if variant.defer == 2 else _split_blocks)(*bodies)

@@ -111,9 +111,8 @@ class PreparedStep:
                                and output == "p" and traced.skips and all(traced.skips)
                                and tiles.may_return_early(traced)
                                and not (group.chunk_lanes or group.skip_tiles))
-            if group.split and group_traced.in_place and tiles.IN_PLACE_SPANS.get(
-                    group.kind, 1) > 1:
-                group.span = tiles.IN_PLACE_SPANS[group.kind]
+            if group.split and tiles.SPANS.get(group.kind, 1) > 1:
+                group.span = tiles.SPANS[group.kind]
                 group.work = work.work_table(table_args[0], self.device, *table_args[1:],
                                              group.span)
             if group.split and defer and not group_traced.in_place:

@@ -127,7 +127,7 @@ class GroupLaunch:
                         self.quant_block, self.slot_dtypes, self.skip_tiles and SKIP_TILES,
                         quantized.ENCODER if self.quant_block else "arithmetic",
                         self.skip_stores, self.fast_math, self.chunk_lanes, self.split,
-                        defer, self.span)
+                        defer, 1 if deferred else self.span)
 
     def kernels(self, scalars, counted: bool) -> list[tuple]:
         """(kernel, grid, constants, trailing arguments) of each main launch of this

@@ -92,13 +92,14 @@ def flag_count(num_blocks: int) -> int:
 
 
 def spanned(prelude: list[str], full: list[str], tail: list[str], span: int,
-            g_dtype: str) -> list[str]:
-    """The code of an in-place "split" kernel whose program runs ``span`` consecutive
-    blocks of its work table (:data:`tiles.IN_PLACE_SPANS`; the table padded with empty
-    blocks to whole spans: :func:`ftopt.lowering.work.work_table`): the gradients of all
-    of them are loaded at once, and the program ends where every one is zero; else each
-    block in turn runs as the program of one block would (``prelude``, the main kernel's
-    from its ``pid``, then its full or tail block; its gradients again, from the cache).
+            g_dtype: str, flags: bool = False) -> list[str]:
+    """The code of a "split" main kernel whose program runs ``span`` consecutive blocks
+    of its work table (:data:`tiles.SPANS`; the table padded with empty blocks to whole
+    spans: :func:`ftopt.lowering.work.work_table`): the gradients of all of them are
+    loaded at once, and the program ends where every one is zero (``flags``, a
+    "split+defer" main kernel: after clearing its blocks' flags); else each block in turn
+    runs as the program of one block would (``prelude``, the main kernel's from its
+    ``pid``, then its full or tail block; its gradients again, from the cache).
 
     An all-zero program waits on the same chain of dependent loads (work table, addresses,
     gradients) for ``span`` times the bytes. The blocks' addresses are loaded in the loop,
@@ -120,4 +121,6 @@ def spanned(prelude: list[str], full: list[str], tail: list[str], span: int,
             + _indent(prelude[1:], 2)
             + ["        if start + BLOCK <= n:"] + _indent(full, 3)
             + ["        if (start + BLOCK > n) & (start < n):",
-               "            in_range = offs < n"] + _indent(tail, 3))
+               "            in_range = offs < n"] + _indent(tail, 3)
+            + ["else:",
+               f"    tl.store(flags_ptr + span_blocks, tl.zeros([{span}], tl.uint8))"] * flags)

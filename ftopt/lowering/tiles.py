@@ -50,10 +50,10 @@ IN_PLACE_MAXNREG = {k: int(v) for k, v in (kv.split("=") for kv in os.environ.ge
 # +2.2% / 1.27x / 0.128, 4 +1.0..1.3% / 1.30x / 0.096; the loop costs registers (bf16
 # params 39 -> 56 a thread; Adam with bf16 states 32 -> 40, 4 fewer programs a
 # multiprocessor: +9.6% dense, 1.13x); fp32 at 512x4, 2 blocks +1.2% / 1.27x, as its
-# 1024x4 tile. FTOPT_IN_PLACE_SPAN ("16-bit=4,fp32=2") overrides.
-IN_PLACE_SPANS = ({} if INTERPRETING and "FTOPT_IN_PLACE_SPAN" not in os.environ else {
+# 1024x4 tile. FTOPT_SPAN ("16-bit=4,fp32=2") overrides.
+SPANS = ({} if INTERPRETING and "FTOPT_SPAN" not in os.environ else {
     k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
-        "FTOPT_IN_PLACE_SPAN", "16-bit=4").split(",") if kv)})
+        "FTOPT_SPAN", "16-bit=4").split(",") if kv)})
 # Kernels with 8-bit slots are not bound by memory: one 256-element block per program
 # with one warp is the fastest tile (H200, Adam, log2-rcp encoder, one 64M tensor / GPT-2
 # tree: 256/1 0.514 / 0.949 ms, 256/2 0.572 / 1.056, 512/1 0.743 / 1.329, 1024/1 0.718 /
