@@ -39,7 +39,7 @@ IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
 # overrides.
 IN_PLACE_MAXNREG = {k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
     "FTOPT_IN_PLACE_MAXNREG", "fp32=56").split(",") if kv)}
-# Blocks a program of an in-place "split" kernel runs, per layout (a power of two;
+# Blocks a program of a "split" main kernel runs, per layout (a power of two;
 # :func:`ftopt.lowering.split.spanned`): it loads the gradients of all of them, returns
 # where every one is zero, else runs them one after another. A program whose gradients
 # are all zero waits on three dependent loads (its work-table entry, the gradients'
@@ -50,7 +50,10 @@ IN_PLACE_MAXNREG = {k: int(v) for k, v in (kv.split("=") for kv in os.environ.ge
 # +2.2% / 1.27x / 0.128, 4 +1.0..1.3% / 1.30x / 0.096; the loop costs registers (bf16
 # params 39 -> 56 a thread; Adam with bf16 states 32 -> 40, 4 fewer programs a
 # multiprocessor: +9.6% dense, 1.13x); fp32 at 512x4, 2 blocks +1.2% / 1.27x, as its
-# 1024x4 tile. FTOPT_SPAN ("16-bit=4,fp32=2") overrides.
+# 1024x4 tile. 8-bit "split+defer", against off (ms, dense / sparse / all zero): 1 block
+# 0.615 / 0.526 / 0.319 (off 0.603), 2 0.694 / 0.551 / 0.171, 4 0.674-0.681 / 0.536 /
+# 0.133-0.182: its check becomes a trip to memory of its own (with one block it loads
+# the gradients with the codes). FTOPT_SPAN ("16-bit=4,fp32=2") overrides.
 SPANS = ({} if INTERPRETING and "FTOPT_SPAN" not in os.environ else {
     k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
         "FTOPT_SPAN", "16-bit=4").split(",") if kv)})
