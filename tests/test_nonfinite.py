@@ -99,6 +99,28 @@ def test_eight_bit_non_finite_state_is_encoded_by_the_rule(bad):
                        torch.cat([clean_codes[:7], clean_codes[8:]]))
 
 
+def test_eight_bit_block_without_finite_magnitudes_codes_zero_on_every_backend():
+    """A block whose new states are all Inf, NaN or 0 has absmax 0, and every element
+    the code of 0 (not +-1 for the infinities): the fused encoder's codes are eager's."""
+    tx = ftopt.adam(1e-3, state_bits=8)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"w": torch.randn(4096, generator=gen).to(DEVICE)}
+    grads = {"w": torch.randn(4096, generator=gen).to(DEVICE)}
+    grads["w"][:256] = float("inf")  # a block of infinities
+    grads["w"][256:384] = -float("inf")  # one of infinities, NaN and zeros
+    grads["w"][384:448] = float("nan")
+    grads["w"][448:512] = 0.0
+    out = {b: _run(tx, params, [grads], b) for b in BACKENDS}
+    for name in ("mu", "nu"):
+        eager, fused = (getattr(out[b][1][0], name)["w"] for b in BACKENDS)
+        assert torch.equal(eager.absmax[:2].cpu(), torch.zeros(2))
+        zero = ftopt.quant.nearest_code(torch.zeros(1), ftopt.quant.dynamic_map(
+            name == "mu"))[0]
+        assert (eager.codes[:512].cpu() == zero).all()
+        assert torch.equal(fused.codes.cpu(), eager.codes.cpu()), name
+        assert (eager.codes[512:].cpu() != zero).any()  # (other blocks are not zero)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_global_norm_over_a_non_finite_gradient_is_non_finite(backend):
     """The documented exception: a norm sees every element, so a NaN reaches every leaf

@@ -157,12 +157,15 @@ def _rcp_lines(q: str, finite: str | None = None) -> list[str]:
     With ``y = RN(1/m)``, ``q0 = RN(x y)`` is within an ulp of ``x / m``, the remainder
     ``r = x - m q0`` is exact in one fma, and ``RN(q0 + r y)`` is the correctly rounded
     quotient (Markstein's theorem; the
-    division's own fast path). Clamping ``x`` to [-m, m] before dividing equals clamping
-    the quotient to [-1, 1] (rounding is monotone and ``m / m = 1``) and leaves no
-    infinity to make the remainder NaN. ``finite``: the values to divide, already clamped
-    and without NaN (:func:`_finite_first`), in place of ``x``.
+    division's own fast path). Clamping ``x`` to [-absmax, absmax] before dividing equals
+    clamping the quotient to [-1, 1] (rounding is monotone and ``m / m = 1``), leaves no
+    infinity to make the remainder NaN, and gives 0 where the absmax is 0 (a block of
+    zeros and non-finite values: eager's codes of 0, not +-1, for its infinities).
+    ``finite``: the values to divide, already clamped and without NaN
+    (:func:`_finite_first`), in place of ``x``.
     """
-    clamped = ([f"{q}_xc = tl.minimum(tl.maximum({q}_x, -{q}_m[:, None]), {q}_m[:, None])",
+    clamped = ([f"{q}_xc = tl.minimum(tl.maximum({q}_x, -{q}_amax[:, None]), "
+                f"{q}_amax[:, None])",
                 f"{q}_xc = tl.where({q}_x == {q}_x, {q}_xc, 0.0)"] if finite is None
                else [f"{q}_xc = {finite}"])
     return [
@@ -257,6 +260,7 @@ def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
         f"{q}_v = tl.div_rn({q}_x, tl.where({q}_amax > 0.0, {q}_amax, 1.0)[:, None])",
         f"{q}_v = tl.where({q}_v == {q}_v, {q}_v, 0.0)",
         f"{q}_v = tl.minimum(tl.maximum({q}_v, -1.0), 1.0)",
+        f"{q}_v = tl.where({q}_amax[:, None] > 0.0, {q}_v, 0.0)",
     ]
     # A program of one block with an "-rcp" encoder: an all-finite block's absmax from the
     # bits, nothing to clamp (:func:`_finite_first`).
@@ -317,9 +321,8 @@ def _finite_first(q: str, x: str) -> list[str]:
         "else:",
         f"    {q}_abs = tl.abs({q}_x)",
         f"    {q}_amax = tl.max(tl.where({q}_abs <= 3.4028234663852886e38, {q}_abs, 0.0))",
-        f"    {q}_mm = tl.where({q}_amax > 0.0, {q}_amax, 1.0)",
-        f"    {q}_xf = tl.where({q}_x == {q}_x, tl.minimum(tl.maximum({q}_x, -{q}_mm), "
-        f"{q}_mm), 0.0)",
+        f"    {q}_xf = tl.where({q}_x == {q}_x, tl.minimum(tl.maximum({q}_x, -{q}_amax), "
+        f"{q}_amax), 0.0)",
     ]
 
 
