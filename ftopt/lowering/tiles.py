@@ -34,9 +34,9 @@ IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
 # (none: the compiler's choice). H200, GPT-2 Adam with skip_zeros, dense / 90% of the
 # embedding's rows zero against no skip_zeros: fp32 at 1024x4 takes 58 registers (8
 # programs a multiprocessor), +0.2% / 1.25-1.27x; capped at 56 (9 programs, no spills)
-# -1.0..+0.5% / 1.27-1.29x in four runs. bf16 params at 1024x4 take 108 registers
-# (+31%), and capped at 64 spill (+17%). FTOPT_IN_PLACE_MAXNREG ("fp32=56,16-bit=64")
-# overrides.
+# -1.0..+0.5% / 1.27-1.29x in four sweeps (1.26-1.27x in the defaults run). bf16 params
+# at 1024x4 take 108 registers (+31%), and capped at 64 spill (+17%).
+# FTOPT_IN_PLACE_MAXNREG ("fp32=56,16-bit=64") overrides.
 IN_PLACE_MAXNREG = {k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
     "FTOPT_IN_PLACE_MAXNREG", "fp32=56").split(",") if kv)}
 # Blocks a program of a "split" main kernel runs, per layout (a power of two;
