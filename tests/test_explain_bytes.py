@@ -166,3 +166,23 @@ def test_explain_counts_the_deferred_launch(monkeypatch):
     text = ftopt.explain(novograd, w, donate=True, backend="fused", file=_Null())
     assert "here 'select'" in text and "one more launch" not in text, text
     assert "+ 1 for skipped" not in text, text
+
+
+def test_explain_names_the_span(monkeypatch):
+    """A layout whose "split" programs check several blocks at once (``tiles.SPANS``)
+    says how many; one whose chain cannot return early (no "split") does not."""
+    from ftopt.lowering import tiles
+
+    monkeypatch.setitem(tiles.SKIP_MODES, "16-bit", "split+in_place")
+    monkeypatch.setattr(tiles, "SPANS", {"16-bit": 4})
+    w = {"w": torch.randn(5000).to(DEVICE, torch.bfloat16)}
+    text = ftopt.explain(ftopt.adam(1e-3, skip_zeros=True), w, donate=True,
+                         backend="fused", file=_Null())
+    assert "a program checks 4 blocks' gradients at once" in text, text
+    text = ftopt.explain(ftopt.novograd(1e-2, skip_zeros=True), w, donate=True,
+                         backend="fused", file=_Null())  # (per-leaf values: no "split")
+    assert "here 'select'" in text and "blocks' gradients at once" not in text, text
+    monkeypatch.setattr(tiles, "SPANS", {})
+    text = ftopt.explain(ftopt.adam(1e-3, skip_zeros=True), w, donate=True,
+                         backend="fused", file=_Null())
+    assert "blocks' gradients at once" not in text, text

@@ -291,10 +291,11 @@ def test_in_place_tile_per_layout(monkeypatch):
             cache.cache_clear()
 
 
+@pytest.mark.parametrize("name", ["adam", "lamb"])
 @pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, None),
                                                (torch.bfloat16, None),
                                                (torch.bfloat16, torch.bfloat16)])
-def test_in_place_span_checks_its_tiles_at_once_and_runs_each(dtype, state_dtype,
+def test_in_place_span_checks_its_tiles_at_once_and_runs_each(dtype, state_dtype, name,
                                                               monkeypatch):
     """``tiles.SPANS``: a program of an in-place "split" kernel runs several
     blocks of its work table. Spans all zero, spans with one block all zero and the
@@ -303,6 +304,7 @@ def test_in_place_span_checks_its_tiles_at_once_and_runs_each(dtype, state_dtype
     elements with zero gradients keep their bytes, the others change (the control)."""
     span = 4
     monkeypatch.setattr(tiles, "IN_PLACE_TILE", (256, 4))
+    monkeypatch.setattr(tiles, "HEAVY_TILE", (256, 4))  # (lamb's, for its norm pass)
     monkeypatch.setattr(tiles, "IN_PLACE_TILES", {})
     monkeypatch.setattr(tiles, "SPANS", {"fp32": span, "16-bit": span,
                                                   "16-bit states": span})
@@ -310,7 +312,7 @@ def test_in_place_span_checks_its_tiles_at_once_and_runs_each(dtype, state_dtype
         cache.cache_clear()
     try:
         kw = {"state_dtype": state_dtype} if state_dtype else {}
-        tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+        tx = getattr(ftopt, name)(1e-2, skip_zeros=True, **kw)  # (lamb: a norm pass first)
         gen = torch.Generator().manual_seed(torch.seed() % 2**31)
         n = 256 * span * 4 + 256 + 100  # four spans, one tile and a partial one
         params = {"a": torch.randn(n, generator=gen).to(DEVICE, dtype),
@@ -328,8 +330,9 @@ def test_in_place_span_checks_its_tiles_at_once_and_runs_each(dtype, state_dtype
         donated = ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused",
                              donate=True)
         assert _same(donated, full)
-        group = next(g for g in plan_chain(tx).prepared.groups if g.traced.in_place)
+        (group,) = plan_chain(tx).prepared.groups
         assert group.span == span and group.split
+        assert group.traced.in_place == (name == "adam")  # (lamb: "split+select")
         blocks = -(-n // 256) + 3  # 18 and "b"'s 3: the last span crosses to "b"
         assert group.work.num_blocks == blocks and blocks % span
         assert len(group.work.main_leaf) == -(-blocks // span) * span  # padded

@@ -209,6 +209,9 @@ def _skip_line(mode: str, used: str, layout: str) -> str:
     if used != mode:
         text += f", here {used!r} (what this chain's kernels can take)"
     text += " (ftopt.lowering.tiles.SKIP_MODES; FTOPT_SKIP_MODES overrides)"
+    if "split" in used and tiles.SPANS.get(layout, 1) > 1:
+        text += (f"; a program checks {tiles.SPANS[layout]} blocks' gradients at once "
+                 "(tiles.SPANS)")
     if "defer" in used:
         text += ("; one more launch runs the programs with some zero gradients and the "
                  "leaves' last blocks")
