@@ -15,6 +15,11 @@ of programs ``k * DEFER_FLAGS`` to ``(k + 1) * DEFER_FLAGS - 1`` at once and ret
 none is set (the common case: a flag byte a main program, one load of them here), else
 runs each flagged program's body in turn. The flags need no reset: every main program
 writes its own, each step.
+
+A layout of :data:`tiles.SPANS` runs several consecutive blocks a main program
+(:func:`spanned`): the program checks all their gradients with one wait on memory and
+ends where every one is zero (clearing the blocks' flags), else runs each block as a
+program of one block would. Flags, work tables and the deferred kernel stay per block.
 """
 
 from __future__ import annotations
