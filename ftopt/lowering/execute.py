@@ -116,7 +116,8 @@ class PreparedStep:
                 group.work = work.work_table(table_args[0], self.device, *table_args[1:],
                                              group.span)
             if group.split and defer and not group_traced.in_place:
-                group.flags = torch.zeros(split_kernels.flag_count(table.num_blocks),
+                # (one a block of the main kernel's table, its padding to whole spans too)
+                group.flags = torch.zeros(split_kernels.flag_count(len(group.work.main_leaf)),
                                           dtype=torch.uint8, device=self.device)
             if quant_block:
                 group.qmaps = (quant_tables.table(True, self.device),

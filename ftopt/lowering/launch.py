@@ -102,7 +102,7 @@ class GroupLaunch:
     # "split+defer": programs with some zero gradients run in a second launch, which
     # reads their flags here (ftopt.lowering.split; one byte a main program).
     flags: torch.Tensor | None = None
-    span: int = 1  # tiles a program of an in-place "split" kernel (codegen.Variant)
+    span: int = 1  # blocks a program of a "split" main kernel runs (codegen.Variant)
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
 

@@ -107,10 +107,11 @@ def spanned(prelude: list[str], full: list[str], tail: list[str], span: int,
     ``pid``, then its full or tail block; its gradients again, from the cache).
 
     An all-zero program waits on the same chain of dependent loads (work table, addresses,
-    gradients) for ``span`` times the bytes. The blocks' addresses are loaded in the loop,
-    not before it: live across it they would take two registers each (static SASS, sm_90,
-    Adam with bf16 states: 32 registers a thread without the loop, 40 with the addresses
-    loaded before it). Two ``if``s in the loop, as in :func:`deferred_blocks`."""
+    gradients) for ``span`` times the bytes. Each block loads its own addresses in the
+    loop (from the cache): a span may cross leaves. The loop itself costs registers
+    (static SASS, sm_90, Adam with bf16 states: 32 a thread without it, 40 with it, with
+    the addresses loaded in it or before it alike). Two ``if``s in the loop, as in
+    :func:`deferred_blocks`."""
     assert prelude[0] == "pid = tl.program_id(0)" and prelude[1].endswith("+ pid)")
     return ([f"span_blocks = tl.program_id(0) * {span} + tl.arange(0, {span})",
              "span_leaf = tl.load(block_leaf_ptr + span_blocks)",
