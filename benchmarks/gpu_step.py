@@ -915,10 +915,11 @@ def section_eight_bit(cfg: Config, clk: Clock) -> dict:
     return {"title": "7. 8-bit states", "single": single, "tree": tree}
 
 
-def _sparse_wte(grads: dict, cfg: Config) -> tuple[dict, float]:
-    """``grads`` with ``cfg.sparse_rows`` of the embedding's rows all zero."""
+def _sparse_wte(grads: dict, cfg: Config, seed: int = 7) -> tuple[dict, float]:
+    """``grads`` with ``cfg.sparse_rows`` of the embedding's rows all zero (drawn with
+    ``seed``)."""
     wte = "transformer.wte.weight"
-    gen = torch.Generator(device=cfg.device).manual_seed(7)
+    gen = torch.Generator(device=cfg.device).manual_seed(seed)
     rows = torch.rand(grads[wte].shape[0], generator=gen, device=cfg.device) < cfg.sparse_rows
     g = grads[wte].clone()
     g[rows] = 0
@@ -1150,7 +1151,7 @@ def gpt2_tree_config(device: torch.device) -> Config:
                   compile_single=False, compile_trees=False, tiles=[], sections=[])
 
 
-def median_step_ms(tx, params: dict, grads: dict) -> float:
+def median_step_ms(tx, params: dict, grads: dict | list) -> float:
     """Median ms of a donated fused step of ``tx`` (40 steps, 3 rounds)."""
     return statistics.median(donated_step_ms(tx, params, grads, 40, 3))
 

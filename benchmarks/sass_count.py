@@ -80,7 +80,9 @@ def record(names: list[str]) -> list[dict]:
             sig, _ = tf._signature(arg_names, args, constants)
             consts = dict(tf._gpu_constants(constants))
             if "QBLOCK" in constants:
-                block, warps = tiles.QUANT_TILE if len(sys.argv) < 0 else (256, 1)
+                # (the GPU's tile, or FTOPT_QUANT_TILE's where set)
+                block, warps = (tiles.QUANT_TILE if "FTOPT_QUANT_TILE" in os.environ
+                                else (256, 1))
                 block = max(block, constants["QBLOCK"])
                 cap = (tiles.QUANT_SKIP_MAXNREG if "skip" in name else tiles.QUANT_MAXNREG)
                 source = pathlib.Path(path).read_text()

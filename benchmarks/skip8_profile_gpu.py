@@ -1,12 +1,14 @@
 """8-bit skip_zeros modes on one GPU, each kernel timed by the profiler.
 
 Donated 8-bit Adam steps on the GPT-2 tree, for each 8-bit skip_zeros mode
-(``tiles.SKIP_MODES["8-bit"]``; "off": no skip_zeros) and three kinds of gradients:
-dense, 90% of the embedding's rows zero ("sparse"), and every 8-bit block part zero
-(one gradient in 97: "mixed", where a "split" mode runs its select body everywhere).
+(``tiles.SKIP_MODES["8-bit"]``; "off": no skip_zeros) and five kinds of gradients:
+dense, 90% of the embedding's rows zero ("sparse"; "moving": other rows each step, 8
+draws in turn), every 8-bit block part zero (one gradient in 97: "mixed", where a
+"split" mode runs its select body everywhere), and every gradient zero.
 Prints the median step time (``gpu_step.median_step_ms``) and the mean device time of
 each kernel the step launches (torch.profiler: the 8-bit group's main kernel, the
-small fp32 group's, and "split+defer"'s deferred kernel), and writes them to
+small fp32 group's, and "split+defer"'s deferred kernel, each named by its place in
+the step's launches), and writes them to
 ``OUT/skip8_profile.json``.
 
     python3 benchmarks/skip8_profile_gpu.py OUT [MODES [FLAGS [SKIP_CAPS]]]
@@ -35,11 +37,14 @@ CAPS = [int(x) for x in (ARGS[2] or str(tiles.QUANT_SKIP_MAXNREG)).split(",")]
 def kernel_us(tx, params: dict, grads: dict, steps: int = 20) -> dict:
     """Mean device time (us) of each kernel name over ``steps`` donated steps, with the
     number of launches a step."""
-    box = {"p": {k: v.clone() for k, v in params.items()}}
+    box = {"p": {k: v.clone() for k, v in params.items()}, "i": 0}
     box["s"] = tx.init(box["p"])
+    turns = grads if isinstance(grads, list) else [grads]
 
     def step():
-        box["p"], box["s"] = ftopt.step(tx, box["p"], grads, box["s"], donate=True)
+        box["i"] += 1
+        box["p"], box["s"] = ftopt.step(tx, box["p"], turns[box["i"] % len(turns)],
+                                        box["s"], donate=True)
 
     for _ in range(5):
         step()
@@ -48,10 +53,12 @@ def kernel_us(tx, params: dict, grads: dict, steps: int = 20) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_step = max(len(events) // steps, 1)
     times = collections.defaultdict(list)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            times[e.name[:40]].append(e.device_time)
+    for i, e in enumerate(sorted(events, key=lambda e: e.time_range.start)):
+        # (kernels of one name told apart by their place in the step's launches)
+        times[f"{e.name[:24]}#{i % per_step}"].append(e.device_time)
     return {k: dict(per_step=len(v) / steps, mean_us=sum(v) / len(v))
             for k, v in times.items()}
 
@@ -60,6 +67,8 @@ def main() -> None:
     cfg = gpu_step.gpt2_tree_config(dev)
     params, grads = gpu_step._tree(cfg, torch.float32, seed=21)
     sparse, _ = gpu_step._sparse_wte(grads, cfg)
+    moving = [gpu_step._sparse_wte(grads, cfg, seed)[0] for seed in range(8)]
+    zero = {k: torch.zeros_like(v) for k, v in grads.items()}
     mixed = {k: v.clone().view(-1).index_fill_(
         0, torch.arange(0, v.numel(), 97, device=dev), 0.0).view_as(v)
         for k, v in grads.items()}
@@ -72,7 +81,8 @@ def main() -> None:
                 gpu_step._clear_lowering_caches()
                 launch._COMPILED.clear()
                 tx = ftopt.adam(1e-3, state_bits=8, skip_zeros=mode != "off")
-                for name, g in (("dense", grads), ("sparse", sparse), ("mixed", mixed)):
+                for name, g in (("dense", grads), ("sparse", sparse), ("moving", moving),
+                                ("mixed", mixed), ("zero", zero)):
                     row = dict(mode=mode, flags=flags, skip_cap=cap, grads=name,
                                step_ms=gpu_step.median_step_ms(tx, params, g),
                                kernels=kernel_us(tx, params, g))

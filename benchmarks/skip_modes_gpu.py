@@ -6,9 +6,16 @@ gradients, the time of Adam with skip_zeros against without, with dense gradient
 mode), against the time of reading the gradients at the copy bandwidth; then each
 compiled kernel's registers.
 
-    python3 benchmarks/skip_modes_gpu.py OUT [MODES] [--interleave=0,16,64]
+    python3 benchmarks/skip_modes_gpu.py OUT [MODES] [--interleave=0,16] [--layouts=8-bit]
     # MODES: e.g. "select,chunks", or "defaults" (each layout's own); --interleave: the
-    # main kernels' program orders to time in turn (tiles.INTERLEAVE; 0: in order)
+    # main kernels' program orders to time in turn (tiles.INTERLEAVE; 0: in order);
+    # --layouts: only those (keys of tiles.SKIP_MODES: fp32, 16-bit, "16-bit states",
+    # 8-bit)
+
+Gradients: "dense"; "sparse" (90% of the embedding's rows zero, the same rows every
+step); "moving" (as sparse, but other rows each step: 8 draws in turn, the worst case
+for a mode that keeps what it saw at the last step); "mixed" (one gradient in 97 zero:
+every block part zero).
 
 ("tiles" and "in_place+tiles" were measured before and lost on every layout: see
 benchmarks/RESULTS.md; this run compares the others with "stores" and "chunks".)
@@ -30,9 +37,18 @@ cfg = gpu_step.gpt2_tree_config(dev)
 
 t = gpu_step.median_step_ms
 # python3 benchmarks/skip_modes_gpu.py OUT [MODE,MODE...]: only those modes
-ARGS = [a for a in sys.argv[1:] if not a.startswith("--interleave=")]
-ORDERS = [int(x) for a in sys.argv[1:] if a.startswith("--interleave=")
-          for x in a.split("=", 1)[1].split(",")] or [tiles.INTERLEAVE]
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+
+
+def _option(name: str, default: int) -> list[int]:
+    return [int(x) for a in sys.argv[1:] if a.startswith(f"--{name}=")
+            for x in a.split("=", 1)[1].split(",")] or [default]
+
+
+ORDERS = _option("interleave", tiles.INTERLEAVE)
+# --layouts=8-bit,fp32: only the layouts of those keys of tiles.SKIP_MODES
+LAYOUTS = [x for a in sys.argv[1:] if a.startswith("--layouts=")
+           for x in a.split("=", 1)[1].split(",")]
 ONLY = ARGS[1].split(",") if len(ARGS) > 1 else []
 
 
@@ -60,25 +76,31 @@ for order in ORDERS:
     for name, (dtype, kw, _) in gpu_step.LAYOUTS.items():
         key = ("8-bit" if "state_bits" in kw else "16-bit states" if "state_dtype" in kw
                else "fp32" if name == "fp32" else "16-bit")
+        if LAYOUTS and key not in LAYOUTS:
+            continue
         params, grads = gpu_step._tree(cfg, dtype, seed=21)
         sparse, frac = gpu_step._sparse_wte(grads, cfg)
-        pairs = (("dense", grads), ("sparse", sparse))
+        moving = [gpu_step._sparse_wte(grads, cfg, seed)[0] for seed in range(8)]
+        mixed = {k: v.clone().view(-1).index_fill_(
+            0, torch.arange(0, v.numel(), 97, device=dev), 0.0).view_as(v)
+            for k, v in grads.items()}
+        pairs = (("dense", grads), ("sparse", sparse), ("moving", moving), ("mixed", mixed))
         base = {g: t(ftopt.adam(1e-3, **kw), params, gr) for g, gr in pairs}
         modes = (["select", "stores", "split+select", "split+stores", "split+defer"]
                  if key == "8-bit"
                  else ["in_place", "select", "stores", "in_place+stores", "chunks",
-                       "split+in_place", "split+select", "split+stores"])
+                       "split+in_place", "split+select", "split+stores", "split+defer"])
         modes = ([DEFAULTS[key]] if ONLY == ["defaults"] else
                  [m for m in modes if not ONLY or m in ONLY])
         for mode in modes:
             tiles.SKIP_MODES[key] = mode
             gpu_step._clear_lowering_caches()
-            for g, gr in (("dense", grads), ("sparse", sparse)):
+            for g, gr in pairs:
                 ms = t(ftopt.adam(1e-3, skip_zeros=True, **kw), params, gr)
-                res.append(dict(interleave=order, layout=name, mode=mode, grads=g,
-                            base=base[g], skip=ms))
-                print(f"{order:3d} {name:26s} {mode:15s} {g:6s} base {base[g]:.3f} skip {ms:.3f} "
-                      f"({(ms / base[g] - 1) * 100:+.1f}%)", flush=True)
+                res.append(dict(interleave=order, layout=name, mode=mode,
+                                grads=g, base=base[g], skip=ms))
+                print(f"{order:3d} {name:26s} {mode:15s} {g:6s} base {base[g]:.3f} "
+                      f"skip {ms:.3f} ({(ms / base[g] - 1) * 100:+.1f}%)", flush=True)
         # All gradients zero, the default mode: every program returns after reading its
         # gradients, so the floor is those bytes at the copy bandwidth; the excess is what
         # the programs cost beyond their bytes (their latency).
@@ -87,11 +109,11 @@ for order in ORDERS:
         zeros = {k: torch.zeros_like(v) for k, v in grads.items()}
         ms = t(ftopt.adam(1e-3, skip_zeros=True, **kw), params, zeros)
         floor = sum(v.numel() * v.element_size() for v in zeros.values()) / COPY_TBPS / 1e9
-        res.append(dict(interleave=order, layout=name, mode=DEFAULTS[key], grads="zero",
-                        skip=ms, floor=floor))
-        print(f"{order:3d} {name:26s} {DEFAULTS[key]:15s} zero   skip {ms:.3f} floor {floor:.3f} "
-              f"(copy {COPY_TBPS:.2f} TB/s)", flush=True)
-        del params, grads, sparse, zeros
+        res.append(dict(interleave=order, layout=name, mode=DEFAULTS[key],
+                        grads="zero", skip=ms, floor=floor))
+        print(f"{order:3d} {name:26s} {DEFAULTS[key]:15s} zero   skip {ms:.3f} "
+              f"floor {floor:.3f} (copy {COPY_TBPS:.2f} TB/s)", flush=True)
+        del params, grads, sparse, zeros, moving, mixed
         torch.cuda.empty_cache()
 out = pathlib.Path(ARGS[0])
 out.mkdir(parents=True, exist_ok=True)

@@ -108,16 +108,19 @@ def event_ms(fn: Callable, n: int = 40, reps: int = 3) -> list[float]:
     return out
 
 
-def donated_step_ms(tx: Any, params: dict, grads: dict, n: int = 40, reps: int = 3,
+def donated_step_ms(tx: Any, params: dict, grads: dict | list, n: int = 40, reps: int = 3,
                     warmup: int = 3, backend: str = "fused") -> list[float]:
     """:func:`event_ms` of donated ``ftopt.step(tx, ...)`` calls on copies of ``params``
-    after ``warmup`` untimed steps (the same ``grads`` every step)."""
-    box = {"p": {k: v.clone() for k, v in params.items()}}
+    after ``warmup`` untimed steps (the same ``grads`` every step, or a list of them in
+    turn)."""
+    box = {"p": {k: v.clone() for k, v in params.items()}, "i": 0}
     box["s"] = tx.init(box["p"])
+    turns = grads if isinstance(grads, list) else [grads]
 
     def one_step():
-        box["p"], box["s"] = ftopt.step(tx, box["p"], grads, box["s"], donate=True,
-                                        backend=backend)
+        box["i"] += 1
+        box["p"], box["s"] = ftopt.step(tx, box["p"], turns[box["i"] % len(turns)],
+                                        box["s"], donate=True, backend=backend)
 
     for _ in range(warmup):
         one_step()
