@@ -43,9 +43,10 @@ IN_PLACE_MAXNREG = {k: int(v) for k, v in (kv.split("=") for kv in os.environ.ge
 # :func:`ftopt.lowering.split.spanned`): it loads the gradients of all of them, returns
 # where every one is zero, else runs them one after another. A program whose gradients
 # are all zero waits on three dependent loads (its work-table entry, the gradients'
-# address, the gradients) and ends, so an all-zero stretch runs at the programs' latency,
-# not at its bytes' bandwidth (1.9-3.5x the time of reading them): more bytes a program,
-# fewer waits. H200, GPT-2 Adam with skip_zeros, dense / 90% of the embedding's rows zero
+# address, the gradients) and ends, so an all-zero stretch runs at the rate the GPU
+# starts programs, not at its bytes' bandwidth (1.9-3.5x the time of reading them; H200:
+# 0.61 ns a program whatever it does, benchmarks/dispatch_gpu.py): fewer programs, less
+# time. H200, GPT-2 Adam with skip_zeros, dense / 90% of the embedding's rows zero
 # against no skip_zeros / all zero (ms): bf16 params 1 block +1.8% / 1.24x / 0.205, 2
 # +2.2% / 1.27x / 0.128, 4 +1.0..1.3% / 1.30x / 0.096; the loop costs registers (bf16
 # params 39 -> 56 a thread; Adam with bf16 states 32 -> 40, 4 fewer programs a
