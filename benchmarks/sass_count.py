@@ -84,6 +84,7 @@ def record(names: list[str]) -> list[dict]:
                 block, warps = (tiles.QUANT_TILE if "FTOPT_QUANT_TILE" in os.environ
                                 else (256, 1))
                 block = max(block, constants["QBLOCK"])
+                consts["BLOCK"] = block
                 cap = (tiles.QUANT_SKIP_MAXNREG if "skip" in name else tiles.QUANT_MAXNREG)
                 source = pathlib.Path(path).read_text()
                 if "flags_ptr" in source and "first = tl.program_id(0)" not in source:
@@ -172,9 +173,11 @@ def compile_jobs(jobs: list[dict]) -> list[dict]:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options=job["options"])
         sass = get_sass(compiled.asm["cubin"])
-        if os.environ.get("SASS_DUMP"):  # --dump DIR: each kernel's listing
-            name = f"{job['case']}_{job['name']}_{len(out)}.sass"
-            pathlib.Path(os.environ["SASS_DUMP"], name).write_text(sass)
+        if os.environ.get("SASS_DUMP"):  # --dump DIR: each kernel's listing and its
+            name = f"{job['case']}_{job['name']}_{len(out)}"  # Triton GPU IR (layouts)
+            pathlib.Path(os.environ["SASS_DUMP"], name + ".sass").write_text(sass)
+            pathlib.Path(os.environ["SASS_DUMP"], name + ".ttgir").write_text(
+                compiled.asm["ttgir"])
         counts = count(sass)
         counts["registers"], counts["spills"] = _resources(compiled.asm["cubin"])
         out.append(counts)
