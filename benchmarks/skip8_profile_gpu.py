@@ -67,7 +67,7 @@ def main() -> None:
     cfg = gpu_step.gpt2_tree_config(dev)
     params, grads = gpu_step._tree(cfg, torch.float32, seed=21)
     sparse, _ = gpu_step._sparse_wte(grads, cfg)
-    moving = [gpu_step._sparse_wte(grads, cfg, seed)[0] for seed in range(8)]
+    moving = [gpu_step._sparse_wte(grads, cfg, seed)[0] for seed in range(100, 108)]
     zero = {k: torch.zeros_like(v) for k, v in grads.items()}
     mixed = {k: v.clone().view(-1).index_fill_(
         0, torch.arange(0, v.numel(), 97, device=dev), 0.0).view_as(v)
