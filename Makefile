@@ -18,10 +18,13 @@ demo: $(VENV)/.ready
 # Every run starts with an empty Triton cache under build/, as on a new machine: a warm
 # cache hides failures in Triton's code generator (compiled kernels are cache hits).
 TEST_CACHE := $(CURDIR)/build/triton-cache
+# Test files run in parallel, one process per core up to 4 (pytest-xdist; a file's tests
+# stay in one process, in order): 2 cores, 5.0 min against 7.6 one after another.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: $(VENV)/.ready
 	rm -rf $(TEST_CACHE) && mkdir -p $(TEST_CACHE)
-	TRITON_CACHE_DIR=$(TEST_CACHE) $(PY) -m pytest -q
+	TRITON_CACHE_DIR=$(TEST_CACHE) $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check ftopt tests benchmarks
