@@ -926,6 +926,19 @@ def _sparse_wte(grads: dict, cfg: Config, seed: int = 7) -> tuple[dict, float]:
     return {**grads, wte: g}, rows.float().mean().item()
 
 
+def _moving_wte(grads: dict, cfg: Config) -> list[dict]:
+    """8 draws of :func:`_sparse_wte`'s zero rows (none with its default seed), to take
+    in turn: rows that move every step."""
+    return [_sparse_wte(grads, cfg, seed)[0] for seed in range(100, 108)]
+
+
+def _scattered_zeros(grads: dict) -> dict:
+    """``grads`` with one element in 97 zero: every block of every leaf part zero."""
+    return {k: v.clone().view(-1).index_fill_(
+        0, torch.arange(0, v.numel(), 97, device=v.device), 0.0).view_as(v)
+        for k, v in grads.items()}
+
+
 LAYOUTS = {
     # name: (param dtype, adam kwargs, state bytes per element for the nominal traffic)
     "fp32": (torch.float32, {}, fp32_states),

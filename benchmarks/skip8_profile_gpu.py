@@ -21,6 +21,7 @@ import sys
 
 sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")]
 import gpu_step  # noqa: E402
+import timing  # noqa: E402
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -37,15 +38,7 @@ CAPS = [int(x) for x in (ARGS[2] or str(tiles.QUANT_SKIP_MAXNREG)).split(",")]
 def kernel_us(tx, params: dict, grads: dict, steps: int = 20) -> dict:
     """Mean device time (us) of each kernel name over ``steps`` donated steps, with the
     number of launches a step."""
-    box = {"p": {k: v.clone() for k, v in params.items()}, "i": 0}
-    box["s"] = tx.init(box["p"])
-    turns = grads if isinstance(grads, list) else [grads]
-
-    def step():
-        box["i"] += 1
-        box["p"], box["s"] = ftopt.step(tx, box["p"], turns[box["i"] % len(turns)],
-                                        box["s"], donate=True)
-
+    step = timing.donated_stepper(tx, params, grads)
     for _ in range(5):
         step()
     torch.cuda.synchronize()
@@ -67,11 +60,8 @@ def main() -> None:
     cfg = gpu_step.gpt2_tree_config(dev)
     params, grads = gpu_step._tree(cfg, torch.float32, seed=21)
     sparse, _ = gpu_step._sparse_wte(grads, cfg)
-    moving = [gpu_step._sparse_wte(grads, cfg, seed)[0] for seed in range(100, 108)]
+    moving, mixed = gpu_step._moving_wte(grads, cfg), gpu_step._scattered_zeros(grads)
     zero = {k: torch.zeros_like(v) for k, v in grads.items()}
-    mixed = {k: v.clone().view(-1).index_fill_(
-        0, torch.arange(0, v.numel(), 97, device=dev), 0.0).view_as(v)
-        for k, v in grads.items()}
     rows = []
     for mode in MODES:
         for flags in (FLAGS if mode == "split+defer" else FLAGS[:1]):

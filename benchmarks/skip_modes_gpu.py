@@ -80,10 +80,7 @@ for order in ORDERS:
             continue
         params, grads = gpu_step._tree(cfg, dtype, seed=21)
         sparse, frac = gpu_step._sparse_wte(grads, cfg)
-        moving = [gpu_step._sparse_wte(grads, cfg, seed)[0] for seed in range(100, 108)]
-        mixed = {k: v.clone().view(-1).index_fill_(
-            0, torch.arange(0, v.numel(), 97, device=dev), 0.0).view_as(v)
-            for k, v in grads.items()}
+        moving, mixed = gpu_step._moving_wte(grads, cfg), gpu_step._scattered_zeros(grads)
         pairs = (("dense", grads), ("sparse", sparse), ("moving", moving), ("mixed", mixed))
         base = {g: t(ftopt.adam(1e-3, **kw), params, gr) for g, gr in pairs}
         modes = (["select", "stores", "split+select", "split+stores", "split+defer"]

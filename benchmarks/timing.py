@@ -108,11 +108,10 @@ def event_ms(fn: Callable, n: int = 40, reps: int = 3) -> list[float]:
     return out
 
 
-def donated_step_ms(tx: Any, params: dict, grads: dict | list, n: int = 40, reps: int = 3,
-                    warmup: int = 3, backend: str = "fused") -> list[float]:
-    """:func:`event_ms` of donated ``ftopt.step(tx, ...)`` calls on copies of ``params``
-    after ``warmup`` untimed steps (the same ``grads`` every step, or a list of them in
-    turn)."""
+def donated_stepper(tx: Any, params: dict, grads: dict | list,
+                    backend: str = "fused") -> Callable[[], None]:
+    """A function that runs one donated ``ftopt.step(tx, ...)`` on copies of ``params``
+    each call (the same ``grads`` every step, or a list of them in turn)."""
     box = {"p": {k: v.clone() for k, v in params.items()}, "i": 0}
     box["s"] = tx.init(box["p"])
     turns = grads if isinstance(grads, list) else [grads]
@@ -121,7 +120,14 @@ def donated_step_ms(tx: Any, params: dict, grads: dict | list, n: int = 40, reps
         box["i"] += 1
         box["p"], box["s"] = ftopt.step(tx, box["p"], turns[box["i"] % len(turns)],
                                         box["s"], donate=True, backend=backend)
+    return one_step
 
+
+def donated_step_ms(tx: Any, params: dict, grads: dict | list, n: int = 40, reps: int = 3,
+                    warmup: int = 3, backend: str = "fused") -> list[float]:
+    """:func:`event_ms` of :func:`donated_stepper`'s steps after ``warmup`` untimed
+    ones."""
+    one_step = donated_stepper(tx, params, grads, backend)
     for _ in range(warmup):
         one_step()
     return event_ms(one_step, n, reps)
