@@ -20,6 +20,19 @@ def bits(x: torch.Tensor) -> torch.Tensor:
     return x.detach().view(_INT_OF_SIZE[x.element_size()])
 
 
+def same_bits(a: Any, b: Any) -> bool:
+    """Whether two trees have the same leaves, bit for bit."""
+    la, lb = ftopt.tree.leaves(a), ftopt.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y))
+        for x, y in zip(la, lb))
+
+
+def cloned(tree: Any) -> Any:
+    """A copy of every tensor of ``tree``."""
+    return ftopt.tree.map(lambda t: t.clone(), tree)
+
+
 def with_zero_rows_and_columns(grads: list[dict], key: str = "w") -> torch.Tensor:
     """Zeros leaf ``key`` of every gradient after the first (a warm-up) in rows 2-4 and
     every 7th column, in place; returns that mask (a 2-D leaf's skip_zeros pattern)."""

@@ -160,6 +160,7 @@ def test_explain_counts_the_deferred_launch(monkeypatch):
     text = ftopt.explain(adam, w, donate=True, backend="fused", file=_Null())
     assert "kernel launches per step: 2 (0 norm pass(es) + 1 main + 1 for skipped" in text
     assert "one more launch runs the programs with some zero gradients" in text, text
+    assert f"or 'split+select' while more than {tiles.DEFER_SELECT_ABOVE:g}" in text, text
     text = ftopt.explain(adam, w, backend="fused", file=_Null())
     assert "kernel launches per step: 1 (0 norm pass(es) + 1 main)" in text, text
     novograd = ftopt.novograd(1e-2, skip_zeros=True, state_bits=8)  # (per-leaf values)

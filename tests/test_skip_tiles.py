@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_checks import bits, cloned, same_bits
 
 import ftopt
 from ftopt.lowering import codegen, launch, tiles, work
@@ -17,19 +18,6 @@ from ftopt.lowering.plan import plan_chain
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TILE = tiles.QUANT_TILE[0]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
-
-
-def _same(a, b) -> bool:
-    la, lb = ftopt.tree.leaves(a), ftopt.tree.leaves(b)
-    return len(la) == len(lb) and all(torch.equal(_bits(x), _bits(y)) for x, y in zip(la, lb))
-
-
-def _clone(tree):
-    return ftopt.tree.map(lambda t: t.clone(), tree)
 
 
 @pytest.mark.parametrize("name", ["adamw", "lion", "ademamix"])
@@ -53,16 +41,16 @@ def test_donated_step_with_zero_tiles_equals_the_full_step(name, monkeypatch):
     grads["w"][10:700] = 0.0  # part of a tile: it runs
     grads["b"][:] = 0.0  # a whole leaf
     full = ftopt.step(tx, params, grads, state, backend="fused")
-    donated = ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused",
+    donated = ftopt.step(tx, cloned(params), grads, cloned(state), backend="fused",
                          donate=True)
-    assert _same(donated, full)
+    assert same_bits(donated, full)
     groups = plan_chain(tx).prepared.groups
     assert all(g.quant_block for g in groups)  # every leaf's states are 8-bit
     assert [g.skip_tiles for g in groups] == [True] * len(groups)
     monkeypatch.setattr(launch, "SKIP_TILES", False)
-    without = ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused",
+    without = ftopt.step(tx, cloned(params), grads, cloned(state), backend="fused",
                          donate=True)
-    assert _same(without, full)
+    assert same_bits(without, full)
     # The step did move the tiles with gradients (the comparison is not vacuous).
     assert not torch.equal(full[0]["w"][:TILE], params["w"][:TILE])
     assert torch.equal(full[0]["w"][TILE:2 * TILE], params["w"][TILE:2 * TILE])
@@ -108,9 +96,9 @@ def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     grads["w"][10:700] = 0.0
     grads["b"][:] = 0.0
     full = ftopt.step(tx, params, grads, state, backend="fused")
-    donated = ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused",
+    donated = ftopt.step(tx, cloned(params), grads, cloned(state), backend="fused",
                          donate=True)
-    assert _same(donated, full)
+    assert same_bits(donated, full)
     groups = plan_chain(tx).prepared.groups
     assert [g.skip_tiles for g in groups] == ["tiles" in mode] * len(groups)
     assert [g.skip_stores for g in groups] == ["stores" in mode] * len(groups)
@@ -166,9 +154,9 @@ def test_8bit_one_block_per_program_equals_the_full_step(name, mode, monkeypatch
         g[1000:1100] = 0.0  # part of a block
         g[-77:] = 0.0  # the tail block
         full = ftopt.step(tx, params, {"w": g}, state, backend="fused")
-        donated = ftopt.step(tx, _clone(params), {"w": g}, _clone(state), backend="fused",
+        donated = ftopt.step(tx, cloned(params), {"w": g}, cloned(state), backend="fused",
                              donate=True)
-        assert _same(donated, full)
+        assert same_bits(donated, full)
         groups = plan_chain(tx).prepared.groups
         assert [gr.skip_stores for gr in groups] == [mode == "stores"]
         before = ftopt.tree.leaves(state)
@@ -200,6 +188,8 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
     monkeypatch.setattr(tiles, "SPANS", {key: span})
     monkeypatch.setattr(tiles, "QUANT_TILE", (256, 1))
     monkeypatch.setattr(tiles, "DEFER_FLAGS", 4)
+    # (3 blocks of 18 deferred: "split+defer" throughout, not the watch's "split+select")
+    monkeypatch.setattr(tiles, "DEFER_SELECT_ABOVE", 2.0)
     for cache in (launch._constants_cached, launch._kernel):
         cache.cache_clear()
     monkeypatch.setattr(tiles, "BLOCK", 256)
@@ -222,9 +212,9 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         real = launch._launch
         monkeypatch.setattr(launch, "_launch", lambda k, grid, *a, **kw_: (
             launched.append(grid), real(k, grid, *a, **kw_))[1])
-        donated = ftopt.step(tx, _clone(params), {"w": g}, _clone(state), backend="fused",
+        donated = ftopt.step(tx, cloned(params), {"w": g}, cloned(state), backend="fused",
                              donate=True)
-        assert _same(donated, full)
+        assert same_bits(donated, full)
         # 18 blocks, in programs of ``span``; their flags in runs of 4
         # one flag a block of the table padded to whole spans, in runs of 4
         flagged = torch.zeros(-(-(-(-18 // span) * span) // 4) * 4, dtype=torch.uint8)
@@ -234,19 +224,19 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         flagged[[list(order).index(k) for k in (2, 7, 17)]] = 1
         assert torch.equal(group.flags.cpu(), flagged)
         # Flags left from an earlier step: the next donated step of the same tensors
-        full2 = ftopt.step(tx, _clone(donated[0]), {"w": g}, _clone(donated[1]),
+        full2 = ftopt.step(tx, cloned(donated[0]), {"w": g}, cloned(donated[1]),
                            backend="fused")
         group.flags[:18].fill_(1)
         again = ftopt.step(tx, *donated[:1], {"w": g}, donated[1], backend="fused",
                            donate=True)
         assert plan_chain(tx).prepared.groups[0] is group
-        assert _same(again, full2)
+        assert same_bits(again, full2)
         assert torch.equal(group.flags.cpu(), flagged)
         first_only = launch.GroupLaunch.kernels
         monkeypatch.setattr(launch.GroupLaunch, "kernels",
                             lambda self, *a: first_only(self, *a)[:1])
         launch._COMPILED.clear()
-        control = ftopt.step(tx, _clone(params), {"w": g}, _clone(state), backend="fused",
+        control = ftopt.step(tx, cloned(params), {"w": g}, cloned(state), backend="fused",
                              donate=True)
         assert torch.equal(control[0]["w"][:256], full[0]["w"][:256])
         for part in (slice(512, 600), slice(1792, 2048), slice(4352, n)):  # flagged
@@ -275,9 +265,9 @@ def test_in_place_tile_per_layout(monkeypatch):
         grads["a"][1024:2048] = 0.0
         grads["b"][:2048] = 0.0
         full = ftopt.step(tx, params, grads, state, backend="fused")
-        donated = ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused",
+        donated = ftopt.step(tx, cloned(params), grads, cloned(state), backend="fused",
                              donate=True)
-        assert _same(donated, full)
+        assert same_bits(donated, full)
         groups = {g.p_dtype: g for g in plan_chain(tx).prepared.groups}
         for dtype, block in ((torch.float32, 1024), (torch.bfloat16, 2048)):
             group = groups[dtype]
@@ -328,9 +318,9 @@ def test_in_place_span_checks_its_tiles_at_once_and_runs_each(dtype, state_dtype
         w[256 * (2 * span + 1): 256 * (3 * span + 1)] = 0.0  # all but a span's first
         w[256 * 4 * span + 256:] = 0.0  # the partial last tile
         full = ftopt.step(tx, params, grads, state, backend="fused")
-        donated = ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused",
+        donated = ftopt.step(tx, cloned(params), grads, cloned(state), backend="fused",
                              donate=True)
-        assert _same(donated, full)
+        assert same_bits(donated, full)
         (group,) = plan_chain(tx).prepared.groups
         assert group.span == span and group.split
         assert group.traced.in_place == (name == "adam")  # (lamb: "split+select")
@@ -338,12 +328,12 @@ def test_in_place_span_checks_its_tiles_at_once_and_runs_each(dtype, state_dtype
         assert group.work.num_blocks == blocks and blocks % span
         assert len(group.work.main_leaf) == -(-blocks // span) * span  # padded
         assert group.kernels([0.0] * 16, False)[0][1] == (-(-blocks // span),)
-        assert torch.equal(_bits(full[0]["b"][grads["b"] == 0]),
-                           _bits(params["b"][grads["b"] == 0]))
+        assert torch.equal(bits(full[0]["b"][grads["b"] == 0]),
+                           bits(params["b"][grads["b"] == 0]))
         assert not torch.equal(full[0]["b"], params["b"])
         zero = w == 0
         new, old = full[0]["a"], params["a"]
-        assert torch.equal(_bits(new[zero]), _bits(old[zero]))
+        assert torch.equal(bits(new[zero]), bits(old[zero]))
         assert not torch.equal(new[~zero], old[~zero])  # the control
         assert (new[~zero] != old[~zero]).float().mean() > 0.9
     finally:
@@ -359,7 +349,7 @@ def test_in_place_register_cap_per_layout(monkeypatch):
               "b": torch.randn(3000).to(DEVICE, torch.bfloat16)}
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     state = tx.init(params)
-    ftopt.step(tx, _clone(params), grads, _clone(state), backend="fused", donate=True)
+    ftopt.step(tx, cloned(params), grads, cloned(state), backend="fused", donate=True)
     groups = {g.p_dtype: g for g in plan_chain(tx).prepared.groups}
     monkeypatch.setattr(tiles, "INTERPRETING", False)
     monkeypatch.setattr(launch, "_NVIDIA", True)

@@ -24,6 +24,7 @@ from ftopt.lowering import branches, checks, launch, leaf_slots, quant_tables, t
 from ftopt.lowering import split as split_kernels
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.counts import advance_counts, advance_running, counts_on, increment
+from ftopt.lowering.defer_watch import DeferWatch
 from ftopt.lowering.flat import dict_list_getter, flat_dict_getter, flat_dict_leaves
 from ftopt.lowering.plan import ChainPlan, planned_states
 from ftopt.lowering.scalars import host_hparams, kernel_scalars
@@ -119,6 +120,7 @@ class PreparedStep:
                 # (one a block of the main kernel's table, its padding to whole spans too)
                 group.flags = torch.zeros(split_kernels.flag_count(len(group.work.main_leaf)),
                                           dtype=torch.uint8, device=self.device)
+                group.watch = DeferWatch(group.flags, len(group.work.main_leaf))
             if quant_block:
                 group.qmaps = (quant_tables.table(True, self.device),
                                quant_tables.table(False, self.device))
@@ -146,6 +148,10 @@ class PreparedStep:
         # (scalars as floats?, count tensors, bound launches, launch.switches()): see
         # launch.bind_main.
         self._bound: tuple | None = None
+        # The bound launches of each mode of the groups with a DeferWatch (one a mode:
+        # a group that switches keeps both).
+        self._bound_by: dict[tuple, tuple] = {}
+        self.watched = [group for group in self.groups if group.watch is not None]
 
     def _active(self, g_flat) -> tuple:
         return tuple(g_flat) if self.active_of is None else _as_tuple(self.active_of(g_flat))
@@ -239,9 +245,10 @@ class PreparedStep:
         for group, addresses in uploads:
             group.addresses["g"] = launch.to_device(addresses, self.device)
             group.grad_addresses = addresses
-        if uploads and self._bound is not None:
-            for b in self._bound[2]:
-                b.before[b.grad_at] = b.group.addresses["g"]
+        if uploads:
+            for bound in self._bound_by.values():
+                for b in bound[2]:
+                    b.before[b.grad_at] = b.group.addresses["g"]
         self.check.record(grad_pointers)
         return True
 
@@ -249,7 +256,12 @@ class PreparedStep:
         """``running``: where the kernels store the running scalars the bodies compute
         (:func:`running_targets`)."""
         traced = self.traced
-        bound = self._bound
+        modes = ()
+        if self.watched:
+            for group in self.watched:
+                group.selecting = group.watch.plan()
+            modes = tuple([group.selecting for group in self.watched])
+        bound = self._bound_by.get(modes)
         pairs = [*count_pairs, *running]
         if (bound is not None and bound[0] == isinstance(scalars, list)
                 and bound[3] == launch.switches()
@@ -262,6 +274,8 @@ class PreparedStep:
                 for b in bound[2]:
                     b.runner(*b.before, *args, *b.after)
                 self._copy_back()
+                for group in self.watched:
+                    group.watch.after()
             return
         with launch.device_guard(self.device):
             leaf_bufs, global_buf = launch.run_reductions(traced, self.groups, scalars,
@@ -270,13 +284,18 @@ class PreparedStep:
                                    count_pairs, self.device, running):
                 increment(count_pairs)
             self._copy_back()
+            for group in self.watched:
+                group.watch.after()
         if self.donate:
             launches = launch.bind_main(traced, self.groups, scalars, count_pairs,
                                         self.device, running)
             self._bound = (None if not launches else
                            (isinstance(scalars, list), pairs, launches,
                             launch.switches()))
-
+            if self._bound is None:
+                self._bound_by.pop(modes, None)
+            else:
+                self._bound_by[modes] = self._bound
 
     def _copy_back(self) -> None:
         if self.copy_back is not None:

@@ -214,7 +214,9 @@ def _skip_line(mode: str, used: str, layout: str) -> str:
                  "(tiles.SPANS)")
     if "defer" in used:
         text += ("; one more launch runs the programs with some zero gradients and the "
-                 "leaves' last blocks")
+                 "leaves' last blocks, or 'split+select' while more than "
+                 f"{tiles.DEFER_SELECT_ABOVE:g} of the blocks have some (counted every "
+                 f"{tiles.DEFER_PERIOD} steps: ftopt.lowering.defer_watch)")
     return text
 
 

@@ -102,6 +102,10 @@ class GroupLaunch:
     # "split+defer": programs with some zero gradients run in a second launch, which
     # reads their flags here (ftopt.lowering.split; one byte a main program).
     flags: torch.Tensor | None = None
+    # Whether this step runs "split+select" in place of "split+defer"
+    # (ftopt.lowering.defer_watch, which the group's watch sets).
+    selecting: bool = False
+    watch: object = None
     span: int = 1  # blocks a program of a "split" main kernel runs (codegen.Variant)
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
@@ -122,7 +126,7 @@ class GroupLaunch:
 
     def variant(self, scalars, deferred: bool = False) -> codegen.Variant:
         """The main kernel's variant (``deferred``: the deferred kernel's)."""
-        defer = 0 if self.flags is None else 1 + deferred
+        defer = 0 if self.flags is None or self.selecting else 1 + deferred
         return _variant(self.p_dtype, self.g_dtype, self.aligned, isinstance(scalars, list),
                         self.quant_block, self.slot_dtypes, self.skip_tiles and SKIP_TILES,
                         quantized.ENCODER if self.quant_block else "arithmetic",
@@ -137,8 +141,8 @@ class GroupLaunch:
         out = [(_kernel(self.traced, "main", 0, variant), (-(-w.num_blocks // self.span),),
                 _constants_cached(self.traced, self.quant_block, not counted, variant.defer,
                                   self.kind),
-                [] if self.flags is None else [self.flags])]
-        if self.flags is not None:
+                [] if variant.defer == 0 else [self.flags])]
+        if variant.defer:
             out.append((_kernel(self.traced, "main", 0, self.variant(scalars, True)),
                         (self.flags.numel() // tiles.DEFER_FLAGS,),
                         _constants_cached(self.traced, self.quant_block, False, 2, self.kind),

@@ -1,0 +1,136 @@
+"""A "split+defer" group runs "split+select" while many of its blocks are deferred
+(``ftopt.lowering.defer_watch``): the same bytes either way, and back to "split+defer"
+once the zeros are gone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from step_checks import cloned, same_bits
+
+import ftopt
+from ftopt.lowering import launch, tiles
+from ftopt.lowering.plan import plan_chain
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+N = 256 * 40 + 77  # (8-bit states from 4096 elements; a tail block)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """One 8-bit block a program, flags in runs of 4, a count every 2 steps and a probe
+    every 4 (so that a few steps show every switch)."""
+    monkeypatch.setitem(tiles.SKIP_MODES, "8-bit", "split+defer")
+    monkeypatch.setattr(tiles, "QUANT_TILE", (256, 1))
+    monkeypatch.setattr(tiles, "DEFER_FLAGS", 4)
+    monkeypatch.setattr(tiles, "DEFER_PERIOD", 2)
+    monkeypatch.setattr(tiles, "DEFER_PROBE", 4)
+    for cache in (launch._constants_cached, launch._kernel):
+        cache.cache_clear()
+    yield
+    for cache in (launch._constants_cached, launch._kernel):
+        cache.cache_clear()
+
+
+def _grads(gen, steps: int, scattered: range) -> list:
+    """Fresh gradients each step; in the steps of ``scattered`` one element in 97 zero
+    (every block part zero), in the others two whole blocks zero (no block part zero)."""
+    out = []
+    for k in range(steps):
+        g = torch.randn(N, generator=gen)
+        if k in scattered:
+            g[::97] = 0.0
+        else:
+            g[512:1024] = 0.0
+        out.append({"w": g.to(DEVICE)})
+    return out
+
+
+def _run(tx, params, state, grads: list, modes: list | None = None):
+    params, state = cloned(params), cloned(state)
+    for g in grads:
+        params, state = ftopt.step(tx, params, g, state, backend="fused", donate=True)
+        if modes is not None:
+            (group,) = plan_chain(tx).prepared.groups
+            modes.append(group.selecting)
+    return params, state
+
+
+@pytest.mark.parametrize("name", ["adam", "lion"])
+def test_many_deferred_blocks_switch_to_select_and_back(name, small_blocks, monkeypatch):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
+    grads = _grads(gen, 12, range(0, 6))
+    make = getattr(ftopt, name)
+    tx = make(1e-2, state_bits=8, skip_zeros=True)
+    state = tx.init(params)
+    modes: list = []
+    watched = _run(tx, params, state, grads, modes)
+    (group,) = plan_chain(tx).prepared.groups
+    assert group.watch is not None and group.watch.fraction is not None
+    # Step 1 counts (every block deferred): select from step 2 on, step 5 probes
+    # (deferred again: select), step 9 probes after the zeros are gone (steps 7-12: only
+    # whole zero blocks and the tail deferred): split+defer from step 10 on.
+    assert modes == [False, True, True, True, False, True, True, True, False, False, False,
+                     False]
+    # The same bytes as the step that never switches, and as "split+select" throughout.
+    monkeypatch.setattr(tiles, "DEFER_SELECT_ABOVE", 2.0)
+    tx2 = make(1e-2, state_bits=8, skip_zeros=True)
+    never: list = []
+    assert same_bits(watched, _run(tx2, params, state, grads, never))
+    assert not any(never)  # (the control: it never switched)
+    monkeypatch.setitem(tiles.SKIP_MODES, "8-bit", "split+select")
+    tx3 = make(1e-2, state_bits=8, skip_zeros=True)
+    assert same_bits(watched, _run(tx3, params, state, grads))
+    # skip_zeros held in both modes: the blocks zero in the last steps kept their bytes
+    # across those steps (the control: the others changed).
+    before = _run(tx, params, state, grads[:6])
+    after = _run(tx, params, state, grads)
+    assert torch.equal(after[0]["w"][512:1024], before[0]["w"][512:1024])
+    assert not torch.equal(after[0]["w"][:512], before[0]["w"][:512])
+
+
+def test_the_select_steps_launch_no_deferred_kernel(small_blocks, monkeypatch):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
+    tx = ftopt.adam(1e-2, state_bits=8, skip_zeros=True)
+    state = tx.init(params)
+    monkeypatch.setattr(launch, "bind_main", lambda *a, **kw: None)  # (every launch seen)
+    launched = []
+    real = launch._launch
+    monkeypatch.setattr(launch, "_launch", lambda k, grid, *a, **kw: (
+        launched.append(grid), real(k, grid, *a, **kw))[1])
+    _run(tx, params, state, _grads(gen, 3, range(3)))
+    (group,) = plan_chain(tx).prepared.groups
+    blocks = -(-N // 256)
+    flags = group.flags.numel() // 4
+    # step 1 split+defer (main and deferred kernels), steps 2 and 3 split+select
+    assert launched == [(blocks,), (flags,), (blocks,), (blocks,)]
+    assert group.watch.fraction == 1.0
+
+
+def test_a_count_not_yet_on_the_host_keeps_the_mode(small_blocks):
+    """A count is read once its copy is done (on a GPU: an event); until then the group
+    keeps its mode and counts nothing more."""
+
+    class Pending:
+        done = False
+
+        def query(self):
+            return self.done
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
+    tx = ftopt.adam(1e-2, state_bits=8, skip_zeros=True)
+    state = tx.init(params)
+    grads = _grads(gen, 4, range(4))
+    params, state = ftopt.step(tx, params, grads[0], state, backend="fused", donate=True)
+    (group,) = plan_chain(tx).prepared.groups
+    event = Pending()
+    group.watch.pending = (event, group.watch.pending[1])
+    for g in grads[1:3]:
+        params, state = ftopt.step(tx, params, g, state, backend="fused", donate=True)
+        assert not group.selecting and not group.watch.sampling
+    event.done = True
+    params, state = ftopt.step(tx, params, grads[3], state, backend="fused", donate=True)
+    assert group.selecting and group.watch.fraction == 1.0
