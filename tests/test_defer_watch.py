@@ -134,3 +134,38 @@ def test_a_count_not_yet_on_the_host_keeps_the_mode(small_blocks):
     event.done = True
     params, state = ftopt.step(tx, params, grads[3], state, backend="fused", donate=True)
     assert group.selecting and group.watch.fraction == 1.0
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device")
+def test_a_captured_step_keeps_the_mode_of_the_moment(small_blocks):
+    """Under CUDA graph capture the watch neither queries its event nor counts: the
+    graph holds the launches of the mode the group ran before (here "split+select"), and
+    its replays write what uncaptured steps write."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
+    (g,) = _grads(gen, 1, range(1))
+    lr = torch.tensor(1e-2, device=DEVICE)  # (a captured step reads it from the device)
+    tx, tx_ref = (ftopt.adam(lr, state_bits=8, skip_zeros=True) for _ in range(2))
+    p, s = cloned(params), tx.init(params)
+    ref_p, ref_s = cloned(params), tx_ref.init(params)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # step 1 counts; its count is read once its copy is done
+            p, s = ftopt.step(tx, p, g, s, backend="fused", donate=True)
+        side.synchronize()
+        p, s = ftopt.step(tx, p, g, s, backend="fused", donate=True)  # (read by now)
+    torch.cuda.current_stream().wait_stream(side)
+    (group,) = plan_chain(tx).prepared.groups
+    assert group.selecting and group.watch.pending is None
+    steps = group.watch.steps
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ftopt.step(tx, p, g, s, backend="fused", donate=True)
+    assert group.watch.steps == steps and group.selecting
+    for _ in range(3):
+        graph.replay()
+    for _ in range(7):
+        ref_p, ref_s = ftopt.step(tx_ref, ref_p, g, ref_s, backend="fused", donate=True)
+    torch.cuda.synchronize()
+    assert same_bits((p, s), (ref_p, ref_s))

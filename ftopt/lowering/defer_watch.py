@@ -47,16 +47,17 @@ class DeferWatch:
         self._host: torch.Tensor | None = None
 
     def plan(self) -> bool:
-        """Before a step's launches: whether the group runs "split+select" this step."""
+        """Before a step's launches: whether the group runs "split+select" this step.
+        (While a CUDA graph is captured: the mode of the moment, no event queried.)"""
+        if _capturing(self.flags.device):
+            self.sampling = False
+            return self.select
         if self.pending is not None:
             event, count = self.pending
             if event is None or event.query():
                 self.pending = None
                 self.fraction = int(count) / max(self.blocks, 1)
                 self.select = self.fraction > tiles.DEFER_SELECT_ABOVE
-        if _capturing(self.flags.device):
-            self.sampling = False
-            return self.select
         self.steps += 1
         period = tiles.DEFER_PROBE if self.select else tiles.DEFER_PERIOD
         self.sampling = self.pending is None and self.steps % period == 1 % period
