@@ -1,12 +1,16 @@
-"""What the "split+defer" watch costs (``ftopt.lowering.defer_watch``), A/B in one process.
+"""What the skip_zeros watch costs and gains (``ftopt.lowering.defer_watch``), A/B in
+one process, per layout.
 
-GPT-2 8-bit Adam, donated steps (``gpu_step.median_step_ms``), dense gradients and 90% of
-the embedding's rows zero, in four rounds: no skip_zeros, skip_zeros with the watch off
-(``tiles.DEFER_SELECT_ABOVE = 2``: it never switches) and with it (the default). Prints
-each round and the medians.
+GPT-2 Adam on each layout of ``gpu_step.LAYOUTS`` (``--layouts=fp32,8-bit``: only those
+keys of ``tiles.SKIP_MODES``), donated steps (``gpu_step.median_step_ms``) with dense
+gradients, 90% of the embedding's rows zero ("sparse") and one gradient in 97 zero
+("mixed": every block part zero), in two rounds: no skip_zeros, skip_zeros without the
+watch (``tiles.WATCH = False``: each group keeps its mode and counts nothing) and with it
+(the default). Prints each round and the medians, writes ``OUT/watch_ab.json``.
 
-    python3 benchmarks/defer_watch_ab_gpu.py
+    python3 benchmarks/defer_watch_ab_gpu.py OUT [--layouts=...]
 """
+import json
 import pathlib
 import statistics
 import sys
@@ -18,30 +22,42 @@ import torch  # noqa: E402
 import ftopt  # noqa: E402
 from ftopt.lowering import launch, tiles  # noqa: E402
 
-VARIANTS = (("off", tiles.DEFER_SELECT_ABOVE, False),
-            ("split+defer, no watch", 2.0, True),
-            ("split+defer + watch", tiles.DEFER_SELECT_ABOVE, True))
+VARIANTS = (("off", True, False), ("no watch", False, True), ("watch", True, True))
+ONLY = [x for a in sys.argv[1:] if a.startswith("--layouts=")
+        for x in a.split("=", 1)[1].split(",")]
 
 
 def main() -> None:
     dev = torch.device("cuda")
     cfg = gpu_step.gpt2_tree_config(dev)
-    params, grads = gpu_step._tree(cfg, torch.float32, seed=21)
-    sparse, _ = gpu_step._sparse_wte(grads, cfg)
-    times: dict = {}
-    for rnd in range(4):
-        for name, above, skip in VARIANTS:
-            tiles.DEFER_SELECT_ABOVE = above
-            gpu_step._clear_lowering_caches()
-            launch._COMPILED.clear()
-            tx = ftopt.adam(1e-3, state_bits=8, skip_zeros=skip)
-            for kind, g in (("dense", grads), ("sparse", sparse)):
-                ms = gpu_step.median_step_ms(tx, params, g)
-                times.setdefault((name, kind), []).append(ms)
-                print(f"{rnd} {name:22s} {kind:6s} {ms:.4f} ms", flush=True)
-    for (name, kind), v in times.items():
-        print(f"{name:22s} {kind:6s} median {statistics.median(v):.4f} ms "
-              f"({', '.join(f'{x:.4f}' for x in v)})")
+    rows = []
+    for name, kw, _, params, grads in gpu_step.layout_trees(cfg, ONLY):
+        sparse, _ = gpu_step._sparse_wte(grads, cfg)
+        mixed = gpu_step._scattered_zeros(grads)
+        times: dict = {}
+        for rnd in range(2):
+            for variant, watch, skip in VARIANTS:
+                tiles.WATCH = watch
+                gpu_step._clear_lowering_caches()
+                launch._COMPILED.clear()
+                tx = ftopt.adam(1e-3, skip_zeros=skip, **kw)
+                for kind, g in (("dense", grads), ("sparse", sparse), ("mixed", mixed)):
+                    ms = gpu_step.median_step_ms(tx, params, g)
+                    times.setdefault((variant, kind), []).append(ms)
+                    print(f"{rnd} {name:30s} {variant:9s} {kind:6s} {ms:.4f} ms", flush=True)
+        for (variant, kind), v in times.items():
+            off = statistics.median(times[("off", kind)])
+            med = statistics.median(v)
+            rows.append(dict(layout=name, variant=variant, grads=kind, ms=v, median=med,
+                             vs_off=med / off))
+            print(f"{name:30s} {variant:9s} {kind:6s} median {med:.4f} ms "
+                  f"({(med / off - 1) * 100:+.1f}% of off)", flush=True)
+        del params, grads, sparse, mixed
+        torch.cuda.empty_cache()
+    tiles.WATCH = True
+    out = pathlib.Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "watch_ab.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

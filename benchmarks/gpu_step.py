@@ -77,7 +77,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -950,6 +950,22 @@ LAYOUTS = {
         param_dtype_states),
     "fp32 params, 8-bit states": (torch.float32, {"state_bits": 8}, bnb_8bit_states),
 }
+
+
+def layout_key(name: str, kw: dict) -> str:
+    """The key of ``ftopt.lowering.tiles.SKIP_MODES`` of a layout of :data:`LAYOUTS`."""
+    return ("8-bit" if "state_bits" in kw else "16-bit states" if "state_dtype" in kw
+            else "fp32" if name == "fp32" else "16-bit")
+
+
+def layout_trees(cfg: Config, only: list) -> Iterator[tuple]:
+    """(name, adam kwargs, key, params, grads) of each layout of :data:`LAYOUTS` whose
+    ``tiles.SKIP_MODES`` key (:func:`layout_key`) is in ``only`` (empty: every one): the
+    GPT-2 tree, seed 21, one layout at a time."""
+    for name, (dtype, kw, _) in LAYOUTS.items():
+        key = layout_key(name, kw)
+        if not only or key in only:
+            yield (name, kw, key, *_tree(cfg, dtype, seed=21))
 
 
 def section_layouts(cfg: Config, clk: Clock) -> dict:

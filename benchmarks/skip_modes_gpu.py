@@ -73,12 +73,7 @@ res = []
 for order in ORDERS:
     tiles.INTERLEAVE = order
     gpu_step._clear_lowering_caches()
-    for name, (dtype, kw, _) in gpu_step.LAYOUTS.items():
-        key = ("8-bit" if "state_bits" in kw else "16-bit states" if "state_dtype" in kw
-               else "fp32" if name == "fp32" else "16-bit")
-        if LAYOUTS and key not in LAYOUTS:
-            continue
-        params, grads = gpu_step._tree(cfg, dtype, seed=21)
+    for name, kw, key, params, grads in gpu_step.layout_trees(cfg, LAYOUTS):
         sparse, frac = gpu_step._sparse_wte(grads, cfg)
         moving, mixed = gpu_step._moving_wte(grads, cfg), gpu_step._scattered_zeros(grads)
         pairs = (("dense", grads), ("sparse", sparse), ("moving", moving), ("mixed", mixed))

@@ -9,7 +9,7 @@ import torch
 from step_checks import cloned, same_bits
 
 import ftopt
-from ftopt.lowering import launch, tiles
+from ftopt.lowering import launch, tiles, work
 from ftopt.lowering.plan import plan_chain
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,7 +52,7 @@ def _run(tx, params, state, grads: list, modes: list | None = None):
         params, state = ftopt.step(tx, params, g, state, backend="fused", donate=True)
         if modes is not None:
             (group,) = plan_chain(tx).prepared.groups
-            modes.append(group.selecting)
+            modes.append(group.watch.now)
     return params, state
 
 
@@ -130,10 +130,10 @@ def test_a_count_not_yet_on_the_host_keeps_the_mode(small_blocks):
     group.watch.pending = (event, group.watch.pending[1])
     for g in grads[1:3]:
         params, state = ftopt.step(tx, params, g, state, backend="fused", donate=True)
-        assert not group.selecting and not group.watch.sampling
+        assert not group.watch.now and not group.watch.sampling
     event.done = True
     params, state = ftopt.step(tx, params, grads[3], state, backend="fused", donate=True)
-    assert group.selecting and group.watch.fraction == 1.0
+    assert group.watch.now and group.watch.fraction == 1.0
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device")
@@ -157,15 +157,68 @@ def test_a_captured_step_keeps_the_mode_of_the_moment(small_blocks):
         p, s = ftopt.step(tx, p, g, s, backend="fused", donate=True)  # (read by now)
     torch.cuda.current_stream().wait_stream(side)
     (group,) = plan_chain(tx).prepared.groups
-    assert group.selecting and group.watch.pending is None
+    assert group.watch.now and group.watch.pending is None
     steps = group.watch.steps
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ftopt.step(tx, p, g, s, backend="fused", donate=True)
-    assert group.watch.steps == steps and group.selecting
+    assert group.watch.steps == steps and group.watch.now
     for _ in range(3):
         graph.replay()
     for _ in range(7):
         ref_p, ref_s = ftopt.step(tx_ref, ref_p, g, ref_s, backend="fused", donate=True)
     torch.cuda.synchronize()
     assert same_bits((p, s), (ref_p, ref_s))
+
+
+LAYOUTS = {"fp32": (torch.float32, {}, "fp32"),
+           "bf16 params": (torch.bfloat16, {}, "16-bit"),
+           "bf16 states": (torch.bfloat16, {"state_dtype": torch.bfloat16}, "16-bit states")}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_split_in_place_runs_select_while_most_blocks_are_part_zero(layout, monkeypatch):
+    """A "split+in_place" group (fp32 and 16-bit layouts) flags its programs with some
+    zero gradients (1) and with only zeros (2) and runs "select" while most blocks are
+    part zero and few all zero; whole zero blocks keep it on "split+in_place" (they are
+    what it skips). The same bytes as the group that never switches and as "select"."""
+    dtype, kw, key = LAYOUTS[layout]
+    monkeypatch.setitem(tiles.SKIP_MODES, key, "split+in_place")
+    for name, value in (("IN_PLACE_TILE", (256, 4)), ("IN_PLACE_TILES", {}), ("BLOCK", 256),
+                        ("SPANS", {}), ("DEFER_PERIOD", 2), ("DEFER_PROBE", 4)):
+        monkeypatch.setattr(tiles, name, value)
+    for cache in (launch._constants_cached, launch._kernel, work.work_table):
+        cache.cache_clear()
+    try:
+        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+        params = {"w": torch.randn(N, generator=gen).to(DEVICE, dtype)}
+        grads = [{"w": g["w"].to(dtype)} for g in _grads(gen, 12, range(0, 6))]
+        tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+        state = tx.init(params)
+        modes: list = []
+        watched = _run(tx, params, state, grads, modes)
+        (group,) = plan_chain(tx).prepared.groups
+        assert group.traced.in_place and not group.deferring
+        assert group.alternate is not None and not group.alternate.split
+        assert modes == [False, True, True, True, False, True, True, True, False, False,
+                         False, False]
+        assert group.watch.fraction == 0.0 and group.watch.zero_fraction == 2 / 41
+        flags = torch.zeros(41, dtype=torch.uint8)
+        flags[2:4] = 2  # step 12's whole zero blocks (the tail runs its own body)
+        assert torch.equal(group.flags[:41].cpu(), flags)
+        # Only the steps that count run the kernel that sets flags (step 12 did not).
+        assert not group.counting and not group.variant([0.0]).count_flags
+        group.counting = True
+        assert group.variant([0.0]).count_flags
+        group.counting = False
+        monkeypatch.setattr(tiles, "SPLIT_SELECT_ABOVE", 1e9)
+        never: list = []
+        assert same_bits(watched, _run(ftopt.adam(1e-2, skip_zeros=True, **kw), params,
+                                       state, grads, never))
+        assert not any(never)  # (the control: it never switched)
+        monkeypatch.setitem(tiles.SKIP_MODES, key, "select")
+        assert same_bits(watched, _run(ftopt.adam(1e-2, skip_zeros=True, **kw), params,
+                                       state, grads))
+    finally:
+        for cache in (launch._constants_cached, launch._kernel, work.work_table):
+            cache.cache_clear()

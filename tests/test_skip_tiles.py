@@ -107,7 +107,9 @@ def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     chunks = tiles.CHUNK_LANES if mode == "chunks" and key != "8-bit" else 0
     assert [g.chunk_lanes for g in groups] == [chunks] * len(groups)
     assert [g.split for g in groups] == ["split" in mode] * len(groups)
-    assert [g.flags is not None for g in groups] == [mode == "split+defer"] * len(groups)
+    # (a "split" group's flags: the blocks deferred, or counted for its watch)
+    assert [g.flags is not None for g in groups] == ["split" in mode] * len(groups)
+    assert [g.deferring for g in groups] == [mode == "split+defer"] * len(groups)
     assert not torch.equal(full[0]["w"][:10], params["w"][:10])
     assert torch.equal(full[0]["w"][tile:2 * tile], params["w"][tile:2 * tile])
 

@@ -177,6 +177,9 @@ class Variant:
     # A "split" main kernel's blocks a program (tiles.SPANS): it checks the gradients of
     # all of them at once, then runs each (ftopt.lowering.split.spanned).
     span: int = 1
+    # A "split" main kernel (not "split+defer") that flags its programs with some zero
+    # gradients (1) and with only zeros (2), for ftopt.lowering.defer_watch.
+    count_flags: bool = False
 
 
 def _fast_math(line: str) -> str:
@@ -303,13 +306,14 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
         dense = replace(variant, skip_stores=False, split=False, dense=True)
         bodies[0] = split.split_on_zeros(bodies[0], _body_and_stores(
             traced, nodes, stores, lanes.masks(traced, False), dense, dtypes, False),
-            bool(variant.defer))
+            bool(variant.defer), variant.count_flags)
         if variant.defer:
             bodies[1] = split.deferred_tail()
     count_args, count_lines = _count_lines(traced)
     prelude = _prelude(roles, dtypes, variant)
     if variant.span > 1:
-        body = split.spanned(prelude, *bodies, variant.span, dtypes["g"], variant.defer)
+        body = split.spanned(prelude, *bodies, variant.span, dtypes["g"],
+                             0 if variant.defer else 2 if variant.count_flags else None)
         prelude = prelude[:1]
     else:
         body = (split.deferred_blocks if variant.defer == 2 else _split_blocks)(*bodies)
@@ -326,7 +330,8 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     lines = (split.deferred(prelude, body) if variant.defer == 2
              else prelude + count_lines + body)
     running_args = [f"{role}_ptr" for role, _ in traced.running_stores]
-    sig = _signature(roles, count_args + running_args + ["flags_ptr"] * bool(variant.defer),
+    flags = ["flags_ptr"] * bool(variant.defer or variant.count_flags)
+    sig = _signature(roles, count_args + running_args + flags,
                      len(traced.graph.scalars), variant, ("COUNT",))
     return _kernel("ftopt_main", sig, lines, helpers)
 

@@ -1,24 +1,34 @@
-"""Which main kernels a "split+defer" group runs, from how many blocks it deferred.
+"""Which kernels a "split" skip_zeros group runs, from how many of its blocks have zeros.
 
-A "split+defer" step (:mod:`ftopt.lowering.split`) runs the blocks without zero
-gradients in its main kernel and flags those with some zeros for a second launch. That is
-the fastest skip_zeros step while few blocks have some zero gradients, and the slowest
-where many do: gradients with scattered zeros (a layer after dead ReLU units, pruned
-weights) defer nearly every block, and the second launch runs them a program of
-:data:`tiles.DEFER_FLAGS` blocks at a time. "split+select" runs such blocks in the main
-kernel, with the select body beside the plain one (more registers: slower where no block
-has zeros). H200, GPT-2 8-bit Adam (``benchmarks/RESULTS.md``): with a zero in a fraction
-``f`` of the blocks, split+defer 0.627 + 0.41 f ms, split+select 0.645 + ~0.05 f: the
-same time at f ~ 0.04.
+A "split" step (:mod:`ftopt.lowering.split`) runs the plain body in a program with no
+zero gradient, nothing in one with only zeros, and in one with some zeros the select or
+in-place body ("split+select", "split+in_place") or a flag for a second launch
+("split+defer"). That is the fastest skip_zeros step while few blocks have some zero
+gradients, and not where many do: gradients with scattered zeros (a layer after dead ReLU
+units, pruned weights) put nearly every block on the slow branch. H200, GPT-2 Adam
+(``benchmarks/RESULTS.md``), every block part zero, against no skip_zeros: 8-bit
+split+defer +67% (split+select +15%: with a zero in a fraction ``f`` of the blocks,
+split+defer 0.627 + 0.41 f ms, split+select 0.645 + ~0.05 f, the same at f ~ 0.04); fp32
+split+in_place +7.5% (select +2.9%), bf16 params +10..12% (+4%), bf16 states +13%
+(+2.5%), stochastic rounding +18% (+8%). Where the blocks are all zero instead (an
+embedding's unused rows) the split modes gain 1.14-1.31x, which select does not.
 
-So a group keeps a :class:`DeferWatch`. Every :data:`tiles.DEFER_PERIOD` steps (the first
-step too) it counts the flags the step set (a count of the flag bytes on the device,
-copied to the host without waiting; read at a later step, once it is there), and while
-more than :data:`tiles.DEFER_SELECT_ABOVE` of the group's blocks were deferred, the group
-runs "split+select"; then one step in :data:`tiles.DEFER_PROBE` runs "split+defer" again
-to count them. Both kernels write the same bytes (the same skip_zeros semantics, the same
-math): only the time differs. While a CUDA graph is being captured nothing is counted
-and nothing switches (the captured launches are those of the mode of the moment).
+So each such group keeps a :class:`DeferWatch` and an alternate group (the same leaves in
+"split+select" for split+defer, in "select" for the others:
+:func:`ftopt.lowering.groups.build_group`). Every :data:`tiles.DEFER_PERIOD` steps (the
+first step too) it counts the step's flags: split+defer's, which its main kernel writes
+every step (1: deferred); the others' from a variant of their kernel that the counting
+steps alone run (1: some zeros, 2: only zeros; the flags cleared before), since the
+stores cost the plain kernel up to 3% (bf16 params). The count is taken on the device and
+copied to the host without waiting, read at a later step once it is there. The group
+runs its alternate while more than :data:`tiles.DEFER_SELECT_ABOVE` of its blocks were
+deferred (split+defer), or while ``f - SPLIT_ZERO_WEIGHT * z`` exceeds
+:data:`tiles.SPLIT_SELECT_ABOVE` (the others; ``f``, ``z``: the fractions of blocks with
+some and with only zeros); then one step in :data:`tiles.DEFER_PROBE` runs the split mode
+again to count. Every mode writes the same bytes (the same skip_zeros semantics, the same
+math): only the time differs. While a CUDA graph is being captured nothing is counted and
+nothing switches (the captured launches are those of the mode of the moment).
+``FTOPT_SKIP_WATCH=0`` turns the watch off.
 """
 
 from __future__ import annotations
@@ -33,48 +43,68 @@ def _capturing(device: torch.device) -> bool:
 
 
 class DeferWatch:
-    """The mode of one "split+defer" group: :meth:`plan` before its launches,
-    :meth:`after` after them."""
+    """The mode of one "split" group: :meth:`plan` before its launches (whether it runs
+    its alternate), :meth:`after` after them."""
 
-    def __init__(self, flags: torch.Tensor, blocks: int):
+    def __init__(self, flags: torch.Tensor, blocks: int, deferring: bool):
         self.flags = flags  # one byte a main program (ftopt.lowering.split)
         self.blocks = blocks  # main programs (the flags past them stay zero)
-        self.select = False  # the group runs "split+select"
-        self.fraction: float | None = None  # deferred blocks / blocks, last counted
+        self.deferring = deferring  # "split+defer" (else its flags only count)
+        self.other = False  # the group runs its alternate (but in the steps that count)
+        self.now = False  # ... this step
+        # Blocks with some zero gradients (deferred) and with only zeros, over all
+        # blocks, as last counted (only zeros: counted where not deferring).
+        self.fraction: float | None = None
+        self.zero_fraction: float | None = None
         self.steps = 0
         self.sampling = False  # this step's flags are counted after its launches
-        self.pending: tuple | None = None  # (event or None, count) not yet read
+        self.pending: tuple | None = None  # (event or None, counts) not yet read
         self._host: torch.Tensor | None = None
 
     def plan(self) -> bool:
-        """Before a step's launches: whether the group runs "split+select" this step.
+        """Before a step's launches: whether the group runs its alternate this step.
         (While a CUDA graph is captured: the mode of the moment, no event queried.)"""
         if _capturing(self.flags.device):
             self.sampling = False
-            return self.select
+            self.now = self.other
+            return self.now
         if self.pending is not None:
-            event, count = self.pending
+            event, counts = self.pending
             if event is None or event.query():
                 self.pending = None
-                self.fraction = int(count) / max(self.blocks, 1)
-                self.select = self.fraction > tiles.DEFER_SELECT_ABOVE
+                self._decide(*(int(c) for c in counts))
         self.steps += 1
-        period = tiles.DEFER_PROBE if self.select else tiles.DEFER_PERIOD
+        period = tiles.DEFER_PROBE if self.other else tiles.DEFER_PERIOD
         self.sampling = self.pending is None and self.steps % period == 1 % period
-        return self.select and not self.sampling
+        if self.sampling and not self.deferring:
+            self.flags.zero_()  # (its programs without zeros write no flag)
+        self.now = self.other and not self.sampling
+        return self.now
+
+    def _decide(self, nonzero: int, total: int) -> None:
+        """From the count of set flags and their sum (1 some zeros, 2 only zeros)."""
+        zeros = total - nonzero
+        blocks = max(self.blocks, 1)
+        self.fraction, self.zero_fraction = (nonzero - zeros) / blocks, zeros / blocks
+        if self.deferring:
+            self.other = self.fraction > tiles.DEFER_SELECT_ABOVE
+        else:
+            self.other = (self.fraction - tiles.SPLIT_ZERO_WEIGHT * self.zero_fraction
+                          > tiles.SPLIT_SELECT_ABOVE)
 
     def after(self) -> None:
         """After a step's launches: count the flags of a sampled step."""
         if not self.sampling:
             return
         self.sampling = False
-        count = torch.count_nonzero(self.flags)
+        counts = torch.stack([torch.count_nonzero(self.flags),
+                              self.flags.sum(dtype=torch.int64)])
         if self.flags.device.type == "cpu":
-            self.pending = (None, count)
+            self.pending = (None, counts)
             return
         if self._host is None:
-            self._host = torch.empty((), dtype=torch.int64, pin_memory=True)
-        self._host.copy_(count, non_blocking=True)
+            self._host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        self._host.copy_(counts, non_blocking=True)
         event = torch.Event(self.flags.device.type)
         event.record()
         self.pending = (event, self._host)

@@ -20,12 +20,11 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
-from ftopt.lowering import branches, checks, launch, leaf_slots, quant_tables, tiles, work
-from ftopt.lowering import split as split_kernels
+from ftopt.lowering import branches, checks, launch, leaf_slots
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.counts import advance_counts, advance_running, counts_on, increment
-from ftopt.lowering.defer_watch import DeferWatch
 from ftopt.lowering.flat import dict_list_getter, flat_dict_getter, flat_dict_leaves
+from ftopt.lowering.groups import build_group, group_roles
 from ftopt.lowering.plan import ChainPlan, planned_states
 from ftopt.lowering.scalars import host_hparams, kernel_scalars
 from ftopt.rules import QuantizedSlot
@@ -78,62 +77,15 @@ class PreparedStep:
             key = (p_flat[i].dtype, g_flat[i].dtype, _quant_block(plan, slot_flat, i),
                    _slot_dtypes(traced, slot_flat, i))
             by_key.setdefault(key, []).append(i)
-        for (p_dtype, g_dtype, quant_block, slot_dtypes), leaves in by_key.items():
-            # How zero gradients are skipped: per layout (tiles.skip_mode).
-            in_place, skip_tiles, skip_stores, chunks, split, defer = tiles.skip_mode(
-                p_dtype, quant_block, slot_dtypes)
-            group_traced = plan.traced(donate, output, skip_lanes=in_place)
-            table_args = (tuple(p_flat[i].numel() for i in leaves),
-                          tiles.tile(group_traced, quant_block, tiles.layout(
-                              p_dtype, quant_block, slot_dtypes))[0],
-                          bool(group_traced.leaf_slots or group_traced.running_stores),
-                          tiles.INTERLEAVE)
-            table = work.work_table(table_args[0], self.device, *table_args[1:])
-            group = launch.GroupLaunch(p_dtype, g_dtype, leaves, table,
-                                       paths=[paths[i] for i in leaves])
-            group.traced = group_traced
-            group.quant_block = quant_block
-            group.slot_dtypes = slot_dtypes
-            group.fast_math = tiles.fast_math(p_dtype, quant_block, slot_dtypes)
-            # Donated, every stage skip-aware: an all-zero tile changes nothing (8-bit:
-            # its blocks keep their bytes), so its program may return at once.
-            # (skip_stores not with per-leaf slots: the leaf's first program stores its
-            # value; tiles and split not with running scalars either: tiles.
-            # may_return_early.)
-            group.skip_tiles = bool(skip_tiles and donate and output == "p"
-                                    and traced.skips and all(traced.skips)
-                                    and tiles.may_return_early(traced))
-            group.skip_stores = bool(skip_stores and donate and output == "p"
-                                     and traced.skips and all(traced.skips)
-                                     and not traced.leaf_slots)
-            if chunks and donate and output == "p" and traced.skips and all(traced.skips):
-                group.chunk_lanes = tiles.chunk_lanes(group_traced)
-            group.split = bool(split and donate
-                               and output == "p" and traced.skips and all(traced.skips)
-                               and tiles.may_return_early(traced)
-                               and not (group.chunk_lanes or group.skip_tiles))
-            if group.split and tiles.SPANS.get(group.kind, 1) > 1:
-                group.span = tiles.SPANS[group.kind]
-                group.work = work.work_table(table_args[0], self.device, *table_args[1:],
-                                             group.span)
-            if group.split and defer and not group_traced.in_place:
-                # (one a block of the main kernel's table, its padding to whole spans too)
-                group.flags = torch.zeros(split_kernels.flag_count(len(group.work.main_leaf)),
-                                          dtype=torch.uint8, device=self.device)
-                group.watch = DeferWatch(group.flags, len(group.work.main_leaf))
-            if quant_block:
-                group.qmaps = (quant_tables.table(True, self.device),
-                               quant_tables.table(False, self.device))
-            roles = _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
-                                 x_flat)
-            group.addresses = {r: _addresses(ts, self.device) for r, ts in roles.items()}
-            group.aligned = all(t.data_ptr() % 16 == 0 for ts in roles.values() for t in ts
-                                if t is not None)
+        for key, leaves in by_key.items():
+            roles = group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
+                                x_flat)
             rows = [selection.row(traced.graph.leaf_values, leaf) for leaf in leaves
                     ] or [[0.0]]
-            group.leaf_values = torch.tensor(rows, dtype=torch.float32).reshape(-1).to(
-                self.device)
-            self.groups.append(group)
+            leaf_values = torch.tensor(rows, dtype=torch.float32).reshape(-1).to(self.device)
+            self.groups.append(build_group(plan, traced, donate, output, key, leaves,
+                                           [paths[i] for i in leaves], roles, leaf_values,
+                                           self.device))
         self.n_leaves = len(g_flat)
         self.inactive = [i for i in range(len(g_flat)) if g_flat[i] is None]
         self.active_of = operator.itemgetter(*active) if self.inactive else None
@@ -149,7 +101,7 @@ class PreparedStep:
         # launch.bind_main.
         self._bound: tuple | None = None
         # The bound launches of each mode of the groups with a DeferWatch (one a mode:
-        # a group that switches keeps both).
+        # a group that switches to its alternate keeps both).
         self._bound_by: dict[tuple, tuple] = {}
         self.watched = [group for group in self.groups if group.watch is not None]
 
@@ -245,6 +197,8 @@ class PreparedStep:
         for group, addresses in uploads:
             group.addresses["g"] = launch.to_device(addresses, self.device)
             group.grad_addresses = addresses
+            if group.alternate is not None:
+                group.alternate.addresses["g"] = group.addresses["g"]
         if uploads:
             for bound in self._bound_by.values():
                 for b in bound[2]:
@@ -256,11 +210,15 @@ class PreparedStep:
         """``running``: where the kernels store the running scalars the bodies compute
         (:func:`running_targets`)."""
         traced = self.traced
-        modes = ()
+        modes, groups = (), self.groups
         if self.watched:
+            # (each watched group, or its alternate: ftopt.lowering.defer_watch)
             for group in self.watched:
-                group.selecting = group.watch.plan()
-            modes = tuple([group.selecting for group in self.watched])
+                group.watch.plan()
+                group.counting = group.watch.sampling and not group.deferring
+            modes = tuple([(group.watch.now, group.counting) for group in self.watched])
+            groups = [group.alternate if group.watch and group.watch.now else group
+                      for group in self.groups]
         bound = self._bound_by.get(modes)
         pairs = [*count_pairs, *running]
         if (bound is not None and bound[0] == isinstance(scalars, list)
@@ -278,16 +236,16 @@ class PreparedStep:
                     group.watch.after()
             return
         with launch.device_guard(self.device):
-            leaf_bufs, global_buf = launch.run_reductions(traced, self.groups, scalars,
+            leaf_bufs, global_buf = launch.run_reductions(traced, groups, scalars,
                                                           self.device)
-            if not launch.run_main(traced, self.groups, scalars, leaf_bufs, global_buf,
+            if not launch.run_main(traced, groups, scalars, leaf_bufs, global_buf,
                                    count_pairs, self.device, running):
                 increment(count_pairs)
             self._copy_back()
             for group in self.watched:
                 group.watch.after()
         if self.donate:
-            launches = launch.bind_main(traced, self.groups, scalars, count_pairs,
+            launches = launch.bind_main(traced, groups, scalars, count_pairs,
                                         self.device, running)
             self._bound = (None if not launches else
                            (isinstance(scalars, list), pairs, launches,
@@ -336,31 +294,6 @@ def _slot_dtypes(traced, slot_flat, i: int) -> tuple:
             out.append((f"st{stage_i}_{name}", dtype))
     return tuple(out)
 
-
-def _group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
-                 x_flat=None) -> dict:
-    """Role -> the tensors of the group's leaves (8-bit slots: codes and absmax)."""
-    roles = {"g": [g_flat[i] for i in leaves], "p": [p_flat[i] for i in leaves],
-             f"{traced.output}_out": [p_out[i] for i in leaves]}
-    if traced.seeded:
-        roles["x"] = [x_flat[i] for i in leaves]
-    for stage_i, name in traced.slot_roles:
-        for io, source in (("in", slot_flat), ("out", slot_out)):
-            # (None: the leaf has no state at this position, which its flag leaves out.)
-            items = [source[stage_i][name][i] for i in leaves]
-            if any(isinstance(q, QuantizedSlot) for q in items):
-                roles[f"st{stage_i}_{name}_amax_{io}"] = [
-                    None if q is None else q.absmax for q in items]
-                items = [None if q is None else q.codes for q in items]
-            roles[f"st{stage_i}_{name}_{io}"] = items
-    return roles
-
-
-def _addresses(tensors, device) -> torch.Tensor:
-    """The tensors' addresses; 0 for ``None`` (a slot the leaf's flag keeps the kernel
-    from reading or writing)."""
-    checks.refuse_dtensors([t for t in tensors if t is not None])
-    return launch.to_device([0 if t is None else t.data_ptr() for t in tensors], device)
 
 def _empty_like(leaf):
     if isinstance(leaf, QuantizedSlot):

@@ -217,6 +217,10 @@ def _skip_line(mode: str, used: str, layout: str) -> str:
                  "leaves' last blocks, or 'split+select' while more than "
                  f"{tiles.DEFER_SELECT_ABOVE:g} of the blocks have some (counted every "
                  f"{tiles.DEFER_PERIOD} steps: ftopt.lowering.defer_watch)")
+    elif "split" in used and tiles.WATCH:
+        text += ("; 'select' while most blocks have some zero gradients and few only "
+                 f"zeros (counted every {tiles.DEFER_PERIOD} steps: "
+                 "ftopt.lowering.defer_watch)")
     return text
 
 

@@ -102,10 +102,13 @@ class GroupLaunch:
     # "split+defer": programs with some zero gradients run in a second launch, which
     # reads their flags here (ftopt.lowering.split; one byte a main program).
     flags: torch.Tensor | None = None
-    # Whether this step runs "split+select" in place of "split+defer"
-    # (ftopt.lowering.defer_watch, which the group's watch sets).
-    selecting: bool = False
+    # "split+defer" (deferring: the second launch runs the flagged blocks), or another
+    # "split" mode whose flags count its blocks with some (1) and only (2) zero
+    # gradients (ftopt.lowering.defer_watch); the watch and the group it runs instead.
+    deferring: bool = False
+    counting: bool = False  # (not deferring) this step's kernel sets the flags
     watch: object = None
+    alternate: GroupLaunch | None = None
     span: int = 1  # blocks a program of a "split" main kernel runs (codegen.Variant)
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
@@ -126,12 +129,13 @@ class GroupLaunch:
 
     def variant(self, scalars, deferred: bool = False) -> codegen.Variant:
         """The main kernel's variant (``deferred``: the deferred kernel's)."""
-        defer = 0 if self.flags is None or self.selecting else 1 + deferred
+        defer = 1 + deferred if self.flags is not None and self.deferring else 0
         return _variant(self.p_dtype, self.g_dtype, self.aligned, isinstance(scalars, list),
                         self.quant_block, self.slot_dtypes, self.skip_tiles and SKIP_TILES,
                         quantized.ENCODER if self.quant_block else "arithmetic",
                         self.skip_stores, self.fast_math, self.chunk_lanes, self.split,
-                        defer, 1 if deferred else self.span)
+                        defer, 1 if deferred else self.span,
+                        self.counting)
 
     def kernels(self, scalars, counted: bool) -> list[tuple]:
         """(kernel, grid, constants, trailing arguments) of each main launch of this
@@ -141,7 +145,7 @@ class GroupLaunch:
         out = [(_kernel(self.traced, "main", 0, variant), (-(-w.num_blocks // self.span),),
                 _constants_cached(self.traced, self.quant_block, not counted, variant.defer,
                                   self.kind),
-                [] if variant.defer == 0 else [self.flags])]
+                [self.flags] if variant.defer or variant.count_flags else [])]
         if variant.defer:
             out.append((_kernel(self.traced, "main", 0, self.variant(scalars, True)),
                         (self.flags.numel() // tiles.DEFER_FLAGS,),
@@ -183,10 +187,11 @@ def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool, quant_block: in
              slot_dtypes: tuple = (), skip_tiles: bool = False,
              encoder: str = "arithmetic", skip_stores: bool = False,
              fast_math: bool = False, chunk_lanes: int = 0,
-             split: bool = False, defer: int = 0, span: int = 1) -> codegen.Variant:
+             split: bool = False, defer: int = 0, span: int = 1,
+             count_flags: bool = False) -> codegen.Variant:
     return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block, slot_dtypes,
                            skip_tiles, encoder, skip_stores, fast_math, chunk_lanes, split,
-                           defer, span=span)
+                           defer, span=span, count_flags=count_flags)
 
 
 @lru_cache(maxsize=256)

@@ -33,17 +33,21 @@ _NO_ZEROS = {"zero = g == 0.0": "zero = tl.full([BLOCK], 0, tl.int1)",
 
 # The main kernel's flag of a program the deferred kernel runs.
 _FLAG = "tl.store(flags_ptr + pid, ({}).to(tl.uint8))"
+# The flag of a "split" program that counts (1: some zero gradients, 2: all zero).
+_COUNT = "tl.store(flags_ptr + pid, tl.full([], {}, tl.uint8))"
 
 
 def _indent(lines: list[str], depth: int = 1) -> list[str]:
     return ["    " * depth + x for x in lines]
 
 
-def split_on_zeros(body: list[str], dense: list[str], defer: bool = False) -> list[str]:
+def split_on_zeros(body: list[str], dense: list[str], defer: bool = False,
+                   count: bool = False) -> list[str]:
     """A full block's code of a "split" kernel: after the gradient's load, ``dense`` (the
     same body with the skip masks constant, no gating of stores) where every gradient is
     non-zero, ``body`` where some are (``defer``: a flag for the deferred kernel in its
-    place), nothing where all are zero.
+    place), nothing where all are zero (``count``: flags 1 where some are, 2 where all
+    are, for :mod:`ftopt.lowering.defer_watch`).
 
     8-bit slots are loaded and decoded before the check (:func:`quantized.hoisted`): a
     program would otherwise wait for its gradients before it starts the loads its math
@@ -60,7 +64,8 @@ def split_on_zeros(body: list[str], dense: list[str], defer: bool = False) -> li
         return (head + [_FLAG.format("(live_lanes > 0) & (live_lanes < BLOCK)"),
                         "if live_lanes == BLOCK:"] + _indent(dense))
     return (head + ["if live_lanes == BLOCK:"] + _indent(dense)
-            + ["elif live_lanes > 0:"] + _indent(rest))
+            + ["elif live_lanes > 0:"] + _indent([_COUNT.format(1)] * count + rest)
+            + ["else:", "    " + _COUNT.format(2)] * count)
 
 
 def deferred_tail() -> list[str]:
@@ -97,12 +102,13 @@ def flag_count(num_blocks: int) -> int:
 
 
 def spanned(prelude: list[str], full: list[str], tail: list[str], span: int,
-            g_dtype: str, flags: bool = False) -> list[str]:
+            g_dtype: str, zero_flag: int | None = None) -> list[str]:
     """The code of a "split" main kernel whose program runs ``span`` consecutive blocks
     of its work table (:data:`tiles.SPANS`; the table padded with empty blocks to whole
     spans: :func:`ftopt.lowering.work.work_table`): the gradients of all of them are
-    loaded at once, and the program ends where every one is zero (``flags``, a
-    "split+defer" main kernel: after clearing its blocks' flags); else each block in turn
+    loaded at once, and the program ends where every one is zero (after setting its
+    blocks' flags to ``zero_flag``, where given: 0 in a "split+defer" main kernel, 2 in
+    one that counts them); else each block in turn
     runs as the program of one block would (``prelude``, the main kernel's from its
     ``pid``, then its full or tail block; its gradients again, from the cache).
 
@@ -128,5 +134,5 @@ def spanned(prelude: list[str], full: list[str], tail: list[str], span: int,
             + ["        if start + BLOCK <= n:"] + _indent(full, 3)
             + ["        if (start + BLOCK > n) & (start < n):",
                "            in_range = offs < n"] + _indent(tail, 3)
-            + ["else:",
-               f"    tl.store(flags_ptr + span_blocks, tl.zeros([{span}], tl.uint8))"] * flags)
+            + ["else:", f"    tl.store(flags_ptr + span_blocks, "
+               f"tl.full([{span}], {zero_flag or 0}, tl.uint8))"] * (zero_flag is not None))

@@ -111,6 +111,21 @@ DEFER_FLAGS = int(os.environ.get("FTOPT_DEFER_FLAGS", "32"))
 DEFER_SELECT_ABOVE = float(os.environ.get("FTOPT_DEFER_SELECT_ABOVE", "0.04"))
 DEFER_PERIOD = int(os.environ.get("FTOPT_DEFER_PERIOD", "16"))
 DEFER_PROBE = int(os.environ.get("FTOPT_DEFER_PROBE", "64"))
+# Another "split" group (fp32 and 16-bit layouts: "split+in_place") runs "select" while
+# f - SPLIT_ZERO_WEIGHT * z > SPLIT_SELECT_ABOVE, f the fraction of its blocks with some
+# zero gradients and z of those with only zeros, counted as above. H200, GPT-2 Adam
+# (skipmodes_h200_modes_mixed.json), against no skip_zeros with dense gradients / 90% of
+# the embedding's rows zero (z ~ 0.28) / every block part zero (f = 1):
+# split+in_place fp32 -0.4% / 1.27x / +7.5%, bf16 params +1.5% / 1.30x / +11.5%, bf16
+# states +3.3% / 1.17x / +13.6%, stochastic rounding +6.9% / 1.15x / +17.6%; select
+# +1.1% / +2.4% / +2.9%, +3.8% / +3.8% / +4.0%, +1.8% / +1.9% / +2.5%, +8.1% / +8.2% /
+# +8.1%: select costs split+in_place ~0.1 f - 0.75 z + ~0.02 less (the weight 7.5 and
+# threshold 0.2). FTOPT_SPLIT_SELECT_ABOVE (large: never) and FTOPT_SPLIT_ZERO_WEIGHT
+# override them.
+# FTOPT_SKIP_WATCH=0: no watch (every "split" group keeps its mode, counts nothing).
+WATCH = os.environ.get("FTOPT_SKIP_WATCH", "1") != "0"
+SPLIT_SELECT_ABOVE = float(os.environ.get("FTOPT_SPLIT_SELECT_ABOVE", "0.2"))
+SPLIT_ZERO_WEIGHT = float(os.environ.get("FTOPT_SPLIT_ZERO_WEIGHT", "7.5"))
 
 
 def quant_maxnreg(traced, defer: int = 0) -> int:

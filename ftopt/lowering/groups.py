@@ -1,0 +1,103 @@
+"""The kernel groups of a prepared step: one per (param dtype, gradient dtype, 8-bit
+block, 16-bit slots) of its leaves, each with its tables, addresses and skip_zeros mode.
+
+A donated skip_zeros group of a "split" mode also gets a :class:`~ftopt.lowering.
+defer_watch.DeferWatch` and an *alternate*: the same leaves in the mode that the watch
+runs instead while the gradients have many blocks part zero ("split+defer": its
+"split+select"; another "split" mode: "select").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ftopt.lowering import checks, launch, quant_tables, tiles, work
+from ftopt.lowering import split as split_kernels
+from ftopt.lowering.defer_watch import DeferWatch
+from ftopt.rules import QuantizedSlot
+
+# (in place, skip tiles, skip stores, chunks, split, defer): tiles.skip_mode's order
+_SELECT = (False, False, False, False, False, False)
+_SPLIT_SELECT = (False, False, False, False, True, False)
+
+
+def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: list,
+                paths: list, roles: dict, leaf_values: torch.Tensor, device,
+                mode: tuple | None = None, watched: bool = True) -> launch.GroupLaunch:
+    """The group of ``leaves`` (``key``: p dtype, g dtype, 8-bit block, 16-bit slots;
+    ``roles``: role -> the leaves' tensors) in ``mode`` (:func:`tiles.skip_mode`'s tuple;
+    ``None``: the layout's), with its alternate where ``watched``."""
+    p_dtype, g_dtype, quant_block, slot_dtypes = key
+    watched = watched and tiles.WATCH
+    in_place, skip_tiles, skip_stores, chunks, split, defer = (
+        mode or tiles.skip_mode(p_dtype, quant_block, slot_dtypes))
+    group_traced = plan.traced(donate, output, skip_lanes=in_place)
+    kind = tiles.layout(p_dtype, quant_block, slot_dtypes)
+    table_args = (tuple(roles["p"][j].numel() for j in range(len(leaves))),
+                  tiles.tile(group_traced, quant_block, kind)[0],
+                  bool(group_traced.leaf_slots or group_traced.running_stores),
+                  tiles.INTERLEAVE)
+    group = launch.GroupLaunch(p_dtype, g_dtype, leaves,
+                               work.work_table(table_args[0], device, *table_args[1:]),
+                               paths=paths)
+    group.traced = group_traced
+    group.quant_block = quant_block
+    group.slot_dtypes = slot_dtypes
+    group.fast_math = tiles.fast_math(p_dtype, quant_block, slot_dtypes)
+    # Donated, every stage skip-aware: an all-zero tile changes nothing (8-bit: its blocks
+    # keep their bytes), so its program may return at once. (skip_stores not with per-leaf
+    # slots: the leaf's first program stores its value; tiles and split not with running
+    # scalars either: tiles.may_return_early.)
+    skipping = donate and output == "p" and traced.skips and all(traced.skips)
+    group.skip_tiles = bool(skip_tiles and skipping and tiles.may_return_early(traced))
+    group.skip_stores = bool(skip_stores and skipping and not traced.leaf_slots)
+    if chunks and skipping:
+        group.chunk_lanes = tiles.chunk_lanes(group_traced)
+    group.split = bool(split and skipping and tiles.may_return_early(traced)
+                       and not (group.chunk_lanes or group.skip_tiles))
+    if group.split and tiles.SPANS.get(group.kind, 1) > 1:
+        group.span = tiles.SPANS[group.kind]
+        group.work = work.work_table(table_args[0], device, *table_args[1:], group.span)
+    if group.split and (watched or (defer and not group_traced.in_place)):
+        # (one a block of the main kernel's table, its padding to whole spans too)
+        group.flags = torch.zeros(split_kernels.flag_count(len(group.work.main_leaf)),
+                                  dtype=torch.uint8, device=device)
+        group.deferring = bool(defer and not group_traced.in_place)
+    if quant_block:
+        group.qmaps = (quant_tables.table(True, device), quant_tables.table(False, device))
+    group.addresses = {r: addresses(ts, device) for r, ts in roles.items()}
+    group.aligned = all(t.data_ptr() % 16 == 0 for ts in roles.values() for t in ts
+                        if t is not None)
+    group.leaf_values = leaf_values
+    if group.split and watched:
+        group.watch = DeferWatch(group.flags, len(group.work.main_leaf), group.deferring)
+        group.alternate = build_group(
+            plan, traced, donate, output, key, leaves, paths, roles, leaf_values, device,
+            _SPLIT_SELECT if group.deferring else _SELECT, watched=False)
+    return group
+
+
+def group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
+                x_flat=None) -> dict:
+    """Role -> the tensors of the group's leaves (8-bit slots: codes and absmax)."""
+    roles = {"g": [g_flat[i] for i in leaves], "p": [p_flat[i] for i in leaves],
+             f"{traced.output}_out": [p_out[i] for i in leaves]}
+    if traced.seeded:
+        roles["x"] = [x_flat[i] for i in leaves]
+    for stage_i, name in traced.slot_roles:
+        for io, source in (("in", slot_flat), ("out", slot_out)):
+            # (None: the leaf has no state at this position, which its flag leaves out.)
+            items = [source[stage_i][name][i] for i in leaves]
+            if any(isinstance(q, QuantizedSlot) for q in items):
+                roles[f"st{stage_i}_{name}_amax_{io}"] = [
+                    None if q is None else q.absmax for q in items]
+                items = [None if q is None else q.codes for q in items]
+            roles[f"st{stage_i}_{name}_{io}"] = items
+    return roles
+
+
+def addresses(tensors, device) -> torch.Tensor:
+    """The tensors' addresses; 0 for ``None`` (a slot the leaf's flag keeps the kernel
+    from reading or writing)."""
+    checks.refuse_dtensors([t for t in tensors if t is not None])
+    return launch.to_device([0 if t is None else t.data_ptr() for t in tensors], device)
