@@ -3,7 +3,7 @@
 Donated 8-bit Adam steps on the GPT-2 tree (``gpu_step.median_step_ms``) with a zero
 gradient in one 256-element block of every ``1 / f`` (f = 0 to 1: every block then part
 zero), for no skip_zeros ("off"), "split+defer" (the default, with its
-``ftopt.lowering.defer_watch``: it runs "split+select" while more than
+``ftopt.lowering.skip_watch``: it runs "split+select" while more than
 ``tiles.DEFER_SELECT_ABOVE`` of the blocks are deferred; ``FTOPT_DEFER_SELECT_ABOVE=2``
 times split+defer alone) and "split+select": where the two modes cross, and what the
 watch costs. Two rounds; writes ``OUT/defer_cross.json``.

@@ -178,7 +178,7 @@ class Variant:
     # all of them at once, then runs each (ftopt.lowering.split.spanned).
     span: int = 1
     # A "split" main kernel (not "split+defer") that flags its programs with some zero
-    # gradients (1) and with only zeros (2), for ftopt.lowering.defer_watch.
+    # gradients (1) and with only zeros (2), for ftopt.lowering.skip_watch.
     count_flags: bool = False
 
 

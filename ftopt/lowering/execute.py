@@ -100,7 +100,7 @@ class PreparedStep:
         # (scalars as floats?, count tensors, bound launches, launch.switches()): see
         # launch.bind_main.
         self._bound: tuple | None = None
-        # The bound launches of each mode of the groups with a DeferWatch (one a mode:
+        # The bound launches of each mode of the groups with a SkipWatch (one a mode:
         # a group that switches to its alternate keeps both).
         self._bound_by: dict[tuple, tuple] = {}
         self.watched = [group for group in self.groups if group.watch is not None]
@@ -212,7 +212,7 @@ class PreparedStep:
         traced = self.traced
         modes, groups = (), self.groups
         if self.watched:
-            # (each watched group, or its alternate: ftopt.lowering.defer_watch)
+            # (each watched group, or its alternate: ftopt.lowering.skip_watch)
             for group in self.watched:
                 group.watch.plan()
                 group.counting = group.watch.sampling and not group.deferring

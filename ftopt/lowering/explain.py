@@ -216,11 +216,11 @@ def _skip_line(mode: str, used: str, layout: str) -> str:
         text += ("; one more launch runs the programs with some zero gradients and the "
                  "leaves' last blocks, or 'split+select' while more than "
                  f"{tiles.DEFER_SELECT_ABOVE:g} of the blocks have some (counted every "
-                 f"{tiles.DEFER_PERIOD} steps: ftopt.lowering.defer_watch)")
+                 f"{tiles.WATCH_PERIOD} steps: ftopt.lowering.skip_watch)")
     elif "split" in used and tiles.WATCH:
         text += ("; 'select' while most blocks have some zero gradients and few only "
-                 f"zeros (counted every {tiles.DEFER_PERIOD} steps: "
-                 "ftopt.lowering.defer_watch)")
+                 f"zeros (counted every {tiles.WATCH_PERIOD} steps: "
+                 "ftopt.lowering.skip_watch)")
     return text
 
 

@@ -2,7 +2,7 @@
 block, 16-bit slots) of its leaves, each with its tables, addresses and skip_zeros mode.
 
 A donated skip_zeros group of a "split" mode also gets a :class:`~ftopt.lowering.
-defer_watch.DeferWatch` and an *alternate*: the same leaves in the mode that the watch
+skip_watch.SkipWatch` and an *alternate*: the same leaves in the mode that the watch
 runs instead while the gradients have many blocks part zero ("split+defer": its
 "split+select"; another "split" mode: "select").
 """
@@ -13,7 +13,7 @@ import torch
 
 from ftopt.lowering import checks, launch, quant_tables, tiles, work
 from ftopt.lowering import split as split_kernels
-from ftopt.lowering.defer_watch import DeferWatch
+from ftopt.lowering.skip_watch import SkipWatch
 from ftopt.rules import QuantizedSlot
 
 # (in place, skip tiles, skip stores, chunks, split, defer): tiles.skip_mode's order
@@ -70,7 +70,7 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
                         if t is not None)
     group.leaf_values = leaf_values
     if group.split and watched:
-        group.watch = DeferWatch(group.flags, len(group.work.main_leaf), group.deferring)
+        group.watch = SkipWatch(group.flags, len(group.work.main_leaf), group.deferring)
         group.alternate = build_group(
             plan, traced, donate, output, key, leaves, paths, roles, leaf_values, device,
             _SPLIT_SELECT if group.deferring else _SELECT, watched=False)

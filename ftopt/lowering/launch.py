@@ -104,7 +104,7 @@ class GroupLaunch:
     flags: torch.Tensor | None = None
     # "split+defer" (deferring: the second launch runs the flagged blocks), or another
     # "split" mode whose flags count its blocks with some (1) and only (2) zero
-    # gradients (ftopt.lowering.defer_watch); the watch and the group it runs instead.
+    # gradients (ftopt.lowering.skip_watch); the watch and the group it runs instead.
     deferring: bool = False
     counting: bool = False  # (not deferring) this step's kernel sets the flags
     watch: object = None

@@ -47,7 +47,7 @@ def split_on_zeros(body: list[str], dense: list[str], defer: bool = False,
     same body with the skip masks constant, no gating of stores) where every gradient is
     non-zero, ``body`` where some are (``defer``: a flag for the deferred kernel in its
     place), nothing where all are zero (``count``: flags 1 where some are, 2 where all
-    are, for :mod:`ftopt.lowering.defer_watch`).
+    are, for :mod:`ftopt.lowering.skip_watch`).
 
     8-bit slots are loaded and decoded before the check (:func:`quantized.hoisted`): a
     program would otherwise wait for its gradients before it starts the loads its math

@@ -100,17 +100,17 @@ QUANT_DEFER_MAXNREG = int(os.environ.get("FTOPT_QUANT_DEFER_MAXNREG", "72"))
 # FTOPT_DEFER_FLAGS overrides it (a power of two).
 DEFER_FLAGS = int(os.environ.get("FTOPT_DEFER_FLAGS", "32"))
 # A "split+defer" group runs "split+select" while more than DEFER_SELECT_ABOVE of its
-# blocks were deferred when last counted (ftopt.lowering.defer_watch): counted every
-# DEFER_PERIOD steps, and every DEFER_PROBE steps while it runs "split+select". H200,
+# blocks were deferred when last counted (ftopt.lowering.skip_watch): counted every
+# WATCH_PERIOD steps, and every WATCH_PROBE steps while it runs "split+select". H200,
 # GPT-2 8-bit Adam, a zero in a fraction f of the blocks (ms; off 0.598-0.611):
 # f = 0 / 0.02 / 0.05 / 0.1 / 0.2 / 1: split+defer 0.625-0.629 / 0.640-0.645 /
 # 0.654-0.664 / 0.681-0.683 / 0.722-0.724 / 1.011-1.035, split+select 0.642-0.648 /
 # 0.645-0.655 / 0.646-0.654 / 0.653-0.662 / 0.664-0.666 / 0.692-0.700 (two rounds).
-# FTOPT_DEFER_SELECT_ABOVE (1 or more: never), FTOPT_DEFER_PERIOD and FTOPT_DEFER_PROBE
+# FTOPT_DEFER_SELECT_ABOVE (1 or more: never), FTOPT_WATCH_PERIOD and FTOPT_WATCH_PROBE
 # override them.
 DEFER_SELECT_ABOVE = float(os.environ.get("FTOPT_DEFER_SELECT_ABOVE", "0.04"))
-DEFER_PERIOD = int(os.environ.get("FTOPT_DEFER_PERIOD", "16"))
-DEFER_PROBE = int(os.environ.get("FTOPT_DEFER_PROBE", "64"))
+WATCH_PERIOD = int(os.environ.get("FTOPT_WATCH_PERIOD", "16"))
+WATCH_PROBE = int(os.environ.get("FTOPT_WATCH_PROBE", "64"))
 # Another "split" group (fp32 and 16-bit layouts: "split+in_place") runs "select" while
 # f - SPLIT_ZERO_WEIGHT * z > SPLIT_SELECT_ABOVE, f the fraction of its blocks with some
 # zero gradients and z of those with only zeros, counted as above. H200, GPT-2 Adam

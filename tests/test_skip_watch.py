@@ -1,5 +1,5 @@
 """A "split+defer" group runs "split+select" while many of its blocks are deferred
-(``ftopt.lowering.defer_watch``): the same bytes either way, and back to "split+defer"
+(``ftopt.lowering.skip_watch``): the same bytes either way, and back to "split+defer"
 once the zeros are gone."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def small_blocks(monkeypatch):
     monkeypatch.setitem(tiles.SKIP_MODES, "8-bit", "split+defer")
     monkeypatch.setattr(tiles, "QUANT_TILE", (256, 1))
     monkeypatch.setattr(tiles, "DEFER_FLAGS", 4)
-    monkeypatch.setattr(tiles, "DEFER_PERIOD", 2)
-    monkeypatch.setattr(tiles, "DEFER_PROBE", 4)
+    monkeypatch.setattr(tiles, "WATCH_PERIOD", 2)
+    monkeypatch.setattr(tiles, "WATCH_PROBE", 4)
     for cache in (launch._constants_cached, launch._kernel):
         cache.cache_clear()
     yield
@@ -185,7 +185,7 @@ def test_split_in_place_runs_select_while_most_blocks_are_part_zero(layout, monk
     dtype, kw, key = LAYOUTS[layout]
     monkeypatch.setitem(tiles.SKIP_MODES, key, "split+in_place")
     for name, value in (("IN_PLACE_TILE", (256, 4)), ("IN_PLACE_TILES", {}), ("BLOCK", 256),
-                        ("SPANS", {}), ("DEFER_PERIOD", 2), ("DEFER_PROBE", 4)):
+                        ("SPANS", {}), ("WATCH_PERIOD", 2), ("WATCH_PROBE", 4)):
         monkeypatch.setattr(tiles, name, value)
     for cache in (launch._constants_cached, launch._kernel, work.work_table):
         cache.cache_clear()

@@ -13,9 +13,9 @@ split+in_place +7.5% (select +2.9%), bf16 params +10..12% (+4%), bf16 states +13
 (+2.5%), stochastic rounding +18% (+8%). Where the blocks are all zero instead (an
 embedding's unused rows) the split modes gain 1.14-1.31x, which select does not.
 
-So each such group keeps a :class:`DeferWatch` and an alternate group (the same leaves in
+So each such group keeps a :class:`SkipWatch` and an alternate group (the same leaves in
 "split+select" for split+defer, in "select" for the others:
-:func:`ftopt.lowering.groups.build_group`). Every :data:`tiles.DEFER_PERIOD` steps (the
+:func:`ftopt.lowering.groups.build_group`). Every :data:`tiles.WATCH_PERIOD` steps (the
 first step too) it counts the step's flags: split+defer's, which its main kernel writes
 every step (1: deferred); the others' from a variant of their kernel that the counting
 steps alone run (1: some zeros, 2: only zeros; the flags cleared before), since the
@@ -24,7 +24,7 @@ copied to the host without waiting, read at a later step once it is there. The g
 runs its alternate while more than :data:`tiles.DEFER_SELECT_ABOVE` of its blocks were
 deferred (split+defer), or while ``f - SPLIT_ZERO_WEIGHT * z`` exceeds
 :data:`tiles.SPLIT_SELECT_ABOVE` (the others; ``f``, ``z``: the fractions of blocks with
-some and with only zeros); then one step in :data:`tiles.DEFER_PROBE` runs the split mode
+some and with only zeros); then one step in :data:`tiles.WATCH_PROBE` runs the split mode
 again to count. Every mode writes the same bytes (the same skip_zeros semantics, the same
 math): only the time differs. While a CUDA graph is being captured nothing is counted and
 nothing switches (the captured launches are those of the mode of the moment).
@@ -42,7 +42,7 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-class DeferWatch:
+class SkipWatch:
     """The mode of one "split" group: :meth:`plan` before its launches (whether it runs
     its alternate), :meth:`after` after them."""
 
@@ -74,7 +74,7 @@ class DeferWatch:
                 self.pending = None
                 self._decide(*(int(c) for c in counts))
         self.steps += 1
-        period = tiles.DEFER_PROBE if self.other else tiles.DEFER_PERIOD
+        period = tiles.WATCH_PROBE if self.other else tiles.WATCH_PERIOD
         self.sampling = self.pending is None and self.steps % period == 1 % period
         if self.sampling and not self.deferring:
             self.flags.zero_()  # (its programs without zeros write no flag)

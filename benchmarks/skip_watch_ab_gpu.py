@@ -1,4 +1,4 @@
-"""What the skip_zeros watch costs and gains (``ftopt.lowering.defer_watch``), A/B in
+"""What the skip_zeros watch costs and gains (``ftopt.lowering.skip_watch``), A/B in
 one process, per layout.
 
 GPT-2 Adam on each layout of ``gpu_step.LAYOUTS`` (``--layouts=fp32,8-bit``: only those
@@ -8,7 +8,7 @@ gradients, 90% of the embedding's rows zero ("sparse") and one gradient in 97 ze
 watch (``tiles.WATCH = False``: each group keeps its mode and counts nothing) and with it
 (the default). Prints each round and the medians, writes ``OUT/watch_ab.json``.
 
-    python3 benchmarks/defer_watch_ab_gpu.py OUT [--layouts=...]
+    python3 benchmarks/skip_watch_ab_gpu.py OUT [--layouts=...]
 """
 import json
 import pathlib
