@@ -73,3 +73,59 @@ def kernel_launches(monkeypatch):
 
     monkeypatch.setattr(launch, "bind_main", counting_bind)
     return calls
+
+
+class _Interpreted:
+    """(bound_calls) A stand-in for a compiled kernel: ``[grid]`` gives a runner of the
+    kernel."""
+
+    def __init__(self, kernel, constants, calls):
+        self.kernel, self.constants, self.calls = kernel, dict(constants), calls
+
+    def __getitem__(self, grid):
+        from ftopt.lowering import launch
+
+        def runner(*args):
+            self.calls.append(grid)
+            with launch.interpreter_patches_undone():
+                self.kernel[grid[:1]](*args, **self.constants)
+        return runner
+
+
+@pytest.fixture
+def bound_calls(monkeypatch):
+    """Bound launches enabled on every machine; the list of bound runs made. (On a CPU
+    the interpreter has no compiled launcher to bind, so a runner stands in that
+    launches the interpreted kernel with the bound arguments.)"""
+    from ftopt.lowering import launch
+
+    calls: list = []
+    if launch.tiles.INTERPRETING:
+        real = launch._launch
+
+        def recording(kernel, grid, args, constants, device, key=()):
+            # Launched as before (interpreted); registered as compiled for bind_main only.
+            launch._COMPILED.pop((kernel, constants, device, key), None)
+            real(kernel, grid, args, constants, device, key)
+            launch._COMPILED[(kernel, constants, device, key)] = (
+                _Interpreted(kernel, constants, calls), [])
+
+        monkeypatch.setattr(launch, "_DIRECT", True)
+        monkeypatch.setattr(launch, "_COMPILED", {})
+        monkeypatch.setattr(launch, "_launch", recording)
+    else:
+        real_bind = launch.bind_main
+
+        def counting(*args, **kwargs):
+            bound = real_bind(*args, **kwargs)
+            for b in bound or ():
+                runner = b.runner
+
+                def run(*a, _runner=runner):
+                    calls.append(None)
+                    _runner(*a)
+                b.runner = run
+            return bound
+
+        monkeypatch.setattr(launch, "bind_main", counting)
+    return calls

@@ -16,56 +16,9 @@ import torch
 import ftopt
 from ftopt.lowering import execute, launch
 
+# (the bound_calls fixture: tests/conftest.py)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-class _Interpreted:
-    """A stand-in for a compiled kernel: ``[grid]`` gives a runner of the kernel."""
-
-    def __init__(self, kernel, constants, calls):
-        self.kernel, self.constants, self.calls = kernel, dict(constants), calls
-
-    def __getitem__(self, grid):
-        def runner(*args):
-            self.calls.append(grid)
-            with launch.interpreter_patches_undone():
-                self.kernel[grid[:1]](*args, **self.constants)
-        return runner
-
-
-@pytest.fixture
-def bound_calls(monkeypatch):
-    """Bound launches enabled on every machine; the list of bound runs made."""
-    calls: list = []
-    if launch.tiles.INTERPRETING:
-        real = launch._launch
-
-        def recording(kernel, grid, args, constants, device, key=()):
-            # Launched as before (interpreted); registered as compiled for bind_main only.
-            launch._COMPILED.pop((kernel, constants, device, key), None)
-            real(kernel, grid, args, constants, device, key)
-            launch._COMPILED[(kernel, constants, device, key)] = (
-                _Interpreted(kernel, constants, calls), [])
-
-        monkeypatch.setattr(launch, "_DIRECT", True)
-        monkeypatch.setattr(launch, "_COMPILED", {})
-        monkeypatch.setattr(launch, "_launch", recording)
-    else:
-        real_bind = launch.bind_main
-
-        def counting(*args, **kwargs):
-            bound = real_bind(*args, **kwargs)
-            for b in bound or ():
-                runner = b.runner
-
-                def run(*a, _runner=runner):
-                    calls.append(None)
-                    _runner(*a)
-                b.runner = run
-            return bound
-
-        monkeypatch.setattr(launch, "bind_main", counting)
-    return calls
 
 
 def _tree(gen, sizes):

@@ -222,3 +222,39 @@ def test_split_in_place_runs_select_while_most_blocks_are_part_zero(layout, monk
     finally:
         for cache in (launch._constants_cached, launch._kernel, work.work_table):
             cache.cache_clear()
+
+
+@pytest.mark.parametrize("layout", ["fp32", "8-bit"])
+def test_bound_launches_of_both_modes_follow_moving_gradients(layout, small_blocks,
+                                                              bound_calls, monkeypatch):
+    """Each mode keeps its own bound launches (a group that switches and back rebinds
+    neither), and the alternate's take the new gradient addresses as the group's do: new
+    gradient tensors every step, bound runs in both modes, the bytes of the group that
+    never switches."""
+    if layout == "fp32":
+        for name, value in (("IN_PLACE_TILE", (256, 4)), ("IN_PLACE_TILES", {}),
+                            ("BLOCK", 256), ("SPANS", {})):
+            monkeypatch.setattr(tiles, name, value)
+        work.work_table.cache_clear()
+    kw = {"state_bits": 8} if layout == "8-bit" else {}
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
+    grads = _grads(gen, 12, range(0, 6))
+    tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+    state = tx.init(params)
+    modes: list = []
+    watched = _run(tx, params, state, grads, modes)
+    assert modes == [False, True, True, True, False, True, True, True, False, False, False,
+                     False]
+    prepared = plan_chain(tx).prepared
+    (group,) = prepared.groups
+    # bound, per (alternate?, counting?) of each watched group: both modes' plain steps
+    assert {((False, False),), ((True, False),)} <= set(prepared._bound_by)
+    alternate_runs = prepared._bound_by[((True, False),)][2]
+    assert alternate_runs and all(b.group is group.alternate for b in alternate_runs)
+    assert len(bound_calls) >= 4
+    monkeypatch.setattr(tiles, "SPLIT_SELECT_ABOVE", 1e9)
+    monkeypatch.setattr(tiles, "DEFER_SELECT_ABOVE", 2.0)
+    assert same_bits(watched, _run(ftopt.adam(1e-2, skip_zeros=True, **kw), params, state,
+                                   grads))
+    work.work_table.cache_clear()
