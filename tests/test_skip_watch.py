@@ -212,6 +212,7 @@ def test_split_in_place_runs_select_while_most_blocks_are_part_zero(layout, monk
         assert group.variant([0.0]).count_flags
         group.counting = False
         monkeypatch.setattr(tiles, "SPLIT_SELECT_ABOVE", 1e9)
+        monkeypatch.setattr(tiles, "SPLIT_SELECT_ABOVE_STATES", 1e9)
         never: list = []
         assert same_bits(watched, _run(ftopt.adam(1e-2, skip_zeros=True, **kw), params,
                                        state, grads, never))
@@ -258,3 +259,36 @@ def test_bound_launches_of_both_modes_follow_moving_gradients(layout, small_bloc
     assert same_bits(watched, _run(ftopt.adam(1e-2, skip_zeros=True, **kw), params, state,
                                    grads))
     work.work_table.cache_clear()
+
+
+@pytest.mark.parametrize("layout,rounding,select", [("fp32", None, False),
+                                                    ("bf16 states", None, True),
+                                                    ("bf16 states", "stochastic", False)])
+def test_dense_gradients_pick_the_cheaper_mode_of_the_layout(layout, rounding, select,
+                                                             monkeypatch):
+    """With dense gradients bf16 states rounded to nearest run "select" (cheaper than
+    split+in_place there), the others keep split+in_place; a block all zero in a
+    counting step brings bf16 states back (what split+in_place skips)."""
+    dtype, kw, key = LAYOUTS[layout]
+    kw = {**kw, "state_rounding": rounding} if rounding else kw
+    monkeypatch.setitem(tiles.SKIP_MODES, key, "split+in_place")
+    for name, value in (("IN_PLACE_TILE", (256, 4)), ("IN_PLACE_TILES", {}), ("BLOCK", 256),
+                        ("SPANS", {}), ("WATCH_PERIOD", 2), ("WATCH_PROBE", 4)):
+        monkeypatch.setattr(tiles, name, value)
+    for cache in (launch._constants_cached, launch._kernel, work.work_table):
+        cache.cache_clear()
+    try:
+        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+        params = {"w": torch.randn(N, generator=gen).to(DEVICE, dtype)}
+        grads = [{"w": torch.randn(N, generator=gen).to(DEVICE, dtype)} for _ in range(8)]
+        for g in grads[4:]:
+            g["w"][:512] = 0.0  # two whole blocks of 41 from step 5 on
+        tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+        modes: list = []
+        _run(tx, params, tx.init(params), grads, modes)
+        # counted at steps 1 and 5 (select) or 1, 3, 5, 7 (split+in_place)
+        assert modes == ([False, True, True, True, False, False, False, False] if select
+                         else [False] * 8)
+    finally:
+        for cache in (launch._constants_cached, launch._kernel, work.work_table):
+            cache.cache_clear()

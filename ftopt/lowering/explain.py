@@ -218,9 +218,9 @@ def _skip_line(mode: str, used: str, layout: str) -> str:
                  f"{tiles.DEFER_SELECT_ABOVE:g} of the blocks have some (counted every "
                  f"{tiles.WATCH_PERIOD} steps: ftopt.lowering.skip_watch)")
     elif "split" in used and tiles.WATCH:
-        text += ("; 'select' while most blocks have some zero gradients and few only "
-                 f"zeros (counted every {tiles.WATCH_PERIOD} steps: "
-                 "ftopt.lowering.skip_watch)")
+        text += ("; 'select' while the blocks with some and with only zero gradients, "
+                 f"counted every {tiles.WATCH_PERIOD} steps, say it is the cheaper "
+                 "(ftopt.lowering.skip_watch)")
     return text
 
 

@@ -24,10 +24,12 @@ copied to the host without waiting, read at a later step once it is there. The g
 runs its alternate while more than :data:`tiles.DEFER_SELECT_ABOVE` of its blocks were
 deferred (split+defer), or while ``f - SPLIT_ZERO_WEIGHT * z`` exceeds
 :data:`tiles.SPLIT_SELECT_ABOVE` (the others; ``f``, ``z``: the fractions of blocks with
-some and with only zeros); then one step in :data:`tiles.WATCH_PROBE` runs the split mode
-again to count. Every mode writes the same bytes (the same skip_zeros semantics, the same
-math): only the time differs. While a CUDA graph is being captured nothing is counted and
-nothing switches (the captured launches are those of the mode of the moment).
+some and with only zeros; bf16/fp16 states rounded to nearest, for which select is the
+cheaper mode with dense gradients too: :data:`tiles.SPLIT_SELECT_ABOVE_STATES`); then
+one step in :data:`tiles.WATCH_PROBE` runs the split mode again to count. Every mode
+writes the same bytes (the same skip_zeros semantics, the same math): only the time
+differs. While a CUDA graph is being captured nothing is counted and nothing switches
+(the captured launches are those of the mode of the moment).
 ``FTOPT_SKIP_WATCH=0`` turns the watch off.
 """
 
@@ -46,10 +48,12 @@ class SkipWatch:
     """The mode of one "split" group: :meth:`plan` before its launches (whether it runs
     its alternate), :meth:`after` after them."""
 
-    def __init__(self, flags: torch.Tensor, blocks: int, deferring: bool):
+    def __init__(self, flags: torch.Tensor, blocks: int, deferring: bool,
+                 select_above: float = 0.0):
         self.flags = flags  # one byte a main program (ftopt.lowering.split)
         self.blocks = blocks  # main programs (the flags past them stay zero)
         self.deferring = deferring  # "split+defer" (else its flags only count)
+        self.select_above = select_above  # (not deferring) tiles.split_select_above
         self.other = False  # the group runs its alternate (but in the steps that count)
         self.now = False  # ... this step
         # Blocks with some zero gradients (deferred) and with only zeros, over all
@@ -90,7 +94,7 @@ class SkipWatch:
             self.other = self.fraction > tiles.DEFER_SELECT_ABOVE
         else:
             self.other = (self.fraction - tiles.SPLIT_ZERO_WEIGHT * self.zero_fraction
-                          > tiles.SPLIT_SELECT_ABOVE)
+                          > self.select_above)
 
     def after(self) -> None:
         """After a step's launches: count the flags of a sampled step."""

@@ -126,6 +126,21 @@ WATCH_PROBE = int(os.environ.get("FTOPT_WATCH_PROBE", "64"))
 WATCH = os.environ.get("FTOPT_SKIP_WATCH", "1") != "0"
 SPLIT_SELECT_ABOVE = float(os.environ.get("FTOPT_SPLIT_SELECT_ABOVE", "0.2"))
 SPLIT_ZERO_WEIGHT = float(os.environ.get("FTOPT_SPLIT_ZERO_WEIGHT", "7.5"))
+# 16-bit states rounded to nearest: "select" also costs less than split+in_place with
+# dense gradients (H200, three runs, skipmodes_h200_bf16s_select_*.json: +0.8..2.7%
+# against +1.8..3.7%, 0.9 points less on average), so such a group runs select unless
+# about 1% of its blocks are all zero (-0.08: select costs ~0.1 f - 0.64 z - 0.009 less).
+# Stochastic rounding keeps SPLIT_SELECT_ABOVE (select +8.1% against +6.9%).
+# FTOPT_SPLIT_SELECT_ABOVE_STATES overrides it.
+SPLIT_SELECT_ABOVE_STATES = float(os.environ.get("FTOPT_SPLIT_SELECT_ABOVE_STATES", "-0.08"))
+
+
+def split_select_above(traced, kind: str) -> float:
+    """The threshold of a "split" group's watch (ftopt.lowering.skip_watch) of this
+    layout (``kind``: :func:`layout`) and chain."""
+    if kind == "16-bit states" and not _indexed(traced):
+        return SPLIT_SELECT_ABOVE_STATES
+    return SPLIT_SELECT_ABOVE
 
 
 def quant_maxnreg(traced, defer: int = 0) -> int:
