@@ -19,17 +19,37 @@ import torch
 _mirror: dict[int, tuple[weakref.ref, int, int]] = {}
 # Keyed by id (a WeakSet would compare tensors with ``==``, which reads the device).
 _device_decided: dict[int, weakref.ref] = {}
+# (registry, key) of the tensors that died since the last purge. A weak reference's
+# callback runs wherever the garbage collector does, also while torch.compile traces a
+# function that reads these dicts (Dynamo then found a key gone that it had seen:
+# KeyError): the callbacks only append here, and the dicts change in ftopt's own calls.
+_dead: list[tuple[dict, int]] = []
+
+
+def _forget(registry: dict, key: int):
+    return lambda _: _dead.append((registry, key))
+
+
+def _purge() -> None:
+    """Drop the entries of the tensors that died (unless the key is a new tensor's)."""
+    while _dead:
+        registry, key = _dead.pop()
+        entry = registry.get(key)
+        ref = entry[0] if isinstance(entry, tuple) else entry
+        if ref is not None and ref() is None:
+            del registry[key]
 
 
 def remember_count(count: torch.Tensor, value: int) -> None:
     """Record that ``count`` holds ``value``."""
+    if not torch.compiler.is_compiling() and _dead:  # (in a trace: neither read)
+        _purge()
     key = id(count)
     entry = _mirror.get(key)
     if entry is not None and entry[0]() is count:  # (every step: the same weak reference)
         _mirror[key] = (entry[0], value, count._version)
         return
-    ref = weakref.ref(count, lambda _, key=key: _mirror.pop(key, None))
-    _mirror[key] = (ref, value, count._version)
+    _mirror[key] = (weakref.ref(count, _forget(_mirror, key)), value, count._version)
 
 
 def host_count(count: torch.Tensor) -> int | None:
@@ -66,9 +86,11 @@ def host_value(tensor: torch.Tensor) -> float | None:
 def mark_device_decided(count: torch.Tensor) -> None:
     """Record that ``count``'s value was chosen on the device: reading it would wait for
     the device, so no step reads it (see the module docstring)."""
+    if not torch.compiler.is_compiling() and _dead:  # (in a trace: neither read)
+        _purge()
     key = id(count)
     _mirror.pop(key, None)
-    _device_decided[key] = weakref.ref(count, lambda _, key=key: _device_decided.pop(key, None))
+    _device_decided[key] = weakref.ref(count, _forget(_device_decided, key))
 
 
 def device_decided(count: torch.Tensor) -> bool:
