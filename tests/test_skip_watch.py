@@ -176,67 +176,70 @@ LAYOUTS = {"fp32": (torch.float32, {}, "fp32"),
            "bf16 states": (torch.bfloat16, {"state_dtype": torch.bfloat16}, "16-bit states")}
 
 
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """fp32 and 16-bit programs of one 256-element block, no spans, a count every 2 steps
+    and a probe every 4."""
+    for name, value in (("IN_PLACE_TILE", (256, 4)), ("IN_PLACE_TILES", {}), ("BLOCK", 256),
+                        ("SPANS", {}), ("WATCH_PERIOD", 2), ("WATCH_PROBE", 4)):
+        monkeypatch.setattr(tiles, name, value)
+    caches = (launch._constants_cached, launch._kernel, work.work_table)
+    for cache in caches:
+        cache.cache_clear()
+    yield
+    for cache in caches:
+        cache.cache_clear()
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_split_in_place_runs_select_while_most_blocks_are_part_zero(layout, monkeypatch):
+def test_split_in_place_runs_select_while_most_blocks_are_part_zero(layout, small_tiles,
+                                                                    monkeypatch):
     """A "split+in_place" group (fp32 and 16-bit layouts) flags its programs with some
     zero gradients (1) and with only zeros (2) and runs "select" while most blocks are
     part zero and few all zero; whole zero blocks keep it on "split+in_place" (they are
     what it skips). The same bytes as the group that never switches and as "select"."""
     dtype, kw, key = LAYOUTS[layout]
     monkeypatch.setitem(tiles.SKIP_MODES, key, "split+in_place")
-    for name, value in (("IN_PLACE_TILE", (256, 4)), ("IN_PLACE_TILES", {}), ("BLOCK", 256),
-                        ("SPANS", {}), ("WATCH_PERIOD", 2), ("WATCH_PROBE", 4)):
-        monkeypatch.setattr(tiles, name, value)
-    for cache in (launch._constants_cached, launch._kernel, work.work_table):
-        cache.cache_clear()
-    try:
-        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-        params = {"w": torch.randn(N, generator=gen).to(DEVICE, dtype)}
-        grads = [{"w": g["w"].to(dtype)} for g in _grads(gen, 12, range(0, 6))]
-        tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
-        state = tx.init(params)
-        modes: list = []
-        watched = _run(tx, params, state, grads, modes)
-        (group,) = plan_chain(tx).prepared.groups
-        assert group.traced.in_place and not group.deferring
-        assert group.alternate is not None and not group.alternate.split
-        assert modes == [False, True, True, True, False, True, True, True, False, False,
-                         False, False]
-        assert group.watch.fraction == 0.0 and group.watch.zero_fraction == 2 / 41
-        flags = torch.zeros(41, dtype=torch.uint8)
-        flags[2:4] = 2  # step 12's whole zero blocks (the tail runs its own body)
-        assert torch.equal(group.flags[:41].cpu(), flags)
-        # Only the steps that count run the kernel that sets flags (step 12 did not).
-        assert not group.counting and not group.variant([0.0]).count_flags
-        group.counting = True
-        assert group.variant([0.0]).count_flags
-        group.counting = False
-        monkeypatch.setattr(tiles, "SPLIT_SELECT_ABOVE", 1e9)
-        monkeypatch.setattr(tiles, "SPLIT_SELECT_ABOVE_STATES", 1e9)
-        never: list = []
-        assert same_bits(watched, _run(ftopt.adam(1e-2, skip_zeros=True, **kw), params,
-                                       state, grads, never))
-        assert not any(never)  # (the control: it never switched)
-        monkeypatch.setitem(tiles.SKIP_MODES, key, "select")
-        assert same_bits(watched, _run(ftopt.adam(1e-2, skip_zeros=True, **kw), params,
-                                       state, grads))
-    finally:
-        for cache in (launch._constants_cached, launch._kernel, work.work_table):
-            cache.cache_clear()
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"w": torch.randn(N, generator=gen).to(DEVICE, dtype)}
+    grads = [{"w": g["w"].to(dtype)} for g in _grads(gen, 12, range(0, 6))]
+    tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+    state = tx.init(params)
+    modes: list = []
+    watched = _run(tx, params, state, grads, modes)
+    (group,) = plan_chain(tx).prepared.groups
+    assert group.traced.in_place and not group.deferring
+    assert group.alternate is not None and not group.alternate.split
+    assert modes == [False, True, True, True, False, True, True, True, False, False,
+                     False, False]
+    assert group.watch.fraction == 0.0 and group.watch.zero_fraction == 2 / 41
+    flags = torch.zeros(41, dtype=torch.uint8)
+    flags[2:4] = 2  # step 12's whole zero blocks (the tail runs its own body)
+    assert torch.equal(group.flags[:41].cpu(), flags)
+    # Only the steps that count run the kernel that sets flags (step 12 did not).
+    assert not group.counting and not group.variant([0.0]).count_flags
+    group.counting = True
+    assert group.variant([0.0]).count_flags
+    group.counting = False
+    monkeypatch.setattr(tiles, "SPLIT_SELECT_ABOVE", 1e9)
+    monkeypatch.setattr(tiles, "SPLIT_SELECT_ABOVE_STATES", 1e9)
+    never: list = []
+    assert same_bits(watched, _run(ftopt.adam(1e-2, skip_zeros=True, **kw), params,
+                                   state, grads, never))
+    assert not any(never)  # (the control: it never switched)
+    monkeypatch.setitem(tiles.SKIP_MODES, key, "select")
+    assert same_bits(watched, _run(ftopt.adam(1e-2, skip_zeros=True, **kw), params,
+                                   state, grads))
 
 
 @pytest.mark.parametrize("layout", ["fp32", "8-bit"])
 def test_bound_launches_of_both_modes_follow_moving_gradients(layout, small_blocks,
-                                                              bound_calls, monkeypatch):
+                                                              small_tiles, bound_calls,
+                                                              monkeypatch):
     """Each mode keeps its own bound launches (a group that switches and back rebinds
     neither), and the alternate's take the new gradient addresses as the group's do: new
     gradient tensors every step, bound runs in both modes, the bytes of the group that
     never switches."""
-    if layout == "fp32":
-        for name, value in (("IN_PLACE_TILE", (256, 4)), ("IN_PLACE_TILES", {}),
-                            ("BLOCK", 256), ("SPANS", {})):
-            monkeypatch.setattr(tiles, name, value)
-        work.work_table.cache_clear()
     kw = {"state_bits": 8} if layout == "8-bit" else {}
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
@@ -258,37 +261,27 @@ def test_bound_launches_of_both_modes_follow_moving_gradients(layout, small_bloc
     monkeypatch.setattr(tiles, "DEFER_SELECT_ABOVE", 2.0)
     assert same_bits(watched, _run(ftopt.adam(1e-2, skip_zeros=True, **kw), params, state,
                                    grads))
-    work.work_table.cache_clear()
 
 
 @pytest.mark.parametrize("layout,rounding,select", [("fp32", None, False),
                                                     ("bf16 states", None, True),
                                                     ("bf16 states", "stochastic", False)])
 def test_dense_gradients_pick_the_cheaper_mode_of_the_layout(layout, rounding, select,
-                                                             monkeypatch):
+                                                             small_tiles, monkeypatch):
     """With dense gradients bf16 states rounded to nearest run "select" (cheaper than
     split+in_place there), the others keep split+in_place; a block all zero in a
     counting step brings bf16 states back (what split+in_place skips)."""
     dtype, kw, key = LAYOUTS[layout]
     kw = {**kw, "state_rounding": rounding} if rounding else kw
     monkeypatch.setitem(tiles.SKIP_MODES, key, "split+in_place")
-    for name, value in (("IN_PLACE_TILE", (256, 4)), ("IN_PLACE_TILES", {}), ("BLOCK", 256),
-                        ("SPANS", {}), ("WATCH_PERIOD", 2), ("WATCH_PROBE", 4)):
-        monkeypatch.setattr(tiles, name, value)
-    for cache in (launch._constants_cached, launch._kernel, work.work_table):
-        cache.cache_clear()
-    try:
-        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-        params = {"w": torch.randn(N, generator=gen).to(DEVICE, dtype)}
-        grads = [{"w": torch.randn(N, generator=gen).to(DEVICE, dtype)} for _ in range(8)]
-        for g in grads[4:]:
-            g["w"][:512] = 0.0  # two whole blocks of 41 from step 5 on
-        tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
-        modes: list = []
-        _run(tx, params, tx.init(params), grads, modes)
-        # counted at steps 1 and 5 (select) or 1, 3, 5, 7 (split+in_place)
-        assert modes == ([False, True, True, True, False, False, False, False] if select
-                         else [False] * 8)
-    finally:
-        for cache in (launch._constants_cached, launch._kernel, work.work_table):
-            cache.cache_clear()
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"w": torch.randn(N, generator=gen).to(DEVICE, dtype)}
+    grads = [{"w": torch.randn(N, generator=gen).to(DEVICE, dtype)} for _ in range(8)]
+    for g in grads[4:]:
+        g["w"][:512] = 0.0  # two whole blocks of 41 from step 5 on
+    tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+    modes: list = []
+    _run(tx, params, tx.init(params), grads, modes)
+    # counted at steps 1 and 5 (select) or 1, 3, 5, 7 (split+in_place)
+    assert modes == ([False, True, True, True, False, False, False, False] if select
+                     else [False] * 8)

@@ -71,7 +71,8 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
     group.leaf_values = leaf_values
     if group.split and watched:
         group.watch = SkipWatch(group.flags, len(group.work.main_leaf), group.deferring,
-                                tiles.split_select_above(group_traced, kind))
+                                tiles.DEFER_SELECT_ABOVE if group.deferring
+                                else tiles.split_select_above(group_traced, kind))
         group.alternate = build_group(
             plan, traced, donate, output, key, leaves, paths, roles, leaf_values, device,
             _SPLIT_SELECT if group.deferring else _SELECT, watched=False)

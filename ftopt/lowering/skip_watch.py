@@ -53,7 +53,8 @@ class SkipWatch:
         self.flags = flags  # one byte a main program (ftopt.lowering.split)
         self.blocks = blocks  # main programs (the flags past them stay zero)
         self.deferring = deferring  # "split+defer" (else its flags only count)
-        self.select_above = select_above  # (not deferring) tiles.split_select_above
+        # The threshold: tiles.DEFER_SELECT_ABOVE or tiles.split_select_above's.
+        self.select_above = select_above
         self.other = False  # the group runs its alternate (but in the steps that count)
         self.now = False  # ... this step
         # Blocks with some zero gradients (deferred) and with only zeros, over all
@@ -90,11 +91,9 @@ class SkipWatch:
         zeros = total - nonzero
         blocks = max(self.blocks, 1)
         self.fraction, self.zero_fraction = (nonzero - zeros) / blocks, zeros / blocks
-        if self.deferring:
-            self.other = self.fraction > tiles.DEFER_SELECT_ABOVE
-        else:
-            self.other = (self.fraction - tiles.SPLIT_ZERO_WEIGHT * self.zero_fraction
-                          > self.select_above)
+        # (split+defer's flags mark no all-zero block: there zero_fraction is 0)
+        self.other = (self.fraction - tiles.SPLIT_ZERO_WEIGHT * self.zero_fraction
+                      > self.select_above)
 
     def after(self) -> None:
         """After a step's launches: count the flags of a sampled step."""
