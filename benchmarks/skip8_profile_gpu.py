@@ -14,7 +14,6 @@ the step's launches), and writes them to
     python3 benchmarks/skip8_profile_gpu.py OUT [MODES [FLAGS [SKIP_CAPS]]]
     # e.g. off,split+select,split+defer 8,32,64 72,96 (the defaults: the first of each)
 """
-import collections
 import json
 import pathlib
 import sys
@@ -23,7 +22,6 @@ sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks
 import gpu_step  # noqa: E402
 import timing  # noqa: E402
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import launch, tiles  # noqa: E402
@@ -33,27 +31,6 @@ ARGS = sys.argv[2:] + [""] * 3
 MODES = (ARGS[0] or "off,split+select,split+defer").split(",")
 FLAGS = [int(x) for x in (ARGS[1] or str(tiles.DEFER_FLAGS)).split(",")]
 CAPS = [int(x) for x in (ARGS[2] or str(tiles.QUANT_SKIP_MAXNREG)).split(",")]
-
-
-def kernel_us(tx, params: dict, grads: dict, steps: int = 20) -> dict:
-    """Mean device time (us) of each kernel name over ``steps`` donated steps, with the
-    number of launches a step."""
-    step = timing.donated_stepper(tx, params, grads)
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    per_step = max(len(events) // steps, 1)
-    times = collections.defaultdict(list)
-    for i, e in enumerate(sorted(events, key=lambda e: e.time_range.start)):
-        # (kernels of one name told apart by their place in the step's launches)
-        times[f"{e.name[:24]}#{i % per_step}"].append(e.device_time)
-    return {k: dict(per_step=len(v) / steps, mean_us=sum(v) / len(v))
-            for k, v in times.items()}
 
 
 def main() -> None:
@@ -75,7 +52,7 @@ def main() -> None:
                                 ("mixed", mixed), ("zero", zero)):
                     row = dict(mode=mode, flags=flags, skip_cap=cap, grads=name,
                                step_ms=gpu_step.median_step_ms(tx, params, g),
-                               kernels=kernel_us(tx, params, g))
+                               kernels=timing.kernel_us(tx, params, g))
                     rows.append(row)
                     print(f"{mode:13s} flags {flags:4d} cap {cap:3d} {name:6s} step "
                           f"{row['step_ms']:.3f} ms | " + "; ".join(

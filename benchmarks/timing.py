@@ -8,10 +8,13 @@ CUDA events, so that every table measures the same way.
 * :func:`donated_step_ms`: :func:`event_ms` of donated ``ftopt.step`` calls of a transform.
 * :func:`host_us`: host time of each call in microseconds, no synchronisation (for
   benchmarks whose kernel launch is stubbed).
+* :func:`kernel_us`: each kernel's mean device time over donated steps (torch.profiler):
+  a step's GPU time without its host time.
 """
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
 from collections.abc import Callable
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ftopt  # noqa: E402
@@ -144,3 +148,24 @@ def host_us(fn: Callable, iters: int, warmup: int = 5) -> list[float]:
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
     return times
+
+
+def kernel_us(tx, params: dict, grads: dict, steps: int = 20) -> dict:
+    """Mean device time (us) of each kernel name over ``steps`` donated steps, with the
+    number of launches a step."""
+    step = donated_stepper(tx, params, grads)
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_step = max(len(events) // steps, 1)
+    times = collections.defaultdict(list)
+    for i, e in enumerate(sorted(events, key=lambda e: e.time_range.start)):
+        # (kernels of one name told apart by their place in the step's launches)
+        times[f"{e.name[:24]}#{i % per_step}"].append(e.device_time)
+    return {k: dict(per_step=len(v) / steps, mean_us=sum(v) / len(v))
+            for k, v in times.items()}
