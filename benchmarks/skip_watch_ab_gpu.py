@@ -4,11 +4,12 @@ one process, per layout.
 GPT-2 Adam on each layout of ``gpu_step.LAYOUTS`` (``--layouts=fp32,8-bit``: only those
 keys of ``tiles.SKIP_MODES``), donated steps (``gpu_step.median_step_ms``) with dense
 gradients, 90% of the embedding's rows zero ("sparse") and one gradient in 97 zero
-("mixed": every block part zero), in two rounds: no skip_zeros, skip_zeros without the
+("mixed": every block part zero), in two rounds (``--rounds=N``; the two skip_zeros
+variants' order swapped every other round): no skip_zeros, skip_zeros without the
 watch (``tiles.WATCH = False``: each group keeps its mode and counts nothing) and with it
 (the default). Prints each round and the medians, writes ``OUT/watch_ab.json``.
 
-    python3 benchmarks/skip_watch_ab_gpu.py OUT [--layouts=...]
+    python3 benchmarks/skip_watch_ab_gpu.py OUT [--layouts=...] [--rounds=2]
 """
 import json
 import pathlib
@@ -25,6 +26,8 @@ from ftopt.lowering import launch, tiles  # noqa: E402
 VARIANTS = (("off", True, False), ("no watch", False, True), ("watch", True, True))
 ONLY = [x for a in sys.argv[1:] if a.startswith("--layouts=")
         for x in a.split("=", 1)[1].split(",")]
+ROUNDS = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rounds=")),
+                  "2"))
 
 
 def main() -> None:
@@ -35,8 +38,10 @@ def main() -> None:
         sparse, _ = gpu_step._sparse_wte(grads, cfg)
         mixed = gpu_step._scattered_zeros(grads)
         times: dict = {}
-        for rnd in range(2):
-            for variant, watch, skip in VARIANTS:
+        for rnd in range(ROUNDS):
+            # (the two skip_zeros variants in turn first, against any drift in a round)
+            order = VARIANTS if rnd % 2 == 0 else VARIANTS[:1] + VARIANTS[:0:-1]
+            for variant, watch, skip in order:
                 tiles.WATCH = watch
                 gpu_step._clear_lowering_caches()
                 launch._COMPILED.clear()

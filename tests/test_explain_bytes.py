@@ -189,3 +189,9 @@ def test_explain_names_the_span(monkeypatch):
     text = ftopt.explain(ftopt.adam(1e-3, skip_zeros=True), w, donate=True,
                          backend="fused", file=_Null())
     assert "blocks' gradients at once" not in text, text
+    # One block a program: the spanned alternate of tiles.SPAN_ALTERNATES, if any.
+    assert "all zero" not in text, text
+    monkeypatch.setattr(tiles, "SPAN_ALTERNATES", {"16-bit": 8})
+    text = ftopt.explain(ftopt.adam(1e-3, skip_zeros=True), w, donate=True,
+                         backend="fused", file=_Null())
+    assert f"programs of 8 blocks while over {tiles.SPAN_ABOVE:g} are all zero" in text, text

@@ -178,12 +178,12 @@ def test_8bit_one_block_per_program_equals_the_full_step(name, mode, monkeypatch
 def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, interleave,
                                                                       span, monkeypatch):
     """"split+defer": the main kernel runs the blocks without zero gradients, writes
-    nothing for all-zero ones, and flags those with some zeros and the tail; the second
-    launch runs exactly the flagged ones (in the main kernel's program order, also
-    interleaved). Without it (the control) the flagged blocks are not written, so the
-    donated step would differ from the full one. With programs of several blocks
-    (``tiles.SPANS``), one whose blocks are all zero clears their flags: a flag left
-    from an earlier step would run its block again."""
+    nothing for all-zero ones but their flag (2, for the watch to count), and flags those
+    with some zeros and the tail (1); the second launch runs exactly the blocks flagged 1
+    (in the main kernel's program order, also interleaved). Without it (the control) the
+    flagged blocks are not written, so the donated step would differ from the full one.
+    With programs of several blocks (``tiles.SPANS``), one whose blocks are all zero sets
+    their flags too: a flag left from an earlier step would run its block again."""
     dtype, kw = LAYOUTS[layout]
     key = "8-bit" if kw else "fp32"
     monkeypatch.setitem(tiles.SKIP_MODES, key, "split+defer")
@@ -224,6 +224,7 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         (group,) = plan_chain(tx).prepared.groups
         order = work.interleaved(18, interleave) if interleave else torch.arange(18)
         flagged[[list(order).index(k) for k in (2, 7, 17)]] = 1
+        flagged[[list(order).index(k) for k in (1, 8, 9, 10, 11)]] = 2
         assert torch.equal(group.flags.cpu(), flagged)
         # Flags left from an earlier step: the next donated step of the same tensors
         full2 = ftopt.step(tx, cloned(donated[0]), {"w": g}, cloned(donated[1]),

@@ -285,3 +285,47 @@ def test_dense_gradients_pick_the_cheaper_mode_of_the_layout(layout, rounding, s
     # counted at steps 1 and 5 (select) or 1, 3, 5, 7 (split+in_place)
     assert modes == ([False, True, True, True, False, False, False, False] if select
                      else [False] * 8)
+
+
+@pytest.mark.parametrize("layout", ["8-bit", "bf16 states"])
+def test_mostly_zero_gradients_run_the_spanned_alternate(layout, small_blocks, small_tiles,
+                                                         bound_calls, monkeypatch):
+    """A group of one block a program whose blocks are mostly all zero (32 of 41) runs
+    its spanned alternate (programs of 4 blocks: tiles.SPAN_ALTERNATES) until a probe
+    finds the zeros gone; its bound launches follow new gradient tensors as the
+    group's do. The same bytes as the group that never switches, and skip_zeros held."""
+    dtype, kw = ((torch.float32, {"state_bits": 8}) if layout == "8-bit"
+                 else LAYOUTS[layout][:2])
+    key = "8-bit" if layout == "8-bit" else "16-bit states"
+    monkeypatch.setitem(tiles.SKIP_MODES, key,
+                        "split+defer" if layout == "8-bit" else "split+in_place")
+    monkeypatch.setattr(tiles, "SPAN_ALTERNATES", {key: 4})
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"w": torch.randn(N, generator=gen).to(DEVICE, dtype)}
+    grads = [{"w": g["w"].to(dtype)} for g in _grads(gen, 12, range(0))]
+    for g in grads[:6]:
+        g["w"][:256 * 32] = 0.0  # (steps 7-12: two whole zero blocks, as _grads gives)
+    tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+    state = tx.init(params)
+    modes: list = []
+    watched = _run(tx, params, state, grads, modes)
+    prepared = plan_chain(tx).prepared
+    (group,) = prepared.groups
+    assert group.span == 1 and group.spanned is not None and group.spanned.span == 4
+    # counted at steps 1, 5 (probes: still mostly zero) and 9 (the zeros gone)
+    assert modes == [0, 2, 2, 2, 0, 2, 2, 2, 0, 0, 0, 0]
+    assert group.watch.zero_fraction == 2 / 41  # (8-bit: its flags mark them too)
+    spanned_runs = prepared._bound_by[((2, False),)][2]
+    assert spanned_runs and all(b.group is group.spanned for b in spanned_runs)
+    assert len(bound_calls) >= 4
+    monkeypatch.setattr(tiles, "SPAN_ABOVE", 2.0)
+    never: list = []
+    assert same_bits(watched, _run(ftopt.adam(1e-2, skip_zeros=True, **kw), params, state,
+                                   grads, never))
+    assert 2 not in never  # (the control: it never ran the spanned alternate)
+    # skip_zeros held by the spanned steps: blocks zero in steps 2-4 kept their bytes
+    # across them (the control: the others changed).
+    before = _run(tx, params, state, grads[:1])
+    after = _run(tx, params, state, grads[:4])
+    assert torch.equal(after[0]["w"][:256 * 32], before[0]["w"][:256 * 32])
+    assert not torch.equal(after[0]["w"][256 * 32:], before[0]["w"][256 * 32:])

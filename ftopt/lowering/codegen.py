@@ -313,7 +313,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     prelude = _prelude(roles, dtypes, variant)
     if variant.span > 1:
         body = split.spanned(prelude, *bodies, variant.span, dtypes["g"],
-                             0 if variant.defer else 2 if variant.count_flags else None)
+                             2 if variant.defer or variant.count_flags else None)
         prelude = prelude[:1]
     else:
         body = (split.deferred_blocks if variant.defer == 2 else _split_blocks)(*bodies)

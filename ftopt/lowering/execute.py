@@ -101,7 +101,7 @@ class PreparedStep:
         # launch.bind_main.
         self._bound: tuple | None = None
         # The bound launches of each mode of the groups with a SkipWatch (one a mode:
-        # a group that switches to its alternate keeps both).
+        # a group that switches to an alternate keeps each).
         self._bound_by: dict[tuple, tuple] = {}
         self.watched = [group for group in self.groups if group.watch is not None]
 
@@ -197,8 +197,9 @@ class PreparedStep:
         for group, addresses in uploads:
             group.addresses["g"] = launch.to_device(addresses, self.device)
             group.grad_addresses = addresses
-            if group.alternate is not None:
-                group.alternate.addresses["g"] = group.addresses["g"]
+            for other in (group.alternate, group.spanned):
+                if other is not None:
+                    other.addresses["g"] = group.addresses["g"]
         if uploads:
             for bound in self._bound_by.values():
                 for b in bound[2]:
@@ -212,13 +213,13 @@ class PreparedStep:
         traced = self.traced
         modes, groups = (), self.groups
         if self.watched:
-            # (each watched group, or its alternate: ftopt.lowering.skip_watch)
+            # (each watched group, or an alternate: ftopt.lowering.skip_watch)
             for group in self.watched:
                 group.watch.plan()
                 group.counting = group.watch.sampling and not group.deferring
             modes = tuple([(group.watch.now, group.counting) for group in self.watched])
-            groups = [group.alternate if group.watch and group.watch.now else group
-                      for group in self.groups]
+            groups = [(group, group.alternate, group.spanned)[group.watch.now]
+                      if group.watch else group for group in self.groups]
         bound = self._bound_by.get(modes)
         pairs = [*count_pairs, *running]
         if (bound is not None and bound[0] == isinstance(scalars, list)

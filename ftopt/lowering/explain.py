@@ -221,6 +221,9 @@ def _skip_line(mode: str, used: str, layout: str) -> str:
         text += ("; 'select' while the blocks with some and with only zero gradients, "
                  f"counted every {tiles.WATCH_PERIOD} steps, say it is the cheaper "
                  "(ftopt.lowering.skip_watch)")
+    if "split" in used and tiles.WATCH and tiles.SPANS.get(layout, 1) == 1 < (
+            span := tiles.SPAN_ALTERNATES.get(layout, 1)):
+        text += f"; programs of {span} blocks while over {tiles.SPAN_ABOVE:g} are all zero"
     return text
 
 

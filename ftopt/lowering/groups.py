@@ -4,7 +4,9 @@ block, 16-bit slots) of its leaves, each with its tables, addresses and skip_zer
 A donated skip_zeros group of a "split" mode also gets a :class:`~ftopt.lowering.
 skip_watch.SkipWatch` and an *alternate*: the same leaves in the mode that the watch
 runs instead while the gradients have many blocks part zero ("split+defer": its
-"split+select"; another "split" mode: "select").
+"split+select"; another "split" mode: "select"); and, for the layouts of
+:data:`tiles.SPAN_ALTERNATES` whose programs hold one block, a *spanned* alternate: the
+same mode with programs of several blocks, for gradients with many blocks all zero.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ _SPLIT_SELECT = (False, False, False, False, True, False)
 
 def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: list,
                 paths: list, roles: dict, leaf_values: torch.Tensor, device,
-                mode: tuple | None = None, watched: bool = True) -> launch.GroupLaunch:
+                mode: tuple | None = None, watched: bool = True,
+                span: int = 0) -> launch.GroupLaunch:
     """The group of ``leaves`` (``key``: p dtype, g dtype, 8-bit block, 16-bit slots;
     ``roles``: role -> the leaves' tensors) in ``mode`` (:func:`tiles.skip_mode`'s tuple;
-    ``None``: the layout's), with its alternate where ``watched``."""
+    ``None``: the layout's) with ``span`` blocks a "split" program (0: the layout's,
+    :data:`tiles.SPANS`), with its alternates where ``watched``."""
     p_dtype, g_dtype, quant_block, slot_dtypes = key
     watched = watched and tiles.WATCH
     in_place, skip_tiles, skip_stores, chunks, split, defer = (
@@ -55,8 +59,9 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
         group.chunk_lanes = tiles.chunk_lanes(group_traced)
     group.split = bool(split and skipping and tiles.may_return_early(traced)
                        and not (group.chunk_lanes or group.skip_tiles))
-    if group.split and tiles.SPANS.get(group.kind, 1) > 1:
-        group.span = tiles.SPANS[group.kind]
+    span = span or tiles.SPANS.get(group.kind, 1)
+    if group.split and span > 1:
+        group.span = span
         group.work = work.work_table(table_args[0], device, *table_args[1:], group.span)
     if group.split and (watched or (defer and not group_traced.in_place)):
         # (one a block of the main kernel's table, its padding to whole spans too)
@@ -70,12 +75,16 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
                         if t is not None)
     group.leaf_values = leaf_values
     if group.split and watched:
+        spans = tiles.SPAN_ALTERNATES.get(kind, 1) if group.span == 1 else 1
         group.watch = SkipWatch(group.flags, len(group.work.main_leaf), group.deferring,
                                 tiles.DEFER_SELECT_ABOVE if group.deferring
-                                else tiles.split_select_above(group_traced, kind))
-        group.alternate = build_group(
-            plan, traced, donate, output, key, leaves, paths, roles, leaf_values, device,
-            _SPLIT_SELECT if group.deferring else _SELECT, watched=False)
+                                else tiles.split_select_above(group_traced, kind),
+                                tiles.SPAN_ABOVE if spans > 1 else None)
+        rest = (plan, traced, donate, output, key, leaves, paths, roles, leaf_values, device)
+        group.alternate = build_group(*rest, _SPLIT_SELECT if group.deferring else _SELECT,
+                                      watched=False)
+        if spans > 1:
+            group.spanned = build_group(*rest, mode, watched=False, span=spans)
     return group
 
 

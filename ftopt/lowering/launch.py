@@ -109,6 +109,7 @@ class GroupLaunch:
     counting: bool = False  # (not deferring) this step's kernel sets the flags
     watch: object = None
     alternate: GroupLaunch | None = None
+    spanned: GroupLaunch | None = None  # the watch's other alternate (tiles.SPAN_ALTERNATES)
     span: int = 1  # blocks a program of a "split" main kernel runs (codegen.Variant)
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)

@@ -26,7 +26,16 @@ deferred (split+defer), or while ``f - SPLIT_ZERO_WEIGHT * z`` exceeds
 :data:`tiles.SPLIT_SELECT_ABOVE` (the others; ``f``, ``z``: the fractions of blocks with
 some and with only zeros; bf16/fp16 states rounded to nearest, for which select is the
 cheaper mode with dense gradients too: :data:`tiles.SPLIT_SELECT_ABOVE_STATES`); then
-one step in :data:`tiles.WATCH_PROBE` runs the split mode again to count. Every mode
+one step in :data:`tiles.WATCH_PROBE` runs the split mode again to count. (A deferring
+group's flags mark its all-zero blocks too, 2, which its deferred kernel passes over;
+the zeros do not weigh in its choice, since split+select skips them as well.)
+
+A group of one block a program, of a layout of :data:`tiles.SPAN_ALTERNATES`, also has a
+spanned alternate (programs of several blocks: an all-zero stretch waits on memory once
+per span, the other blocks pay the span loop's registers), which it runs while more than
+:data:`tiles.SPAN_ABOVE` of its blocks were all zero (before the rule for select): most
+of a model's gradients zero, as the experts of a mixture that saw no tokens, or
+embedding tables that are most of the parameters. Every mode
 writes the same bytes (the same skip_zeros semantics, the same math): only the time
 differs. While a CUDA graph is being captured nothing is counted and nothing switches
 (the captured launches are those of the mode of the moment).
@@ -49,14 +58,17 @@ class SkipWatch:
     its alternate), :meth:`after` after them."""
 
     def __init__(self, flags: torch.Tensor, blocks: int, deferring: bool,
-                 select_above: float = 0.0):
+                 select_above: float = 0.0, span_above: float | None = None):
         self.flags = flags  # one byte a main program (ftopt.lowering.split)
         self.blocks = blocks  # main programs (the flags past them stay zero)
         self.deferring = deferring  # "split+defer" (else its flags only count)
         # The threshold: tiles.DEFER_SELECT_ABOVE or tiles.split_select_above's.
         self.select_above = select_above
-        self.other = False  # the group runs its alternate (but in the steps that count)
-        self.now = False  # ... this step
+        self.span_above = span_above  # tiles.SPAN_ABOVE (None: no spanned alternate)
+        # What the group runs but in the steps that count: 0 itself, 1 its alternate,
+        # 2 its spanned alternate.
+        self.other = 0
+        self.now = 0  # ... this step
         # Blocks with some zero gradients (deferred) and with only zeros, over all
         # blocks, as last counted (only zeros: counted where not deferring).
         self.fraction: float | None = None
@@ -66,9 +78,10 @@ class SkipWatch:
         self.pending: tuple | None = None  # (event or None, counts) not yet read
         self._host: torch.Tensor | None = None
 
-    def plan(self) -> bool:
-        """Before a step's launches: whether the group runs its alternate this step.
-        (While a CUDA graph is captured: the mode of the moment, no event queried.)"""
+    def plan(self) -> int:
+        """Before a step's launches: what the group runs this step (:attr:`other`'s
+        values). (While a CUDA graph is captured: the mode of the moment, no event
+        queried.)"""
         if _capturing(self.flags.device):
             self.sampling = False
             self.now = self.other
@@ -83,7 +96,7 @@ class SkipWatch:
         self.sampling = self.pending is None and self.steps % period == 1 % period
         if self.sampling and not self.deferring:
             self.flags.zero_()  # (its programs without zeros write no flag)
-        self.now = self.other and not self.sampling
+        self.now = 0 if self.sampling else self.other
         return self.now
 
     def _decide(self, nonzero: int, total: int) -> None:
@@ -91,9 +104,9 @@ class SkipWatch:
         zeros = total - nonzero
         blocks = max(self.blocks, 1)
         self.fraction, self.zero_fraction = (nonzero - zeros) / blocks, zeros / blocks
-        # (split+defer's flags mark no all-zero block: there zero_fraction is 0)
-        self.other = (self.fraction - tiles.SPLIT_ZERO_WEIGHT * self.zero_fraction
-                      > self.select_above)
+        weight = 0.0 if self.deferring else tiles.SPLIT_ZERO_WEIGHT
+        self.other = (2 if self.span_above is not None and self.zero_fraction > self.span_above
+                      else int(self.fraction - weight * self.zero_fraction > self.select_above))
 
     def after(self) -> None:
         """After a step's launches: count the flags of a sampled step."""

@@ -12,13 +12,14 @@ block) are always deferred.
 
 The deferred kernel is the chain's main kernel in a loop: program ``k`` reads the flags
 of programs ``k * DEFER_FLAGS`` to ``(k + 1) * DEFER_FLAGS - 1`` at once and returns where
-none is set (the common case: a flag byte a main program, one load of them here), else
+none is 1 (the common case: a flag byte a main program, one load of them here), else
 runs each flagged program's body in turn. The flags need no reset: every main program
-writes its own, each step.
+writes its own, each step (0: no zero gradient, 1: some, or a tail, 2: only zeros, which
+:mod:`ftopt.lowering.skip_watch` counts).
 
 A layout of :data:`tiles.SPANS` runs several consecutive blocks a main program
 (:func:`spanned`): the program checks all their gradients with one wait on memory and
-ends where every one is zero (clearing the blocks' flags), else runs each block as a
+ends where every one is zero (their flags 2), else runs each block as a
 program of one block would. Flags, work tables and the deferred kernel stay per block.
 """
 
@@ -31,8 +32,10 @@ from ftopt.lowering import quantized, tiles
 _NO_ZEROS = {"zero = g == 0.0": "zero = tl.full([BLOCK], 0, tl.int1)",
              "keep = g != 0.0": "keep = tl.full([BLOCK], 1, tl.int1)"}
 
-# The main kernel's flag of a program the deferred kernel runs.
+# The main kernel's flag of a program the deferred kernel runs (1), of one with only
+# zeros (2), of one without (0).
 _FLAG = "tl.store(flags_ptr + pid, ({}).to(tl.uint8))"
+_DEFER_FLAG = "(live_lanes < BLOCK).to(tl.uint8) + (live_lanes == 0).to(tl.uint8)"
 # The flag of a "split" program that counts (1: some zero gradients, 2: all zero).
 _COUNT = "tl.store(flags_ptr + pid, tl.full([], {}, tl.uint8))"
 
@@ -45,9 +48,10 @@ def split_on_zeros(body: list[str], dense: list[str], defer: bool = False,
                    count: bool = False) -> list[str]:
     """A full block's code of a "split" kernel: after the gradient's load, ``dense`` (the
     same body with the skip masks constant, no gating of stores) where every gradient is
-    non-zero, ``body`` where some are (``defer``: a flag for the deferred kernel in its
-    place), nothing where all are zero (``count``: flags 1 where some are, 2 where all
-    are, for :mod:`ftopt.lowering.skip_watch`).
+    non-zero, ``body`` where some are (``defer``: a flag 1 for the deferred kernel in its
+    place), nothing where all are zero (``count``, or ``defer``: flags 1 where some are,
+    2 where all are, for :mod:`ftopt.lowering.skip_watch`; ``defer``: 0 where none
+    is).
 
     8-bit slots are loaded and decoded before the check (:func:`quantized.hoisted`): a
     program would otherwise wait for its gradients before it starts the loads its math
@@ -61,7 +65,7 @@ def split_on_zeros(body: list[str], dense: list[str], defer: bool = False,
     assert early == early_dense
     head = body[:at + 1] + early + ["live_lanes = tl.sum((g != 0.0).to(tl.int32))"]
     if defer:
-        return (head + [_FLAG.format("(live_lanes > 0) & (live_lanes < BLOCK)"),
+        return (head + [_FLAG.format(_DEFER_FLAG),
                         "if live_lanes == BLOCK:"] + _indent(dense))
     return (head + ["if live_lanes == BLOCK:"] + _indent(dense)
             + ["elif live_lanes > 0:"] + _indent([_COUNT.format(1)] * count + rest)
@@ -88,10 +92,11 @@ def deferred(prelude: list[str], body: list[str]) -> list[str]:
     assert prelude[0] == "pid = tl.program_id(0)"
     flags = tiles.DEFER_FLAGS
     return ([f"first = tl.program_id(0) * {flags}",
-             f"if tl.max(tl.load(flags_ptr + first + tl.arange(0, {flags}))) > 0:",
+             f"if tl.max((tl.load(flags_ptr + first + tl.arange(0, {flags})) == 1)"
+             ".to(tl.int32)) > 0:",
              f"    for j in range({flags}):",
              "        pid = first + j",
-             "        if tl.load(flags_ptr + pid) != 0:"]
+             "        if tl.load(flags_ptr + pid) == 1:"]
             + _indent(prelude[1:] + body, 3))
 
 
@@ -107,7 +112,7 @@ def spanned(prelude: list[str], full: list[str], tail: list[str], span: int,
     of its work table (:data:`tiles.SPANS`; the table padded with empty blocks to whole
     spans: :func:`ftopt.lowering.work.work_table`): the gradients of all of them are
     loaded at once, and the program ends where every one is zero (after setting its
-    blocks' flags to ``zero_flag``, where given: 0 in a "split+defer" main kernel, 2 in
+    blocks' flags to ``zero_flag``, where given: 2 in a "split+defer" main kernel and in
     one that counts them); else each block in turn
     runs as the program of one block would (``prelude``, the main kernel's from its
     ``pid``, then its full or tail block; its gradients again, from the cache).

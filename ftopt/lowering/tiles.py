@@ -133,6 +133,20 @@ SPLIT_ZERO_WEIGHT = float(os.environ.get("FTOPT_SPLIT_ZERO_WEIGHT", "7.5"))
 # Stochastic rounding keeps SPLIT_SELECT_ABOVE (select +8.1% against +6.9%).
 # FTOPT_SPLIT_SELECT_ABOVE_STATES overrides it.
 SPLIT_SELECT_ABOVE_STATES = float(os.environ.get("FTOPT_SPLIT_SELECT_ABOVE_STATES", "-0.08"))
+# A "split" group of these layouts whose programs hold one block (not in SPANS) runs
+# programs of that many blocks (its spanned alternate) while more than SPAN_ABOVE of its
+# blocks were all zero when last counted: an all-zero stretch then waits on memory once
+# per that many blocks, and the blocks with gradients pay the span loop's registers.
+# H200, GPT-2 Adam, a fraction of the rows of every matrix zero (benchmarks/
+# span_cross_gpu.py), span 1 / span 4 against no skip_zeros, by z (the fraction of
+# blocks all zero): bf16 states z 0 0.968x / 0.904x, 0.26 1.193x / 1.114x, 0.44 1.407x /
+# 1.341x, 0.88 2.20x / 2.96x; stochastic rounding 0.44 1.334x / 1.265x, 0.88 2.34x /
+# 3.28x; 8-bit 0.30 1.134x / 1.079x, 0.50 1.298x / 1.302x, 0.90 1.81x / 2.49x: they
+# cross at z ~ 0.55 and ~ 0.5. FTOPT_SPAN_ALTERNATE ("16-bit states=4,8-bit=4"; "" for
+# none) and FTOPT_SPAN_ABOVE override them.
+SPAN_ALTERNATES = {k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
+    "FTOPT_SPAN_ALTERNATE", "16-bit states=4,8-bit=4").split(",") if kv)}
+SPAN_ABOVE = float(os.environ.get("FTOPT_SPAN_ABOVE", "0.6"))
 
 
 def split_select_above(traced, kind: str) -> float:
