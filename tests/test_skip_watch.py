@@ -252,9 +252,9 @@ def test_bound_launches_of_both_modes_follow_moving_gradients(layout, small_bloc
                      False]
     prepared = plan_chain(tx).prepared
     (group,) = prepared.groups
-    # bound, per (alternate?, counting?) of each watched group: both modes' plain steps
-    assert {((False, False),), ((True, False),)} <= set(prepared._bound_by)
-    alternate_runs = prepared._bound_by[((True, False),)][2]
+    # bound, per (mode, counting?, carve) of each watched group: both modes' plain steps
+    assert {((0, False, None),), ((1, False, None),)} <= set(prepared._bound_by)
+    alternate_runs = prepared._bound_by[((1, False, None),)][2]
     assert alternate_runs and all(b.group is group.alternate for b in alternate_runs)
     assert len(bound_calls) >= 4
     monkeypatch.setattr(tiles, "SPLIT_SELECT_ABOVE", 1e9)
@@ -287,6 +287,18 @@ def test_dense_gradients_pick_the_cheaper_mode_of_the_layout(layout, rounding, s
                      else [False] * 8)
 
 
+def _one_block_layout(layout: str, monkeypatch) -> tuple:
+    """(param dtype, adam kwargs) of ``layout`` ("8-bit" or "bf16 states") in its split
+    mode, with a spanned alternate of 4 blocks."""
+    dtype, kw = ((torch.float32, {"state_bits": 8}) if layout == "8-bit"
+                 else LAYOUTS[layout][:2])
+    key = "8-bit" if layout == "8-bit" else "16-bit states"
+    monkeypatch.setitem(tiles.SKIP_MODES, key,
+                        "split+defer" if layout == "8-bit" else "split+in_place")
+    monkeypatch.setattr(tiles, "SPAN_ALTERNATES", {key: 4})
+    return dtype, kw
+
+
 @pytest.mark.parametrize("layout", ["8-bit", "bf16 states"])
 def test_mostly_zero_gradients_run_the_spanned_alternate(layout, small_blocks, small_tiles,
                                                          bound_calls, monkeypatch):
@@ -294,12 +306,7 @@ def test_mostly_zero_gradients_run_the_spanned_alternate(layout, small_blocks, s
     its spanned alternate (programs of 4 blocks: tiles.SPAN_ALTERNATES) until a probe
     finds the zeros gone; its bound launches follow new gradient tensors as the
     group's do. The same bytes as the group that never switches, and skip_zeros held."""
-    dtype, kw = ((torch.float32, {"state_bits": 8}) if layout == "8-bit"
-                 else LAYOUTS[layout][:2])
-    key = "8-bit" if layout == "8-bit" else "16-bit states"
-    monkeypatch.setitem(tiles.SKIP_MODES, key,
-                        "split+defer" if layout == "8-bit" else "split+in_place")
-    monkeypatch.setattr(tiles, "SPAN_ALTERNATES", {key: 4})
+    dtype, kw = _one_block_layout(layout, monkeypatch)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     params = {"w": torch.randn(N, generator=gen).to(DEVICE, dtype)}
     grads = [{"w": g["w"].to(dtype)} for g in _grads(gen, 12, range(0))]
@@ -315,7 +322,7 @@ def test_mostly_zero_gradients_run_the_spanned_alternate(layout, small_blocks, s
     # counted at steps 1, 5 (probes: still mostly zero) and 9 (the zeros gone)
     assert modes == [0, 2, 2, 2, 0, 2, 2, 2, 0, 0, 0, 0]
     assert group.watch.zero_fraction == 2 / 41  # (8-bit: its flags mark them too)
-    spanned_runs = prepared._bound_by[((2, False),)][2]
+    spanned_runs = prepared._bound_by[((2, False, None),)][2]
     assert spanned_runs and all(b.group is group.spanned for b in spanned_runs)
     assert len(bound_calls) >= 4
     monkeypatch.setattr(tiles, "SPAN_ABOVE", 2.0)
@@ -329,3 +336,88 @@ def test_mostly_zero_gradients_run_the_spanned_alternate(layout, small_blocks, s
     after = _run(tx, params, state, grads[:4])
     assert torch.equal(after[0]["w"][:256 * 32], before[0]["w"][:256 * 32])
     assert not torch.equal(after[0]["w"][256 * 32:], before[0]["w"][256 * 32:])
+
+
+@pytest.mark.parametrize("layout", ["8-bit", "bf16 states"])
+def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, small_blocks,
+                                                               small_tiles, bound_calls,
+                                                               monkeypatch):
+    """A leaf whose blocks are mostly all zero (an embedding's unused rows: 36 of 40),
+    in a group whose blocks are not (36 of 61), is carved out: it runs spanned in a group
+    of its own, the other leaf as before, until a probe finds its zeros gone. Its bound
+    launches follow new gradient tensors; the same bytes as the group that never carves
+    (the control: it never did), and skip_zeros held."""
+    dtype, kw = _one_block_layout(layout, monkeypatch)
+    monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"emb": torch.randn(256 * 40, generator=gen).to(DEVICE, dtype),
+              "w": torch.randn(256 * 20 + 77, generator=gen).to(DEVICE, dtype)}
+    grads = [{k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
+              for k, v in params.items()} for _ in range(12)]
+    rows = torch.randperm(40, generator=gen)[:36]
+    for g in grads[:6]:  # 36 of its 40 blocks zero, other ones each step
+        g["emb"].view(40, 256)[rows[torch.randperm(36, generator=gen)]] = 0.0
+    tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+    state = tx.init(params)
+    modes, carves = [], []
+    p, s = cloned(params), cloned(state)
+    for g in grads:
+        p, s = ftopt.step(tx, p, g, s, backend="fused", donate=True)
+        (group,) = plan_chain(tx).prepared.groups
+        modes.append(group.watch.now)
+        carves.append(group.watch.carve)
+    # (dense gradients: bf16 states rounded to nearest run select, 1)
+    assert modes == [0, 3, 3, 3, 0, 3, 3, 3, 0] + [int(layout != "8-bit")] * 3
+    assert group.watch.zero_fraction == 0.0
+    emb = sorted(params).index("emb")
+    assert carves[1] == (emb,)
+    (rest, rest_at), (spanned, spanned_at) = group.watch.carves[(emb,)]
+    assert rest.span == 1 and rest.leaves == [group.leaves[1 - emb]]
+    assert spanned.span == 4 and spanned.leaves == [group.leaves[emb]]
+    runs = plan_chain(tx).prepared._bound_by[((3, False, (emb,)),)][2]
+    assert {id(b.group) for b in runs} >= {id(rest), id(spanned)} and len(bound_calls) >= 4
+    monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 10**9)
+    tx2 = ftopt.adam(1e-2, skip_zeros=True, **kw)
+    never: list = []
+    assert same_bits((p, s), _run(tx2, params, tx2.init(params), grads, never))
+    assert 3 not in never  # (the control: it never carved)
+    # skip_zeros held by the carved steps: the blocks zero in steps 2-6 kept their bytes
+    # across them (the control: the others changed).
+    before = _run(tx2, params, state, grads[:1])
+    after = _run(tx2, params, state, grads[:1] + [grads[1]] * 3)
+    zero = (grads[1]["emb"] == 0).view(-1)
+    emb_before, emb_after = before[0]["emb"].view(-1), after[0]["emb"].view(-1)
+    assert torch.equal(emb_after[zero], emb_before[zero])
+    assert not torch.equal(emb_after[~zero], emb_before[~zero])
+
+
+def test_the_watch_counts_each_leafs_zero_blocks_only_after_a_count_finds_some(
+        monkeypatch):
+    """A carving watch adds each leaf's all-zero blocks to its count (flags 2 in the
+    leaf's run of blocks) and carves the leaves over tiles.SPAN_ABOVE all zero; once a
+    count finds no all-zero block, the next counts skip the per-leaf sums."""
+    from ftopt.lowering.skip_watch import SkipWatch
+
+    monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 2)
+    # leaves of 3 and 5 blocks (4 flags of padding)
+    flags = torch.zeros(12, dtype=torch.uint8)
+    watch = SkipWatch(flags, 8, False, 0.2, 0.6, (3, 5))
+
+    def count(values: list) -> list:
+        """The counts of a counting step whose kernel set ``values``."""
+        watch.pending = None
+        watch.steps = 0
+        watch.plan()  # (the first step counts: it clears the flags)
+        assert watch.sampling and not flags.any()
+        flags[:8] = torch.tensor(values, dtype=torch.uint8)
+        watch.after()
+        counts = watch.pending[1].tolist()
+        watch.plan()  # reads it
+        return counts
+
+    # set flags 5, their sum 9; leaf 0: 2 of 3 blocks zero (> 0.6), leaf 1: 2 of 5
+    assert count([2, 2, 0, 1, 2, 0, 0, 2]) == [5, 9, 2, 2]
+    assert watch.zero_fraction == 0.5 and watch.other == 3 and watch.carve == (0,)
+    assert count([0, 0, 0, 1, 0, 0, 0, 0]) == [1, 1, 0, 0]  # (the last had some)
+    assert watch.zero_fraction == 0.0 and watch.other == 0 and watch.carve is None
+    assert count([0, 0, 0, 1, 0, 0, 0, 0]) == [1, 1]

@@ -223,7 +223,8 @@ def _skip_line(mode: str, used: str, layout: str) -> str:
                  "(ftopt.lowering.skip_watch)")
     if "split" in used and tiles.WATCH and tiles.SPANS.get(layout, 1) == 1 < (
             span := tiles.SPAN_ALTERNATES.get(layout, 1)):
-        text += f"; programs of {span} blocks while over {tiles.SPAN_ABOVE:g} are all zero"
+        text += (f"; programs of {span} blocks while over {tiles.SPAN_ABOVE:g} are all zero"
+                 ", or for the leaves that each are, in a group of their own")
     return text
 
 

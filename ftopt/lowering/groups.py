@@ -6,7 +6,8 @@ skip_watch.SkipWatch` and an *alternate*: the same leaves in the mode that the w
 runs instead while the gradients have many blocks part zero ("split+defer": its
 "split+select"; another "split" mode: "select"); and, for the layouts of
 :data:`tiles.SPAN_ALTERNATES` whose programs hold one block, a *spanned* alternate: the
-same mode with programs of several blocks, for gradients with many blocks all zero.
+same mode with programs of several blocks, for gradients with many blocks all zero, and
+its *carves* (:func:`carved`): its leaves in two groups, the mostly all-zero ones spanned.
 """
 
 from __future__ import annotations
@@ -76,16 +77,50 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
     group.leaf_values = leaf_values
     if group.split and watched:
         spans = tiles.SPAN_ALTERNATES.get(kind, 1) if group.span == 1 else 1
+        # (carves from leaves' blocks in leaf order: not in an interleaved table)
+        carving = (spans > 1 and len(leaves) > 1
+                   and group.work.main_leaf is group.work.block_leaf)
         group.watch = SkipWatch(group.flags, len(group.work.main_leaf), group.deferring,
                                 tiles.DEFER_SELECT_ABOVE if group.deferring
                                 else tiles.split_select_above(group_traced, kind),
-                                tiles.SPAN_ABOVE if spans > 1 else None)
+                                tiles.SPAN_ABOVE if spans > 1 else None,
+                                tuple(max(-(-n // table_args[1]), int(table_args[2]))
+                                      for n in table_args[0]) if carving else ())
+        if carving:  # (not the gradients: carved takes their addresses from the group)
+            group.watch.rebuild = (plan, traced, donate, output, key, leaves, paths,
+                                   {**roles, "g": [None] * len(leaves)}, leaf_values,
+                                   device, mode, spans)
         rest = (plan, traced, donate, output, key, leaves, paths, roles, leaf_values, device)
         group.alternate = build_group(*rest, _SPLIT_SELECT if group.deferring else _SELECT,
                                       watched=False)
         if spans > 1:
             group.spanned = build_group(*rest, mode, watched=False, span=spans)
     return group
+
+
+def carved(group: launch.GroupLaunch, sparse: tuple) -> list:
+    """The groups of ``group``'s carve ``sparse`` (:class:`SkipWatch`: the positions of
+    its leaves that run spanned): the other leaves in the group's mode, those spanned;
+    built once, their gradient tables taken from the group's (and again with it:
+    :meth:`ftopt.lowering.execute.PreparedStep.still_valid`)."""
+    watch = group.watch
+    if sparse not in watch.carves:
+        plan, traced, donate, output, key, leaves, paths, roles, values, device, mode, spans = (
+            watch.rebuild)
+        width = values.numel() // len(leaves)
+        parts = []
+        for at, span in (([j for j in range(len(leaves)) if j not in sparse], 0),
+                         (list(sparse), spans)):
+            sub = build_group(plan, traced, donate, output, key, [leaves[j] for j in at],
+                              [paths[j] for j in at],
+                              {r: [ts[j] for j in at] for r, ts in roles.items()},
+                              values.view(len(leaves), width)[at].reshape(-1) if width
+                              else values, device, mode, watched=False, span=span)
+            at = launch.to_device(at, device)
+            sub.addresses["g"] = group.addresses["g"][at]
+            parts.append((sub, at))
+        watch.carves[sparse] = parts
+    return [sub for sub, _ in watch.carves[sparse]]
 
 
 def group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,

@@ -35,8 +35,12 @@ spanned alternate (programs of several blocks: an all-zero stretch waits on memo
 per span, the other blocks pay the span loop's registers), which it runs while more than
 :data:`tiles.SPAN_ABOVE` of its blocks were all zero (before the rule for select): most
 of a model's gradients zero, as the experts of a mixture that saw no tokens, or
-embedding tables that are most of the parameters. Every mode
-writes the same bytes (the same skip_zeros semantics, the same math): only the time
+embedding tables that are most of the parameters. Below that, where some of its leaves
+are each mostly all zero (an embedding's unused rows), it counts its all-zero blocks per
+leaf too and runs those leaves in a spanned group of their own and the others as before
+(its *carve*: :func:`ftopt.lowering.groups.carved`; :data:`tiles.CARVE_MIN_BLOCKS`).
+
+Every mode writes the same bytes (the same skip_zeros semantics, the same math): only the time
 differs. While a CUDA graph is being captured nothing is counted and nothing switches
 (the captured launches are those of the mode of the moment).
 ``FTOPT_SKIP_WATCH=0`` turns the watch off.
@@ -58,16 +62,27 @@ class SkipWatch:
     its alternate), :meth:`after` after them."""
 
     def __init__(self, flags: torch.Tensor, blocks: int, deferring: bool,
-                 select_above: float = 0.0, span_above: float | None = None):
+                 select_above: float = 0.0, span_above: float | None = None,
+                 leaf_blocks: tuple = ()):
         self.flags = flags  # one byte a main program (ftopt.lowering.split)
         self.blocks = blocks  # main programs (the flags past them stay zero)
         self.deferring = deferring  # "split+defer" (else its flags only count)
         # The threshold: tiles.DEFER_SELECT_ABOVE or tiles.split_select_above's.
         self.select_above = select_above
         self.span_above = span_above  # tiles.SPAN_ABOVE (None: no spanned alternate)
+        # Where it may carve: each leaf's blocks (its main programs in leaf order), and
+        # on the device each leaf's first and last block + 1.
+        self.leaf_blocks = leaf_blocks
+        ends = torch.tensor(leaf_blocks, dtype=torch.int64).cumsum(0)
+        self._leaf_ends = (ends - torch.tensor(leaf_blocks, dtype=torch.int64), ends)
         # What the group runs but in the steps that count: 0 itself, 1 its alternate,
-        # 2 its spanned alternate.
+        # 2 its spanned alternate, 3 its carve: the positions of the leaves run spanned.
         self.other = 0
+        self.carve: tuple | None = None
+        # carve -> its two groups, each with its leaves' positions on the device, and
+        # build_group's arguments for them (ftopt.lowering.groups.carved).
+        self.carves: dict = {}
+        self.rebuild: tuple | None = None
         self.now = 0  # ... this step
         # Blocks with some zero gradients (deferred) and with only zeros, over all
         # blocks, as last counted (only zeros: counted where not deferring).
@@ -90,7 +105,7 @@ class SkipWatch:
             event, counts = self.pending
             if event is None or event.query():
                 self.pending = None
-                self._decide(*(int(c) for c in counts))
+                self._decide(*counts.tolist())
         self.steps += 1
         period = tiles.WATCH_PROBE if self.other else tiles.WATCH_PERIOD
         self.sampling = self.pending is None and self.steps % period == 1 % period
@@ -99,14 +114,21 @@ class SkipWatch:
         self.now = 0 if self.sampling else self.other
         return self.now
 
-    def _decide(self, nonzero: int, total: int) -> None:
-        """From the count of set flags and their sum (1 some zeros, 2 only zeros)."""
+    def _decide(self, nonzero: int, total: int, *per_leaf: int) -> None:
+        """From the count of set flags and their sum (1 some zeros, 2 only zeros), and
+        where it may carve the all-zero blocks of each leaf."""
         zeros = total - nonzero
         blocks = max(self.blocks, 1)
         self.fraction, self.zero_fraction = (nonzero - zeros) / blocks, zeros / blocks
         weight = 0.0 if self.deferring else tiles.SPLIT_ZERO_WEIGHT
         self.other = (2 if self.span_above is not None and self.zero_fraction > self.span_above
                       else int(self.fraction - weight * self.zero_fraction > self.select_above))
+        sparse = tuple(j for j, z in enumerate(per_leaf)
+                       if self.span_above is not None and z > self.span_above * self.leaf_blocks[j])
+        self.carve = None
+        if (self.other == 0 and 0 < len(sparse) < len(per_leaf)
+                and sum(per_leaf[j] for j in sparse) >= tiles.CARVE_MIN_BLOCKS):
+            self.other, self.carve = 3, sparse
 
     def after(self) -> None:
         """After a step's launches: count the flags of a sampled step."""
@@ -115,11 +137,20 @@ class SkipWatch:
         self.sampling = False
         counts = torch.stack([torch.count_nonzero(self.flags),
                               self.flags.sum(dtype=torch.int64)])
+        if self.leaf_blocks and self.zero_fraction != 0.0:
+            # Each leaf's all-zero blocks, from a running count (a sum per leaf by
+            # atomic adds into one slot would serialize: an embedding's 150k blocks cost
+            # 8-bit dense steps 2% when counted every 16 steps, H200). Only where the last
+            # count found some.
+            if self._leaf_ends[0].device != self.flags.device:
+                self._leaf_ends = tuple(t.to(self.flags.device) for t in self._leaf_ends)
+            running = torch.cat([counts.new_zeros(1), (self.flags[:self.blocks] == 2).cumsum(0)])
+            counts = torch.cat([counts, running[self._leaf_ends[1]] - running[self._leaf_ends[0]]])
         if self.flags.device.type == "cpu":
             self.pending = (None, counts)
             return
-        if self._host is None:
-            self._host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        if self._host is None or len(self._host) != len(counts):  # (no copy pending)
+            self._host = torch.empty(len(counts), dtype=torch.int64, pin_memory=True)
         self._host.copy_(counts, non_blocking=True)
         event = torch.Event(self.flags.device.type)
         event.record()
