@@ -24,7 +24,7 @@ from ftopt.lowering import branches, checks, launch, leaf_slots
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.counts import advance_counts, advance_running, counts_on, increment
 from ftopt.lowering.flat import dict_list_getter, flat_dict_getter, flat_dict_leaves
-from ftopt.lowering.groups import build_group, carved, group_roles
+from ftopt.lowering.groups import build_group, group_roles, running_groups, share_grads
 from ftopt.lowering.plan import ChainPlan, planned_states
 from ftopt.lowering.scalars import host_hparams, kernel_scalars
 from ftopt.rules import QuantizedSlot
@@ -197,12 +197,7 @@ class PreparedStep:
         for group, addresses in uploads:
             group.addresses["g"] = launch.to_device(addresses, self.device)
             group.grad_addresses = addresses
-            for other in (group.alternate, group.spanned):
-                if other is not None:
-                    other.addresses["g"] = group.addresses["g"]
-            for sub, at in [x for carve in (group.watch.carves.values() if group.watch
-                                            else ()) for x in carve]:
-                sub.addresses["g"] = group.addresses["g"][at]
+            share_grads(group)
         if uploads:
             for bound in self._bound_by.values():
                 for b in bound[2]:
@@ -223,10 +218,7 @@ class PreparedStep:
             modes = tuple([(group.watch.now, group.counting,
                             group.watch.carve if group.watch.now == 3 else None)
                            for group in self.watched])
-            groups = [x for group in self.groups for x in (
-                carved(group, group.watch.carve) if group.watch and group.watch.now == 3
-                else [(group, group.alternate, group.spanned)[group.watch.now]
-                      if group.watch else group])]
+            groups = [x for group in self.groups for x in running_groups(group)]
         bound = self._bound_by.get(modes)
         pairs = [*count_pairs, *running]
         if (bound is not None and bound[0] == isinstance(scalars, list)

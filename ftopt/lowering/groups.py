@@ -123,6 +123,28 @@ def carved(group: launch.GroupLaunch, sparse: tuple) -> list:
     return [sub for sub, _ in watch.carves[sparse]]
 
 
+def running_groups(group: launch.GroupLaunch) -> list:
+    """The groups that run ``group``'s leaves this step, by its watch's mode: itself, its
+    alternate, its spanned alternate, or its carve's two groups."""
+    watch = group.watch
+    if watch is None:
+        return [group]
+    if watch.now == 3:
+        return carved(group, watch.carve)
+    return [(group, group.alternate, group.spanned)[watch.now]]
+
+
+def share_grads(group: launch.GroupLaunch) -> None:
+    """After ``group``'s gradient table changed: its alternates' (the same table) and
+    its carves' (their leaves' rows of it)."""
+    for other in (group.alternate, group.spanned):
+        if other is not None:
+            other.addresses["g"] = group.addresses["g"]
+    for parts in (group.watch.carves.values() if group.watch else ()):
+        for sub, at in parts:
+            sub.addresses["g"] = group.addresses["g"][at]
+
+
 def group_roles(traced, leaves, p_flat, g_flat, slot_flat, p_out, slot_out,
                 x_flat=None) -> dict:
     """Role -> the tensors of the group's leaves (8-bit slots: codes and absmax)."""

@@ -73,8 +73,9 @@ class SkipWatch:
         # Where it may carve: each leaf's blocks (its main programs in leaf order), and
         # on the device each leaf's first and last block + 1.
         self.leaf_blocks = leaf_blocks
-        ends = torch.tensor(leaf_blocks, dtype=torch.int64).cumsum(0)
-        self._leaf_ends = (ends - torch.tensor(leaf_blocks, dtype=torch.int64), ends)
+        blocks_of = torch.tensor(leaf_blocks, dtype=torch.int64)
+        ends = blocks_of.cumsum(0)
+        self._leaf_ends = ((ends - blocks_of).to(flags.device), ends.to(flags.device))
         # What the group runs but in the steps that count: 0 itself, 1 its alternate,
         # 2 its spanned alternate, 3 its carve: the positions of the leaves run spanned.
         self.other = 0
@@ -123,8 +124,9 @@ class SkipWatch:
         weight = 0.0 if self.deferring else tiles.SPLIT_ZERO_WEIGHT
         self.other = (2 if self.span_above is not None and self.zero_fraction > self.span_above
                       else int(self.fraction - weight * self.zero_fraction > self.select_above))
+        # (per-leaf counts only where it may carve: it has a spanned alternate)
         sparse = tuple(j for j, z in enumerate(per_leaf)
-                       if self.span_above is not None and z > self.span_above * self.leaf_blocks[j])
+                       if z > self.span_above * self.leaf_blocks[j])
         self.carve = None
         if (self.other == 0 and 0 < len(sparse) < len(per_leaf)
                 and sum(per_leaf[j] for j in sparse) >= tiles.CARVE_MIN_BLOCKS):
@@ -142,8 +144,6 @@ class SkipWatch:
             # atomic adds into one slot would serialize: an embedding's 150k blocks cost
             # 8-bit dense steps 2% when counted every 16 steps, H200). Only where the last
             # count found some.
-            if self._leaf_ends[0].device != self.flags.device:
-                self._leaf_ends = tuple(t.to(self.flags.device) for t in self._leaf_ends)
             running = torch.cat([counts.new_zeros(1), (self.flags[:self.blocks] == 2).cumsum(0)])
             counts = torch.cat([counts, running[self._leaf_ends[1]] - running[self._leaf_ends[0]]])
         if self.flags.device.type == "cpu":
