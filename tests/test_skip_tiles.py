@@ -59,7 +59,7 @@ def test_donated_step_with_zero_tiles_equals_the_full_step(name, monkeypatch):
 def test_only_donated_skip_aware_8bit_kernels_return_early():
     traced = plan_chain(ftopt.adam(1e-2, skip_zeros=True)).traced(False)
     variant = codegen.Variant(torch.float32, torch.float32, False, True, 256)
-    guard = "if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0) != 0.0)"
+    guard = "if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0).to(tl.float32) != 0.0)"
     assert guard not in codegen.main_source(traced, variant)
     early = codegen.Variant(torch.float32, torch.float32, False, True, 256, skip_tiles=True)
     assert guard in codegen.main_source(traced, early)
@@ -222,6 +222,7 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         flagged = torch.zeros(-(-(-(-18 // span) * span) // 4) * 4, dtype=torch.uint8)
         assert launched == [(-(-18 // span),), (len(flagged) // 4,)]
         (group,) = plan_chain(tx).prepared.groups
+        assert group.one_leaf == (span > 1 and not interleave)  # (then no table read)
         order = work.interleaved(18, interleave) if interleave else torch.arange(18)
         flagged[[list(order).index(k) for k in (2, 7, 17)]] = 1
         flagged[[list(order).index(k) for k in (1, 8, 9, 10, 11)]] = 2

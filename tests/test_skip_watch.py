@@ -312,6 +312,7 @@ def test_mostly_zero_gradients_run_the_spanned_alternate(layout, small_blocks, s
     grads = [{"w": g["w"].to(dtype)} for g in _grads(gen, 12, range(0))]
     for g in grads[:6]:
         g["w"][:256 * 32] = 0.0  # (steps 7-12: two whole zero blocks, as _grads gives)
+        g["w"][:256 * 32:3] = -0.0  # (zeros too)
     tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
     state = tx.init(params)
     modes: list = []
@@ -343,12 +344,14 @@ def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, small_blo
                                                                small_tiles, bound_calls,
                                                                monkeypatch):
     """A leaf whose blocks are mostly all zero (an embedding's unused rows: 36 of 40),
-    in a group whose blocks are not (36 of 61), is carved out: it runs spanned in a group
-    of its own, the other leaf as before, until a probe finds its zeros gone. Its bound
-    launches follow new gradient tensors; the same bytes as the group that never carves
-    (the control: it never did), and skip_zeros held."""
+    in a group whose blocks are not (36 of 61), is carved out: it runs spanned
+    (tiles.CARVE_SPANS) in a group of its own, the other leaf as before, until a probe
+    finds its zeros gone. Its bound launches follow new gradient tensors; the same bytes
+    as the group that never carves (the control: it never did), and skip_zeros held."""
     dtype, kw = _one_block_layout(layout, monkeypatch)
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
+    monkeypatch.setattr(tiles, "CARVE_SPANS", {"8-bit": 2})  # (else the alternate's 4)
+    span = 2 if layout == "8-bit" else 4
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     params = {"emb": torch.randn(256 * 40, generator=gen).to(DEVICE, dtype),
               "w": torch.randn(256 * 20 + 77, generator=gen).to(DEVICE, dtype)}
@@ -373,7 +376,8 @@ def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, small_blo
     assert carves[1] == (emb,)
     (rest, rest_at), (spanned, spanned_at) = group.watch.carves[(emb,)]
     assert rest.span == 1 and rest.leaves == [group.leaves[1 - emb]]
-    assert spanned.span == 4 and spanned.leaves == [group.leaves[emb]]
+    assert spanned.span == span and spanned.leaves == [group.leaves[emb]]
+    assert spanned.one_leaf and not rest.one_leaf  # (no work table read: one leaf)
     runs = plan_chain(tx).prepared._bound_by[((3, False, (emb,)),)][2]
     assert {id(b.group) for b in runs} >= {id(rest), id(spanned)} and len(bound_calls) >= 4
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 10**9)

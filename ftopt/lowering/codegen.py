@@ -180,6 +180,8 @@ class Variant:
     # A "split" main kernel (not "split+defer") that flags its programs with some zero
     # gradients (1) and with only zeros (2), for ftopt.lowering.skip_watch.
     count_flags: bool = False
+    # The blocks of one leaf, in order: no work-table load before the gradients'.
+    one_leaf: bool = False
 
 
 def _fast_math(line: str) -> str:
@@ -205,7 +207,8 @@ def ftopt_fast_sqrt(x):
 def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list[str]:
     lines = [
         "pid = tl.program_id(0)",
-        "leaf = tl.load(block_leaf_ptr + pid)",
+        "leaf = 0" if variant.one_leaf else "leaf = tl.load(block_leaf_ptr + pid)",
+        "start = pid.to(tl.int64) * BLOCK" if variant.one_leaf else
         "start = tl.multiple_of(tl.load(block_start_ptr + pid), BLOCK)",
         "n = tl.load(numel_ptr + leaf)",
         "offs = start + tl.arange(0, BLOCK)" if not variant.chunk_lanes else
@@ -285,12 +288,6 @@ def _body_lines(traced: TracedChain, nodes, masks: dict[str, str],
     return lines
 
 
-def _split_blocks(full: list[str], tail: list[str]) -> list[str]:
-    lines = ["if start + BLOCK <= n:"] + ["    " + x for x in full]
-    lines += ["else:", "    in_range = offs < n"] + ["    " + x for x in tail]
-    return lines
-
-
 def main_source(traced: TracedChain, variant: Variant) -> str:
     quant = bool(variant.quant_block)
     roles = input_roles(traced, quant) + output_roles(traced, quant)
@@ -313,10 +310,11 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     prelude = _prelude(roles, dtypes, variant)
     if variant.span > 1:
         body = split.spanned(prelude, *bodies, variant.span, dtypes["g"],
-                             2 if variant.defer or variant.count_flags else None)
+                             2 if variant.defer or variant.count_flags else None,
+                             variant.one_leaf)
         prelude = prelude[:1]
     else:
-        body = (split.deferred_blocks if variant.defer == 2 else _split_blocks)(*bodies)
+        body = (split.deferred_blocks if variant.defer == 2 else split.full_or_tail)(*bodies)
     helpers = traced.graph.helpers
     if variant.fast_math:
         body = [_fast_math(x) for x in body]
@@ -325,8 +323,8 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
         helpers = {**helpers, "ftopt_lg2": quantized.LG2_HELPER[
             "interpreter" if tiles.INTERPRETING else "cuda"]}
     if variant.skip_tiles:
-        body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0) != 0.0)"
-                ".to(tl.int32)) > 0:"] + ["    " + x for x in body]
+        body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0)"
+                ".to(tl.float32) != 0.0).to(tl.int32)) > 0:"] + ["    " + x for x in body]
     lines = (split.deferred(prelude, body) if variant.defer == 2
              else prelude + count_lines + body)
     running_args = [f"{role}_ptr" for role, _ in traced.running_stores]
@@ -408,7 +406,7 @@ def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
             lines.append(f"tl.store(partials_ptr + pid * {len(reductions)} + {j}, "
                          f"tl.sum({square}))")
         bodies.append(lines)
-    lines = _prelude(roles, dtypes, variant) + _split_blocks(*bodies)
+    lines = _prelude(roles, dtypes, variant) + split.full_or_tail(*bodies)
     sig = _signature(roles, ["partials_ptr"], len(traced.graph.scalars), variant)
     return _kernel(f"ftopt_reduce_{level}", sig, lines, traced.graph.helpers)
 

@@ -64,6 +64,9 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
     if group.split and span > 1:
         group.span = span
         group.work = work.work_table(table_args[0], device, *table_args[1:], group.span)
+        # (one leaf's blocks in order: an embedding carved out, say)
+        group.one_leaf = len(leaves) == 1 and not work.is_interleaved(
+            group.work.num_blocks, tiles.INTERLEAVE)
     if group.split and (watched or (defer and not group_traced.in_place)):
         # (one a block of the main kernel's table, its padding to whole spans too)
         group.flags = torch.zeros(split_kernels.flag_count(len(group.work.main_leaf)),
@@ -89,7 +92,7 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
         if carving:  # (not the gradients: carved takes their addresses from the group)
             group.watch.rebuild = (plan, traced, donate, output, key, leaves, paths,
                                    {**roles, "g": [None] * len(leaves)}, leaf_values,
-                                   device, mode, spans)
+                                   device, mode, tiles.CARVE_SPANS.get(kind, spans))
         rest = (plan, traced, donate, output, key, leaves, paths, roles, leaf_values, device)
         group.alternate = build_group(*rest, _SPLIT_SELECT if group.deferring else _SELECT,
                                       watched=False)

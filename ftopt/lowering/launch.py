@@ -73,8 +73,7 @@ SKIP_TILES = True
 
 
 def switches() -> tuple:
-    """The module switches that choose a kernel variant (bound launches are rebound when
-    one changes)."""
+    """The module switches that choose a kernel variant (bound launches rebind on one)."""
     return SKIP_TILES, quantized.ENCODER
 
 
@@ -102,15 +101,15 @@ class GroupLaunch:
     # "split+defer": programs with some zero gradients run in a second launch, which
     # reads their flags here (ftopt.lowering.split; one byte a main program).
     flags: torch.Tensor | None = None
-    # "split+defer" (deferring: the second launch runs the flagged blocks), or another
-    # "split" mode whose flags count its blocks with some (1) and only (2) zero
-    # gradients (ftopt.lowering.skip_watch); the watch and the group it runs instead.
+    # "split+defer" (deferring), or another "split" mode whose flags count its blocks with
+    # some (1) and only (2) zero gradients (ftopt.lowering.skip_watch); its watch.
     deferring: bool = False
     counting: bool = False  # (not deferring) this step's kernel sets the flags
     watch: object = None
-    alternate: GroupLaunch | None = None
+    alternate: GroupLaunch | None = None  # the group it runs instead
     spanned: GroupLaunch | None = None  # the watch's other alternate (tiles.SPAN_ALTERNATES)
     span: int = 1  # blocks a program of a "split" main kernel runs (codegen.Variant)
+    one_leaf: bool = False  # its blocks in order, of one leaf (codegen.Variant)
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
 
@@ -135,8 +134,8 @@ class GroupLaunch:
                         self.quant_block, self.slot_dtypes, self.skip_tiles and SKIP_TILES,
                         quantized.ENCODER if self.quant_block else "arithmetic",
                         self.skip_stores, self.fast_math, self.chunk_lanes, self.split,
-                        defer, 1 if deferred else self.span,
-                        self.counting)
+                        defer, span=1 if deferred else self.span,
+                        count_flags=self.counting, one_leaf=self.one_leaf and not deferred)
 
     def kernels(self, scalars, counted: bool) -> list[tuple]:
         """(kernel, grid, constants, trailing arguments) of each main launch of this
@@ -183,16 +182,8 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None,
     return tuple(constants.items())
 
 
-@lru_cache(maxsize=256)
-def _variant(p_dtype, g_dtype, aligned: bool, scalar_args: bool, quant_block: int,
-             slot_dtypes: tuple = (), skip_tiles: bool = False,
-             encoder: str = "arithmetic", skip_stores: bool = False,
-             fast_math: bool = False, chunk_lanes: int = 0,
-             split: bool = False, defer: int = 0, span: int = 1,
-             count_flags: bool = False) -> codegen.Variant:
-    return codegen.Variant(p_dtype, g_dtype, aligned, scalar_args, quant_block, slot_dtypes,
-                           skip_tiles, encoder, skip_stores, fast_math, chunk_lanes, split,
-                           defer, span=span, count_flags=count_flags)
+# (one Variant object per variant: the kernel caches hash it once)
+_variant = lru_cache(maxsize=256)(codegen.Variant)
 
 
 @lru_cache(maxsize=256)

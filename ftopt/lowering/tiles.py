@@ -155,6 +155,12 @@ SPAN_ABOVE = float(os.environ.get("FTOPT_SPAN_ABOVE", "0.6"))
 # (benchmarks/leaf_split_gpu.py): bf16 states 1.171x -> 1.207x, 8-bit 1.126x -> 1.179x
 # against no skip_zeros. FTOPT_CARVE_MIN_BLOCKS overrides it.
 CARVE_MIN_BLOCKS = int(os.environ.get("FTOPT_CARVE_MIN_BLOCKS", "16384"))
+# Blocks a program of a carved group runs, per layout (else its SPAN_ALTERNATES span).
+# H200, GPT-2's embedding alone, 90% of its rows zero, kernel time (us; leaf_split_gpu.py,
+# its blocks of one leaf: split.spanned), span 2 / 4 / 8: bf16 states 52 / 48 / 61,
+# stochastic rounding 67 / 61 / 74, 8-bit 64 / 71 / 84. FTOPT_CARVE_SPAN overrides it.
+CARVE_SPANS = {k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
+    "FTOPT_CARVE_SPAN", "8-bit=2").split(",") if kv)}
 
 
 def split_select_above(traced, kind: str) -> float:

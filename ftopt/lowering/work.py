@@ -48,6 +48,11 @@ def interleaved(total: int, chunk: int) -> torch.Tensor:
 PAST_THE_END = 1 << 40
 
 
+def is_interleaved(total: int, interleave: int) -> bool:
+    """Whether a table of ``total`` blocks runs them in runs of ``interleave``."""
+    return bool(interleave) and total > 2 * interleave
+
+
 @lru_cache(maxsize=64)
 def work_table(numels: tuple[int, ...], device: torch.device, block: int,
                every_leaf: bool = False, interleave: int = 0, span: int = 1) -> WorkTable:
@@ -66,7 +71,7 @@ def work_table(numels: tuple[int, ...], device: torch.device, block: int,
     move = lambda t, dt=torch.int64: t.to(dt).to(device)  # noqa: E731
     block_leaf, block_start = move(leaf, torch.int32), move(start)
     main_leaf, main_start = block_leaf, block_start
-    if interleave and total > 2 * interleave:
+    if is_interleaved(total, interleave):
         order = interleaved(total, interleave)
         main_leaf, main_start = move(leaf[order], torch.int32), move(start[order])
     if span > 1 and total % span:
