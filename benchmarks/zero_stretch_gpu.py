@@ -120,28 +120,26 @@ def adam_block(addr_tab, leaf, offs, n, lr):
 
 
 @triton.jit
+def locate(leaf_tab, start_tab, block, BLOCK: tl.constexpr, TABLE: tl.constexpr):
+    """(leaf, start) of ``block`` (a number or a tensor of them): from the work table, or
+    from the number (the blocks of one leaf in order)."""
+    if TABLE:
+        return tl.load(leaf_tab + block), tl.load(start_tab + block)
+    return block * 0, block * BLOCK
+
+
+@triton.jit
 def spanned(leaf_tab, start_tab, numel_tab, addr_tab, lr, SPAN: tl.constexpr,
             BLOCK: tl.constexpr, TABLE: tl.constexpr):
-    blocks = tl.program_id(0) * SPAN + tl.arange(0, SPAN)
-    if TABLE:
-        leaf = tl.load(leaf_tab + blocks)
-        starts = tl.load(start_tab + blocks)
-    else:
-        leaf = blocks * 0
-        starts = blocks * BLOCK
+    leaf, starts = locate(leaf_tab, start_tab, tl.program_id(0) * SPAN + tl.arange(0, SPAN),
+                          BLOCK, TABLE)
     n = tl.load(numel_tab + leaf)
     gp = tl.load(addr_tab + 4 * leaf + 1).to(tl.pointer_type(tl.bfloat16))
     offs = starts[:, None] + tl.arange(0, BLOCK)[None, :]
     g = tl.load(gp[:, None] + offs, mask=offs < n[:, None], other=0.0).to(tl.float32)
     if tl.max(tl.max((g != 0.0).to(tl.int32), 1), 0) > 0:
         for sub in range(SPAN):
-            pid = tl.program_id(0) * SPAN + sub
-            if TABLE:
-                lf = tl.load(leaf_tab + pid)
-                st = tl.load(start_tab + pid)
-            else:
-                lf = 0
-                st = pid * BLOCK
+            lf, st = locate(leaf_tab, start_tab, tl.program_id(0) * SPAN + sub, BLOCK, TABLE)
             nn = tl.load(numel_tab + lf)
             o = st + tl.arange(0, BLOCK)
             gs = tl.load(ptr(addr_tab, lf, 1) + o, mask=o < nn, other=0.0).to(tl.float32)
@@ -166,13 +164,7 @@ def update(list_ptr, counter_ptr, done_ptr, leaf_tab, start_tab, numel_tab, addr
            NPROG: tl.constexpr, BLOCK: tl.constexpr, TABLE: tl.constexpr):
     total = tl.load(counter_ptr, volatile=True)
     for i in range(tl.program_id(0), total, NPROG):
-        pid = tl.load(list_ptr + i)
-        if TABLE:
-            lf = tl.load(leaf_tab + pid)
-            st = tl.load(start_tab + pid)
-        else:
-            lf = 0
-            st = pid * BLOCK
+        lf, st = locate(leaf_tab, start_tab, tl.load(list_ptr + i), BLOCK, TABLE)
         adam_block(addr_tab, lf, st + tl.arange(0, BLOCK), tl.load(numel_tab + lf), lr)
     if tl.atomic_add(done_ptr, 1) == NPROG - 1:  # (every program has read the count)
         tl.store(counter_ptr, 0)
@@ -183,13 +175,9 @@ def update(list_ptr, counter_ptr, done_ptr, leaf_tab, start_tab, numel_tab, addr
 def wide(leaf_tab, start_tab, numel_tab, addr_tab, lr, R: tl.constexpr, ROW: tl.constexpr,
          TABLE: tl.constexpr):
     """Rows of ROW lanes, each its own leaf and start (a pointer per row)."""
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    if TABLE:
-        leaf = tl.load(leaf_tab + rows)
-        starts = tl.multiple_of(tl.load(start_tab + rows), ROW)
-    else:
-        leaf = rows * 0
-        starts = rows * ROW
+    leaf, starts = locate(leaf_tab, start_tab, tl.program_id(0) * R + tl.arange(0, R), ROW,
+                          TABLE)
+    starts = tl.multiple_of(starts, ROW)
     n = tl.load(numel_tab + leaf)
     offs = starts[:, None] + tl.arange(0, ROW)[None, :]
     inr = offs < n[:, None]
