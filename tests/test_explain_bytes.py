@@ -195,3 +195,8 @@ def test_explain_names_the_span(monkeypatch):
     text = ftopt.explain(ftopt.adam(1e-3, skip_zeros=True), w, donate=True,
                          backend="fused", file=_Null())
     assert f"programs of 8 blocks while over {tiles.SPAN_ABOVE:g} are all zero" in text, text
+    assert "or of 8 for the leaves that each are" in text, text  # (tiles.CARVE_SPANS)
+    monkeypatch.setattr(tiles, "CARVE_SPANS", {"16-bit": 2})
+    text = ftopt.explain(ftopt.adam(1e-3, skip_zeros=True), w, donate=True,
+                         backend="fused", file=_Null())
+    assert "or of 2 for the leaves that each are" in text, text

@@ -187,9 +187,8 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
 
 def _skip_used(traced, p_dtype, quant_block: int, slot_dtypes: tuple) -> tuple:
     """(layout's mode, the mode this chain's kernels take, layout) of a donated step's
-    skip_zeros in this group (:data:`ftopt.lowering.tiles.SKIP_MODES`): what the chain
-    falls back to where it needs every lane (norms, per-leaf values) or is not plain
-    elementwise ("chunks")."""
+    skip_zeros in this group (:data:`ftopt.lowering.tiles.SKIP_MODES`): the fallback of a
+    chain that needs every lane (norms, per-leaf values), or of "chunks" without plain code."""
     layout = tiles.layout(p_dtype, quant_block, slot_dtypes)
     mode = used = tiles.SKIP_MODES[layout]
     if "in_place" in mode and not traced.in_place:
@@ -224,7 +223,8 @@ def _skip_line(mode: str, used: str, layout: str) -> str:
     if "split" in used and tiles.WATCH and tiles.SPANS.get(layout, 1) == 1 < (
             span := tiles.SPAN_ALTERNATES.get(layout, 1)):
         text += (f"; programs of {span} blocks while over {tiles.SPAN_ABOVE:g} are all zero"
-                 ", or for the leaves that each are, in a group of their own")
+                 f", or of {tiles.CARVE_SPANS.get(layout, span)} for the leaves that each"
+                 " are, in a group of their own")
     return text
 
 
