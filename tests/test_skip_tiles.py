@@ -345,6 +345,51 @@ def test_in_place_span_checks_its_tiles_at_once_and_runs_each(dtype, state_dtype
             cache.cache_clear()
 
 
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_span_of_one_leaf_reads_no_work_table(dtype, name, monkeypatch):
+    """A spanned group of one leaf's blocks in order (an embedding carved out) finds a
+    program's blocks from its number (``Variant.one_leaf``), in its norm pass too (lamb):
+    whole spans zero, part of a block, the leaf's partial last block, a span padded past
+    the table's end all equal the step not donated, and zero gradients keep their bytes
+    (the others change: the control). Two leaves read the table."""
+    span = 4
+    monkeypatch.setattr(tiles, "IN_PLACE_TILE", (256, 4))
+    monkeypatch.setattr(tiles, "HEAVY_TILE", (256, 4))
+    monkeypatch.setattr(tiles, "IN_PLACE_TILES", {})
+    monkeypatch.setattr(tiles, "SPANS", {"fp32": span, "16-bit": span})
+    for cache in (launch._constants_cached, launch._kernel, work.work_table):
+        cache.cache_clear()
+    try:
+        tx = getattr(ftopt, name)(1e-2, skip_zeros=True)
+        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+        n = 256 * span * 4 + 256 + 100  # 18 blocks: four spans and a padded one
+        params = {"a": torch.randn(n, generator=gen).to(DEVICE, dtype)}
+        state = tx.init(params)
+        g = torch.randn(n, generator=gen).to(DEVICE, dtype)
+        g[:256 * span] = 0.0
+        g[256 * span + 7: 256 * span + 90] = -0.0
+        g[-150:] = 0.0
+        full = ftopt.step(tx, params, {"a": g}, state, backend="fused")
+        donated = ftopt.step(tx, cloned(params), {"a": g}, cloned(state), backend="fused",
+                             donate=True)
+        assert same_bits(donated, full)
+        (group,) = plan_chain(tx).prepared.groups
+        assert group.span == span and group.one_leaf and bool(group.traced.levels) == (
+            name == "lamb")
+        zero = g == 0
+        new, old = full[0]["a"], params["a"]
+        assert torch.equal(bits(new[zero]), bits(old[zero]))
+        assert (new[~zero] != old[~zero]).float().mean() > 0.9  # the control
+        two = {"a": params["a"], "b": params["a"][:300].clone()}
+        ftopt.step(tx, cloned(two), {"a": g, "b": g[:300]}, tx.init(two), backend="fused",
+                   donate=True)
+        assert not plan_chain(tx).prepared.groups[0].one_leaf
+    finally:
+        for cache in (launch._constants_cached, launch._kernel, work.work_table):
+            cache.cache_clear()
+
+
 def test_in_place_register_cap_per_layout(monkeypatch):
     """``tiles.IN_PLACE_MAXNREG``: on an NVIDIA GPU a layout's in-place kernels take its
     register cap, and only they."""
