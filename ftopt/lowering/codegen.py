@@ -180,7 +180,7 @@ class Variant:
     # A "split" main kernel (not "split+defer") that flags its programs with some zero
     # gradients (1) and with only zeros (2), for ftopt.lowering.skip_watch.
     count_flags: bool = False
-    # The blocks of one leaf, in order: no work-table load before the gradients'.
+    # The group's blocks are one leaf's, in order: a program computes its start.
     one_leaf: bool = False
 
 
