@@ -82,7 +82,7 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
         spans = tiles.SPAN_ALTERNATES.get(kind, 1) if group.span == 1 else 1
         # (carves from leaves' blocks in leaf order: not in an interleaved table)
         carving = (spans > 1 and len(leaves) > 1
-                   and group.work.main_leaf is group.work.block_leaf)
+                   and not work.is_interleaved(group.work.num_blocks, tiles.INTERLEAVE))
         group.watch = SkipWatch(group.flags, len(group.work.main_leaf), group.deferring,
                                 tiles.DEFER_SELECT_ABOVE if group.deferring
                                 else tiles.split_select_above(group_traced, kind),

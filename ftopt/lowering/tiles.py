@@ -11,6 +11,13 @@ import os
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+
+def _per_layout(variable: str, default: str) -> dict[str, int]:
+    """A setting per layout from ``variable`` ("fp32=56,16-bit=64"; "": none)."""
+    return {k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
+        variable, default).split(",") if kv)}
+
+
 # Elements per program and warps per program of every kernel (FTOPT_BLOCK and
 # FTOPT_NUM_WARPS override them, for tuning on new hardware). On an H200, 512/4 is as
 # fast as 1024/4 with fp32 params and 12% faster with bf16 ones (benchmarks/RESULTS.md).
@@ -37,8 +44,7 @@ IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
 # -1.0..+0.5% / 1.27-1.29x in four sweeps (1.26-1.27x in the defaults run). bf16 params
 # at 1024x4 take 108 registers (+31%), and capped at 64 spill (+17%).
 # FTOPT_IN_PLACE_MAXNREG ("fp32=56,16-bit=64") overrides.
-IN_PLACE_MAXNREG = {k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
-    "FTOPT_IN_PLACE_MAXNREG", "fp32=56").split(",") if kv)}
+IN_PLACE_MAXNREG = _per_layout("FTOPT_IN_PLACE_MAXNREG", "fp32=56")
 # Blocks a program of a "split" main kernel runs, per layout (a power of two;
 # :func:`ftopt.lowering.split.spanned`): it loads the gradients of all of them, returns
 # where every one is zero, else runs them one after another. A program whose gradients
@@ -55,9 +61,8 @@ IN_PLACE_MAXNREG = {k: int(v) for k, v in (kv.split("=") for kv in os.environ.ge
 # 0.615 / 0.526 / 0.319 (off 0.603), 2 0.694 / 0.551 / 0.171, 4 0.674-0.681 / 0.536 /
 # 0.133-0.182: its check becomes a trip to memory of its own (with one block it loads
 # the gradients with the codes). FTOPT_SPAN ("16-bit=4,fp32=2") overrides.
-SPANS = ({} if INTERPRETING and "FTOPT_SPAN" not in os.environ else {
-    k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
-        "FTOPT_SPAN", "16-bit=4").split(",") if kv)})
+SPANS = ({} if INTERPRETING and "FTOPT_SPAN" not in os.environ
+         else _per_layout("FTOPT_SPAN", "16-bit=4"))
 # Kernels with 8-bit slots are not bound by memory: one 256-element block per program
 # with one warp is the fastest tile (H200, Adam, log2-rcp encoder, one 64M tensor / GPT-2
 # tree: 256/1 0.514 / 0.949 ms, 256/2 0.572 / 1.056, 512/1 0.743 / 1.329, 1024/1 0.718 /
@@ -144,8 +149,7 @@ SPLIT_SELECT_ABOVE_STATES = float(os.environ.get("FTOPT_SPLIT_SELECT_ABOVE_STATE
 # 3.28x; 8-bit 0.30 1.134x / 1.079x, 0.50 1.298x / 1.302x, 0.90 1.81x / 2.49x: they
 # cross at z ~ 0.55 and ~ 0.5. FTOPT_SPAN_ALTERNATE ("16-bit states=4,8-bit=4"; "" for
 # none) and FTOPT_SPAN_ABOVE override them.
-SPAN_ALTERNATES = {k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
-    "FTOPT_SPAN_ALTERNATE", "16-bit states=4,8-bit=4").split(",") if kv)}
+SPAN_ALTERNATES = _per_layout("FTOPT_SPAN_ALTERNATE", "16-bit states=4,8-bit=4")
 SPAN_ABOVE = float(os.environ.get("FTOPT_SPAN_ABOVE", "0.6"))
 # Below that, the leaves of such a group that are each over SPAN_ABOVE all zero (an
 # embedding's unused rows) run in a spanned group of their own, the others as before
@@ -159,8 +163,7 @@ CARVE_MIN_BLOCKS = int(os.environ.get("FTOPT_CARVE_MIN_BLOCKS", "16384"))
 # H200, GPT-2's embedding alone, 90% of its rows zero, kernel time (us; leaf_split_gpu.py,
 # its blocks of one leaf: split.spanned), span 2 / 4 / 8: bf16 states 52 / 48 / 61,
 # stochastic rounding 67 / 61 / 74, 8-bit 64 / 71 / 84. FTOPT_CARVE_SPAN overrides it.
-CARVE_SPANS = {k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
-    "FTOPT_CARVE_SPAN", "8-bit=2").split(",") if kv)}
+CARVE_SPANS = _per_layout("FTOPT_CARVE_SPAN", "8-bit=2")
 
 
 def split_select_above(traced, kind: str) -> float:
