@@ -3,8 +3,9 @@ one process, per layout.
 
 GPT-2 Adam on each layout of ``gpu_step.LAYOUTS`` (``--layouts=fp32,8-bit``: only those
 keys of ``tiles.SKIP_MODES``), donated steps (``gpu_step.median_step_ms``) with dense
-gradients, 90% of the embedding's rows zero ("sparse") and one gradient in 97 zero
-("mixed": every block part zero), in two rounds (``--rounds=N``; the two skip_zeros
+gradients, 90% of the embedding's rows zero ("sparse"), one gradient in 97 zero
+("mixed": every block part zero) and both ("sparse+mixed": the embedding's rows, one in 97
+of the other leaves' gradients), in two rounds (``--rounds=N``; the two skip_zeros
 variants' order swapped every other round): no skip_zeros, skip_zeros without the
 watch (``tiles.WATCH = False``: each group keeps its mode and counts nothing) and with it
 (the default). Prints each round and the medians, writes ``OUT/watch_ab.json``.
@@ -37,6 +38,8 @@ def main() -> None:
     for name, kw, _, params, grads in gpu_step.layout_trees(cfg, ONLY):
         sparse, _ = gpu_step._sparse_wte(grads, cfg)
         mixed = gpu_step._scattered_zeros(grads)
+        wte = "transformer.wte.weight"
+        both = {**mixed, wte: sparse[wte]}
         times: dict = {}
         for rnd in range(ROUNDS):
             # (the two skip_zeros variants in turn first, against any drift in a round)
@@ -46,18 +49,19 @@ def main() -> None:
                 gpu_step._clear_lowering_caches()
                 launch._COMPILED.clear()
                 tx = ftopt.adam(1e-3, skip_zeros=skip, **kw)
-                for kind, g in (("dense", grads), ("sparse", sparse), ("mixed", mixed)):
+                for kind, g in (("dense", grads), ("sparse", sparse), ("mixed", mixed),
+                                ("sparse+mixed", both)):
                     ms = gpu_step.median_step_ms(tx, params, g)
                     times.setdefault((variant, kind), []).append(ms)
-                    print(f"{rnd} {name:30s} {variant:9s} {kind:6s} {ms:.4f} ms", flush=True)
+                    print(f"{rnd} {name:30s} {variant:9s} {kind:12s} {ms:.4f} ms", flush=True)
         for (variant, kind), v in times.items():
             off = statistics.median(times[("off", kind)])
             med = statistics.median(v)
             rows.append(dict(layout=name, variant=variant, grads=kind, ms=v, median=med,
                              vs_off=med / off))
-            print(f"{name:30s} {variant:9s} {kind:6s} median {med:.4f} ms "
+            print(f"{name:30s} {variant:9s} {kind:12s} median {med:.4f} ms "
                   f"({(med / off - 1) * 100:+.1f}% of off)", flush=True)
-        del params, grads, sparse, mixed
+        del params, grads, sparse, mixed, both
         torch.cuda.empty_cache()
     tiles.WATCH = True
     out = pathlib.Path(sys.argv[1])

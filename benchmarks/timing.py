@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ftopt  # noqa: E402
+from ftopt.lowering import tiles  # noqa: E402
 
 
 class Clock:
@@ -152,15 +153,22 @@ def host_us(fn: Callable, iters: int, warmup: int = 5) -> list[float]:
 
 def kernel_us(tx, params: dict, grads: dict, steps: int = 20) -> dict:
     """Mean device time (us) of each kernel name over ``steps`` donated steps, with the
-    number of launches a step."""
+    number of launches a step. The skip_zeros watch (``ftopt.lowering.skip_watch``)
+    counts in the warm-up steps alone: the profiled steps launch the same kernels each,
+    so the kernels of one name are told apart by their place in a step."""
     step = donated_stepper(tx, params, grads)
-    for _ in range(5):
+    for _ in range(17):  # (the watch's first count, read, and its mode taken)
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
+    period = (tiles.WATCH_PERIOD, tiles.WATCH_PROBE)
+    tiles.WATCH_PERIOD = tiles.WATCH_PROBE = 10**9
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    finally:
+        tiles.WATCH_PERIOD, tiles.WATCH_PROBE = period
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     per_step = max(len(events) // steps, 1)
     times = collections.defaultdict(list)
