@@ -339,27 +339,33 @@ def test_mostly_zero_gradients_run_the_spanned_alternate(layout, small_blocks, s
     assert not torch.equal(after[0]["w"][256 * 32:], before[0]["w"][256 * 32:])
 
 
-@pytest.mark.parametrize("layout", ["8-bit", "bf16 states"])
-def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, small_blocks,
-                                                               small_tiles, bound_calls,
-                                                               monkeypatch):
+@pytest.mark.parametrize("layout,rest_part_zero",
+                         [("8-bit", False), ("bf16 states", False), ("8-bit", True)])
+def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, rest_part_zero,
+                                                               small_blocks, small_tiles,
+                                                               bound_calls, monkeypatch):
     """A leaf whose blocks are mostly all zero (an embedding's unused rows: 36 of 40),
-    in a group whose blocks are not (36 of 61), is carved out: it runs spanned
-    (tiles.CARVE_SPANS) in a group of its own, the other leaf as before, until a probe
-    finds its zeros gone. Its bound launches follow new gradient tensors; the same bytes
-    as the group that never carves (the control: it never did), and skip_zeros held."""
+    in a group whose blocks are not (36 of 71), is carved out: it runs spanned
+    (tiles.CARVE_SPANS) in a group of its own, the other leaf in the mode its own counts
+    choose (dense gradients: bf16 states rounded to nearest run select, 8-bit stays
+    split+defer; a zero in each of its blocks: 8-bit runs split+select, where the whole
+    group would not carve), until a probe finds its zeros gone. Its bound launches follow new
+    gradient tensors; the same bytes as the group that never carves (the control: it
+    never did), and skip_zeros held."""
     dtype, kw = _one_block_layout(layout, monkeypatch)
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
     monkeypatch.setattr(tiles, "CARVE_SPANS", {"8-bit": 2})  # (else the alternate's 4)
     span = 2 if layout == "8-bit" else 4
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     params = {"emb": torch.randn(256 * 40, generator=gen).to(DEVICE, dtype),
-              "w": torch.randn(256 * 20 + 77, generator=gen).to(DEVICE, dtype)}
+              "w": torch.randn(256 * 30 + 77, generator=gen).to(DEVICE, dtype)}
     grads = [{k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
               for k, v in params.items()} for _ in range(12)]
     rows = torch.randperm(40, generator=gen)[:36]
     for g in grads[:6]:  # 36 of its 40 blocks zero, other ones each step
         g["emb"].view(40, 256)[rows[torch.randperm(36, generator=gen)]] = 0.0
+        if rest_part_zero:
+            g["w"][::200] = 0.0
     tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
     state = tx.init(params)
     modes, carves = [], []
@@ -373,12 +379,15 @@ def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, small_blo
     assert modes == [0, 3, 3, 3, 0, 3, 3, 3, 0] + [int(layout != "8-bit")] * 3
     assert group.watch.zero_fraction == 0.0
     emb = sorted(params).index("emb")
-    assert carves[1] == (emb,)
-    (rest, rest_at), (spanned, spanned_at) = group.watch.carves[(emb,)]
+    alternate = layout != "8-bit" or rest_part_zero  # (the other leaf's mode)
+    carve = ((emb,), alternate)
+    assert carves[1] == carve
+    (rest, rest_at), (spanned, spanned_at) = group.watch.carves[carve]
     assert rest.span == 1 and rest.leaves == [group.leaves[1 - emb]]
+    assert rest.split == (layout == "8-bit") and rest.deferring == (not alternate)
     assert spanned.span == span and spanned.leaves == [group.leaves[emb]]
     assert spanned.one_leaf and not rest.one_leaf  # (no work table read: one leaf)
-    runs = plan_chain(tx).prepared._bound_by[((3, False, (emb,)),)][2]
+    runs = plan_chain(tx).prepared._bound_by[((3, False, carve),)][2]
     assert {id(b.group) for b in runs} >= {id(rest), id(spanned)} and len(bound_calls) >= 4
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 10**9)
     tx2 = ftopt.adam(1e-2, skip_zeros=True, **kw)
@@ -397,9 +406,10 @@ def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, small_blo
 
 def test_the_watch_counts_each_leafs_zero_blocks_only_after_a_count_finds_some(
         monkeypatch):
-    """A carving watch adds each leaf's all-zero blocks to its count (flags 2 in the
-    leaf's run of blocks) and carves the leaves over tiles.SPAN_ABOVE all zero; once a
-    count finds no all-zero block, the next counts skip the per-leaf sums."""
+    """A carving watch adds each leaf's all-zero blocks and blocks with some zeros to
+    its count (flags 2 and 1 in the leaf's run of blocks), carves the leaves over
+    tiles.SPAN_ABOVE all zero, and runs the others in the mode their own counts choose;
+    once a count finds no all-zero block, the next counts skip the per-leaf sums."""
     from ftopt.lowering.skip_watch import SkipWatch
 
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 2)
@@ -419,9 +429,19 @@ def test_the_watch_counts_each_leafs_zero_blocks_only_after_a_count_finds_some(
         watch.plan()  # reads it
         return counts
 
-    # set flags 5, their sum 9; leaf 0: 2 of 3 blocks zero (> 0.6), leaf 1: 2 of 5
-    assert count([2, 2, 0, 1, 2, 0, 0, 2]) == [5, 9, 2, 2]
-    assert watch.zero_fraction == 0.5 and watch.other == 3 and watch.carve == (0,)
-    assert count([0, 0, 0, 1, 0, 0, 0, 0]) == [1, 1, 0, 0]  # (the last had some)
+    # set flags 5, their sum 9; leaf 0: 2 of 3 blocks zero (> 0.6), leaf 1: 2 of 5 and
+    # 1 with some zeros (leaf 1 alone: (1 - 7.5 * 2) / 5 < 0.2, not select)
+    assert count([2, 2, 0, 1, 2, 0, 0, 2]) == [5, 9, 2, 2, 0, 1]
+    assert watch.zero_fraction == 0.5 and watch.other == 3 and watch.carve == ((0,), False)
+    # leaf 1: 2 of 5 with some zeros, none only zeros (2 / 5 > 0.2: select)
+    assert count([2, 2, 0, 1, 1, 0, 0, 0]) == [4, 6, 2, 0, 0, 2]
+    assert watch.other == 3 and watch.carve == ((0,), True)
+    assert count([0, 0, 0, 1, 0, 0, 0, 0]) == [1, 1, 0, 0, 0, 1]  # (the last had some)
     assert watch.zero_fraction == 0.0 and watch.other == 0 and watch.carve is None
     assert count([0, 0, 0, 1, 0, 0, 0, 0]) == [1, 1]
+    # A deferring group (split+defer) whose blocks are many part zero runs split+select,
+    # but still carves a mostly all-zero leaf (the others then in split+select).
+    flags.zero_()  # (a deferring group's main kernel writes every flag itself)
+    watch = SkipWatch(flags, 8, True, 0.04, 0.6, (3, 5))
+    assert count([2, 2, 0, 1, 1, 1, 0, 0]) == [5, 7, 2, 0, 0, 3]
+    assert watch.fraction == 0.375 and watch.other == 3 and watch.carve == ((0,), True)

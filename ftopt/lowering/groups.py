@@ -101,29 +101,33 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
     return group
 
 
-def carved(group: launch.GroupLaunch, sparse: tuple) -> list:
-    """The groups of ``group``'s carve ``sparse`` (:class:`SkipWatch`: the positions of
-    its leaves that run spanned): the other leaves in the group's mode, those spanned;
-    built once, their gradient tables taken from the group's (and again with it:
+def carved(group: launch.GroupLaunch, carve: tuple) -> list:
+    """The groups of ``group``'s ``carve`` (:class:`SkipWatch`: the positions of its
+    leaves that run spanned, and whether the others run the alternate's mode): the other
+    leaves in the group's mode or the alternate's, those spanned; built once, their
+    gradient tables taken from the group's (and again with it:
     :meth:`ftopt.lowering.execute.PreparedStep.still_valid`)."""
     watch = group.watch
-    if sparse not in watch.carves:
+    if carve not in watch.carves:
         plan, traced, donate, output, key, leaves, paths, roles, values, device, mode, spans = (
             watch.rebuild)
+        sparse, alternate = carve
         width = values.numel() // len(leaves)
         parts = []
-        for at, span in (([j for j in range(len(leaves)) if j not in sparse], 0),
-                         (list(sparse), spans)):
+        for at, span, its_mode in (
+                ([j for j in range(len(leaves)) if j not in sparse], 0,
+                 (_SPLIT_SELECT if group.deferring else _SELECT) if alternate else mode),
+                (list(sparse), spans, mode)):
             sub = build_group(plan, traced, donate, output, key, [leaves[j] for j in at],
                               [paths[j] for j in at],
                               {r: [ts[j] for j in at] for r, ts in roles.items()},
                               values.view(len(leaves), width)[at].reshape(-1) if width
-                              else values, device, mode, watched=False, span=span)
+                              else values, device, its_mode, watched=False, span=span)
             at = launch.to_device(at, device)
             sub.addresses["g"] = group.addresses["g"][at]
             parts.append((sub, at))
-        watch.carves[sparse] = parts
-    return [sub for sub, _ in watch.carves[sparse]]
+        watch.carves[carve] = parts
+    return [sub for sub, _ in watch.carves[carve]]
 
 
 def running_groups(group: launch.GroupLaunch) -> list:

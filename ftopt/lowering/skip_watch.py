@@ -36,9 +36,14 @@ per span, the other blocks pay the span loop's registers), which it runs while m
 :data:`tiles.SPAN_ABOVE` of its blocks were all zero (before the rule for select): most
 of a model's gradients zero, as the experts of a mixture that saw no tokens, or
 embedding tables that are most of the parameters. Below that, where some of its leaves
-are each mostly all zero (an embedding's unused rows), it counts its all-zero blocks per
-leaf too and runs those leaves in a spanned group of their own and the others as before
-(its *carve*: :func:`ftopt.lowering.groups.carved`; :data:`tiles.CARVE_MIN_BLOCKS`).
+are each mostly all zero (an embedding's unused rows), it counts its blocks with zeros
+per leaf too and runs those leaves in a spanned group of their own and the others in the
+mode their own counts choose, whatever the whole group's (its *carve*:
+:func:`ftopt.lowering.groups.carved`; :data:`tiles.CARVE_MIN_BLOCKS`). H200, GPT-2 Adam,
+90% of the embedding's rows zero and one gradient in 97 of the other leaves', against no
+skip_zeros: the others in the group's mode / in their own, bf16 states 1.12-1.13x /
+1.22-1.24x, 8-bit (the whole group in split+select, no carve) 1.05x / 1.09x; the others'
+gradients dense: unchanged (``benchmarks/RESULTS.md``).
 
 Every mode writes the same bytes (the same skip_zeros semantics, the same math): only the time
 differs. While a CUDA graph is being captured nothing is counted and nothing switches
@@ -77,7 +82,8 @@ class SkipWatch:
         ends = blocks_of.cumsum(0)
         self._leaf_ends = ((ends - blocks_of).to(flags.device), ends.to(flags.device))
         # What the group runs but in the steps that count: 0 itself, 1 its alternate,
-        # 2 its spanned alternate, 3 its carve: the positions of the leaves run spanned.
+        # 2 its spanned alternate, 3 its carve: the positions of the leaves run spanned,
+        # and whether the others run the alternate.
         self.other = 0
         self.carve: tuple | None = None
         # carve -> its two groups, each with its leaves' positions on the device, and
@@ -115,22 +121,35 @@ class SkipWatch:
         self.now = 0 if self.sampling else self.other
         return self.now
 
+    def _alternate(self, some: int, zeros: int, blocks: int) -> bool:
+        """Whether blocks of which ``some`` have some zero gradients and ``zeros`` only
+        zeros run the alternate ("select" or "split+select")."""
+        weight = 0.0 if self.deferring else tiles.SPLIT_ZERO_WEIGHT
+        blocks = max(blocks, 1)
+        return (some - weight * zeros) / blocks > self.select_above
+
     def _decide(self, nonzero: int, total: int, *per_leaf: int) -> None:
         """From the count of set flags and their sum (1 some zeros, 2 only zeros), and
-        where it may carve the all-zero blocks of each leaf."""
+        where it may carve, each leaf's all-zero blocks, then its blocks with some zeros."""
         zeros = total - nonzero
         blocks = max(self.blocks, 1)
         self.fraction, self.zero_fraction = (nonzero - zeros) / blocks, zeros / blocks
-        weight = 0.0 if self.deferring else tiles.SPLIT_ZERO_WEIGHT
         self.other = (2 if self.span_above is not None and self.zero_fraction > self.span_above
-                      else int(self.fraction - weight * self.zero_fraction > self.select_above))
+                      else int(self._alternate(nonzero - zeros, zeros, blocks)))
         # (per-leaf counts only where it may carve: it has a spanned alternate)
-        sparse = tuple(j for j, z in enumerate(per_leaf)
+        zero_of, some_of = per_leaf[:len(per_leaf) // 2], per_leaf[len(per_leaf) // 2:]
+        sparse = tuple(j for j, z in enumerate(zero_of)
                        if z > self.span_above * self.leaf_blocks[j])
         self.carve = None
-        if (self.other == 0 and 0 < len(sparse) < len(per_leaf)
-                and sum(per_leaf[j] for j in sparse) >= tiles.CARVE_MIN_BLOCKS):
-            self.other, self.carve = 3, sparse
+        if (self.other != 2 and 0 < len(sparse) < len(zero_of)
+                and sum(zero_of[j] for j in sparse) >= tiles.CARVE_MIN_BLOCKS):
+            # The other leaves run the mode their own counts choose (dense gradients
+            # beside an embedding: bf16 states rounded to nearest then run select; many
+            # blocks part zero: the alternate, as the whole group would).
+            rest = [j for j in range(len(zero_of)) if j not in sparse]
+            self.other, self.carve = 3, (sparse, self._alternate(
+                sum(some_of[j] for j in rest), sum(zero_of[j] for j in rest),
+                sum(self.leaf_blocks[j] for j in rest)))
 
     def after(self) -> None:
         """After a step's launches: count the flags of a sampled step."""
@@ -144,8 +163,13 @@ class SkipWatch:
             # atomic adds into one slot would serialize: an embedding's 150k blocks cost
             # 8-bit dense steps 2% when counted every 16 steps, H200). Only where the last
             # count found some.
-            running = torch.cat([counts.new_zeros(1), (self.flags[:self.blocks] == 2).cumsum(0)])
-            counts = torch.cat([counts, running[self._leaf_ends[1]] - running[self._leaf_ends[0]]])
+            # One running count of both: the all-zero blocks in the high 32 bits, those
+            # with some zeros in the low.
+            flags = self.flags[:self.blocks]
+            both = (flags == 2).to(torch.int64) * 2**32 + (flags == 1)
+            running = torch.cat([counts.new_zeros(1), both.cumsum(0)])
+            per_leaf = running[self._leaf_ends[1]] - running[self._leaf_ends[0]]
+            counts = torch.cat([counts, per_leaf >> 32, per_leaf & (2**32 - 1)])
         if self.flags.device.type == "cpu":
             self.pending = (None, counts)
             return
