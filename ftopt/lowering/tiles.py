@@ -42,9 +42,15 @@ IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
 # embedding's rows zero against no skip_zeros: fp32 at 1024x4 takes 58 registers (8
 # programs a multiprocessor), +0.2% / 1.25-1.27x; capped at 56 (9 programs, no spills)
 # -1.0..+0.5% / 1.27-1.29x in four sweeps (1.26-1.27x in the defaults run). bf16 params
-# at 1024x4 take 108 registers (+31%), and capped at 64 spill (+17%).
+# at 1024x4 take 108 registers (+31%), and capped at 64 spill (+17%). bf16/fp16 states
+# (512x4): their in-place kernels run where some blocks are all zero (dense gradients run
+# select), and their spanned ones (a carved embedding: split.spanned) hold the span loop;
+# H200, GPT-2's embedding alone with 90% of its rows zero (leaf_split_gpu.py, kernel
+# time) uncapped / 40 / 32: 48.0 / 42.7 / 45.6 us (stochastic rounding 61.1 / 58.0 /
+# 59.2), the rest of the tree's split kernel (stochastic rounding) 477 / 476 / 491 us;
+# GPT-2 steps against no skip_zeros, that embedding sparse: 1.23x / 1.24x (kernel time).
 # FTOPT_IN_PLACE_MAXNREG ("fp32=56,16-bit=64") overrides.
-IN_PLACE_MAXNREG = _per_layout("FTOPT_IN_PLACE_MAXNREG", "fp32=56")
+IN_PLACE_MAXNREG = _per_layout("FTOPT_IN_PLACE_MAXNREG", "fp32=56,16-bit states=40")
 # Blocks a program of a "split" main kernel runs, per layout (a power of two;
 # :func:`ftopt.lowering.split.spanned`): it loads the gradients of all of them, returns
 # where every one is zero, else runs them one after another. A program whose gradients
