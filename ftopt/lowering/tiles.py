@@ -107,8 +107,10 @@ QUANT_DEFER_MAXNREG = int(os.environ.get("FTOPT_QUANT_DEFER_MAXNREG", "72"))
 # it runs their bodies in turn. H200, GPT-2 8-bit Adam, dense / 90% of the embedding's
 # rows zero / every block part zero (ms; off 0.607-0.613): 8 0.644 / 0.550 / 1.002, 16
 # 0.624 / 0.539 / 1.011, 32 0.613 / 0.523 / 1.031, 64 0.607 / 0.527 / 1.111, 256 0.623-0.628
-# / 0.539 / 1.339 (fewer programs, each running more flagged blocks in turn).
-# FTOPT_DEFER_FLAGS overrides it (a power of two).
+# / 0.539 / 1.339 (fewer programs, each running more flagged blocks in turn). With the
+# flagged programs taken from the loaded flags (split.deferred), 32 / 128: dense +4.1..4.2%
+# / +2.6..3.2%, every block part zero without the watch 0.98-1.00 / 1.44-1.45 ms (off
+# 0.60). FTOPT_DEFER_FLAGS overrides it (a power of two).
 DEFER_FLAGS = int(os.environ.get("FTOPT_DEFER_FLAGS", "32"))
 # A "split+defer" group runs "split+select" while more than DEFER_SELECT_ABOVE of its
 # blocks were deferred when last counted (ftopt.lowering.skip_watch): counted every
