@@ -14,6 +14,7 @@ from ftopt.base import GradientTransformation, check_transform
 from ftopt.combine import Masked, Partition, owner
 from ftopt.lowering import branches, runs, tiles
 from ftopt.lowering.codegen import level_reductions, main_nodes
+from ftopt.lowering.explain_skip import skip_line, skip_used
 from ftopt.lowering.plan import (
     _DTYPE_BYTES,
     ChainPlan,
@@ -152,7 +153,7 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
             levels += traced.levels
         quant_block = quant.block_size if eight_bit else 0
         slot_dtypes = ((None, store),) if slot_size == 2 else ()
-        skip = (_skip_used(traced, p_dtype, quant_block, slot_dtypes)
+        skip = (skip_used(traced, p_dtype, quant_block, slot_dtypes)
                 if donate and any(plan.skips) else None)
         deferred = int(skip is not None and "defer" in skip[1])
         launches = len(kernels) + 2 * int(levels) + deferred
@@ -164,7 +165,7 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
                      f"({int(levels)} norm pass(es) + {len(kernels)} main"
                      + (" + 1 for skipped blocks, donated)" if deferred else ")"))
         if skip is not None:
-            lines.append(_skip_line(*skip))
+            lines.append(skip_line(*skip))
         if tiles.fast_math(p_dtype, quant_block, slot_dtypes):
             lines.append("  square root and division: the GPU's approximate ones "
                          + ("in the update, the 8-bit encoder's exact " if quant_block
@@ -182,49 +183,6 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
         lines.append("no leaf has a gradient: nothing to do")
     text = "\n".join(lines)
     print(text, file=file)
-    return text
-
-
-def _skip_used(traced, p_dtype, quant_block: int, slot_dtypes: tuple) -> tuple:
-    """(layout's mode, the mode this chain's kernels take, layout) of a donated step's
-    skip_zeros in this group (:data:`ftopt.lowering.tiles.SKIP_MODES`): the fallback of a
-    chain that needs every lane (norms, per-leaf values), or of "chunks" without plain code."""
-    layout = tiles.layout(p_dtype, quant_block, slot_dtypes)
-    mode = used = tiles.SKIP_MODES[layout]
-    if "in_place" in mode and not traced.in_place:
-        used = mode.replace("in_place+", "").replace("in_place", "select")
-    if mode == "chunks" and not (quant_block == 0 and tiles.chunk_lanes(traced)):
-        used = "select"
-    if "split" in used and not tiles.may_return_early(traced):
-        used = used.replace("split+", "")
-    if used == "defer":
-        used = "select"
-    return mode, used, layout
-
-
-def _skip_line(mode: str, used: str, layout: str) -> str:
-    """How the donated step skips zero gradients in this group (:func:`_skip_used`)."""
-    text = f"  skip_zeros (donated): mode {mode!r} of the {layout!r} layout"
-    if used != mode:
-        text += f", here {used!r} (what this chain's kernels can take)"
-    text += " (ftopt.lowering.tiles.SKIP_MODES; FTOPT_SKIP_MODES overrides)"
-    if "split" in used and tiles.SPANS.get(layout, 1) > 1:
-        text += (f"; a program checks {tiles.SPANS[layout]} blocks' gradients at once "
-                 "(tiles.SPANS)")
-    if "defer" in used:
-        text += ("; one more launch runs the programs with some zero gradients and the "
-                 "leaves' last blocks, or 'split+select' while more than "
-                 f"{tiles.DEFER_SELECT_ABOVE:g} of the blocks have some (counted every "
-                 f"{tiles.WATCH_PERIOD} steps: ftopt.lowering.skip_watch)")
-    elif "split" in used and tiles.WATCH:
-        text += ("; 'select' while the blocks with some and with only zero gradients, "
-                 f"counted every {tiles.WATCH_PERIOD} steps, say it is the cheaper "
-                 "(ftopt.lowering.skip_watch)")
-    if "split" in used and tiles.WATCH and tiles.SPANS.get(layout, 1) == 1 < (
-            span := tiles.SPAN_ALTERNATES.get(layout, 1)):
-        text += (f"; programs of {span} blocks while over {tiles.SPAN_ABOVE:g} are all zero"
-                 f", or of {tiles.CARVE_SPANS.get(layout, span)} for the leaves that each"
-                 " are, in a group of their own")
     return text
 
 
