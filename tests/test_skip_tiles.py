@@ -190,6 +190,7 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
     monkeypatch.setattr(tiles, "SPANS", {key: span})
     monkeypatch.setattr(tiles, "QUANT_TILE", (256, 1))
     monkeypatch.setattr(tiles, "DEFER_FLAGS", 4)
+    monkeypatch.setattr(tiles, "DEFER_FLAGS_FEW", 4)
     # (3 blocks of 18 deferred: "split+defer" throughout, not the watch's "split+select")
     monkeypatch.setattr(tiles, "DEFER_SELECT_ABOVE", 2.0)
     for cache in (launch._constants_cached, launch._kernel):

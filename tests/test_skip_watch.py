@@ -23,6 +23,7 @@ def small_blocks(monkeypatch):
     monkeypatch.setitem(tiles.SKIP_MODES, "8-bit", "split+defer")
     monkeypatch.setattr(tiles, "QUANT_TILE", (256, 1))
     monkeypatch.setattr(tiles, "DEFER_FLAGS", 4)
+    monkeypatch.setattr(tiles, "DEFER_FLAGS_FEW", 4)
     monkeypatch.setattr(tiles, "WATCH_PERIOD", 2)
     monkeypatch.setattr(tiles, "WATCH_PROBE", 4)
     for cache in (launch._constants_cached, launch._kernel):
@@ -88,6 +89,41 @@ def test_many_deferred_blocks_switch_to_select_and_back(name, small_blocks, monk
     after = _run(tx, params, state, grads)
     assert torch.equal(after[0]["w"][512:1024], before[0]["w"][512:1024])
     assert not torch.equal(after[0]["w"][:512], before[0]["w"][:512])
+
+
+def test_few_deferred_blocks_take_more_flags_a_deferred_program(small_blocks,
+                                                                monkeypatch):
+    """While the last count found fewer than tiles.DEFER_FEW_BELOW of a "split+defer"
+    group's blocks deferred, its deferred kernel's programs each read
+    tiles.DEFER_FLAGS_FEW flags (fewer programs), else tiles.DEFER_FLAGS: the same bytes
+    as a group that never takes more (the control)."""
+    monkeypatch.setattr(tiles, "DEFER_FLAGS_FEW", 16)
+    monkeypatch.setattr(tiles, "DEFER_FEW_BELOW", 0.1)
+    monkeypatch.setattr(tiles, "DEFER_SELECT_ABOVE", 2.0)  # (split+defer throughout)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
+    # steps 1-4: the tail deferred (1 of 41 blocks), steps 5-8: every block
+    grads = _grads(gen, 8, range(4, 8))
+
+    def run(tx) -> tuple:
+        p, s = cloned(params), tx.init(params)
+        taken = []
+        for g in grads:
+            p, s = ftopt.step(tx, p, g, s, backend="fused", donate=True)
+            (group,) = plan_chain(tx).prepared.groups
+            kernels = group.kernels([0.0] * 16, False)
+            assert kernels[1][1] == (group.flags.numel() // group.defer_flags,)
+            taken.append(group.defer_flags)
+        return (p, s), taken
+
+    tx = ftopt.adam(1e-2, state_bits=8, skip_zeros=True)
+    stepped, taken = run(tx)
+    # (each step takes the count read before it: steps 1, 3, 5, 7 count)
+    assert taken == [4, 16, 16, 16, 16, 4, 4, 4]
+    monkeypatch.setattr(tiles, "DEFER_FEW_BELOW", 0.0)
+    control, never = run(ftopt.adam(1e-2, state_bits=8, skip_zeros=True))
+    assert never == [4] * 8
+    assert same_bits(stepped, control)
 
 
 def test_the_select_steps_launch_no_deferred_kernel(small_blocks, monkeypatch):
@@ -252,9 +288,11 @@ def test_bound_launches_of_both_modes_follow_moving_gradients(layout, small_bloc
                      False]
     prepared = plan_chain(tx).prepared
     (group,) = prepared.groups
-    # bound, per (mode, counting?, carve) of each watched group: both modes' plain steps
-    assert {((0, False, None),), ((1, False, None),)} <= set(prepared._bound_by)
-    alternate_runs = prepared._bound_by[((1, False, None),)][2]
+    # bound, per (mode, counting?, carve, deferred flags) of each watched group: both
+    # modes' plain steps
+    flags = tiles.DEFER_FLAGS  # (the deferred kernel's flags a program: skip_watch)
+    assert {((0, False, None, flags),), ((1, False, None, flags),)} <= set(prepared._bound_by)
+    alternate_runs = prepared._bound_by[((1, False, None, flags),)][2]
     assert alternate_runs and all(b.group is group.alternate for b in alternate_runs)
     assert len(bound_calls) >= 4
     monkeypatch.setattr(tiles, "SPLIT_SELECT_ABOVE", 1e9)
@@ -323,7 +361,7 @@ def test_mostly_zero_gradients_run_the_spanned_alternate(layout, small_blocks, s
     # counted at steps 1, 5 (probes: still mostly zero) and 9 (the zeros gone)
     assert modes == [0, 2, 2, 2, 0, 2, 2, 2, 0, 0, 0, 0]
     assert group.watch.zero_fraction == 2 / 41  # (8-bit: its flags mark them too)
-    spanned_runs = prepared._bound_by[((2, False, None),)][2]
+    spanned_runs = prepared._bound_by[((2, False, None, tiles.DEFER_FLAGS),)][2]
     assert spanned_runs and all(b.group is group.spanned for b in spanned_runs)
     assert len(bound_calls) >= 4
     monkeypatch.setattr(tiles, "SPAN_ABOVE", 2.0)
@@ -387,7 +425,7 @@ def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, rest_part
     assert rest.split == (layout == "8-bit") and rest.deferring == (not alternate)
     assert spanned.span == span and spanned.leaves == [group.leaves[emb]]
     assert spanned.one_leaf and not rest.one_leaf  # (no work table read: one leaf)
-    runs = plan_chain(tx).prepared._bound_by[((3, False, carve),)][2]
+    runs = plan_chain(tx).prepared._bound_by[((3, False, carve, tiles.DEFER_FLAGS),)][2]
     assert {id(b.group) for b in runs} >= {id(rest), id(spanned)} and len(bound_calls) >= 4
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 10**9)
     tx2 = ftopt.adam(1e-2, skip_zeros=True, **kw)

@@ -182,6 +182,7 @@ class Variant:
     count_flags: bool = False
     # The group's blocks are one leaf's, in order: a program computes its start.
     one_leaf: bool = False
+    defer_flags: int = 0  # the deferred kernel's flags a program (tiles.DEFER_FLAGS)
 
 
 def _fast_math(line: str) -> str:
@@ -325,7 +326,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     if variant.skip_tiles:
         body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0)"
                 ".to(tl.float32) != 0.0).to(tl.int32)) > 0:"] + ["    " + x for x in body]
-    lines = (split.deferred(prelude, body) if variant.defer == 2
+    lines = (split.deferred(prelude, body, variant.defer_flags) if variant.defer == 2
              else prelude + count_lines + body)
     running_args = [f"{role}_ptr" for role, _ in traced.running_stores]
     flags = ["flags_ptr"] * bool(variant.defer or variant.count_flags)

@@ -215,9 +215,11 @@ class PreparedStep:
             for group in self.watched:
                 group.watch.plan()
                 group.counting = group.watch.sampling and not group.deferring
+                for x in running_groups(group):
+                    x.defer_flags = group.watch.defer_flags()
             modes = tuple([(group.watch.now, group.counting,
-                            group.watch.carve if group.watch.now == 3 else None)
-                           for group in self.watched])
+                            group.watch.carve if group.watch.now == 3 else None,
+                            group.watch.defer_flags()) for group in self.watched])
             groups = [x for group in self.groups for x in running_groups(group)]
         bound = self._bound_by.get(modes)
         pairs = [*count_pairs, *running]

@@ -110,6 +110,7 @@ class GroupLaunch:
     spanned: GroupLaunch | None = None  # the watch's other alternate (tiles.SPAN_ALTERNATES)
     span: int = 1  # blocks a program of a "split" main kernel runs (codegen.Variant)
     one_leaf: bool = False  # its blocks in order, of one leaf (codegen.Variant)
+    defer_flags: int = 0  # its watch's choice of the deferred kernel's flags a program
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
 
@@ -135,7 +136,8 @@ class GroupLaunch:
                         quantized.ENCODER if self.quant_block else "arithmetic",
                         self.skip_stores, self.fast_math, self.chunk_lanes, self.split,
                         defer, span=1 if deferred else self.span,
-                        count_flags=self.counting, one_leaf=self.one_leaf and not deferred)
+                        count_flags=self.counting, one_leaf=self.one_leaf and not deferred,
+                        defer_flags=(self.defer_flags or tiles.DEFER_FLAGS) * deferred)
 
     def kernels(self, scalars, counted: bool) -> list[tuple]:
         """(kernel, grid, constants, trailing arguments) of each main launch of this
@@ -148,7 +150,7 @@ class GroupLaunch:
                 [self.flags] if variant.defer or variant.count_flags else [])]
         if variant.defer:
             out.append((_kernel(self.traced, "main", 0, self.variant(scalars, True)),
-                        (self.flags.numel() // tiles.DEFER_FLAGS,),
+                        (self.flags.numel() // (self.defer_flags or tiles.DEFER_FLAGS),),
                         _constants_cached(self.traced, self.quant_block, False, 2, self.kind),
                         [self.flags]))
         return out

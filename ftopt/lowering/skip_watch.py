@@ -121,6 +121,13 @@ class SkipWatch:
         self.now = 0 if self.sampling else self.other
         return self.now
 
+    def defer_flags(self) -> int:
+        """Flags a program of a deferring group's deferred kernel reads:
+        :data:`tiles.DEFER_FLAGS_FEW` while the last count found fewer than
+        :data:`tiles.DEFER_FEW_BELOW` of its blocks deferred, else :data:`tiles.DEFER_FLAGS`."""
+        few = self.fraction is not None and self.fraction < tiles.DEFER_FEW_BELOW
+        return tiles.DEFER_FLAGS_FEW if few and self.deferring else tiles.DEFER_FLAGS
+
     def _alternate(self, some: int, zeros: int, blocks: int) -> bool:
         """Whether blocks of which ``some`` have some zero gradients and ``zeros`` only
         zeros run the alternate ("select" or "split+select")."""

@@ -92,12 +92,13 @@ def deferred_blocks(full: list[str], tail: list[str]) -> list[str]:
             + ["if start + BLOCK > n:", "    in_range = offs < n"] + _indent(tail))
 
 
-def deferred(prelude: list[str], body: list[str]) -> list[str]:
+def deferred(prelude: list[str], body: list[str], flags: int) -> list[str]:
     """The deferred kernel's code: ``prelude`` (the main kernel's, from its ``pid``) and
     ``body`` (its select body of full and tail blocks) for each flagged program of this
-    program's run of :data:`tiles.DEFER_FLAGS`."""
+    program's run of ``flags`` (:data:`tiles.DEFER_FLAGS`, or
+    :data:`tiles.DEFER_FLAGS_FEW` while few are flagged)."""
     assert prelude[0] == "pid = tl.program_id(0)"
-    flags = tiles.DEFER_FLAGS
+    following = f"at = tl.min(tl.where(todo, tl.arange(0, {flags}), {flags}))"
     # The flagged programs are taken from the flags in registers, one after another: a
     # load of each flag in turn made a program with a flag wait on memory DEFER_FLAGS
     # times (H200, GPT-2 8-bit Adam, dense gradients, this kernel's time at 32 / 64 / 128
@@ -105,18 +106,19 @@ def deferred(prelude: list[str], body: list[str]) -> list[str]:
     # 10.5 / 5.9 / 3.5 both).
     return ([f"first = tl.program_id(0) * {flags}",
              f"todo = tl.load(flags_ptr + first + tl.arange(0, {flags})) == 1",
-             f"at = tl.min(tl.where(todo, tl.arange(0, {flags}), {flags}))",
+             following,
              f"while at < {flags}:",
              "    pid = first + at"]
             + _indent(prelude[1:] + body)
-            + [f"    todo = todo & (tl.arange(0, {flags}) != at)",
-               f"    at = tl.min(tl.where(todo, tl.arange(0, {flags}), {flags}))"])
+            + [f"    todo = todo & (tl.arange(0, {flags}) != at)", "    " + following])
 
 
 def flag_count(num_blocks: int) -> int:
     """Bytes of a group's flags: one per main program, in whole runs of
-    :data:`tiles.DEFER_FLAGS` (the padding stays zero)."""
-    return -(-num_blocks // tiles.DEFER_FLAGS) * tiles.DEFER_FLAGS
+    :data:`tiles.DEFER_FLAGS` and of :data:`tiles.DEFER_FLAGS_FEW` (the padding stays
+    zero)."""
+    run = max(tiles.DEFER_FLAGS, tiles.DEFER_FLAGS_FEW)
+    return -(-num_blocks // run) * run
 
 
 def spanned(prelude: list[str], full: list[str], tail: list[str], span: int,

@@ -112,6 +112,12 @@ QUANT_DEFER_MAXNREG = int(os.environ.get("FTOPT_QUANT_DEFER_MAXNREG", "72"))
 # / +2.6..3.2%, every block part zero without the watch 0.98-1.00 / 1.44-1.45 ms (off
 # 0.60). FTOPT_DEFER_FLAGS overrides it (a power of two).
 DEFER_FLAGS = int(os.environ.get("FTOPT_DEFER_FLAGS", "32"))
+# The deferred kernel's flags a program while the group's last count
+# (ftopt.lowering.skip_watch) found fewer than DEFER_FEW_BELOW of its blocks deferred:
+# fewer programs where few run a body (H200, 128, dense: +2.6..3.2% above). Overridden
+# by FTOPT_DEFER_FLAGS_FEW (a power of two) and FTOPT_DEFER_FEW_BELOW.
+DEFER_FLAGS_FEW = int(os.environ.get("FTOPT_DEFER_FLAGS_FEW", "128"))
+DEFER_FEW_BELOW = float(os.environ.get("FTOPT_DEFER_FEW_BELOW", "0.01"))
 # A "split+defer" group runs "split+select" while more than DEFER_SELECT_ABOVE of its
 # blocks were deferred when last counted (ftopt.lowering.skip_watch): counted every
 # WATCH_PERIOD steps, and every WATCH_PROBE steps while it runs "split+select". H200,
