@@ -391,6 +391,37 @@ def test_a_span_of_one_leaf_reads_no_work_table(dtype, name, monkeypatch):
             cache.cache_clear()
 
 
+def test_select_register_cap_per_layout(monkeypatch):
+    """``tiles.SELECT_MAXNREG``: on an NVIDIA GPU a layout's skip_zeros kernels that keep
+    old values by selects take its register cap; in-place ones and those without
+    skip_zeros do not."""
+    monkeypatch.setitem(tiles.SKIP_MODES, "fp32", "select")
+    params = {"a": torch.randn(3000).to(DEVICE)}
+    grads = {"a": torch.randn(3000).to(DEVICE)}
+    groups = []
+    for tx in (ftopt.adam(1e-2, skip_zeros=True), ftopt.adam(1e-2)):
+        ftopt.step(tx, cloned(params), grads, tx.init(params), backend="fused", donate=True)
+        groups += plan_chain(tx).prepared.groups
+    monkeypatch.setattr(tiles, "INTERPRETING", False)
+    monkeypatch.setattr(launch, "_NVIDIA", True)
+    monkeypatch.setattr(tiles, "SELECT_MAXNREG", {"fp32": 48})
+    monkeypatch.setattr(tiles, "IN_PLACE_MAXNREG", {})
+    launch._constants_cached.cache_clear()
+    try:
+        def cap(group):
+            return dict(launch._constants_cached(group.traced, 0, True, 0, group.kind)).get(
+                "maxnreg")
+
+        selecting, plain = groups
+        assert not selecting.traced.in_place and any(selecting.traced.skips)
+        assert cap(selecting) == 48 and cap(plain) is None
+        monkeypatch.setattr(tiles, "SELECT_MAXNREG", {})
+        launch._constants_cached.cache_clear()
+        assert cap(selecting) is None  # (the control)
+    finally:
+        launch._constants_cached.cache_clear()
+
+
 def test_in_place_register_cap_per_layout(monkeypatch):
     """``tiles.IN_PLACE_MAXNREG``: on an NVIDIA GPU a layout's in-place kernels take its
     register cap, and only they."""

@@ -176,9 +176,8 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None,
         cap = tiles.quant_maxnreg(traced, defer)
         if cap and not tiles.INTERPRETING and _NVIDIA:
             constants["maxnreg"] = cap
-    elif (traced.in_place and tiles.IN_PLACE_MAXNREG.get(kind) and not tiles.INTERPRETING
-          and _NVIDIA):
-        constants["maxnreg"] = tiles.IN_PLACE_MAXNREG[kind]
+    elif not tiles.INTERPRETING and _NVIDIA and (cap := tiles.skip_maxnreg(traced, kind)):
+        constants["maxnreg"] = cap
     if count is not None:
         constants["COUNT"] = count
     return tuple(constants.items())

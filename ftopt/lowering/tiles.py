@@ -51,6 +51,12 @@ IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
 # GPT-2 steps against no skip_zeros, that embedding sparse: 1.23x / 1.24x (kernel time).
 # FTOPT_IN_PLACE_MAXNREG ("fp32=56,16-bit=64") overrides.
 IN_PLACE_MAXNREG = _per_layout("FTOPT_IN_PLACE_MAXNREG", "fp32=56,16-bit states=40")
+# The same for skip_zeros kernels that keep old values by selects (not in place), per
+# layout. Static SASS (sm_90, Triton 3.9, benchmarks/sass_count.py), Adam with bf16
+# states: the select kernel takes 44 registers, the kernel without skip_zeros 40 (11
+# and 12 programs a multiprocessor); capped at 40 it spills nothing (+12 instructions).
+# FTOPT_SELECT_MAXNREG ("16-bit states=40") sets them.
+SELECT_MAXNREG = _per_layout("FTOPT_SELECT_MAXNREG", "")
 # Blocks a program of a "split" main kernel runs, per layout (a power of two;
 # :func:`ftopt.lowering.split.spanned`): it loads the gradients of all of them, returns
 # where every one is zero, else runs them one after another. A program whose gradients
@@ -186,6 +192,15 @@ def split_select_above(traced, kind: str) -> float:
     if kind == "16-bit states" and not _indexed(traced):
         return SPLIT_SELECT_ABOVE_STATES
     return SPLIT_SELECT_ABOVE
+
+
+def skip_maxnreg(traced, kind: str) -> int | None:
+    """The register cap of ``traced``'s kernels of the fp32 and 16-bit layouts (``kind``:
+    :func:`layout`): IN_PLACE_MAXNREG's in place, SELECT_MAXNREG's for a skip_zeros chain
+    that selects (None: the compiler's choice)."""
+    if traced.in_place:
+        return IN_PLACE_MAXNREG.get(kind)
+    return SELECT_MAXNREG.get(kind) if any(traced.skips) else None
 
 
 def quant_maxnreg(traced, defer: int = 0) -> int:
