@@ -212,14 +212,17 @@ class PreparedStep:
         modes, groups = (), self.groups
         if self.watched:
             # (each watched group, or an alternate: ftopt.lowering.skip_watch)
+            modes = []
             for group in self.watched:
-                group.watch.plan()
-                group.counting = group.watch.sampling and not group.deferring
+                watch = group.watch
+                watch.plan()
+                group.counting = watch.sampling and not group.deferring
+                flags = watch.defer_flags()
+                modes.append((watch.now, group.counting,
+                              watch.carve if watch.now == 3 else None, flags))
                 for x in running_groups(group):
-                    x.defer_flags = group.watch.defer_flags()
-            modes = tuple([(group.watch.now, group.counting,
-                            group.watch.carve if group.watch.now == 3 else None,
-                            group.watch.defer_flags()) for group in self.watched])
+                    x.defer_flags = flags
+            modes = tuple(modes)
             groups = [x for group in self.groups for x in running_groups(group)]
         bound = self._bound_by.get(modes)
         pairs = [*count_pairs, *running]
