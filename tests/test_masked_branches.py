@@ -182,3 +182,28 @@ def test_matrix_stage_in_a_branch_runs_in_segments():
     text = ftopt.explain(tx, params, backend="fused", file=None)
     assert "newton_schulz (matrix stage on 'muon' leaves" in text
     assert "path: fused" in text and "eager" not in text
+
+
+@pytest.mark.parametrize("backend", ["fused", "eager"])
+def test_callable_rule_mask_in_a_branch_sees_the_other_branch_leaves_as_none(backend):
+    """A branch's update sees the params with ``None`` where another branch owns a leaf;
+    a rule's callable mask over that tree has entries for those ``None``s too. The fused
+    update lines the mask up with the branch's own leaves (as the eager one does): the
+    decay lands on every matrix, not on the leaf after each ``None``."""
+    params = _params({"b": (40,), "w": (24, 40), "ln": (33,), "v": (3, 5)})
+    grads = _grads(params, 0)
+    seen = []
+
+    def matrices(tree):
+        seen.append(sorted(k for k, v in tree.items() if v is None))
+        return {k: v is not None and v.ndim > 1 for k, v in tree.items()}
+
+    decay = ftopt.chain(ftopt.add_decayed_weights(0.5, matrices), ftopt.sgd(0.1))
+    tx = ftopt.partition({"m": decay, "o": ftopt.sgd(0.1)},
+                         lambda t: {k: "m" if v.ndim > 1 else "o" for k, v in t.items()})
+    state = tx.init(params)
+    updates, _ = tx.update(grads, state, params, backend=backend)
+    assert ["b", "ln"] in seen  # the branch's params: None at the other branch's leaves
+    for k, p in params.items():
+        want = -0.1 * (grads[k] + 0.5 * p) if p.ndim > 1 else -0.1 * grads[k]
+        torch.testing.assert_close(updates[k], want, rtol=1e-6, atol=1e-6)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import optree
+
 from ftopt import shards
 from ftopt import tree as tree_lib
 from ftopt.stages import leaf_selection
@@ -80,12 +82,22 @@ def applying(selects: tuple, tree, n: int, memo: dict | None = None) -> list[boo
 
 
 def _own_mask(stage, spec, params, applies, n, paths) -> list[bool]:
-    """A rule's own leaf mask, judged on the params its eager update sees."""
-    if params is not None and not all(applies):
+    """A rule's own leaf mask, judged on the params its eager update sees, one entry per
+    leaf of ``spec`` (the params' tensors: the eager rule flattens with ``None`` as a
+    leaf, so a mask over params that hold ``None`` where another part of a partition
+    owns the leaf has an entry more per such ``None``, dropped here)."""
+    if params is None:
+        found = stage._leaf_mask(None, n, paths)
+        return [True] * n if found is None else found
+    held = [x is not None for x in optree.tree_leaves(params, none_is_leaf=True,
+                                                       namespace="ftopt")]
+    all_paths = [tree_lib.path_str(p) for p in optree.tree_paths(params, none_is_leaf=True,
+                                                                  namespace="ftopt")]
+    if not all(applies):
         params = tree_lib.unflatten(spec, [p if a else None for p, a in zip(
             spec.flatten_up_to(params), applies)])
-    found = stage._leaf_mask(params, n, paths)
-    return [True] * n if found is None else found
+    found = stage._leaf_mask(params, len(held), all_paths)
+    return [True] * n if found is None else [m for m, h in zip(found, held) if h]
 
 
 def merged_slots(plan, selection: Selection, slot_flat: list) -> list:
