@@ -393,13 +393,16 @@ def test_a_span_of_one_leaf_reads_no_work_table(dtype, name, monkeypatch):
 
 def test_select_register_cap_per_layout(monkeypatch):
     """``tiles.SELECT_MAXNREG``: on an NVIDIA GPU a layout's skip_zeros kernels that keep
-    old values by selects take its register cap; in-place ones and those without
-    skip_zeros do not."""
+    old values by selects take its register cap; in-place ones, those without
+    skip_zeros and those whose rules read the element's index (stochastic rounding) do
+    not."""
     monkeypatch.setitem(tiles.SKIP_MODES, "fp32", "select")
     params = {"a": torch.randn(3000).to(DEVICE)}
     grads = {"a": torch.randn(3000).to(DEVICE)}
     groups = []
-    for tx in (ftopt.adam(1e-2, skip_zeros=True), ftopt.adam(1e-2)):
+    for tx in (ftopt.adam(1e-2, skip_zeros=True), ftopt.adam(1e-2),
+               ftopt.chain(ftopt.add_noise(0.1, 0.5, 0), ftopt.adam(1e-2),
+                           ftopt.skip_zeros())):
         ftopt.step(tx, cloned(params), grads, tx.init(params), backend="fused", donate=True)
         groups += plan_chain(tx).prepared.groups
     monkeypatch.setattr(tiles, "INTERPRETING", False)
@@ -412,9 +415,10 @@ def test_select_register_cap_per_layout(monkeypatch):
             return dict(launch._constants_cached(group.traced, 0, True, 0, group.kind)).get(
                 "maxnreg")
 
-        selecting, plain = groups
+        selecting, plain, indexed = groups
         assert not selecting.traced.in_place and any(selecting.traced.skips)
-        assert cap(selecting) == 48 and cap(plain) is None
+        assert not indexed.traced.in_place and any(indexed.traced.skips)
+        assert cap(selecting) == 48 and cap(plain) is None and cap(indexed) is None
         monkeypatch.setattr(tiles, "SELECT_MAXNREG", {})
         launch._constants_cached.cache_clear()
         assert cap(selecting) is None  # (the control)

@@ -55,6 +55,11 @@ IN_PLACE_MAXNREG = _per_layout("FTOPT_IN_PLACE_MAXNREG", "fp32=56,16-bit states=
 # layout. Static SASS (sm_90, Triton 3.9, benchmarks/sass_count.py), Adam with bf16
 # states: the select kernel takes 44 registers, the kernel without skip_zeros 40 (11
 # and 12 programs a multiprocessor); capped at 40 it spills nothing (+12 instructions).
+# H200, GPT-2 with the watch, two A/Bs each (uncapped / 40): dense +4.9%, +2.2% / +2.1%,
+# +2.9%, 90% of the embedding's rows zero 1.227x, 1.229x / 1.228x, 1.217x: no gain, so
+# no cap by default (benchmarks/RESULTS.md, 2026-12-02).
+# Not those whose rules read the element's index (stochastic rounding: capped at 40 on the
+# H200, GPT-2 with every block part zero ran 1.144 ms against 0.687 uncapped).
 # FTOPT_SELECT_MAXNREG ("16-bit states=40") sets them.
 SELECT_MAXNREG = _per_layout("FTOPT_SELECT_MAXNREG", "")
 # Blocks a program of a "split" main kernel runs, per layout (a power of two;
@@ -121,10 +126,13 @@ DEFER_FLAGS = int(os.environ.get("FTOPT_DEFER_FLAGS", "32"))
 # The deferred kernel's flags a program while the group's last count
 # (ftopt.lowering.skip_watch) found fewer than DEFER_FEW_BELOW of its blocks deferred:
 # fewer programs where few run a body. 128 for every step measured dense +2.6..3.2%
-# above, but is slow where many are flagged, which the count avoids; the choice by the
-# count is not yet timed, so the default is DEFER_FLAGS's (no choice).
-# FTOPT_DEFER_FLAGS_FEW (a power of two) and FTOPT_DEFER_FEW_BELOW override them.
-DEFER_FLAGS_FEW = int(os.environ.get("FTOPT_DEFER_FLAGS_FEW", "32"))
+# above, but is slow where many are flagged, which the count avoids. H200, GPT-2 8-bit
+# Adam with the watch, against off, four A/Bs each (32 for every step / 128 while few):
+# dense +2.2..4.1% (mean 3.3) / +2.1..3.3% (mean 2.6), 90% of the embedding's rows zero
+# 1.19x / 1.20x, every block part zero +12.5..14.8% / +14.4..17.0% (benchmarks/RESULTS.md,
+# 2026-12-02). FTOPT_DEFER_FLAGS_FEW (a power of two) and FTOPT_DEFER_FEW_BELOW override
+# them.
+DEFER_FLAGS_FEW = int(os.environ.get("FTOPT_DEFER_FLAGS_FEW", "128"))
 DEFER_FEW_BELOW = float(os.environ.get("FTOPT_DEFER_FEW_BELOW", "0.01"))
 # A "split+defer" group runs "split+select" while more than DEFER_SELECT_ABOVE of its
 # blocks were deferred when last counted (ftopt.lowering.skip_watch): counted every
@@ -199,10 +207,10 @@ def split_select_above(traced, kind: str) -> float:
 def skip_maxnreg(traced, kind: str) -> int | None:
     """The register cap of ``traced``'s kernels of the fp32 and 16-bit layouts (``kind``:
     :func:`layout`): IN_PLACE_MAXNREG's in place, SELECT_MAXNREG's for a skip_zeros chain
-    that selects (None: the compiler's choice)."""
+    that selects and reads no element index (None: the compiler's choice)."""
     if traced.in_place:
         return IN_PLACE_MAXNREG.get(kind)
-    return SELECT_MAXNREG.get(kind) if any(traced.skips) else None
+    return SELECT_MAXNREG.get(kind) if any(traced.skips) and not _indexed(traced) else None
 
 
 def quant_maxnreg(traced, defer: int = 0) -> int:
