@@ -207,3 +207,39 @@ def test_callable_rule_mask_in_a_branch_sees_the_other_branch_leaves_as_none(bac
     for k, p in params.items():
         want = -0.1 * (grads[k] + 0.5 * p) if p.ndim > 1 else -0.1 * grads[k]
         torch.testing.assert_close(updates[k], want, rtol=1e-6, atol=1e-6)
+
+
+def _ndim_mask(tree):
+    return ftopt.tree.map(lambda p: isinstance(p, torch.Tensor) and p.ndim >= 2, tree)
+
+
+@pytest.mark.parametrize("name", ["decay_then_sgd", "lars", "muon"])
+def test_callable_rule_mask_with_none_leaves_in_the_params(name):
+    """A params tree with ``None`` leaves (frozen params) before a matrix: a rule's
+    callable mask sees them, and the fused step lines its entries up with the tensors
+    as the eager one does (the matrix decays; the mask of the ``None`` is not its)."""
+    made = {
+        "decay_then_sgd": lambda: ftopt.chain(ftopt.add_decayed_weights(0.5, _ndim_mask),
+                                              ftopt.sgd(0.1)),
+        "lars": lambda: ftopt.lars(0.1, weight_decay=0.5, weight_decay_mask=_ndim_mask,
+                                   trust_ratio_mask=_ndim_mask),
+        "muon": lambda: ftopt.muon(1e-2, weight_decay=0.5, weight_decay_mask=_ndim_mask,
+                                   ns_dtype=torch.float32),
+    }
+    gen = torch.Generator().manual_seed(3)
+    params = {"a": torch.randn(7, generator=gen), "frozen": None,
+              "m": torch.randn(16, 17, generator=gen), "b": torch.randn(5, generator=gen)}
+    params = {k: None if v is None else v.to(DEVICE) for k, v in params.items()}
+    grads = {k: None if v is None else torch.randn(v.shape, generator=gen).to(DEVICE)
+             for k, v in params.items()}
+    tx = made[name]()
+    state = tx.init(params)
+    for api in ("update", "step"):
+        out = {}
+        for backend in ("eager", "fused"):
+            if api == "update":
+                out[backend] = tx.update(grads, state, params, backend=backend)
+            else:
+                out[backend] = ftopt.step(tx, params, grads, state, backend=backend)
+        assert out["fused"][0]["frozen"] is None
+        assert_trees_close(out["fused"], out["eager"])
