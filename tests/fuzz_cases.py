@@ -450,4 +450,12 @@ def draw_case(src: Source, s: Structure, device: Any = "cpu", steps: int | None 
               for i, p in enumerate(leaves)]
         grads.append(spec.unflatten([g.to(device) if g is not None else None for g in gl]))
     params = ftopt.tree.map(lambda t: t.to(device), params)
-    return Case(s, hps, params, grads, str(device), seed, update_too=src.boolean(0.3))
+    update_too = src.boolean(0.3)
+    if src.boolean(0.15):
+        # A frozen param held as None (an empty subtree, as optax reads it) ahead of the
+        # others: masks and labels over the params see it. (Drawn last, so that the
+        # draws above stay as they were: an earlier run's example replays with the same
+        # structure, hyperparameters and tensors, now and then with this leaf too.)
+        params = {"frozen": None, **params}
+        grads = [{"frozen": None, **g} for g in grads]
+    return Case(s, hps, params, grads, str(device), seed, update_too=update_too)

@@ -311,6 +311,22 @@ def test_leaf_id_is_the_position_in_the_whole_tree():
         assert torch.equal(parts[k], full[k]), k
 
 
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_a_frozen_none_param_keeps_the_positions_of_the_others(backend):
+    """A param held as ``None`` (frozen) counts as a leaf: the others draw the noise of
+    their positions in the tree with it a tensor, bit for bit, on each backend."""
+    gen = torch.Generator().manual_seed(11)
+    params, grads = _tree(gen), _tree(gen)
+    tx = ftopt.add_noise(0.2, 0.5, seed=6)
+    full, _ = tx.update(grads, tx.init(params), params, backend=backend)
+    frozen_p, frozen_g = {**params, "a": None}, {**grads, "a": None}
+    out, _ = tx.update(frozen_g, tx.init(frozen_p), frozen_p, backend=backend)
+    assert out["a"] is None
+    for k in params:
+        if k != "a":
+            assert torch.equal(out[k], full[k]), k
+
+
 def test_param_groups_fused_draw_by_position_in_the_joined_tree():
     """Two groups of one chain (other learning rates) fuse as one partition; each leaf's
     noise is that of its position in the joined tree, fused and eager."""

@@ -575,3 +575,30 @@ def test_fast_math_keeps_the_8bit_encoder_exact(monkeypatch):
     assert all("tl.fdiv(" not in line for line in source.splitlines()
                if line.lstrip().startswith("q_"))
     assert "tl.div_rn(1.0, q_st0_mu_ms)" in source
+
+
+def test_stochastic_rounding_with_a_frozen_none_param_fused_equals_eager():
+    """A param held as ``None`` (frozen) counts as a leaf in the rounding's hash (as in
+    add_noise's): fused and eager store the same bits, and the other leaves the bits
+    they store with it a tensor."""
+    gen = torch.Generator().manual_seed(21)
+    params = {"a": torch.randn(5, generator=gen), "b": torch.randn(300, generator=gen),
+              "c": torch.randn(7, 5, generator=gen)}
+    grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+    params = {k: v.to(DEVICE) for k, v in params.items()}
+    grads = {k: v.to(DEVICE) for k, v in grads.items()}
+    tx = ftopt.adam(1e-2, state_dtype=torch.bfloat16, state_rounding="stochastic")
+    frozen_p, frozen_g = {**params, "a": None}, {**grads, "a": None}
+    out = {}
+    for backend in ("eager", "fused"):
+        _, full = ftopt.step(tx, params, grads, tx.init(params), backend=backend)
+        _, out[backend] = ftopt.step(tx, frozen_p, frozen_g, tx.init(frozen_p),
+                                     backend=backend)
+        for name in ("mu", "nu"):
+            for k in "bc":
+                assert torch.equal(getattr(out[backend][0], name)[k],
+                                   getattr(full[0], name)[k]), (backend, name, k)
+    for name in ("mu", "nu"):
+        for k in "bc":
+            assert torch.equal(getattr(out["fused"][0], name)[k],
+                               getattr(out["eager"][0], name)[k]), (name, k)

@@ -55,8 +55,11 @@ def select(plan, spec, params, p_flat, paths, memo: dict | None = None) -> Selec
             own = _own_mask(plan.stages[s], spec, params, applies[s], n, paths)
             flags = [f and (o != s or own[i]) for i, (f, o) in enumerate(zip(flags, owners))]
         values[(k, "mask")] = [1.0 if f else 0.0 for f in flags]
-    # Each leaf's position in the flattened tree (read by indexed rules: ``add_noise``).
-    values[(None, "leaf")] = [float(i) for i in range(n)]
+    # Each leaf's position in the flattened tree (read by indexed rules: ``add_noise``),
+    # a ``None`` counted as the eager rules count it (a frozen param; another branch's
+    # leaf in a partition's update, which the whole step holds).
+    values[(None, "leaf")] = ([float(i) for i in range(n)] if params is None else
+                              [float(k) for k, h in enumerate(_held(params)) if h])
     indexed = [s.rule.name for s in plan.stages if s.rule.indexed]
     if indexed:
         # Where a shard's elements start in its full tensor, as two 16-bit halves
@@ -89,8 +92,7 @@ def _own_mask(stage, spec, params, applies, n, paths) -> list[bool]:
     if params is None:
         found = stage._leaf_mask(None, n, paths)
         return [True] * n if found is None else found
-    held = [x is not None for x in optree.tree_leaves(params, none_is_leaf=True,
-                                                       namespace="ftopt")]
+    held = _held(params)
     all_paths = [tree_lib.path_str(p) for p in optree.tree_paths(params, none_is_leaf=True,
                                                                   namespace="ftopt")]
     if not all(applies):
@@ -98,6 +100,12 @@ def _own_mask(stage, spec, params, applies, n, paths) -> list[bool]:
             spec.flatten_up_to(params), applies)])
     found = stage._leaf_mask(params, len(held), all_paths)
     return [True] * n if found is None else [m for m, h in zip(found, held) if h]
+
+
+def _held(params) -> list[bool]:
+    """Whether each leaf of ``params``, ``None`` counted as a leaf, holds a tensor."""
+    return [x is not None for x in optree.tree_leaves(params, none_is_leaf=True,
+                                                      namespace="ftopt")]
 
 
 def merged_slots(plan, selection: Selection, slot_flat: list) -> list:

@@ -1,8 +1,9 @@
 """Gradient noise: ``add_noise`` (optax's), from a counter-based hash.
 
 The noise of an element is a function of four integers only: the seed, the step ``t``,
-the leaf's position in the flattened param tree and the element's row-major position in
-its leaf. No generator state is kept or advanced, so a step is reproducible from
+the leaf's position in the flattened param tree (``None`` counted as a leaf: a frozen
+param keeps the positions of the others) and the element's row-major position in its
+leaf. No generator state is kept or advanced, so a step is reproducible from
 ``(seed, t)`` alone, on every backend: the same rule body below runs as torch ops (int64
 values masked to 32 bits) and in the fused Triton kernel (uint32 values, whose arithmetic
 wraps), and gives the same 32-bit words, hence the same uniforms, bit for bit.
@@ -157,16 +158,16 @@ def add_noise(eta: Float = 0.01, gamma: Float = 0.55, seed: int = 0) -> Gradient
     step: optax's ``eta / (1 + count)**gamma``), z ~ N(0, 1) independent per element.
 
     z is drawn from a counter-based hash of (seed, t, the leaf's position in the flattened
-    param tree, the element's row-major position in its leaf) by Box-Muller, two elements
-    (2k, 2k + 1) per draw (see the module docstring): the same seed gives the same noise on
-    every backend and every call, with no generator state. On DTensor shards the element's
-    position is the one in the full tensor, so a sharded run draws the single-process noise
-    on any number of ranks (a shard that is not one run of the full tensor, ``Shard(1)`` of
-    a matrix, is refused). The uniforms are the same bits everywhere; z agrees to within
-    the ``log`` of each backend's math library and the fused kernel's contracted
-    multiply-adds (a few float32 ulps of |z| + 1). Noise values differ from those of
-    earlier builds: before the pairing, and before the angle's sine and cosine were
-    polynomials (``θ = 2π u2 − π`` with the math library's ``cos``/``sin``).
+    param tree, ``None`` counted as a leaf, the element's row-major position in its leaf)
+    by Box-Muller, two elements (2k, 2k + 1) per draw (see the module docstring): the same
+    seed gives the same noise on every backend and every call, with no generator state. On
+    DTensor shards the element's position is the one in the full tensor, so a sharded run
+    draws the single-process noise on any number of ranks (a shard that is not one run of
+    the full tensor, ``Shard(1)`` of a matrix, is refused). The uniforms are the same bits
+    everywhere; z agrees to within the ``log`` of each backend's math library and the fused
+    kernel's contracted multiply-adds (a few float32 ulps of |z| + 1). Noise values differ
+    from those of earlier builds: before the pairing, and before the angle's sine and
+    cosine were polynomials (``θ = 2π u2 − π`` with the math library's ``cos``/``sin``).
     With ``skip_zeros`` no noise is added where the gradient is zero. The chunked CPU
     evaluator does not run it (the eager torch ops do).
 
