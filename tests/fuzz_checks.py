@@ -541,6 +541,10 @@ def _slots(state: Any, params: Any) -> list[tuple[str, list]]:
     is_slot_leaf = lambda x: x is None or isinstance(x, (torch.Tensor, QuantizedSlot))
     spec = optree.tree_structure(params, is_leaf=is_slot_leaf, none_is_leaf=True,
                                  namespace="ftopt")
+    # (a param held as None, frozen, has no slot leaf: dropped, so that the slots line up
+    # with the param tensors, as ``ftopt.tree.flatten_with_paths`` gives them)
+    held = [x is not None for x in optree.tree_leaves(
+        params, is_leaf=is_slot_leaf, none_is_leaf=True, namespace="ftopt")]
     shapes = [tuple(p.shape) for p in _leaves(params)]
     found = []
 
@@ -551,6 +555,10 @@ def _slots(state: Any, params: Any) -> list[tuple[str, list]]:
                                               namespace="ftopt")
         if node_spec != spec:
             flat = None
+        elif not all(held):
+            if any(x is not None for x, h in zip(flat, held) if not h):
+                raise AssertionError(f"state {name}: a slot leaf where the param is None")
+            flat = [x for x, h in zip(flat, held) if h]
         if flat is not None and all(
                 x is None or (is_q(x) and tuple(x.codes.shape) == sh)
                 or (isinstance(x, torch.Tensor) and x.is_floating_point()
