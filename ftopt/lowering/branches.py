@@ -87,8 +87,8 @@ def applying(selects: tuple, tree, n: int, memo: dict | None = None) -> list[boo
 def _own_mask(stage, spec, params, applies, n, paths) -> list[bool]:
     """A rule's own leaf mask, judged on the params its eager update sees, one entry per
     leaf of ``spec`` (the params' tensors: the eager rule flattens with ``None`` as a
-    leaf, so a mask over params that hold ``None`` where another part of a partition
-    owns the leaf has an entry more per such ``None``, dropped here)."""
+    leaf, so a mask over params that hold ``None``, a frozen param or a leaf another
+    part of a partition owns, has an entry more per such ``None``, dropped here)."""
     if params is None:
         found = stage._leaf_mask(None, n, paths)
         return [True] * n if found is None else found
