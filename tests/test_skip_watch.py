@@ -4,12 +4,14 @@ once the zeros are gone."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from step_checks import cloned, same_bits
 
 import ftopt
-from ftopt.lowering import launch, tiles, work
+from ftopt.lowering import launch, streams, tiles, work
 from ftopt.lowering.plan import plan_chain
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -483,3 +485,88 @@ def test_the_watch_counts_each_leafs_zero_blocks_only_after_a_count_finds_some(
     watch = SkipWatch(flags, 8, True, 0.04, 0.6, (3, 5))
     assert count([2, 2, 0, 1, 1, 1, 0, 0]) == [5, 7, 2, 0, 0, 3]
     assert watch.fraction == 0.375 and watch.other == 3 and watch.carve == ((0,), True)
+
+
+@pytest.mark.parametrize("layout", ["8-bit", "bf16 states"])
+def test_a_carves_spanned_group_launches_beside_the_others(layout, small_blocks,
+                                                           small_tiles, bound_calls,
+                                                           monkeypatch):
+    """A carve's spanned group launches on a second stream (ftopt.lowering.streams),
+    forked from the caller's after the work before it and joined back after the other
+    group's launches, bound or not; each launch once: the same bytes as the launches in
+    turn (FTOPT_CARVE_STREAM=0) and as the group that never carves. (On a CPU a stand-in
+    stream records the order.)"""
+    dtype, kw = _one_block_layout(layout, monkeypatch)
+    monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"emb": torch.randn(256 * 40, generator=gen).to(DEVICE, dtype),
+              "w": torch.randn(256 * 30 + 77, generator=gen).to(DEVICE, dtype)}
+    grads = [{k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
+              for k, v in params.items()} for _ in range(8)]
+    for g in grads:
+        g["emb"].view(40, 256)[torch.randperm(40, generator=gen)[:36]] = 0.0
+    real = (streams.fork, streams.on, streams.join)
+    log: list = []
+    where = {"side": False}
+
+    def fork(device):
+        log.append("fork")
+        return real[0](device) if DEVICE == "cuda" else "side"
+
+    @contextlib.contextmanager
+    def on(side):
+        with real[1](side) if DEVICE == "cuda" else contextlib.nullcontext():
+            where["side"] = side is not None
+            yield
+            where["side"] = False
+
+    def join(device, side):
+        assert not where["side"]
+        if side is not None:
+            log.append("join")
+        if DEVICE == "cuda":
+            real[2](device, side)
+
+    real_launch, real_bind = launch._launch, launch.bind_main
+
+    def launched(*args, **kwargs):
+        log.append(("launch", where["side"]))
+        return real_launch(*args, **kwargs)
+
+    def bind(*args, **kwargs):
+        bound = real_bind(*args, **kwargs)
+        for b in bound or ():
+            b.runner = (lambda *a, _run=b.runner, _b=b:
+                        (log.append(("bound", _b.group.beside, where["side"])), _run(*a))[1])
+        return bound
+
+    tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+    state = tx.init(params)
+    monkeypatch.setattr(streams, "ON", False)
+    in_turn = _run(tx, params, state, grads)
+    monkeypatch.setattr(streams, "ON", True)
+    for name, stand_in in (("fork", fork), ("on", on), ("join", join)):
+        monkeypatch.setattr(streams, name, stand_in)
+    monkeypatch.setattr(launch, "_launch", launched)
+    monkeypatch.setattr(launch, "bind_main", bind)
+    modes: list = []
+    assert same_bits(_run(tx, params, state, grads, modes), in_turn)
+    assert 3 in modes  # (it carved)
+    (group,) = plan_chain(tx).prepared.groups
+    (rest, _), (spanned, _) = group.watch.carves[group.watch.carve]
+    assert spanned.beside and not rest.beside
+    # Each fork is joined after the launches that follow it; the bound launches of the
+    # spanned group ran on the second stream, the others' on the caller's.
+    bound = [x for x in log if x[0] == "bound"]
+    assert bound and all([beside == side for _, beside, side in bound])
+    assert {beside for _, beside, _ in bound} == {True, False}
+    forks = [i for i, x in enumerate(log) if x == "fork"]
+    joins = [i for i, x in enumerate(log) if x == "join"]
+    assert len(forks) == len(joins) >= 2 and all([f < j for f, j in zip(forks, joins)])
+    assert all([f > j for f, j in zip(forks[1:], joins)])
+    # (unbound: the carve's first step launches through run_main, the spanned group's
+    # kernels on the second stream)
+    assert any([x == ("launch", True) for x in log])
+    never = ftopt.adam(1e-2, skip_zeros=True, **kw)
+    monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 10**9)
+    assert same_bits(_run(never, params, never.init(params), grads), in_turn)

@@ -20,7 +20,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
-from ftopt.lowering import branches, checks, launch, leaf_slots
+from ftopt.lowering import branches, checks, launch, leaf_slots, streams
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.counts import advance_counts, advance_running, counts_on, increment
 from ftopt.lowering.flat import dict_list_getter, flat_dict_getter, flat_dict_leaves
@@ -97,8 +97,8 @@ class PreparedStep:
         self.check: checks.TensorCheck | None = None
         self.slot_readers: list | None = None  # see _branch_tensors
         self.list_getter = None  # the params' dict_list_getter (set for a donated step)
-        # (scalars as floats?, count tensors, bound launches, launch.switches()): see
-        # launch.bind_main.
+        # (scalars as floats?, count tensors, bound launches, launch.switches(), those
+        # of a carve's spanned group, the others): see launch.bind_main and streams.
         self._bound: tuple | None = None
         # The bound launches of each mode of the groups with a SkipWatch (one a mode:
         # a group that switches to an alternate keeps each).
@@ -234,8 +234,17 @@ class PreparedStep:
             # the bound launches, with this step's scalars.
             args = scalars if bound[0] else (scalars,)
             with launch.device_guard(self.device):
-                for b in bound[2]:
-                    b.runner(*b.before, *args, *b.after)
+                side = streams.fork(self.device) if bound[4] else None
+                if side is None:
+                    for b in bound[2]:
+                        b.runner(*b.before, *args, *b.after)
+                else:  # (a carve's spanned group beside the others: see streams)
+                    for b in bound[5]:
+                        b.runner(*b.before, *args, *b.after)
+                    with streams.on(side):
+                        for b in bound[4]:
+                            b.runner(*b.before, *args, *b.after)
+                    streams.join(self.device, side)
                 self._copy_back()
                 for group in self.watched:
                     group.watch.after()
@@ -254,7 +263,8 @@ class PreparedStep:
                                         self.device, running)
             self._bound = (None if not launches else
                            (isinstance(scalars, list), pairs, launches,
-                            launch.switches()))
+                            launch.switches(), [b for b in launches if b.group.beside],
+                            [b for b in launches if not b.group.beside]))
             if self._bound is None:
                 self._bound_by.pop(modes, None)
             else:

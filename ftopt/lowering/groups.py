@@ -104,7 +104,8 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
 def carved(group: launch.GroupLaunch, carve: tuple) -> list:
     """The groups of ``group``'s ``carve`` (:class:`SkipWatch`: the positions of its
     leaves that run spanned, and whether the others run the alternate's mode): the other
-    leaves in the group's mode or the alternate's, those spanned; built once, their
+    leaves in the group's mode or the alternate's, those spanned (launched beside the
+    others, on a second stream: :mod:`ftopt.lowering.streams`); built once, their
     gradient tables taken from the group's (and again with it:
     :meth:`ftopt.lowering.execute.PreparedStep.still_valid`)."""
     watch = group.watch
@@ -114,15 +115,17 @@ def carved(group: launch.GroupLaunch, carve: tuple) -> list:
         sparse, alternate = carve
         width = values.numel() // len(leaves)
         parts = []
-        for at, span, its_mode in (
+        for at, span, its_mode, beside in (
                 ([j for j in range(len(leaves)) if j not in sparse], 0,
-                 (_SPLIT_SELECT if group.deferring else _SELECT) if alternate else mode),
-                (list(sparse), spans, mode)):
+                 (_SPLIT_SELECT if group.deferring else _SELECT) if alternate else mode,
+                 False),
+                (list(sparse), spans, mode, True)):
             sub = build_group(plan, traced, donate, output, key, [leaves[j] for j in at],
                               [paths[j] for j in at],
                               {r: [ts[j] for j in at] for r, ts in roles.items()},
                               values.view(len(leaves), width)[at].reshape(-1) if width
                               else values, device, its_mode, watched=False, span=span)
+            sub.beside = beside  # (launched beside the other: ftopt.lowering.streams)
             at = launch.to_device(at, device)
             sub.addresses["g"] = group.addresses["g"][at]
             parts.append((sub, at))

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ftopt import shards
-from ftopt.lowering import codegen, quantized, tiles, work
+from ftopt.lowering import codegen, quantized, streams, tiles, work
 
 # One program sums a leaf's partials, R_BLOCK a load, in a loop whose iterations each wait
 # for their load: 256 a load took GPT-2's embedding (75,400 partials of 512 elements) ~300
@@ -110,6 +110,7 @@ class GroupLaunch:
     spanned: GroupLaunch | None = None  # the watch's other alternate (tiles.SPAN_ALTERNATES)
     span: int = 1  # blocks a program of a "split" main kernel runs (codegen.Variant)
     one_leaf: bool = False  # its blocks in order, of one leaf (codegen.Variant)
+    beside: bool = False  # a carve's spanned group: launched on a second stream (streams)
     defer_flags: int = 0  # its watch's choice of the deferred kernel's flags a program
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
@@ -351,6 +352,7 @@ def run_main(traced, groups: list[GroupLaunch], scalars, leaf_bufs, global_buf,
     """
     counts, count_key, counted = _count_args(traced, counts, device)
     launched = False
+    side = streams.fork(device) if any([g.beside for g in groups]) else None
     for group, buf in zip(groups, leaf_bufs):
         w = group.work
         if w.num_blocks == 0:
@@ -358,10 +360,12 @@ def run_main(traced, groups: list[GroupLaunch], scalars, leaf_bufs, global_buf,
         quant = bool(group.quant_block)
         roles = _main_roles(group.traced, quant)
         args = [*group.args(roles, scalars, buf, global_buf), *counts, *running]
-        for kernel, grid, constants, more in group.kernels(scalars, counted):
-            _launch(kernel, grid, args + more, constants, device,
-                    (count_key, _aligned(running)))
+        with streams.on(side if group.beside else None):  # (a carve: see streams)
+            for kernel, grid, constants, more in group.kernels(scalars, counted):
+                _launch(kernel, grid, args + more, constants, device,
+                        (count_key, _aligned(running)))
         counted = launched = True
+    streams.join(device, side)
     return launched
 
 

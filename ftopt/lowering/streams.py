@@ -1,0 +1,64 @@
+"""A carve's spanned group launched beside the other leaves' kernels, on a second stream.
+
+A carve (:func:`ftopt.lowering.groups.carved`) runs a group's leaves in two launches: the
+mostly all-zero leaves spanned, the others in their own mode. In turn on one stream, the
+two kernels each pay a ramp-up and a drain, and the spanned one, bound by the rate at
+which the device starts its many short programs, waits for the other to end. The other
+leaves' kernels launch first, on the caller's stream, and the spanned group's on a second
+stream ordered after the caller's work before the step, joined back into the caller's
+after them: the kernels overlap. They write disjoint tensors and read nothing the other
+writes (the step count, which one launch increments, is read by the next step, after the
+join). H200, GPT-2 Adam, 90% of the embedding's rows zero, against no skip_zeros, whole
+donated steps (``benchmarks/skip_watch_ab_gpu.py``; ``benchmarks/RESULTS.md``): in turn /
+beside, bf16 states 1.237-1.238x / 1.264-1.265x, 8-bit 1.193-1.199x / 1.229-1.237x,
+stochastic rounding 1.204-1.216x / 1.228-1.231x; dense gradients (no carve) unchanged.
+Launching the spanned group first instead, or on a stream of higher priority, measured
+no better (two runs each, 8-bit: 1.199x, 1.224x and 1.192x, 1.228x against the others
+first 1.225x, 1.240x; bf16 states within 1% of one another).
+
+While a CUDA graph is being captured the launches run in turn on the capturing stream.
+``FTOPT_CARVE_STREAM=0`` runs them in turn always.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+ON = os.environ.get("FTOPT_CARVE_STREAM", "1") != "0"
+
+_SIDE: dict = {}  # device (with its index) -> its second stream
+
+
+def fork(device: torch.device):
+    """A second stream of ``device`` that waits for the current stream's work so far, or
+    ``None`` where the launches run in turn (off; a device without streams; a CUDA graph
+    being captured)."""
+    module = getattr(torch, device.type, None)
+    if not ON or device.type not in ("cuda", "xpu") or module is None:
+        return None
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    at = torch.device(device.type, module.current_device() if device.index is None
+                      else device.index)
+    side = _SIDE.get(at)
+    if side is None:
+        side = _SIDE[at] = module.Stream(at)
+    side.wait_stream(module.current_stream(at))
+    return side
+
+
+def join(device: torch.device, side) -> None:
+    """The current stream of ``device`` waits for ``side``'s launches (from :func:`fork`;
+    nothing where ``None``)."""
+    if side is not None:
+        getattr(torch, device.type).current_stream(device).wait_stream(side)
+
+
+def on(side):
+    """The context that makes ``side`` the current stream (nothing where ``None``)."""
+    if side is None:
+        return contextlib.nullcontext()
+    return getattr(torch, side.device.type).stream(side)
