@@ -172,7 +172,7 @@ def test_explain_counts_the_deferred_launch(monkeypatch):
 def test_explain_names_the_span(monkeypatch):
     """A layout whose "split" programs check several blocks at once (``tiles.SPANS``)
     says how many; one whose chain cannot return early (no "split") does not."""
-    from ftopt.lowering import tiles
+    from ftopt.lowering import streams, tiles
 
     monkeypatch.setitem(tiles.SKIP_MODES, "16-bit", "split+in_place")
     monkeypatch.setattr(tiles, "SPANS", {"16-bit": 4})
@@ -200,3 +200,9 @@ def test_explain_names_the_span(monkeypatch):
     text = ftopt.explain(ftopt.adam(1e-3, skip_zeros=True), w, donate=True,
                          backend="fused", file=_Null())
     assert "or of 2 for the leaves that each are" in text, text
+    assert "on a second stream beside the others' kernels" in text, text
+    monkeypatch.setattr(streams, "ON", False)  # (FTOPT_CARVE_STREAM=0)
+    text = ftopt.explain(ftopt.adam(1e-3, skip_zeros=True), w, donate=True,
+                         backend="fused", file=_Null())
+    assert "or of 2 for the leaves that each are" in text, text
+    assert "second stream" not in text, text

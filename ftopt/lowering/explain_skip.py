@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from ftopt.lowering import tiles
+from ftopt.lowering import streams, tiles
 
 
 def skip_used(traced, p_dtype, quant_block: int, slot_dtypes: tuple) -> tuple:
@@ -46,5 +46,7 @@ def skip_line(mode: str, used: str, layout: str) -> str:
             span := tiles.SPAN_ALTERNATES.get(layout, 1)):
         text += (f"; programs of {span} blocks while over {tiles.SPAN_ABOVE:g} are all zero"
                  f", or of {tiles.CARVE_SPANS.get(layout, span)} for the leaves that each"
-                 " are, in a group of their own")
+                 " are, in a group of their own" + (
+                     " (launched on a second stream beside the others' kernels on a GPU: "
+                     "ftopt.lowering.streams)" if streams.ON else ""))
     return text
