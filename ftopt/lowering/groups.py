@@ -72,6 +72,9 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
         group.flags = torch.zeros(split_kernels.flag_count(len(group.work.main_leaf)),
                                   dtype=torch.uint8, device=device)
         group.deferring = bool(defer and not group_traced.in_place)
+        if group.deferring and tiles.DEFER_QUEUE:
+            group.queue = torch.zeros(2 + len(group.work.main_leaf), dtype=torch.int32,
+                                      device=device)
     if quant_block:
         group.qmaps = (quant_tables.table(True, device), quant_tables.table(False, device))
     group.addresses = {r: addresses(ts, device) for r, ts in roles.items()}
