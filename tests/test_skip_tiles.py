@@ -232,7 +232,7 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         (group,) = plan_chain(tx).prepared.groups
         assert (group.queue is not None) == bool(queue)
         if queue:  # (emptied by its last program)
-            assert group.queue[:2].tolist() == [0, 0]
+            assert group.queue[:3].tolist() == [0, 0, -(-18 // span) * span]
         assert group.one_leaf == (span > 1 and not interleave)  # (then no table read)
         order = work.interleaved(18, interleave) if interleave else torch.arange(18)
         flagged[[list(order).index(k) for k in (2, 7, 17)]] = 1
@@ -254,14 +254,22 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         control = ftopt.step(tx, cloned(params), {"w": g}, cloned(state), backend="fused",
                              donate=True)
         if queue:  # (the main kernel's queue, not run: the flagged blocks, once each)
-            control_group = plan_chain(tx).prepared.groups[0]
-            assert control_group.queue[0].item() == 3 and control_group.queue[1] == 0
-            queued = sorted(control_group.queue[2:5].tolist())
-            assert queued == sorted(list(order).index(k) for k in (2, 7, 17))
+            q = plan_chain(tx).prepared.groups[0].queue
+            assert q[0].item() == 3 and q[1] == 0 and q[2] == -(-18 // span) * span
+            assert sorted(q[3:6].tolist()) == sorted(list(order).index(k) for k in (2, 7, 17))
         assert torch.equal(control[0]["w"][:256], full[0]["w"][:256])
         for part in (slice(512, 600), slice(1792, 2048), slice(4352, n)):  # flagged
             assert not torch.equal(control[0]["w"][part], full[0]["w"][part])
             assert torch.equal(control[0]["w"][part], params["w"][part])
+        if queue:
+            # A queue left full is written no further than its length (a step whose
+            # deferred launch was interrupted): 3 more blocks, room for 1 (the control: the
+            # first of them written).
+            q[2], q[3 + 4:] = 4, -1
+            ftopt.step(tx, *control[:1], {"w": g}, control[1], backend="fused", donate=True)
+            assert plan_chain(tx).prepared.groups[0].queue is q
+            assert q[0].item() == 6 and (q[3 + 4:] == -1).all()
+            assert q[3 + 3].item() in [list(order).index(k) for k in (2, 7, 17)]
     finally:
         for cache in (launch._constants_cached, launch._kernel):
             cache.cache_clear()

@@ -47,9 +47,11 @@ _NO_ZEROS = {"zero = g == 0.0": "zero = tl.full([BLOCK], 0, tl.int1)",
 # zeros (2), of one without (0).
 _FLAG = "tl.store(flags_ptr + pid, ({}).to(tl.uint8))"
 _DEFER_FLAG = "(live_lanes < BLOCK).to(tl.uint8) + (live_lanes == 0).to(tl.uint8)"
-# A deferred main program's place in the queue (tiles.DEFER_QUEUE): the count, then the
-# programs' numbers.
-_QUEUE = "tl.store(queue_ptr + 2 + tl.atomic_add(queue_ptr, 1), pid)"
+# A deferred main program's place in the queue (tiles.DEFER_QUEUE: its count, a count of
+# the deferred programs done, its length, then the programs' numbers). Never past its
+# length: a queue a step left full (its deferred launch interrupted) is not written over.
+_QUEUE = ["queue_at = tl.atomic_add(queue_ptr, 1)",
+          "tl.store(queue_ptr + 3 + queue_at, pid, mask=queue_at < tl.load(queue_ptr + 2))"]
 # The flag of a "split" program that counts (1: some zero gradients, 2: all zero).
 _COUNT = "tl.store(flags_ptr + pid, tl.full([], {}, tl.uint8))"
 
@@ -80,7 +82,7 @@ def split_on_zeros(body: list[str], dense: list[str], defer: bool = False,
     head = body[:at + 1] + early + ["live_lanes = tl.sum((g != 0.0).to(tl.int32))"]
     if defer:
         return (head + [_FLAG.format(_DEFER_FLAG)]
-                + ["if (live_lanes < BLOCK) & (live_lanes > 0):", "    " + _QUEUE] * queue
+                + (["if (live_lanes < BLOCK) & (live_lanes > 0):"] + _indent(_QUEUE)) * queue
                 + ["if live_lanes == BLOCK:"] + _indent(dense))
     return (head + ["if live_lanes == BLOCK:"] + _indent(dense)
             + ["elif live_lanes > 0:"] + _indent([_COUNT.format(1)] * count + rest)
@@ -90,18 +92,19 @@ def split_on_zeros(body: list[str], dense: list[str], defer: bool = False,
 def deferred_tail(queue: bool = False) -> list[str]:
     """A tail program's code in the main kernel of a "split+defer" step: its flag (and
     its place in the queue)."""
-    return [_FLAG.format("tl.full([], 1, tl.int1)")] + [_QUEUE] * queue
+    return [_FLAG.format("tl.full([], 1, tl.int1)")] + _QUEUE * queue
 
 
 def deferred_queue(prelude: list[str], body: list[str], programs: int) -> list[str]:
     """The deferred kernel's code with a queue (:data:`tiles.DEFER_QUEUE`): its
     ``programs`` programs run the queued main programs in turn (``prelude`` and ``body``
     as :func:`deferred`'s), and the last of them to finish empties the queue for the next
-    step (each takes the count before it counts itself done)."""
+    step (each takes the count before it counts itself done). The queue: its count, the
+    count of deferred programs done, its length, the queued programs' numbers."""
     assert prelude[0] == "pid = tl.program_id(0)"
-    return (["queued = tl.load(queue_ptr)",
+    return (["queued = tl.minimum(tl.load(queue_ptr), tl.load(queue_ptr + 2))",
              f"for at in range(tl.program_id(0), queued, {programs}):",
-             "    pid = tl.load(queue_ptr + 2 + at)"]
+             "    pid = tl.load(queue_ptr + 3 + at)"]
             + _indent(prelude[1:] + body)
             + [f"if tl.atomic_add(queue_ptr + 1, 1) == {programs - 1}:",
                "    tl.store(queue_ptr, 0)", "    tl.store(queue_ptr + 1, 0)"])
