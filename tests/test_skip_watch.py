@@ -500,7 +500,8 @@ def test_a_carves_spanned_group_launches_beside_the_others(layout, small_blocks,
     """A carve's spanned group launches on a second stream (ftopt.lowering.streams),
     forked from the caller's after the work before it and joined back after the other
     group's launches, bound or not; each launch once: the same bytes as the launches in
-    turn (FTOPT_CARVE_STREAM=0) and as the group that never carves. (On a CPU a stand-in
+    turn (FTOPT_CARVE_STREAM=0; as the group that never carves:
+    test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own). (On a CPU a stand-in
     stream records the order.)"""
     dtype, kw = _one_block_layout(layout, monkeypatch)
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
@@ -573,6 +574,3 @@ def test_a_carves_spanned_group_launches_beside_the_others(layout, small_blocks,
     # (unbound: the carve's first step launches through run_main, the spanned group's
     # kernels on the second stream)
     assert any([x == ("launch", True) for x in log])
-    never = ftopt.adam(1e-2, skip_zeros=True, **kw)
-    monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 10**9)
-    assert same_bits(_run(never, params, never.init(params), grads), in_turn)
