@@ -172,23 +172,18 @@ def test_8bit_one_block_per_program_equals_the_full_step(name, mode, monkeypatch
         launch._kernel.cache_clear()
 
 
-@pytest.mark.parametrize("queue", [0, 2])
 @pytest.mark.parametrize("span", [1, 4, 8])
 @pytest.mark.parametrize("interleave", [0, 3])
 @pytest.mark.parametrize("layout", ["8-bit", "fp32"])
 def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, interleave,
-                                                                      span, queue,
-                                                                      monkeypatch):
+                                                                      span, monkeypatch):
     """"split+defer": the main kernel runs the blocks without zero gradients, writes
     nothing for all-zero ones but their flag (2, for the watch to count), and flags those
     with some zeros and the tail (1); the second launch runs exactly the blocks flagged 1
     (in the main kernel's program order, also interleaved). Without it (the control) the
     flagged blocks are not written, so the donated step would differ from the full one.
     With programs of several blocks (``tiles.SPANS``), one whose blocks are all zero sets
-    their flags too: a flag left from an earlier step would run its block again. With a
-    queue (``tiles.DEFER_QUEUE``, ``queue`` deferred programs) the main kernel queues the
-    blocks it flags 1, and the deferred kernel runs exactly those and empties the queue
-    (the flags then only count)."""
+    their flags too: a flag left from an earlier step would run its block again."""
     dtype, kw = LAYOUTS[layout]
     key = "8-bit" if kw else "fp32"
     monkeypatch.setitem(tiles.SKIP_MODES, key, "split+defer")
@@ -202,8 +197,6 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         cache.cache_clear()
     monkeypatch.setattr(tiles, "BLOCK", 256)
     monkeypatch.setattr(tiles, "INTERLEAVE", interleave)
-    monkeypatch.setattr(tiles, "DEFER_QUEUE", bool(queue))
-    monkeypatch.setattr(tiles, "DEFER_QUEUE_PROGRAMS", queue)
     try:
         tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
         gen = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -228,11 +221,8 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         # 18 blocks, in programs of ``span``; their flags in runs of 4
         # one flag a block of the table padded to whole spans, in runs of 4
         flagged = torch.zeros(-(-(-(-18 // span) * span) // 4) * 4, dtype=torch.uint8)
-        assert launched == [(-(-18 // span),), (queue or len(flagged) // 4,)]
+        assert launched == [(-(-18 // span),), (len(flagged) // 4,)]
         (group,) = plan_chain(tx).prepared.groups
-        assert (group.queue is not None) == bool(queue)
-        if queue:  # (emptied by its last program)
-            assert group.queue[:3].tolist() == [0, 0, -(-18 // span) * span]
         assert group.one_leaf == (span > 1 and not interleave)  # (then no table read)
         order = work.interleaved(18, interleave) if interleave else torch.arange(18)
         flagged[[list(order).index(k) for k in (2, 7, 17)]] = 1
@@ -253,23 +243,10 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         launch._COMPILED.clear()
         control = ftopt.step(tx, cloned(params), {"w": g}, cloned(state), backend="fused",
                              donate=True)
-        if queue:  # (the main kernel's queue, not run: the flagged blocks, once each)
-            q = plan_chain(tx).prepared.groups[0].queue
-            assert q[0].item() == 3 and q[1] == 0 and q[2] == -(-18 // span) * span
-            assert sorted(q[3:6].tolist()) == sorted(list(order).index(k) for k in (2, 7, 17))
         assert torch.equal(control[0]["w"][:256], full[0]["w"][:256])
         for part in (slice(512, 600), slice(1792, 2048), slice(4352, n)):  # flagged
             assert not torch.equal(control[0]["w"][part], full[0]["w"][part])
             assert torch.equal(control[0]["w"][part], params["w"][part])
-        if queue:
-            # A queue left full is written no further than its length (a step whose
-            # deferred launch was interrupted): 3 more blocks, room for 1 (the control: the
-            # first of them written).
-            q[2], q[3 + 4:] = 4, -1
-            ftopt.step(tx, *control[:1], {"w": g}, control[1], backend="fused", donate=True)
-            assert plan_chain(tx).prepared.groups[0].queue is q
-            assert q[0].item() == 6 and (q[3 + 4:] == -1).all()
-            assert q[3 + 3].item() in [list(order).index(k) for k in (2, 7, 17)]
     finally:
         for cache in (launch._constants_cached, launch._kernel):
             cache.cache_clear()

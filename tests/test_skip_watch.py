@@ -270,19 +270,15 @@ def test_split_in_place_runs_select_while_most_blocks_are_part_zero(layout, smal
                                    state, grads))
 
 
-@pytest.mark.parametrize("layout", ["fp32", "8-bit", "8-bit queue"])
+@pytest.mark.parametrize("layout", ["fp32", "8-bit"])
 def test_bound_launches_of_both_modes_follow_moving_gradients(layout, small_blocks,
                                                               small_tiles, bound_calls,
                                                               monkeypatch):
     """Each mode keeps its own bound launches (a group that switches and back rebinds
     neither), and the alternate's take the new gradient addresses as the group's do: new
     gradient tensors every step, bound runs in both modes, the bytes of the group that
-    never switches (with the deferred programs queued, tiles.DEFER_QUEUE: the bytes of
-    the group that never switches and reads flags)."""
-    queue = layout == "8-bit queue"
-    monkeypatch.setattr(tiles, "DEFER_QUEUE", queue)
-    monkeypatch.setattr(tiles, "DEFER_QUEUE_PROGRAMS", 2)
-    kw = {"state_bits": 8} if layout.startswith("8-bit") else {}
+    never switches."""
+    kw = {"state_bits": 8} if layout == "8-bit" else {}
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
     grads = _grads(gen, 12, range(0, 6))
@@ -301,10 +297,8 @@ def test_bound_launches_of_both_modes_follow_moving_gradients(layout, small_bloc
     alternate_runs = prepared._bound_by[((1, False, None, flags),)][2]
     assert alternate_runs and all(b.group is group.alternate for b in alternate_runs)
     assert len(bound_calls) >= 4
-    assert (group.queue is not None) == queue
     monkeypatch.setattr(tiles, "SPLIT_SELECT_ABOVE", 1e9)
     monkeypatch.setattr(tiles, "DEFER_SELECT_ABOVE", 2.0)
-    monkeypatch.setattr(tiles, "DEFER_QUEUE", False)
     assert same_bits(watched, _run(ftopt.adam(1e-2, skip_zeros=True, **kw), params, state,
                                    grads))
 

@@ -183,7 +183,6 @@ class Variant:
     # The group's blocks are one leaf's, in order: a program computes its start.
     one_leaf: bool = False
     defer_flags: int = 0  # the deferred kernel's flags a program (tiles.DEFER_FLAGS)
-    defer_queue: int = 0  # "split+defer" with a queue: the deferred kernel's programs
 
 
 def _fast_math(line: str) -> str:
@@ -305,9 +304,9 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
         dense = replace(variant, skip_stores=False, split=False, dense=True)
         bodies[0] = split.split_on_zeros(bodies[0], _body_and_stores(
             traced, nodes, stores, lanes.masks(traced, False), dense, dtypes, False),
-            bool(variant.defer), variant.count_flags, bool(variant.defer_queue))
+            bool(variant.defer), variant.count_flags)
         if variant.defer:
-            bodies[1] = split.deferred_tail(bool(variant.defer_queue))
+            bodies[1] = split.deferred_tail()
     count_args, count_lines = _count_lines(traced)
     prelude = _prelude(roles, dtypes, variant)
     if variant.span > 1:
@@ -327,12 +326,10 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     if variant.skip_tiles:
         body = ["if tl.sum((tl.load(g_ptr + offs, mask=offs < n, other=0.0)"
                 ".to(tl.float32) != 0.0).to(tl.int32)) > 0:"] + ["    " + x for x in body]
-    lines = (prelude + count_lines + body if variant.defer != 2 else
-             split.deferred_queue(prelude, body, variant.defer_queue)
-             if variant.defer_queue else split.deferred(prelude, body, variant.defer_flags))
+    lines = (split.deferred(prelude, body, variant.defer_flags) if variant.defer == 2
+             else prelude + count_lines + body)
     running_args = [f"{role}_ptr" for role, _ in traced.running_stores]
-    flags = (["flags_ptr"] * bool(variant.defer or variant.count_flags)
-             + ["queue_ptr"] * bool(variant.defer and variant.defer_queue))
+    flags = ["flags_ptr"] * bool(variant.defer or variant.count_flags)
     sig = _signature(roles, count_args + running_args + flags,
                      len(traced.graph.scalars), variant, ("COUNT",))
     return _kernel("ftopt_main", sig, lines, helpers)

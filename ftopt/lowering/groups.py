@@ -72,11 +72,6 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
         group.flags = torch.zeros(split_kernels.flag_count(len(group.work.main_leaf)),
                                   dtype=torch.uint8, device=device)
         group.deferring = bool(defer and not group_traced.in_place)
-        if group.deferring and tiles.DEFER_QUEUE:
-            blocks = len(group.work.main_leaf)  # (split.deferred_queue's layout)
-            group.queue = torch.zeros(3 + blocks, dtype=torch.int32)
-            group.queue[2] = blocks
-            group.queue = group.queue.to(device)
     if quant_block:
         group.qmaps = (quant_tables.table(True, device), quant_tables.table(False, device))
     group.addresses = {r: addresses(ts, device) for r, ts in roles.items()}

@@ -101,8 +101,6 @@ class GroupLaunch:
     # "split+defer": programs with some zero gradients run in a second launch, which
     # reads their flags here (ftopt.lowering.split; one byte a main program).
     flags: torch.Tensor | None = None
-    # With tiles.DEFER_QUEUE: count, done count, queued programs (split.deferred_queue).
-    queue: torch.Tensor | None = None
     # "split+defer" (deferring), or another "split" mode whose flags count its blocks with
     # some (1) and only (2) zero gradients (ftopt.lowering.skip_watch); its watch.
     deferring: bool = False
@@ -140,25 +138,22 @@ class GroupLaunch:
                         self.skip_stores, self.fast_math, self.chunk_lanes, self.split,
                         defer, span=1 if deferred else self.span,
                         count_flags=self.counting, one_leaf=self.one_leaf and not deferred,
-                        defer_flags=(self.defer_flags or tiles.DEFER_FLAGS) * deferred,
-                        defer_queue=tiles.DEFER_QUEUE_PROGRAMS * (self.queue is not None))
+                        defer_flags=(self.defer_flags or tiles.DEFER_FLAGS) * deferred)
 
     def kernels(self, scalars, counted: bool) -> list[tuple]:
         """(kernel, grid, constants, trailing arguments) of each main launch of this
         group: the main kernel's, and the deferred kernel's of a "split+defer" step."""
         w = self.work
         variant = self.variant(scalars)
-        queue = [self.queue] * bool(variant.defer and variant.defer_queue)
         out = [(_kernel(self.traced, "main", 0, variant), (-(-w.num_blocks // self.span),),
                 _constants_cached(self.traced, self.quant_block, not counted, variant.defer,
                                   self.kind),
-                [self.flags] * bool(variant.defer or variant.count_flags) + queue)]
+                [self.flags] if variant.defer or variant.count_flags else [])]
         if variant.defer:
             out.append((_kernel(self.traced, "main", 0, self.variant(scalars, True)),
-                        (variant.defer_queue,) if queue else
                         (self.flags.numel() // (self.defer_flags or tiles.DEFER_FLAGS),),
                         _constants_cached(self.traced, self.quant_block, False, 2, self.kind),
-                        [self.flags] + queue))
+                        [self.flags]))
         return out
 
 

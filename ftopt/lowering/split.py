@@ -17,16 +17,13 @@ runs each flagged program's body in turn. The flags need no reset: every main pr
 writes its own, each step (0: no zero gradient, 1: some, or a tail, 2: only zeros, which
 :mod:`ftopt.lowering.skip_watch` counts).
 
-With :data:`tiles.DEFER_QUEUE` a main program it flags 1 also takes a place in the group's
-queue (an atomic add to its count) and writes its number there; the deferred kernel's
-:data:`tiles.DEFER_QUEUE_PROGRAMS` programs read the count and run the queued programs,
-and the last of them to finish empties the queue (:func:`deferred_queue`). It reads one
-count where the flags' kernel reads a byte a block. H200, GPT-2 8-bit Adam, dense
-gradients: the flags' kernel (3,800 programs of 128 flags, none set) takes 7.9 us, 3.5 us
-where the main kernel streams almost nothing (every gradient zero, its flags likely still
-cached), and the main kernel with skip_zeros ~2 us over the one without: the deferred
-launch is most of 8-bit's dense skip_zeros cost. The queue is off by default until it is
-timed on a GPU.
+Measured on an H200 (GPT-2 8-bit Adam, dense gradients) and not taken: this kernel, 3,800
+programs of 128 flags none of which is set, takes 7.8 us, its programs' waves each
+waiting on memory. A queue of the deferred programs' numbers (an atomic count in the main
+kernel; 528 programs reading it) took 6.5 us but the main kernel ~4 us more, and 3.8 ms
+a step where every block was deferred (485k atomic adds on one count); marks of the
+flagged runs (a byte a run of 128, read 32 a program) 16.6 us, the main kernel 23 us more
+(that version also failed its tests on the GPU, not diagnosed: benchmarks/RESULTS.md).
 
 A layout of :data:`tiles.SPANS` runs several consecutive blocks a main program
 (:func:`spanned`): the program checks all their gradients with one wait on memory and
@@ -47,11 +44,6 @@ _NO_ZEROS = {"zero = g == 0.0": "zero = tl.full([BLOCK], 0, tl.int1)",
 # zeros (2), of one without (0).
 _FLAG = "tl.store(flags_ptr + pid, ({}).to(tl.uint8))"
 _DEFER_FLAG = "(live_lanes < BLOCK).to(tl.uint8) + (live_lanes == 0).to(tl.uint8)"
-# A deferred main program's place in the queue (tiles.DEFER_QUEUE: its count, a count of
-# the deferred programs done, its length, then the programs' numbers). Never past its
-# length: a queue a step left full (its deferred launch interrupted) is not written over.
-_QUEUE = ["queue_at = tl.atomic_add(queue_ptr, 1)",
-          "tl.store(queue_ptr + 3 + queue_at, pid, mask=queue_at < tl.load(queue_ptr + 2))"]
 # The flag of a "split" program that counts (1: some zero gradients, 2: all zero).
 _COUNT = "tl.store(flags_ptr + pid, tl.full([], {}, tl.uint8))"
 
@@ -61,7 +53,7 @@ def _indent(lines: list[str], depth: int = 1) -> list[str]:
 
 
 def split_on_zeros(body: list[str], dense: list[str], defer: bool = False,
-                   count: bool = False, queue: bool = False) -> list[str]:
+                   count: bool = False) -> list[str]:
     """A full block's code of a "split" kernel: after the gradient's load, ``dense`` (the
     same body with the skip masks constant, no gating of stores) where every gradient is
     non-zero, ``body`` where some are (``defer``: a flag 1 for the deferred kernel in its
@@ -81,33 +73,16 @@ def split_on_zeros(body: list[str], dense: list[str], defer: bool = False,
     assert early == early_dense
     head = body[:at + 1] + early + ["live_lanes = tl.sum((g != 0.0).to(tl.int32))"]
     if defer:
-        return (head + [_FLAG.format(_DEFER_FLAG)]
-                + (["if (live_lanes < BLOCK) & (live_lanes > 0):"] + _indent(_QUEUE)) * queue
-                + ["if live_lanes == BLOCK:"] + _indent(dense))
+        return (head + [_FLAG.format(_DEFER_FLAG),
+                        "if live_lanes == BLOCK:"] + _indent(dense))
     return (head + ["if live_lanes == BLOCK:"] + _indent(dense)
             + ["elif live_lanes > 0:"] + _indent([_COUNT.format(1)] * count + rest)
             + ["else:", "    " + _COUNT.format(2)] * count)
 
 
-def deferred_tail(queue: bool = False) -> list[str]:
-    """A tail program's code in the main kernel of a "split+defer" step: its flag (and
-    its place in the queue)."""
-    return [_FLAG.format("tl.full([], 1, tl.int1)")] + _QUEUE * queue
-
-
-def deferred_queue(prelude: list[str], body: list[str], programs: int) -> list[str]:
-    """The deferred kernel's code with a queue (:data:`tiles.DEFER_QUEUE`): its
-    ``programs`` programs run the queued main programs in turn (``prelude`` and ``body``
-    as :func:`deferred`'s), and the last of them to finish empties the queue for the next
-    step (each takes the count before it counts itself done). The queue: its count, the
-    count of deferred programs done, its length, the queued programs' numbers."""
-    assert prelude[0] == "pid = tl.program_id(0)"
-    return (["queued = tl.minimum(tl.load(queue_ptr), tl.load(queue_ptr + 2))",
-             f"for at in range(tl.program_id(0), queued, {programs}):",
-             "    pid = tl.load(queue_ptr + 3 + at)"]
-            + _indent(prelude[1:] + body)
-            + [f"if tl.atomic_add(queue_ptr + 1, 1) == {programs - 1}:",
-               "    tl.store(queue_ptr, 0)", "    tl.store(queue_ptr + 1, 0)"])
+def deferred_tail() -> list[str]:
+    """A tail program's code in the main kernel of a "split+defer" step: its flag."""
+    return [_FLAG.format("tl.full([], 1, tl.int1)")]
 
 
 def full_or_tail(full: list[str], tail: list[str]) -> list[str]:

@@ -139,12 +139,6 @@ DEFER_FLAGS = int(os.environ.get("FTOPT_DEFER_FLAGS", "32"))
 # them.
 DEFER_FLAGS_FEW = int(os.environ.get("FTOPT_DEFER_FLAGS_FEW", "128"))
 DEFER_FEW_BELOW = float(os.environ.get("FTOPT_DEFER_FEW_BELOW", "0.01"))
-# "split+defer" with a queue: a main program with some zero gradients also appends its
-# number to the group's queue (an atomic count), and the deferred kernel's
-# DEFER_QUEUE_PROGRAMS programs run the queued ones (ftopt.lowering.split.deferred_queue)
-# instead of reading every program's flag. FTOPT_DEFER_QUEUE=1 turns it on.
-DEFER_QUEUE = os.environ.get("FTOPT_DEFER_QUEUE", "0") != "0"
-DEFER_QUEUE_PROGRAMS = int(os.environ.get("FTOPT_DEFER_QUEUE_PROGRAMS", "528"))
 # A "split+defer" group runs "split+select" while more than DEFER_SELECT_ABOVE of its
 # blocks were deferred when last counted (ftopt.lowering.skip_watch): counted every
 # WATCH_PERIOD steps, and every WATCH_PROBE steps while it runs "split+select". H200,
