@@ -19,27 +19,10 @@ sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent)]
 import gpu_step  # noqa: E402
 import timing  # noqa: E402
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import ftopt  # noqa: E402
-from ftopt.lowering import tiles  # noqa: E402
 
 STEPS = 8  # profiled steps; two of them printed
-
-
-def timeline(step) -> list:
-    """The CUDA events of ``STEPS`` steps, the watch's counts held off."""
-    period = (tiles.WATCH_PERIOD, tiles.WATCH_PROBE)
-    tiles.WATCH_PERIOD = tiles.WATCH_PROBE = 10**9
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(STEPS):
-                step()
-            torch.cuda.synchronize()
-    finally:
-        tiles.WATCH_PERIOD, tiles.WATCH_PROBE = period
-    return sorted([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA],
-                  key=lambda e: e.time_range.start)
 
 
 def main() -> None:
@@ -64,7 +47,7 @@ def main() -> None:
             ms = timing.event_ms(step, 40, 3)
             if skip:
                 print(ftopt.explain(tx, params, g, donate=True))
-            events = timeline(step)
+            events = timing.cuda_events(step, STEPS)
             per = len(events) // STEPS
             print(f"== {layout} {name} skip_zeros={skip}: step ms "
                   f"{[round(x, 4) for x in ms]}, host us a call "

@@ -151,14 +151,9 @@ def host_us(fn: Callable, iters: int, warmup: int = 5) -> list[float]:
     return times
 
 
-def kernel_us(tx, params: dict, grads: dict, steps: int = 20) -> dict:
-    """Mean device time (us) of each kernel name over ``steps`` donated steps, with the
-    number of launches a step. The skip_zeros watch (``ftopt.lowering.skip_watch``)
-    counts in the warm-up steps alone: the profiled steps launch the same kernels each,
-    so the kernels of one name are told apart by their place in a step."""
-    step = donated_stepper(tx, params, grads)
-    for _ in range(17):  # (the watch's first count, read, and its mode taken)
-        step()
+def cuda_events(step: Callable[[], None], steps: int) -> list:
+    """The CUDA events (torch.profiler) of ``steps`` calls of ``step``, by start time.
+    The skip_zeros watch does not count in them: the steps launch the same kernels each."""
     torch.cuda.synchronize()
     period = (tiles.WATCH_PERIOD, tiles.WATCH_PROBE)
     tiles.WATCH_PERIOD = tiles.WATCH_PROBE = 10**9
@@ -169,10 +164,22 @@ def kernel_us(tx, params: dict, grads: dict, steps: int = 20) -> dict:
             torch.cuda.synchronize()
     finally:
         tiles.WATCH_PERIOD, tiles.WATCH_PROBE = period
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA],
+                  key=lambda e: e.time_range.start)
+
+
+def kernel_us(tx, params: dict, grads: dict, steps: int = 20) -> dict:
+    """Mean device time (us) of each kernel name over ``steps`` donated steps, with the
+    number of launches a step. The skip_zeros watch (``ftopt.lowering.skip_watch``)
+    counts in the warm-up steps alone: the profiled steps launch the same kernels each,
+    so the kernels of one name are told apart by their place in a step."""
+    step = donated_stepper(tx, params, grads)
+    for _ in range(17):  # (the watch's first count, read, and its mode taken)
+        step()
+    events = cuda_events(step, steps)
     per_step = max(len(events) // steps, 1)
     times = collections.defaultdict(list)
-    for i, e in enumerate(sorted(events, key=lambda e: e.time_range.start)):
+    for i, e in enumerate(events):
         # (kernels of one name told apart by their place in the step's launches)
         times[f"{e.name[:24]}#{i % per_step}"].append(e.device_time)
     return {k: dict(per_step=len(v) / steps, mean_us=sum(v) / len(v))
