@@ -17,13 +17,14 @@ runs each flagged program's body in turn. The flags need no reset: every main pr
 writes its own, each step (0: no zero gradient, 1: some, or a tail, 2: only zeros, which
 :mod:`ftopt.lowering.skip_watch` counts).
 
-Measured on an H200 (GPT-2 8-bit Adam, dense gradients) and not taken: this kernel, 3,800
-programs of 128 flags none of which is set, takes 7.8 us, its programs' waves each
-waiting on memory. A queue of the deferred programs' numbers (an atomic count in the main
-kernel; 528 programs reading it) took 6.5 us but the main kernel ~4 us more, and 3.8 ms
-a step where every block was deferred (485k atomic adds on one count); marks of the
-flagged runs (a byte a run of 128, read 32 a program) 16.6 us, the main kernel 23 us more
-(that version also failed its tests on the GPU, not diagnosed: benchmarks/RESULTS.md).
+On an H200 (GPT-2 8-bit Adam, dense gradients) this kernel, 3,800 programs of 128 flags
+none of which is set, takes 7.2-7.9 us, at 4, 2 or 1 warps alike: a launch after the
+590 us main kernel costs that much however little it does. Measured and not taken: a
+queue of the deferred programs' numbers (an atomic count in the main kernel; 528
+programs reading it) took 6.5 us but the main kernel ~4 us more, and 3.8 ms a step where
+every block was deferred (485k atomic adds on one count); marks of the flagged runs (a
+byte a run of 128, read 32 a program) 16.6 us, the main kernel 23 us more (that version
+also failed its tests on the GPU, not diagnosed: benchmarks/RESULTS.md).
 
 A layout of :data:`tiles.SPANS` runs several consecutive blocks a main program
 (:func:`spanned`): the program checks all their gradients with one wait on memory and
