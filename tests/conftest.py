@@ -83,11 +83,11 @@ class _Interpreted:
         self.kernel, self.constants, self.calls = kernel, dict(constants), calls
 
     def __getitem__(self, grid):
-        from ftopt.lowering import launch
+        from ftopt.lowering import interpreter
 
         def runner(*args):
             self.calls.append(grid)
-            with launch.interpreter_patches_undone():
+            with interpreter.patches_undone():
                 self.kernel[grid[:1]](*args, **self.constants)
         return runner
 

@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 def _snapshot():
-    from ftopt.lowering.launch import _patched_by_interpreter
+    from ftopt.lowering.interpreter import patched
 
-    return [dict(vars(obj)) for obj in _patched_by_interpreter()]
+    return [dict(vars(obj)) for obj in patched()]
 
 
 CHAINS = {
@@ -54,10 +54,10 @@ def test_the_guard_restores_what_a_leaking_launch_changed():
     """The control: the patching the guard undoes does happen without it."""
     import triton.language as tl
 
-    from ftopt.lowering.launch import interpreter_patches_undone
+    from ftopt.lowering.interpreter import patches_undone
 
     original = tl.core.add
-    with interpreter_patches_undone():
+    with patches_undone():
         tl.core.add = lambda *a, **k: None
         tl.core.ftopt_probe = 1
     assert tl.core.add is original and not hasattr(tl.core, "ftopt_probe")

@@ -10,7 +10,7 @@ The cross-compilation runs in a subprocess with ``TRITON_INTERPRET`` unset and a
 directory of its own. In this process the other tests run kernels in Triton's
 interpreter, and the interpreter (Triton 3.6 to 3.9) leaves ``triton.language.core``
 patched after a kernel calls a ``@triton.jit`` helper such as ``tl.sum``; ftopt undoes
-that after each of its launches (``launch.interpreter_patches_undone``, tested in
+that after each of its launches (``interpreter.patches_undone``, tested in
 ``test_interpreter.py``), and the subprocess keeps this test independent of whatever
 else ran before it, with a cold cache every time, as on a new machine.
 """

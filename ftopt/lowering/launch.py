@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ftopt import shards
-from ftopt.lowering import codegen, quantized, streams, tiles, work
+from ftopt.lowering import codegen, interpreter, quantized, streams, tiles, work
 
 # One program sums a leaf's partials, R_BLOCK a load, in a loop whose iterations each wait
 # for their load: 256 a load took GPT-2's embedding (75,400 partials of 512 elements) ~300
@@ -209,42 +209,6 @@ _DIRECT = _direct_launch_supported()
 _COMPILED: dict = {}
 
 
-def _patched_by_interpreter() -> list:
-    """The objects whose attributes Triton's interpreter replaces while it runs a kernel
-    (``triton.runtime.interpreter._patch_lang``)."""
-    core = tl.core
-    names = ("tensor", "tensor_descriptor_base", "condition", "dtype")
-    return [tl, core, tl.math, *[getattr(core, n) for n in names if hasattr(core, n)]]
-
-
-@contextlib.contextmanager
-def interpreter_patches_undone():
-    """Leaves ``triton.language`` as it was before an interpreted launch.
-
-    Triton's interpreter (seen in 3.6 to 3.9) patches ``triton.language`` for the length
-    of a launch and restores it afterwards, except for the ``@triton.jit`` helpers a
-    kernel calls (``tl.sum``, ``tl.max``, ``tl.min`` of ``triton/language/standard.py``):
-    each call of one patches ``triton.language.core`` again and never restores it. Left
-    so, the next real compilation in the process (any Triton kernel not found in the
-    cache, ours or the user's) runs the interpreter's builtins and fails.
-    """
-    objects = _patched_by_interpreter()
-    saved = [dict(vars(obj)) for obj in objects]
-    try:
-        yield
-    finally:
-        for obj, before in zip(objects, saved):
-            now = vars(obj)
-            for name in [n for n in now if n not in before]:
-                delattr(obj, name)
-            for name, value in before.items():
-                if now.get(name, _MISSING) is not value:
-                    setattr(obj, name, value)
-
-
-_MISSING = object()
-
-
 def _launch(kernel, grid: tuple, args: list, constants: tuple, device: torch.device,
             key: tuple = ()) -> None:
     """``kernel[grid](*args, **dict(constants))``, then straight to the compiled kernel.
@@ -264,7 +228,7 @@ def _launch(kernel, grid: tuple, args: list, constants: tuple, device: torch.dev
         return
     named = dict(constants)
     if tiles.INTERPRETING:
-        with interpreter_patches_undone():
+        with interpreter.patches_undone():
             kernel[grid](*args, **named)
         return
     compiled = kernel[grid](*args, **named)
