@@ -8,12 +8,14 @@ with the early return equals the one without (``launch.SKIP_TILES = False``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from step_checks import bits, cloned, same_bits
 
 import ftopt
-from ftopt.lowering import codegen, launch, tiles, work
+from ftopt.lowering import codegen, launch, streams, tiles, work
 from ftopt.lowering.plan import plan_chain
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -172,19 +174,23 @@ def test_8bit_one_block_per_program_equals_the_full_step(name, mode, monkeypatch
         launch._kernel.cache_clear()
 
 
+@pytest.mark.parametrize("pdl", ["0", "defer", "all"] if DEVICE == "cuda" else ["defer"])
 @pytest.mark.parametrize("span", [1, 4, 8])
 @pytest.mark.parametrize("interleave", [0, 3])
 @pytest.mark.parametrize("layout", ["8-bit", "fp32"])
 def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, interleave,
-                                                                      span, monkeypatch):
+                                                                      span, pdl, monkeypatch):
     """"split+defer": the main kernel runs the blocks without zero gradients, writes
     nothing for all-zero ones but their flag (2, for the watch to count), and flags those
     with some zeros and the tail (1); the second launch runs exactly the blocks flagged 1
     (in the main kernel's program order, also interleaved). Without it (the control) the
     flagged blocks are not written, so the donated step would differ from the full one.
     With programs of several blocks (``tiles.SPANS``), one whose blocks are all zero sets
-    their flags too: a flag left from an earlier step would run its block again."""
+    their flags too: a flag left from an earlier step would run its block again. On a GPU
+    the deferred kernel (``pdl``: every kernel) is launched early, to wait for the main
+    one on the device (``streams.PDL``)."""
     dtype, kw = LAYOUTS[layout]
+    monkeypatch.setattr(streams, "PDL", pdl)
     key = "8-bit" if kw else "fp32"
     monkeypatch.setitem(tiles.SKIP_MODES, key, "split+defer")
     monkeypatch.setattr(tiles, "SPANS", {key: span})
@@ -214,15 +220,24 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         launched = []
         real = launch._launch
         monkeypatch.setattr(launch, "_launch", lambda k, grid, *a, **kw_: (
-            launched.append(grid), real(k, grid, *a, **kw_))[1])
+            launched.append((grid, dict(a[1]).get("launch_pdl", False))),
+            real(k, grid, *a, **kw_))[1])
         donated = ftopt.step(tx, cloned(params), {"w": g}, cloned(state), backend="fused",
                              donate=True)
         assert same_bits(donated, full)
         # 18 blocks, in programs of ``span``; their flags in runs of 4
         # one flag a block of the table padded to whole spans, in runs of 4
         flagged = torch.zeros(-(-(-(-18 // span) * span) // 4) * 4, dtype=torch.uint8)
-        assert launched == [(-(-18 // span),), (len(flagged) // 4,)]
+        assert [grid for grid, _ in launched] == [(-(-18 // span),), (len(flagged) // 4,)]
+        sm90 = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+        assert [early for _, early in launched] == [sm90 and pdl == "all",
+                                                    sm90 and pdl != "0"]
         (group,) = plan_chain(tx).prepared.groups
+        for deferred in (False, True):  # (its source, launched so: waits, then lets go)
+            source = codegen.main_source(group.traced, replace(group.variant([], deferred),
+                                                               pdl=True))
+            assert source.split("def ftopt_main(")[1].split("\n")[1:3] == [
+                "    tl.extra.cuda.gdc_wait()", "    tl.extra.cuda.gdc_launch_dependents()"]
         assert group.one_leaf == (span > 1 and not interleave)  # (then no table read)
         order = work.interleaved(18, interleave) if interleave else torch.arange(18)
         flagged[[list(order).index(k) for k in (2, 7, 17)]] = 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftopt.lowering import streams
+from ftopt.lowering import streams, tiles
 
 CUDA = torch.cuda.is_available()
 
@@ -18,6 +18,20 @@ def test_no_second_stream_on_a_cpu_or_when_off(monkeypatch):
         pass
     monkeypatch.setattr(streams, "ON", False)
     assert streams.fork(torch.device("cuda")) is None
+
+
+def test_dependent_launches_on_nvidia_gpus_from_compute_capability_9(monkeypatch):
+    """Programmatic dependent launches where ``streams.PDL`` asks for them (the deferred
+    kernels, or every main kernel), on a device that has them: NVIDIA, sm_90 on."""
+    capable = (CUDA and torch.version.hip is None
+               and torch.cuda.get_device_capability()[0] >= 9 and not tiles.INTERPRETING)
+    for pdl, deferred, expected in [("0", True, False), ("defer", True, capable),
+                                    ("defer", False, False), ("all", False, capable),
+                                    ("all", True, capable)]:
+        monkeypatch.setattr(streams, "PDL", pdl)
+        assert not streams.dependent(torch.device("cpu"), deferred)
+        if CUDA:
+            assert streams.dependent(torch.device("cuda", 0), deferred) == expected
 
 
 @pytest.mark.skipif(not CUDA, reason="streams of a CUDA device")

@@ -183,6 +183,7 @@ class Variant:
     # The group's blocks are one leaf's, in order: a program computes its start.
     one_leaf: bool = False
     defer_flags: int = 0  # the deferred kernel's flags a program (tiles.DEFER_FLAGS)
+    pdl: bool = False  # a programmatic dependent launch (ftopt.lowering.streams.PDL)
 
 
 def _fast_math(line: str) -> str:
@@ -328,6 +329,8 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
                 ".to(tl.float32) != 0.0).to(tl.int32)) > 0:"] + ["    " + x for x in body]
     lines = (split.deferred(prelude, body, variant.defer_flags) if variant.defer == 2
              else prelude + count_lines + body)
+    if variant.pdl:  # (the kernel before ends first; the next may start with the last programs)
+        lines = ["tl.extra.cuda.gdc_wait()", "tl.extra.cuda.gdc_launch_dependents()", *lines]
     running_args = [f"{role}_ptr" for role, _ in traced.running_stores]
     flags = ["flags_ptr"] * bool(variant.defer or variant.count_flags)
     sig = _signature(roles, count_args + running_args + flags,

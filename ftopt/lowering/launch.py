@@ -67,6 +67,10 @@ def device_guard(device: torch.device):
 # Triton's register cap (``maxnreg``) is an option of its NVIDIA backend only.
 _NVIDIA = torch.version.cuda is not None and torch.version.hip is None
 
+# Triton 3.3 on: the grid dependency instructions and the ``launch_pdl`` option
+# (programmatic dependent launches: ftopt.lowering.streams.PDL).
+DEPENDENT_LAUNCHES = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
+
 # Donated 8-bit skip_zeros steps: programs whose gradients are all zero return at once
 # (False: they run the full body, to time one against the other).
 SKIP_TILES = True
@@ -74,7 +78,7 @@ SKIP_TILES = True
 
 def switches() -> tuple:
     """The module switches that choose a kernel variant (bound launches rebind on one)."""
-    return SKIP_TILES, quantized.ENCODER
+    return SKIP_TILES, quantized.ENCODER, streams.PDL
 
 
 @dataclass
@@ -138,7 +142,9 @@ class GroupLaunch:
                         self.skip_stores, self.fast_math, self.chunk_lanes, self.split,
                         defer, span=1 if deferred else self.span,
                         count_flags=self.counting, one_leaf=self.one_leaf and not deferred,
-                        defer_flags=(self.defer_flags or tiles.DEFER_FLAGS) * deferred)
+                        defer_flags=(self.defer_flags or tiles.DEFER_FLAGS) * deferred,
+                        pdl=DEPENDENT_LAUNCHES and streams.dependent(self.work.main_leaf.device,
+                                                                     deferred))
 
     def kernels(self, scalars, counted: bool) -> list[tuple]:
         """(kernel, grid, constants, trailing arguments) of each main launch of this
@@ -147,21 +153,24 @@ class GroupLaunch:
         variant = self.variant(scalars)
         out = [(_kernel(self.traced, "main", 0, variant), (-(-w.num_blocks // self.span),),
                 _constants_cached(self.traced, self.quant_block, not counted, variant.defer,
-                                  self.kind),
+                                  self.kind, variant.pdl),
                 [self.flags] if variant.defer or variant.count_flags else [])]
         if variant.defer:
-            out.append((_kernel(self.traced, "main", 0, self.variant(scalars, True)),
+            deferred = self.variant(scalars, True)
+            out.append((_kernel(self.traced, "main", 0, deferred),
                         (self.flags.numel() // (self.defer_flags or tiles.DEFER_FLAGS),),
-                        _constants_cached(self.traced, self.quant_block, False, 2, self.kind),
+                        _constants_cached(self.traced, self.quant_block, False, 2, self.kind,
+                                          deferred.pdl),
                         [self.flags]))
         return out
 
 
 @lru_cache(maxsize=256)
 def _constants_cached(traced, quant_block: int, count: bool | None = None,
-                      defer: int = 0, kind: str = "") -> tuple:
+                      defer: int = 0, kind: str = "", pdl: bool = False) -> tuple:
     """Constexprs and launch options (``count``: the main kernel's ``COUNT``; ``defer``:
-    :attr:`codegen.Variant.defer`; ``kind``: the group's layout, :func:`tiles.layout`)."""
+    :attr:`codegen.Variant.defer`; ``kind``: the group's layout, :func:`tiles.layout`;
+    ``pdl``: :attr:`codegen.Variant.pdl`)."""
     block, warps = tiles.tile(traced, quant_block, kind)
     constants = {
         "N_LEAF_VALUES": max(len(traced.graph.leaf_values), 1),
@@ -181,6 +190,8 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None,
         constants["maxnreg"] = cap
     if count is not None:
         constants["COUNT"] = count
+    if pdl:
+        constants["launch_pdl"] = True
     return tuple(constants.items())
 
 

@@ -24,10 +24,27 @@ from __future__ import annotations
 
 import contextlib
 import os
+from functools import lru_cache
 
 import torch
 
+from ftopt.lowering import tiles
+
 ON = os.environ.get("FTOPT_CARVE_STREAM", "1") != "0"
+
+# Programmatic dependent launch (NVIDIA, compute capability 9.0 and later): a kernel so
+# launched is started while the kernel before it on its stream runs its last programs,
+# and each of its programs waits (``griddepcontrol.wait``) for that kernel to end and its
+# stores to be visible before anything else: the order of the stream kept, the launch's
+# latency hidden. "defer": the deferred kernels of "split+defer" steps (launched after
+# their main kernel, to read the flags it stores: ftopt.lowering.split); "all": every
+# main kernel; "0": none. H200, GPT-2 8-bit Adam with skip_zeros (benchmarks/RESULTS.md,
+# 2026-12-02): the deferred kernel starts as its main kernel ends (gap +1.1..1.9 us ->
+# -0.1) but still runs ~8 us; against no skip_zeros, six A/Bs each, "defer" / "0":
+# dense mean +2.4% / +2.7%, 90% of the embedding's rows zero 1.222-1.237x /
+# 1.220-1.227x; "all" 1.154x, 1.145x (the carve's kernels then queue behind one
+# another). FTOPT_PDL overrides it.
+PDL = os.environ.get("FTOPT_PDL", "defer")
 
 _SIDE: dict = {}  # device (with its index) -> its second stream
 
@@ -48,6 +65,19 @@ def fork(device: torch.device):
         side = _SIDE[at] = module.Stream(at)
     side.wait_stream(module.current_stream(at))
     return side
+
+
+@lru_cache(maxsize=16)
+def _dependent_launches(device: torch.device) -> bool:
+    return (not tiles.INTERPRETING and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def dependent(device: torch.device, deferred: bool) -> bool:
+    """Whether a main kernel (``deferred``: a deferred one) on ``device`` is launched as
+    a programmatic dependent launch (:data:`PDL`), where Triton has them
+    (:data:`ftopt.lowering.launch.DEPENDENT_LAUNCHES`)."""
+    return (PDL == "all" or PDL == "defer" and deferred) and _dependent_launches(device)
 
 
 def join(device: torch.device, side) -> None:
