@@ -201,7 +201,8 @@ class PreparedStep:
         if uploads:
             for bound in self._bound_by.values():
                 for b in bound[2]:
-                    b.before[b.grad_at] = b.group.addresses["g"]
+                    b.before[b.grad_at] = launch.bound_arg(b.group.addresses["g"])
+                    b.tensors[b.grad_at] = b.group.addresses["g"]
         self.check.record(grad_pointers)
         return True
 

@@ -46,7 +46,8 @@ ON = os.environ.get("FTOPT_CARVE_STREAM", "1") != "0"
 # another). FTOPT_PDL overrides it.
 PDL = os.environ.get("FTOPT_PDL", "defer")
 
-_SIDE: dict = {}  # device (with its index) -> its second stream
+# device (with its index), and that stream -> its second stream and two events
+_SIDE: dict = {}
 
 
 def fork(device: torch.device):
@@ -60,10 +61,13 @@ def fork(device: torch.device):
         return None
     at = torch.device(device.type, module.current_device() if device.index is None
                       else device.index)
-    side = _SIDE.get(at)
-    if side is None:
-        side = _SIDE[at] = module.Stream(at)
-    side.wait_stream(module.current_stream(at))
+    found = _SIDE.get(at)
+    if found is None:  # (an event for each direction, recorded again at each step)
+        side = module.Stream(at)
+        found = _SIDE[at] = _SIDE[side] = (side, module.Event(), module.Event())
+    side, forked, _ = found
+    forked.record(module.current_stream(at))
+    side.wait_event(forked)
     return side
 
 
@@ -84,7 +88,9 @@ def join(device: torch.device, side) -> None:
     """The current stream of ``device`` waits for ``side``'s launches (from :func:`fork`;
     nothing where ``None``)."""
     if side is not None:
-        getattr(torch, device.type).current_stream(device).wait_stream(side)
+        joined = _SIDE[side][2]
+        joined.record(side)
+        getattr(torch, device.type).current_stream(device).wait_event(joined)
 
 
 def on(side):
