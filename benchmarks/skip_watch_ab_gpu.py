@@ -8,7 +8,8 @@ gradients, 90% of the embedding's rows zero ("sparse"), one gradient in 97 zero
 of the other leaves' gradients), in two rounds (``--rounds=N``; the two skip_zeros
 variants' order swapped every other round): no skip_zeros, skip_zeros without the
 watch (``tiles.WATCH = False``: each group keeps its mode and counts nothing) and with it
-(the default). Prints each round and the medians, writes ``OUT/watch_ab.json``.
+(the default). Prints each round and the medians, writes ``OUT/watch_ab.json``. The native
+tensor check (``ftopt.lowering.native``) is loaded first.
 
     python3 benchmarks/skip_watch_ab_gpu.py OUT [--layouts=...] [--rounds=2]
 """
@@ -22,7 +23,7 @@ import gpu_step  # noqa: E402
 import torch  # noqa: E402
 
 import ftopt  # noqa: E402
-from ftopt.lowering import launch, tiles  # noqa: E402
+from ftopt.lowering import launch, native, tiles  # noqa: E402
 
 VARIANTS = (("off", True, False), ("no watch", False, True), ("watch", True, True))
 ONLY = [x for a in sys.argv[1:] if a.startswith("--layouts=")
@@ -33,6 +34,11 @@ ROUNDS = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--r
 
 def main() -> None:
     dev = torch.device("cuda")
+    # (steps on checked memory: the native tensor check built and loaded first, as in a
+    # process past its first seconds; until then the host's checks run in Python, and a
+    # step that the device runs in ~0.5 ms can wait for its launches)
+    native.module(wait=True)
+    print(f"native tensor check: {native.status()}", flush=True)
     cfg = gpu_step.gpt2_tree_config(dev)
     rows = []
     for name, kw, _, params, grads in gpu_step.layout_trees(cfg, ONLY):
@@ -58,7 +64,7 @@ def main() -> None:
             off = statistics.median(times[("off", kind)])
             med = statistics.median(v)
             rows.append(dict(layout=name, variant=variant, grads=kind, ms=v, median=med,
-                             vs_off=med / off))
+                             vs_off=med / off, native_check=native.status()))
             print(f"{name:30s} {variant:9s} {kind:12s} median {med:.4f} ms "
                   f"({(med / off - 1) * 100:+.1f}% of off)", flush=True)
         del params, grads, sparse, mixed, both

@@ -21,12 +21,15 @@ import timing  # noqa: E402
 import torch  # noqa: E402
 
 import ftopt  # noqa: E402
+from ftopt.lowering import native  # noqa: E402
 
 STEPS = 8  # profiled steps; two of them printed
 
 
 def main() -> None:
     dev = torch.device("cuda")
+    native.module(wait=True)  # (the host's checks of a process past its first seconds)
+    print(f"native tensor check: {native.status()}", flush=True)
     cfg = gpu_step.gpt2_tree_config(dev)
     params, grads = gpu_step._tree(cfg, torch.float32, seed=21)
     sparse, _ = gpu_step._sparse_wte(grads, cfg)
