@@ -14,7 +14,10 @@ beside, bf16 states 1.237-1.238x / 1.264-1.265x, 8-bit 1.193-1.199x / 1.229-1.23
 stochastic rounding 1.204-1.216x / 1.228-1.231x; dense gradients (no carve) unchanged.
 Launching the spanned group first instead, or on a stream of higher priority, measured
 no better (two runs each, 8-bit: 1.199x, 1.224x and 1.192x, 1.228x against the others
-first 1.225x, 1.240x; bf16 states within 1% of one another).
+first 1.225x, 1.240x; bf16 states within 1% of one another). Nor did the largest group's
+kernels first on the caller's stream (the others' small group after them): the spanned
+kernel then runs at their end instead of their start, the step as long (8-bit
+1.230x, 1.230x against 1.233x, 1.232x; bf16 states 1.265x against 1.257x; 2026-12-02).
 
 While a CUDA graph is being captured the launches run in turn on the capturing stream.
 ``FTOPT_CARVE_STREAM=0`` runs them in turn always.

@@ -135,8 +135,12 @@ DEFER_FLAGS = int(os.environ.get("FTOPT_DEFER_FLAGS", "32"))
 # Adam with the watch, against off, four A/Bs each (32 for every step / 128 while few):
 # dense +2.2..4.1% (mean 3.3) / +2.1..3.3% (mean 2.6), 90% of the embedding's rows zero
 # 1.19x / 1.20x, every block part zero +12.5..14.8% / +14.4..17.0% (benchmarks/RESULTS.md,
-# 2026-12-02). FTOPT_DEFER_FLAGS_FEW (a power of two) and FTOPT_DEFER_FEW_BELOW override
-# them.
+# 2026-12-02). More a program while few are flagged does not shorten it (the deferred
+# kernel, dense gradients, 128 / 1024 flags: 7.9 / 8.6 us; the step, 128 / 512 / 1024 /
+# 2048, two A/Bs each: dense +3.1, 3.2 / 3.1, 3.1 / 2.5, 2.6 / 4.5, 4.3%, 90% of the
+# embedding's rows zero 1.229x / 1.224x, 1.233x / 1.230x, 1.232x / 1.210x, 1.204x;
+# 2026-12-02).
+# FTOPT_DEFER_FLAGS_FEW (a power of two) and FTOPT_DEFER_FEW_BELOW override them.
 DEFER_FLAGS_FEW = int(os.environ.get("FTOPT_DEFER_FLAGS_FEW", "128"))
 DEFER_FEW_BELOW = float(os.environ.get("FTOPT_DEFER_FEW_BELOW", "0.01"))
 # A "split+defer" group runs "split+select" while more than DEFER_SELECT_ABOVE of its
