@@ -9,27 +9,65 @@ of the other leaves' gradients), in two rounds (``--rounds=N``; the two skip_zer
 variants' order swapped every other round): no skip_zeros, skip_zeros without the
 watch (``tiles.WATCH = False``: each group keeps its mode and counts nothing) and with it
 (the default). Prints each round and the medians, writes ``OUT/watch_ab.json``. The native
-tensor check (``ftopt.lowering.native``) is loaded first.
+tensor check (``ftopt.lowering.native``) is loaded first. Each case also reports the
+watch's modes over its steps and the host's time a call (near the step's time, the
+device waits for launches).
 
     python3 benchmarks/skip_watch_ab_gpu.py OUT [--layouts=...] [--rounds=2]
 """
+import collections
 import json
 import pathlib
 import statistics
 import sys
+import time
 
 sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")]
 import gpu_step  # noqa: E402
+import timing  # noqa: E402
 import torch  # noqa: E402
 
 import ftopt  # noqa: E402
-from ftopt.lowering import launch, native, tiles  # noqa: E402
+from ftopt.lowering import launch, native, skip_watch, tiles  # noqa: E402
 
 VARIANTS = (("off", True, False), ("no watch", False, True), ("watch", True, True))
 ONLY = [x for a in sys.argv[1:] if a.startswith("--layouts=")
         for x in a.split("=", 1)[1].split(",")]
 ROUNDS = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rounds=")),
                   "2"))
+
+
+# The watch's mode at each step of a case (0 the group's own, 1 its alternate, 2 its
+# spanned alternate, 3 its carve: ftopt.lowering.skip_watch), counted over every
+# watched group: which mode a round's time is of.
+MODES: collections.Counter = collections.Counter()
+_plan = skip_watch.SkipWatch.plan
+
+
+def _counted_plan(self) -> int:
+    now = _plan(self)
+    MODES[now] += 1
+    return now
+
+
+skip_watch.SkipWatch.plan = _counted_plan
+
+
+def _step_and_host_ms(tx, params: dict, grads: dict) -> tuple[float, float]:
+    """``gpu_step.median_step_ms``'s steps (3 untimed, 3 x 40 timed by events), then the
+    host's ms a call over 40 more, not waited for: where it is near the step's time, the
+    device waits for launches."""
+    step = timing.donated_stepper(tx, params, grads)
+    for _ in range(3):
+        step()
+    ms = statistics.median(timing.event_ms(step, 40, 3))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(40):
+        step()
+    host = (time.perf_counter() - start) / 40 * 1e3
+    torch.cuda.synchronize()
+    return ms, host
 
 
 def main() -> None:
@@ -47,6 +85,7 @@ def main() -> None:
         wte = "transformer.wte.weight"
         both = {**mixed, wte: sparse[wte]}
         times: dict = {}
+        seen: dict = {}  # (variant, kind) -> each round's modes and host ms a call
         for rnd in range(ROUNDS):
             # (the two skip_zeros variants in turn first, against any drift in a round)
             order = VARIANTS if rnd % 2 == 0 else VARIANTS[:1] + VARIANTS[:0:-1]
@@ -57,14 +96,20 @@ def main() -> None:
                 tx = ftopt.adam(1e-3, skip_zeros=skip, **kw)
                 for kind, g in (("dense", grads), ("sparse", sparse), ("mixed", mixed),
                                 ("sparse+mixed", both)):
-                    ms = gpu_step.median_step_ms(tx, params, g)
+                    MODES.clear()
+                    ms, host = _step_and_host_ms(tx, params, g)
                     times.setdefault((variant, kind), []).append(ms)
-                    print(f"{rnd} {name:30s} {variant:9s} {kind:12s} {ms:.4f} ms", flush=True)
+                    seen.setdefault((variant, kind), []).append((dict(MODES), host))
+                    print(f"{rnd} {name:30s} {variant:9s} {kind:12s} {ms:.4f} ms (host "
+                          f"{host:.4f} ms a call; modes {dict(sorted(MODES.items()))})",
+                          flush=True)
         for (variant, kind), v in times.items():
             off = statistics.median(times[("off", kind)])
             med = statistics.median(v)
             rows.append(dict(layout=name, variant=variant, grads=kind, ms=v, median=med,
-                             vs_off=med / off, native_check=native.status()))
+                             vs_off=med / off, native_check=native.status(),
+                             modes=[m for m, _ in seen[(variant, kind)]],
+                             host_ms=[h for _, h in seen[(variant, kind)]]))
             print(f"{name:30s} {variant:9s} {kind:12s} median {med:.4f} ms "
                   f"({(med / off - 1) * 100:+.1f}% of off)", flush=True)
         del params, grads, sparse, mixed, both
