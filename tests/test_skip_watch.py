@@ -492,8 +492,9 @@ def test_the_watch_counts_each_leafs_zero_blocks_only_after_a_count_finds_some(
     assert watch.fraction == 0.375 and watch.other == 3 and watch.carve == ((0,), True)
 
 
+@pytest.mark.parametrize("carve_warps", [0, 2])
 @pytest.mark.parametrize("layout", ["8-bit", "bf16 states"])
-def test_a_carves_spanned_group_launches_beside_the_others(layout, small_blocks,
+def test_a_carves_spanned_group_launches_beside_the_others(layout, carve_warps, small_blocks,
                                                            small_tiles, bound_calls,
                                                            monkeypatch):
     """A carve's spanned group launches on a second stream (ftopt.lowering.streams),
@@ -501,9 +502,12 @@ def test_a_carves_spanned_group_launches_beside_the_others(layout, small_blocks,
     group's launches, bound or not; each launch once: the same bytes as the launches in
     turn (FTOPT_CARVE_STREAM=0; as the group that never carves:
     test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own). (On a CPU a stand-in
-    stream records the order.)"""
+    stream records the order.) ``carve_warps``: the spanned group's programs run that many
+    warps (tiles.CARVE_WARPS), the others their tile's."""
     dtype, kw = _one_block_layout(layout, monkeypatch)
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
+    key = "8-bit" if layout == "8-bit" else "16-bit states"
+    monkeypatch.setattr(tiles, "CARVE_WARPS", {key: carve_warps} if carve_warps else {})
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     params = {"emb": torch.randn(256 * 40, generator=gen).to(DEVICE, dtype),
               "w": torch.randn(256 * 30 + 77, generator=gen).to(DEVICE, dtype)}
@@ -535,8 +539,11 @@ def test_a_carves_spanned_group_launches_beside_the_others(layout, small_blocks,
 
     real_launch, real_bind = launch._launch, launch.bind_main
 
+    warps: list = []
+
     def launched(*args, **kwargs):
         log.append(("launch", where["side"]))
+        warps.append((where["side"], dict(args[3])["num_warps"]))
         return real_launch(*args, **kwargs)
 
     def bind(*args, **kwargs):
@@ -573,3 +580,6 @@ def test_a_carves_spanned_group_launches_beside_the_others(layout, small_blocks,
     # (unbound: the carve's first step launches through run_main, the spanned group's
     # kernels on the second stream)
     assert any([x == ("launch", True) for x in log])
+    beside_warps = {w for side, w in warps if side}
+    others = {w for side, w in warps if not side}
+    assert len(others) == 1 and beside_warps == ({carve_warps} if carve_warps else others)

@@ -126,6 +126,7 @@ def carved(group: launch.GroupLaunch, carve: tuple) -> list:
                               values.view(len(leaves), width)[at].reshape(-1) if width
                               else values, device, its_mode, watched=False, span=span)
             sub.beside = beside  # (launched beside the other: ftopt.lowering.streams)
+            sub.warps = tiles.CARVE_WARPS.get(sub.kind, 0) if beside else 0
             at = launch.to_device(at, device)
             sub.addresses["g"] = group.addresses["g"][at]
             parts.append((sub, at))

@@ -115,6 +115,7 @@ class GroupLaunch:
     span: int = 1  # blocks a program of a "split" main kernel runs (codegen.Variant)
     one_leaf: bool = False  # its blocks in order, of one leaf (codegen.Variant)
     beside: bool = False  # a carve's spanned group: launched on a second stream (streams)
+    warps: int = 0  # its programs' warps where not its layout's tile's (tiles.CARVE_WARPS)
     defer_flags: int = 0  # its watch's choice of the deferred kernel's flags a program
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
@@ -153,25 +154,27 @@ class GroupLaunch:
         variant = self.variant(scalars)
         out = [(_kernel(self.traced, "main", 0, variant), (-(-w.num_blocks // self.span),),
                 _constants_cached(self.traced, self.quant_block, not counted, variant.defer,
-                                  self.kind, variant.pdl),
+                                  self.kind, variant.pdl, self.warps),
                 [self.flags] if variant.defer or variant.count_flags else [])]
         if variant.defer:
             deferred = self.variant(scalars, True)
             out.append((_kernel(self.traced, "main", 0, deferred),
                         (self.flags.numel() // (self.defer_flags or tiles.DEFER_FLAGS),),
                         _constants_cached(self.traced, self.quant_block, False, 2, self.kind,
-                                          deferred.pdl),
+                                          deferred.pdl, self.warps),
                         [self.flags]))
         return out
 
 
 @lru_cache(maxsize=256)
 def _constants_cached(traced, quant_block: int, count: bool | None = None,
-                      defer: int = 0, kind: str = "", pdl: bool = False) -> tuple:
+                      defer: int = 0, kind: str = "", pdl: bool = False,
+                      warps: int = 0) -> tuple:
     """Constexprs and launch options (``count``: the main kernel's ``COUNT``; ``defer``:
     :attr:`codegen.Variant.defer`; ``kind``: the group's layout, :func:`tiles.layout`;
-    ``pdl``: :attr:`codegen.Variant.pdl`)."""
-    block, warps = tiles.tile(traced, quant_block, kind)
+    ``pdl``: :attr:`codegen.Variant.pdl`; ``warps``: :attr:`GroupLaunch.warps`)."""
+    block, tile_warps = tiles.tile(traced, quant_block, kind)
+    warps = warps or tile_warps
     constants = {
         "N_LEAF_VALUES": max(len(traced.graph.leaf_values), 1),
         "N_REDUCTIONS": max(len(traced.graph.reductions), 1),

@@ -203,6 +203,12 @@ CARVE_MIN_BLOCKS = int(os.environ.get("FTOPT_CARVE_MIN_BLOCKS", "16384"))
 # its blocks of one leaf: split.spanned), span 2 / 4 / 8: bf16 states 52 / 48 / 61,
 # stochastic rounding 67 / 61 / 74, 8-bit 64 / 71 / 84. FTOPT_CARVE_SPAN overrides it.
 CARVE_SPANS = _per_layout("FTOPT_CARVE_SPAN", "8-bit=2")
+# Warps a program of a carved group runs, per layout (none: the layout's tile). An 8-bit
+# program of one warp holds a span's gradients in its registers for the zero check (64 a
+# thread at span 8), which slowed spans over 2 (above); with more warps a thread holds
+# fewer, while the body runs for the few blocks with gradients only. Not yet timed.
+# FTOPT_CARVE_WARPS ("8-bit=2") sets them.
+CARVE_WARPS = _per_layout("FTOPT_CARVE_WARPS", "")
 
 
 def split_select_above(traced, kind: str) -> float:
