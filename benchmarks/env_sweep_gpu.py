@@ -1,0 +1,99 @@
+"""The watch A/B (``skip_watch_ab_gpu.py``) under each combination of environment
+settings, each in a process of its own (the settings are read at import), the
+combinations in turn ``--repeats`` times against drift. Prints, per combination and
+layout, the watch against no skip_zeros with dense gradients, 90% of the embedding's rows
+zero and every block part zero (each repeat, then the median), and the host's ms a call
+of the sparse case; writes ``OUT/sweep.json``.
+
+    python3 benchmarks/env_sweep_gpu.py OUT --set FTOPT_CARVE_WARPS=,8-bit=2 \\
+        --set "FTOPT_CARVE_SPAN=8-bit=2,8-bit=4" [--layouts=8-bit] [--rounds=2] [--repeats=2]
+
+``--set NAME=a,b`` gives the values ``a`` and ``b``; a value with commas of its own
+writes them as ``;`` (``FTOPT_SPAN=16-bit=4;fp32=2``); an empty value leaves the
+variable unset.
+``--dry-run`` prints the commands only.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def settings(specs: list[str]) -> list[dict]:
+    """Every combination of the ``--set`` lists, as environment updates (None: unset)."""
+    axes = []
+    for spec in specs:
+        name, _, values = spec.partition("=")
+        axes.append([(name, v.replace(";", ",") or None) for v in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*axes)] if axes else [{}]
+
+
+def label(update: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in update.items() if v is not None) or "defaults"
+
+
+def summary(rows: list) -> dict:
+    """(layout, grads) -> the watch's time over off's, and the host's ms of each round."""
+    out = {}
+    for row in rows:
+        if row["variant"] == "watch":
+            out[(row["layout"], row["grads"])] = (row["vs_off"], row.get("host_ms", []))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("--set", action="append", default=[], dest="specs")
+    parser.add_argument("--layouts", default="8-bit")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    combos = settings(args.specs)
+    results: dict = {}
+    for rep in range(args.repeats):
+        for i, update in enumerate(combos):
+            env = {k: v for k, v in os.environ.items() if k not in update}
+            env.update({k: v for k, v in update.items() if v is not None})
+            where = out / f"c{i}_r{rep}"
+            cmd = [sys.executable, str(HERE / "skip_watch_ab_gpu.py"), str(where),
+                   f"--layouts={args.layouts}", f"--rounds={args.rounds}"]
+            print(f"== {label(update)} (repeat {rep}): {' '.join(cmd)}", flush=True)
+            if args.dry_run:
+                continue
+            subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+            rows = json.loads((where / "watch_ab.json").read_text())
+            results.setdefault(i, []).append(summary(rows))
+    if args.dry_run:
+        return
+    table = []
+    for i, update in enumerate(combos):
+        runs = results[i]
+        for layout, grads in sorted({key for run in runs for key in run}):
+            ratios = [run[(layout, grads)][0] for run in runs if (layout, grads) in run]
+            hosts = [h for run in runs for h in run.get((layout, grads), (0, []))[1]]
+            shown = (", ".join(f"{1 / r:.3f}x" for r in ratios) if grads == "sparse"
+                     else ", ".join(f"{(r - 1) * 100:+.1f}%" for r in ratios))
+            med = statistics.median(ratios)
+            med_shown = f"{1 / med:.3f}x" if grads == "sparse" else f"{(med - 1) * 100:+.1f}%"
+            host = f"; host {statistics.median(hosts):.3f} ms a call" if hosts else ""
+            print(f"{label(update):40s} {layout:30s} {grads:12s} {shown} (median "
+                  f"{med_shown}{host})", flush=True)
+            table.append(dict(settings=update, layout=layout, grads=grads, vs_off=ratios,
+                              host_ms=hosts))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps(table, indent=1))
+
+
+if __name__ == "__main__":
+    main()
