@@ -15,6 +15,7 @@ import torch
 
 import ftopt
 from ftopt.lowering import execute, launch
+from ftopt.lowering.plan import plan_chain
 
 # (the bound_calls fixture: tests/conftest.py)
 
@@ -83,3 +84,44 @@ def test_no_binding_when_a_step_has_reductions(bound_calls):
         grads = _tree(gen, [300, 40])
         params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
     assert bound_calls == []
+
+
+def _same(a, b) -> bool:
+    return a is b or (not isinstance(a, torch.Tensor) and a == b)
+
+
+def test_bound_launches_hold_addresses_and_keep_their_tensors(bound_calls, monkeypatch):
+    """A bound launch passes each tensor argument as its address on a GPU (the launcher
+    takes an int as it is; the interpreter reads tensors) and keeps the tensor, so the
+    memory stays its; new gradient tensors replace the table's address and tensor."""
+    interpreting = launch.tiles.INTERPRETING
+    t = torch.zeros(4)
+    monkeypatch.setattr(launch.tiles, "INTERPRETING", False)
+    assert launch.bound_arg(t) == t.data_ptr() and launch.bound_arg(7) == 7
+    assert launch.bound_arg(1.5) == 1.5 and launch.bound_arg(None) is None
+    monkeypatch.setattr(launch.tiles, "INTERPRETING", True)
+    assert launch.bound_arg(t) is t
+    monkeypatch.setattr(launch.tiles, "INTERPRETING", interpreting)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    sizes = [3000, 70, 5000]
+    tx = ftopt.adam(1e-2, state_bits=8, skip_zeros=True)
+    params = _tree(gen, sizes)
+    state = tx.init(params)
+    old, kept = None, []
+    for i in range(4):
+        grads = _tree(gen, sizes)  # (new gradient tensors every step, none freed)
+        kept.append(grads)
+        params, state = ftopt.step(tx, params, grads, state, backend="fused", donate=True)
+        prepared = plan_chain(tx).prepared
+        bound = [b for entry in prepared._bound_by.values() for b in entry[2]]
+        if i == 0:
+            continue
+        assert bound
+        for b in bound:
+            assert len(b.tensors) == len(b.before) + len(b.after)
+            assert all([_same(launch.bound_arg(x), y)
+                        for x, y in zip(b.tensors, b.before + b.after)])
+            assert b.tensors[b.grad_at] is b.group.addresses["g"]
+        table = bound[0].tensors[bound[0].grad_at]
+        assert table is not old  # (a new table each step, held by the launch)
+        old = table
