@@ -53,10 +53,12 @@ def _counted_plan(self) -> int:
 skip_watch.SkipWatch.plan = _counted_plan
 
 
-def _step_and_host_ms(tx, params: dict, grads: dict) -> tuple[float, float]:
-    """``gpu_step.median_step_ms``'s steps (3 untimed, 3 x 40 timed by events), then the
-    host's ms a call over 40 more, not waited for: where it is near the step's time, the
-    device waits for launches."""
+def _step_and_host_ms(tx, params: dict, grads: dict) -> tuple[float, float, float]:
+    """``gpu_step.median_step_ms``'s steps (3 untimed, 3 x 40 timed by events); the
+    host's ms a call over 40 more, not waited for (where it is near the step's time, the
+    device waits for launches); and the step's ms with one call queued before the first
+    event (3 x 40, the median), which leaves out the first call's host work before its
+    first launch (events started on an idle device count it, once in 40 steps)."""
     step = timing.donated_stepper(tx, params, grads)
     for _ in range(3):
         step()
@@ -66,8 +68,18 @@ def _step_and_host_ms(tx, params: dict, grads: dict) -> tuple[float, float]:
     for _ in range(40):
         step()
     host = (time.perf_counter() - start) / 40 * 1e3
-    torch.cuda.synchronize()
-    return ms, host
+    primed = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        step()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(40):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        primed.append(begin.elapsed_time(end) / 40)
+    return ms, host, statistics.median(primed)
 
 
 def main() -> None:
@@ -85,7 +97,7 @@ def main() -> None:
         wte = "transformer.wte.weight"
         both = {**mixed, wte: sparse[wte]}
         times: dict = {}
-        seen: dict = {}  # (variant, kind) -> each round's modes and host ms a call
+        seen: dict = {}  # (variant, kind) -> each round's modes, host ms, primed ms
         for rnd in range(ROUNDS):
             # (the two skip_zeros variants in turn first, against any drift in a round)
             order = VARIANTS if rnd % 2 == 0 else VARIANTS[:1] + VARIANTS[:0:-1]
@@ -97,21 +109,25 @@ def main() -> None:
                 for kind, g in (("dense", grads), ("sparse", sparse), ("mixed", mixed),
                                 ("sparse+mixed", both)):
                     MODES.clear()
-                    ms, host = _step_and_host_ms(tx, params, g)
+                    ms, host, primed = _step_and_host_ms(tx, params, g)
                     times.setdefault((variant, kind), []).append(ms)
-                    seen.setdefault((variant, kind), []).append((dict(MODES), host))
-                    print(f"{rnd} {name:30s} {variant:9s} {kind:12s} {ms:.4f} ms (host "
-                          f"{host:.4f} ms a call; modes {dict(sorted(MODES.items()))})",
-                          flush=True)
+                    seen.setdefault((variant, kind), []).append((dict(MODES), host, primed))
+                    print(f"{rnd} {name:30s} {variant:9s} {kind:12s} {ms:.4f} ms (queue "
+                          f"primed {primed:.4f}; host {host:.4f} ms a call; modes "
+                          f"{dict(sorted(MODES.items()))})", flush=True)
         for (variant, kind), v in times.items():
             off = statistics.median(times[("off", kind)])
             med = statistics.median(v)
             rows.append(dict(layout=name, variant=variant, grads=kind, ms=v, median=med,
                              vs_off=med / off, native_check=native.status(),
-                             modes=[m for m, _ in seen[(variant, kind)]],
-                             host_ms=[h for _, h in seen[(variant, kind)]]))
+                             modes=[x[0] for x in seen[(variant, kind)]],
+                             host_ms=[x[1] for x in seen[(variant, kind)]],
+                             primed_ms=[x[2] for x in seen[(variant, kind)]]))
+            primed = statistics.median([x[2] for x in seen[(variant, kind)]])
+            primed_off = statistics.median([x[2] for x in seen[("off", kind)]])
             print(f"{name:30s} {variant:9s} {kind:12s} median {med:.4f} ms "
-                  f"({(med / off - 1) * 100:+.1f}% of off)", flush=True)
+                  f"({(med / off - 1) * 100:+.1f}% of off; queue primed "
+                  f"{(primed / primed_off - 1) * 100:+.1f}%)", flush=True)
         del params, grads, sparse, mixed, both
         torch.cuda.empty_cache()
     tiles.WATCH = True
