@@ -68,18 +68,8 @@ def _step_and_host_ms(tx, params: dict, grads: dict) -> tuple[float, float, floa
     for _ in range(40):
         step()
     host = (time.perf_counter() - start) / 40 * 1e3
-    primed = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        step()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(40):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        primed.append(begin.elapsed_time(end) / 40)
-    return ms, host, statistics.median(primed)
+    torch.cuda.synchronize()
+    return ms, host, statistics.median(timing.event_ms(step, 40, 3, primed=True))
 
 
 def main() -> None:

@@ -97,11 +97,16 @@ def wall_ms(fn: Callable, device: torch.device, iters: int, warmup: int) -> floa
     return Clock(device).wall(fn, iters)
 
 
-def event_ms(fn: Callable, n: int = 40, reps: int = 3) -> list[float]:
-    """ms per call, ``reps`` times: CUDA events around ``n`` back-to-back calls."""
+def event_ms(fn: Callable, n: int = 40, reps: int = 3, primed: bool = False) -> list[float]:
+    """ms per call, ``reps`` times: CUDA events around ``n`` back-to-back calls
+    (``primed``: after one call queued before the first event, whose host work before
+    its first launch an idle device would otherwise wait for inside the window)."""
     torch.cuda.synchronize()
     out = []
     for _ in range(reps):
+        if primed:
+            torch.cuda.synchronize()
+            fn()
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
