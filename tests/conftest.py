@@ -67,8 +67,8 @@ def kernel_launches(monkeypatch):
     def counting_bind(*args, **kwargs):
         bound = real_bind(*args, **kwargs)
         for b in bound or ():
-            b.runner = (lambda *a, _run=b.runner, _group=b.group:
-                        (calls.append(_group), _run(*a))[1])
+            b.runner = (lambda *a, _run=b.runner, _group=b.group, **k:
+                        (calls.append(_group), _run(*a, **k))[1])
         return bound
 
     monkeypatch.setattr(launch, "bind_main", counting_bind)
@@ -85,7 +85,7 @@ class _Interpreted:
     def __getitem__(self, grid):
         from ftopt.lowering import interpreter
 
-        def runner(*args):
+        def runner(*args, stream=None):  # (a stream is the device's: none here)
             self.calls.append(grid)
             with interpreter.patches_undone():
                 self.kernel[grid[:1]](*args, **self.constants)
@@ -121,9 +121,9 @@ def bound_calls(monkeypatch):
             for b in bound or ():
                 runner = b.runner
 
-                def run(*a, _runner=runner):
+                def run(*a, _runner=runner, **k):
                     calls.append(None)
-                    _runner(*a)
+                    _runner(*a, **k)
                 b.runner = run
             return bound
 

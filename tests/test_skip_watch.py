@@ -5,13 +5,14 @@ once the zeros are gone."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import pytest
 import torch
 from step_checks import cloned, same_bits
 
 import ftopt
-from ftopt.lowering import launch, streams, tiles, work
+from ftopt.lowering import codegen, launch, streams, tiles, work
 from ftopt.lowering.plan import plan_chain
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -492,18 +493,20 @@ def test_the_watch_counts_each_leafs_zero_blocks_only_after_a_count_finds_some(
     assert watch.fraction == 0.375 and watch.other == 3 and watch.carve == ((0,), True)
 
 
-@pytest.mark.parametrize("carve_warps", [0, 2])
+@pytest.mark.parametrize("carve_warps, carve_programs", [(0, 0), (2, 0), (0, 3)])
 @pytest.mark.parametrize("layout", ["8-bit", "bf16 states"])
-def test_a_carves_spanned_group_launches_beside_the_others(layout, carve_warps, small_blocks,
-                                                           small_tiles, bound_calls,
-                                                           monkeypatch):
+def test_a_carves_spanned_group_launches_beside_the_others(layout, carve_warps, carve_programs,
+                                                           small_blocks, small_tiles,
+                                                           bound_calls, monkeypatch):
     """A carve's spanned group launches on a second stream (ftopt.lowering.streams),
     forked from the caller's after the work before it and joined back after the other
     group's launches, bound or not; each launch once: the same bytes as the launches in
     turn (FTOPT_CARVE_STREAM=0; as the group that never carves:
     test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own). (On a CPU a stand-in
     stream records the order.) ``carve_warps``: the spanned group's programs run that many
-    warps (tiles.CARVE_WARPS), the others their tile's."""
+    warps (tiles.CARVE_WARPS), the others their tile's; ``carve_programs``: its kernel has
+    that many programs a multiprocessor, each looping over spans (tiles.CARVE_PROGRAMS).
+    The bound launches on the second stream name it to the launcher."""
     dtype, kw = _one_block_layout(layout, monkeypatch)
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
     key = "8-bit" if layout == "8-bit" else "16-bit states"
@@ -515,13 +518,19 @@ def test_a_carves_spanned_group_launches_beside_the_others(layout, carve_warps, 
               for k, v in params.items()} for _ in range(8)]
     for g in grads:
         g["emb"].view(40, 256)[torch.randperm(40, generator=gen)[:36]] = 0.0
-    real = (streams.fork, streams.on, streams.join)
+    real = (streams.fork, streams.on, streams.join, streams.handle)
     log: list = []
     where = {"side": False}
+    raw = {}  # (the second stream's raw handle, as the bound launches get it)
 
     def fork(device):
         log.append("fork")
-        return real[0](device) if DEVICE == "cuda" else "side"
+        side = real[0](device) if DEVICE == "cuda" else "side"
+        raw["side"] = real[3](side) if DEVICE == "cuda" else 12345
+        return side
+
+    def handle(side):
+        return raw["side"]
 
     @contextlib.contextmanager
     def on(side):
@@ -540,25 +549,37 @@ def test_a_carves_spanned_group_launches_beside_the_others(layout, carve_warps, 
     real_launch, real_bind = launch._launch, launch.bind_main
 
     warps: list = []
+    grids: list = []
 
     def launched(*args, **kwargs):
         log.append(("launch", where["side"]))
         warps.append((where["side"], dict(args[3])["num_warps"]))
+        source = getattr(args[0], "src", None) or inspect.getsource(args[0].fn)
+        if "span_blocks" in source:  # (the spanned main kernel's)
+            grids.append((where["side"], args[1][0]))
         return real_launch(*args, **kwargs)
 
     def bind(*args, **kwargs):
         bound = real_bind(*args, **kwargs)
         for b in bound or ():
-            b.runner = (lambda *a, _run=b.runner, _b=b:
-                        (log.append(("bound", _b.group.beside, where["side"])), _run(*a))[1])
+            # (a bound launch on the second stream names it, not made current)
+            b.runner = (lambda *a, _run=b.runner, _b=b, **k:
+                        (log.append(("bound", _b.group.beside,
+                                     "stream" in k and k["stream"] == raw["side"]
+                                     and not where["side"])), _run(*a, **k))[1])
         return bound
 
     tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
     state = tx.init(params)
     monkeypatch.setattr(streams, "ON", False)
-    in_turn = _run(tx, params, state, grads)
+    monkeypatch.setattr(tiles, "CARVE_PROGRAMS", {})
+    in_turn = _run(tx, params, state, grads)  # (a program a span)
     monkeypatch.setattr(streams, "ON", True)
-    for name, stand_in in (("fork", fork), ("on", on), ("join", join)):
+    monkeypatch.setattr(tiles, "CARVE_PROGRAMS",
+                        {key: carve_programs} if carve_programs else {})
+    monkeypatch.setattr(streams, "multiprocessors", lambda device: 2)  # (fewer than spans)
+    tx = ftopt.adam(1e-2, skip_zeros=True, **kw)  # (its carve built anew)
+    for name, stand_in in (("fork", fork), ("on", on), ("join", join), ("handle", handle)):
         monkeypatch.setattr(streams, name, stand_in)
     monkeypatch.setattr(launch, "_launch", launched)
     monkeypatch.setattr(launch, "bind_main", bind)
@@ -583,3 +604,11 @@ def test_a_carves_spanned_group_launches_beside_the_others(layout, carve_warps, 
     beside_warps = {w for side, w in warps if side}
     others = {w for side, w in warps if not side}
     assert len(others) == 1 and beside_warps == ({carve_warps} if carve_warps else others)
+    # (a program a span, or fewer, each looping over spans)
+    programs = carve_programs * 2
+    spans = -(-len(spanned.work.main_leaf) // spanned.span)
+    assert spans >= 10 and spans > programs
+    assert {n for side, n in grids if side} == {programs or spans}
+    source = codegen.main_source(spanned.traced, spanned.variant([0.0]))
+    assert spanned.variant([0.0]).looped == (spans if programs else 0)
+    assert ("for span_at in range(" in source) == bool(programs)

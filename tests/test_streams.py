@@ -56,6 +56,7 @@ def test_the_second_stream_waits_for_the_work_before_it_and_is_joined():
     side = streams.fork(device)
     assert side is not None and side != here
     assert streams.fork(device) == side  # (one a device)
+    assert streams.handle(side) == side.cuda_stream  # (what bound launches name)
     with streams.on(side):
         assert torch.cuda.current_stream() == side
         torch.cuda._sleep(100_000_000)

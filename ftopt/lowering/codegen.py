@@ -183,6 +183,7 @@ class Variant:
     # The group's blocks are one leaf's, in order: a program computes its start.
     one_leaf: bool = False
     defer_flags: int = 0  # the deferred kernel's flags a program (tiles.DEFER_FLAGS)
+    looped: int = 0  # the spans a program of fewer loops over (split.spanned)
     pdl: bool = False  # a programmatic dependent launch (ftopt.lowering.streams.PDL)
 
 
@@ -313,7 +314,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     if variant.span > 1:
         body = split.spanned(prelude, *bodies, variant.span, dtypes["g"],
                              2 if variant.defer or variant.count_flags else None,
-                             variant.one_leaf)
+                             variant.one_leaf, variant.looped)
         prelude = prelude[:1]
     else:
         body = (split.deferred_blocks if variant.defer == 2 else split.full_or_tail)(*bodies)

@@ -235,14 +235,8 @@ class PreparedStep:
             # the bound launches, with this step's scalars.
             args = scalars if bound[0] else (scalars,)
             with launch.device_guard(self.device):
-                # (a carve's spanned group last, beside the others: see streams)
-                side = streams.fork(self.device) if bound[4] else None
-                for b in bound[5]:
-                    b.runner(*b.before, *args, *b.after)
-                with streams.on(side):
-                    for b in bound[4]:
-                        b.runner(*b.before, *args, *b.after)
-                streams.join(self.device, side)
+                # (a carve's spanned group beside the others: see streams)
+                streams.run_bound(self.device, *bound[4:], args)
                 self._copy_back()
                 for group in self.watched:
                     group.watch.after()

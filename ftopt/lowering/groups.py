@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ftopt.lowering import checks, launch, quant_tables, tiles, work
+from ftopt.lowering import checks, launch, quant_tables, streams, tiles, work
 from ftopt.lowering import split as split_kernels
 from ftopt.lowering.skip_watch import SkipWatch
 from ftopt.rules import QuantizedSlot
@@ -127,6 +127,8 @@ def carved(group: launch.GroupLaunch, carve: tuple) -> list:
                               else values, device, its_mode, watched=False, span=span)
             sub.beside = beside  # (launched beside the other: ftopt.lowering.streams)
             sub.warps = tiles.CARVE_WARPS.get(sub.kind, 0) if beside else 0
+            sub.programs = (tiles.CARVE_PROGRAMS.get(sub.kind, 0)
+                            * streams.multiprocessors(device) if beside else 0)
             at = launch.to_device(at, device)
             sub.addresses["g"] = group.addresses["g"][at]
             parts.append((sub, at))

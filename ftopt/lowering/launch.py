@@ -116,6 +116,7 @@ class GroupLaunch:
     one_leaf: bool = False  # its blocks in order, of one leaf (codegen.Variant)
     beside: bool = False  # a carve's spanned group: launched on a second stream (streams)
     warps: int = 0  # its programs' warps where not its layout's tile's (tiles.CARVE_WARPS)
+    programs: int = 0  # a spanned kernel's programs, each looping (0: one a span)
     defer_flags: int = 0  # its watch's choice of the deferred kernel's flags a program
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
@@ -143,16 +144,21 @@ class GroupLaunch:
                         self.skip_stores, self.fast_math, self.chunk_lanes, self.split,
                         defer, span=1 if deferred else self.span,
                         count_flags=self.counting, one_leaf=self.one_leaf and not deferred,
+                        looped=self.spans() if self.programs and not deferred else 0,
                         defer_flags=(self.defer_flags or tiles.DEFER_FLAGS) * deferred,
                         pdl=DEPENDENT_LAUNCHES and streams.dependent(self.work.main_leaf.device,
                                                                      deferred))
 
+    def spans(self) -> int:
+        """Programs of one main kernel's span each (:attr:`span` blocks)."""
+        return -(-self.work.num_blocks // self.span)
+
     def kernels(self, scalars, counted: bool) -> list[tuple]:
         """(kernel, grid, constants, trailing arguments) of each main launch of this
         group: the main kernel's, and the deferred kernel's of a "split+defer" step."""
-        w = self.work
         variant = self.variant(scalars)
-        out = [(_kernel(self.traced, "main", 0, variant), (-(-w.num_blocks // self.span),),
+        out = [(_kernel(self.traced, "main", 0, variant),
+                (min(self.programs, self.spans()) if self.programs else self.spans(),),
                 _constants_cached(self.traced, self.quant_block, not counted, variant.defer,
                                   self.kind, variant.pdl, self.warps),
                 [self.flags] if variant.defer or variant.count_flags else [])]

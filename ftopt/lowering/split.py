@@ -18,8 +18,10 @@ writes its own, each step (0: no zero gradient, 1: some, or a tail, 2: only zero
 :mod:`ftopt.lowering.skip_watch` counts).
 
 On an H200 (GPT-2 8-bit Adam, dense gradients) this kernel, 3,800 programs of 128 flags
-none of which is set, takes 7.2-7.9 us, at 4, 2 or 1 warps alike: a launch after the
-590 us main kernel costs that much however little it does. Measured and not taken: a
+none of which is set, takes 7.2-7.9 us, at 4, 2 or 1 warps alike. Its programs cost it,
+not the launch: re-run alone, 2,616 programs 5.6 us, 1,178 programs 1.7-2.2 us; fewer
+programs of more flags are slower (a program holds its flags in registers: 1,024 a
+program, 327 programs, 6.3 us; 4,096, 82 programs, 35 us). Measured and not taken: a
 queue of the deferred programs' numbers (an atomic count in the main kernel; 528
 programs reading it) took 6.5 us but the main kernel ~4 us more, and 3.8 ms a step where
 every block was deferred (485k atomic adds on one count); marks of the flagged runs (a
@@ -131,7 +133,8 @@ def flag_count(num_blocks: int) -> int:
 
 
 def spanned(prelude: list[str], full: list[str], tail: list[str], span: int,
-            g_dtype: str, zero_flag: int | None = None, one_leaf: bool = False) -> list[str]:
+            g_dtype: str, zero_flag: int | None = None, one_leaf: bool = False,
+            looped: int = 0) -> list[str]:
     """The code of a "split" main kernel whose program runs ``span`` consecutive blocks
     of its work table (:data:`tiles.SPANS`; the table padded with empty blocks to whole
     spans: :func:`ftopt.lowering.work.work_table`): the gradients of all of them are
@@ -149,7 +152,11 @@ def spanned(prelude: list[str], full: list[str], tail: list[str], span: int,
     loop (from the cache): a span may cross leaves. The loop itself costs registers
     (static SASS, sm_90, Adam with bf16 states: 32 a thread without it, 40 with it, with
     the addresses loaded in it or before it alike). Two ``if``s in the loop, as in
-    :func:`deferred_blocks`."""
+    :func:`deferred_blocks`.
+
+    ``looped``: the kernel's spans, over which each program loops (from its own, one in
+    every grid's length: a persistent kernel of fewer programs than spans,
+    :data:`tiles.CARVE_PROGRAMS`); else a program runs one."""
     assert prelude[0] == "pid = tl.program_id(0)" and prelude[1].startswith("leaf = ")
     if one_leaf:
         locate = ["span_offs = (span_blocks.to(tl.int64)[:, None] * BLOCK"
@@ -163,15 +170,19 @@ def spanned(prelude: list[str], full: list[str], tail: list[str], span: int,
                   "span_g = tl.load(g_addr_ptr + span_leaf).to(tl.pointer_type("
                   f"{g_dtype}))[:, None] + span_offs",
                   "span_n = tl.load(numel_ptr + span_leaf)[:, None]"]
-    return ([f"span_blocks = tl.program_id(0) * {span} + tl.arange(0, {span})"] + locate
+    code = ([f"span_blocks = span_at * {span} + tl.arange(0, {span})"] + locate
             + ["span_live = (tl.load(span_g, mask=span_offs < span_n, other=0.0)"
                ".to(tl.float32) != 0.0).to(tl.int32)",  # (-0.0 too, interpreted)
-             "if tl.max(tl.max(span_live, 1), 0) > 0:",
-             f"    for sub in range({span}):",
-             f"        pid = tl.program_id(0) * {span} + sub"]
+               "if tl.max(tl.max(span_live, 1), 0) > 0:",
+               f"    for sub in range({span}):",
+               f"        pid = span_at * {span} + sub"]
             + _indent(prelude[1:], 2)
             + ["        if start + BLOCK <= n:"] + _indent(full, 3)
             + ["        if (start + BLOCK > n) & (start < n):",
                "            in_range = offs < n"] + _indent(tail, 3)
             + ["else:", f"    tl.store(flags_ptr + span_blocks, "
                f"tl.full([{span}], {zero_flag or 0}, tl.uint8))"] * (zero_flag is not None))
+    if looped:
+        return ([f"for span_at in range(tl.program_id(0), {looped}, tl.num_programs(0)):"]
+                + _indent(code))
+    return ["span_at = tl.program_id(0)"] + code

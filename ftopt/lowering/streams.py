@@ -17,7 +17,11 @@ no better (two runs each, 8-bit: 1.199x, 1.224x and 1.192x, 1.228x against the o
 first 1.225x, 1.240x; bf16 states within 1% of one another). Nor did the largest group's
 kernels first on the caller's stream (the others' small group after them): the spanned
 kernel then runs at their end instead of their start, the step as long (8-bit
-1.230x, 1.230x against 1.233x, 1.232x; bf16 states 1.265x against 1.257x; 2026-12-02).
+1.230x, 1.230x against 1.233x, 1.232x; bf16 states 1.265x against 1.257x; 2026-12-02),
+nor those kernels on a third stream of the highest priority (their deferred kernel
+then runs beside the spanned one, which it slows as much: the step 480-482 us against
+479-482, 8-bit 1.229x against 1.226x), nor the spanned group in a few programs a
+multiprocessor that stay resident beside the others' kernel (tiles.CARVE_PROGRAMS).
 
 While a CUDA graph is being captured the launches run in turn on the capturing stream.
 ``FTOPT_CARVE_STREAM=0`` runs them in turn always.
@@ -67,8 +71,10 @@ def fork(device: torch.device):
     found = _SIDE.get(at)
     if found is None:  # (an event for each direction, recorded again at each step)
         side = module.Stream(at)
-        found = _SIDE[at] = _SIDE[side] = (side, module.Event(), module.Event())
-    side, forked, _ = found
+        found = _SIDE[at] = _SIDE[side] = (
+            side, module.Event(), module.Event(),
+            side.cuda_stream if device.type == "cuda" else side.sycl_queue)
+    side, forked, _, _ = found
     forked.record(module.current_stream(at))
     side.wait_event(forked)
     return side
@@ -80,11 +86,29 @@ def _dependent_launches(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+@lru_cache(maxsize=16)
+def multiprocessors(device: torch.device) -> int:
+    """The multiprocessors of a CUDA or ROCm device, an XPU's compute units; 1 elsewhere
+    (the interpreter runs programs one after another)."""
+    if tiles.INTERPRETING or device.type not in ("cuda", "xpu"):
+        return 1
+    props = getattr(torch, device.type).get_device_properties(device)
+    return int(getattr(props, "multi_processor_count", 0)
+               or getattr(props, "gpu_subslice_count", 0) or 1)
+
+
 def dependent(device: torch.device, deferred: bool) -> bool:
     """Whether a main kernel (``deferred``: a deferred one) on ``device`` is launched as
     a programmatic dependent launch (:data:`PDL`), where Triton has them
     (:data:`ftopt.lowering.launch.DEPENDENT_LAUNCHES`)."""
     return (PDL == "all" or PDL == "defer" and deferred) and _dependent_launches(device)
+
+
+def handle(side) -> int:
+    """The raw stream of ``side`` (from :func:`fork`) that Triton's launchers take: a
+    launch that names it needs neither to make it the current stream and back nor the
+    launcher's own queries of the current device and stream."""
+    return _SIDE[side][3]
 
 
 def join(device: torch.device, side) -> None:
@@ -94,6 +118,24 @@ def join(device: torch.device, side) -> None:
         joined = _SIDE[side][2]
         joined.record(side)
         getattr(torch, device.type).current_stream(device).wait_event(joined)
+
+
+def run_bound(device: torch.device, beside: list, rest: list, args) -> None:
+    """A donated step's bound launches (:class:`ftopt.lowering.launch.BoundLaunch`): the
+    others' (``rest``) on the current stream, then a carve's spanned group's (``beside``)
+    on the second, named to the launcher rather than made current; without a second
+    stream, all in turn."""
+    side = fork(device) if beside else None
+    for b in rest:
+        b.runner(*b.before, *args, *b.after)
+    if side is None:
+        for b in beside:
+            b.runner(*b.before, *args, *b.after)
+        return
+    raw = handle(side)
+    for b in beside:
+        b.runner(*b.before, *args, *b.after, stream=raw)
+    join(device, side)
 
 
 def on(side):

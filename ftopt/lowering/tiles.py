@@ -206,9 +206,25 @@ CARVE_SPANS = _per_layout("FTOPT_CARVE_SPAN", "8-bit=2")
 # Warps a program of a carved group runs, per layout (none: the layout's tile). An 8-bit
 # program of one warp holds a span's gradients in its registers for the zero check (64 a
 # thread at span 8), which slowed spans over 2 (above); with more warps a thread holds
-# fewer, while the body runs for the few blocks with gradients only. Not yet timed.
+# fewer, but the body runs slower for the blocks with gradients. H200, GPT-2 8-bit Adam,
+# 90% of the embedding's rows zero, against off, two rounds (benchmarks/carve_sweep_gpu.py,
+# 2026-12-02), warps 1 (the tile) / 2 / 4 / 8: span 2 1.226x / 1.174x / 1.144x / 0.963x,
+# span 4 1.226x / 1.198x / 1.168x / 1.032x, span 8 1.19x / 1.19x / 1.18x / 1.04x.
 # FTOPT_CARVE_WARPS ("8-bit=2") sets them.
 CARVE_WARPS = _per_layout("FTOPT_CARVE_WARPS", "")
+# Programs a multiprocessor of a carve's spanned group, per layout (none: a program a
+# span): each then loops over spans (split.spanned's ``looped``). Launched first, its few
+# programs stay resident beside the other leaves' kernel, which fills the rest of each
+# multiprocessor, and read the mostly-zero leaves with what memory bandwidth that kernel
+# leaves over; a program a span instead fills the device before the others' kernel
+# starts. On an H200 none is left over: GPT-2 8-bit Adam, 90% of the embedding's rows
+# zero, against off (benchmarks/carve_sweep_gpu.py, two rounds, 2026-12-02), none / 1 / 2
+# / 4 / 8 a multiprocessor: span 2 1.221x / 0.650x / 0.988x / 1.221x / 1.218x, span 4
+# 1.211x / 0.654x / 0.980x / 1.193x / 1.195x; bf16 states, span 4, none / 2 / 4: 1.241x
+# / 0.996x / 1.129x. At 2 the others' kernel runs 467 us instead of 411 beside a spanned
+# kernel of 581 us: the two share ~3.3 TB/s, as each alone runs (step_timeline_gpu.py).
+# FTOPT_CARVE_PROGRAMS ("8-bit=2") sets them.
+CARVE_PROGRAMS = _per_layout("FTOPT_CARVE_PROGRAMS", "")
 
 
 def split_select_above(traced, kind: str) -> float:
