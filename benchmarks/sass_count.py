@@ -185,6 +185,7 @@ def compile_jobs(jobs: list[dict]) -> list[dict]:
                 compiled.asm["ttgir"])
         counts = count(sass)
         counts["registers"], counts["spills"] = _resources(compiled.asm["cubin"])
+        counts["shared"] = compiled.metadata.shared  # (bytes a program)
         out.append(counts)
     return out
 
@@ -213,9 +214,9 @@ def main() -> None:
     results = json.loads(done.stdout)
     cols = ["total", "global", "mufu", "float", "integer", "shuffle", "control", "other"]
     lines = ["| case | kernel | tile | elements/thread | " + " | ".join(cols)
-             + " | per element | registers | local bytes |",
+             + " | per element | registers | local bytes | shared bytes |",
              "| --- | --- | --- | --- | " + " | ".join("---" for _ in cols)
-             + " | --- | --- | --- |"]
+             + " | --- | --- | --- | --- |"]
     rows = []
     for job, res in zip(jobs, results):
         per_thread = job["block"] // (32 * job["options"]["num_warps"])
@@ -227,7 +228,7 @@ def main() -> None:
         lines.append(f"| {row['case']} | {row['kernel']} | {row['tile']} | {per_thread} | "
                      + " | ".join(str(res.get(c, 0)) for c in cols)
                      + f" | {row['per_element']} | {res.get('registers')} | "
-                       f"{res.get('spills')} |")
+                       f"{res.get('spills')} | {res.get('shared')} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
