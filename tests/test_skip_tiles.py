@@ -175,11 +175,13 @@ def test_8bit_one_block_per_program_equals_the_full_step(name, mode, monkeypatch
 
 
 @pytest.mark.parametrize("pdl", ["0", "defer", "all"] if DEVICE == "cuda" else ["defer"])
-@pytest.mark.parametrize("span", [1, 4, 8])
+@pytest.mark.parametrize("span, words", [(1, False), (4, False), (8, False), (1, True),
+                                         (4, True)])
 @pytest.mark.parametrize("interleave", [0, 3])
 @pytest.mark.parametrize("layout", ["8-bit", "fp32"])
 def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, interleave,
-                                                                      span, pdl, monkeypatch):
+                                                                      span, words, pdl,
+                                                                      monkeypatch):
     """"split+defer": the main kernel runs the blocks without zero gradients, writes
     nothing for all-zero ones but their flag (2, for the watch to count), and flags those
     with some zeros and the tail (1); the second launch runs exactly the blocks flagged 1
@@ -188,15 +190,18 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
     With programs of several blocks (``tiles.SPANS``), one whose blocks are all zero sets
     their flags too: a flag left from an earlier step would run its block again. On a GPU
     the deferred kernel (``pdl``: every kernel) is launched early, to wait for the main
-    one on the device (``streams.PDL``)."""
+    one on the device (``streams.PDL``). ``words``: the deferred kernel reads the flags
+    four to a word (``tiles.DEFER_WORDS``), 8 a program."""
     dtype, kw = LAYOUTS[layout]
     monkeypatch.setattr(streams, "PDL", pdl)
     key = "8-bit" if kw else "fp32"
     monkeypatch.setitem(tiles.SKIP_MODES, key, "split+defer")
     monkeypatch.setattr(tiles, "SPANS", {key: span})
     monkeypatch.setattr(tiles, "QUANT_TILE", (256, 1))
-    monkeypatch.setattr(tiles, "DEFER_FLAGS", 4)
-    monkeypatch.setattr(tiles, "DEFER_FLAGS_FEW", 4)
+    runs = 8 if words else 4  # (flags a deferred program)
+    monkeypatch.setattr(tiles, "DEFER_WORDS", words)
+    monkeypatch.setattr(tiles, "DEFER_FLAGS", runs)
+    monkeypatch.setattr(tiles, "DEFER_FLAGS_FEW", runs)
     # (3 blocks of 18 deferred: "split+defer" throughout, not the watch's "split+select")
     monkeypatch.setattr(tiles, "DEFER_SELECT_ABOVE", 2.0)
     for cache in (launch._constants_cached, launch._kernel):
@@ -225,10 +230,10 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         donated = ftopt.step(tx, cloned(params), {"w": g}, cloned(state), backend="fused",
                              donate=True)
         assert same_bits(donated, full)
-        # 18 blocks, in programs of ``span``; their flags in runs of 4
-        # one flag a block of the table padded to whole spans, in runs of 4
-        flagged = torch.zeros(-(-(-(-18 // span) * span) // 4) * 4, dtype=torch.uint8)
-        assert [grid for grid, _ in launched] == [(-(-18 // span),), (len(flagged) // 4,)]
+        # 18 blocks, in programs of ``span``; their flags in runs of 4 (8)
+        # one flag a block of the table padded to whole spans, in runs of 4 (8)
+        flagged = torch.zeros(-(-(-(-18 // span) * span) // runs) * runs, dtype=torch.uint8)
+        assert [grid for grid, _ in launched] == [(-(-18 // span),), (len(flagged) // runs,)]
         sm90 = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
         assert [early for _, early in launched] == [sm90 and pdl == "all",
                                                     sm90 and pdl != "0"]
@@ -239,6 +244,8 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
             assert source.split("def ftopt_main(")[1].split("\n")[1:3] == [
                 "    tl.extra.cuda.gdc_wait()", "    tl.extra.cuda.gdc_launch_dependents()"]
         assert group.one_leaf == (span > 1 and not interleave)  # (then no table read)
+        assert ("0x01010101" in codegen.main_source(group.traced, group.variant([], True))
+                ) == words
         order = work.interleaved(18, interleave) if interleave else torch.arange(18)
         flagged[[list(order).index(k) for k in (2, 7, 17)]] = 1
         flagged[[list(order).index(k) for k in (1, 8, 9, 10, 11)]] = 2

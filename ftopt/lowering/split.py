@@ -109,6 +109,8 @@ def deferred(prelude: list[str], body: list[str], flags: int) -> list[str]:
     program's run of ``flags`` (:data:`tiles.DEFER_FLAGS`, or
     :data:`tiles.DEFER_FLAGS_FEW` while few are flagged)."""
     assert prelude[0] == "pid = tl.program_id(0)"
+    if tiles.DEFER_WORDS:
+        return _deferred_words(prelude, body, flags)
     following = f"at = tl.min(tl.where(todo, tl.arange(0, {flags}), {flags}))"
     # The flagged programs are taken from the flags in registers, one after another: a
     # load of each flag in turn made a program with a flag wait on memory DEFER_FLAGS
@@ -122,6 +124,28 @@ def deferred(prelude: list[str], body: list[str], flags: int) -> list[str]:
              "    pid = first + at"]
             + _indent(prelude[1:] + body)
             + [f"    todo = todo & (tl.arange(0, {flags}) != at)", "    " + following])
+
+
+def _deferred_words(prelude: list[str], body: list[str], flags: int) -> list[str]:
+    """:func:`deferred`'s code with the flags read four to an int32 word
+    (:data:`tiles.DEFER_WORDS`): a flag 1 has its low bit set, 0 and 2 do not, so a word
+    holds one where it has a bit of ``0x01010101`` (its byte ``k`` the flag of program
+    ``4 * word + k``, little-endian); a thread holds a quarter of the registers."""
+    words = flags // 4
+    assert words * 4 == flags
+    index = f"tl.arange(0, {words})"
+    following = f"at = tl.min(tl.where(marks != 0, {index}, {words}))"
+    return ([f"first = tl.program_id(0) * {flags}",
+             "marks = tl.load(flags_ptr.to(tl.pointer_type(tl.int32))"
+             f" + tl.program_id(0) * {words} + {index}) & 0x01010101",
+             following,
+             f"while at < {words}:",
+             f"    word = tl.sum(tl.where({index} == at, marks, 0))",
+             "    for k in range(4):",
+             "        if ((word >> (8 * k)) & 1) != 0:",
+             "            pid = first + at * 4 + k"]
+            + _indent(prelude[1:] + body, 3)
+            + [f"    marks = tl.where({index} == at, 0, marks)", "    " + following])
 
 
 def flag_count(num_blocks: int) -> int:
