@@ -135,10 +135,9 @@ def _deferred_words(prelude: list[str], body: list[str], flags: int) -> list[str
     assert words * 4 == flags
     index = f"tl.arange(0, {words})"
     following = f"at = tl.min(tl.where(marks != 0, {index}, {words}))"
-    return ([f"first = tl.program_id(0) * {flags}",
-             "marks = tl.load(flags_ptr.to(tl.pointer_type(tl.int32))"
-             f" + tl.program_id(0) * {words} + {index}) & 0x01010101",
-             following,
+    # (the pointer's alignment restated after the cast: the loads then vectorize; the
+    # loop under an ``if``: what its body precomputes, a program with no flag skips)
+    loop = ([following,
              f"while at < {words}:",
              f"    word = tl.sum(tl.where({index} == at, marks, 0))",
              "    for k in range(4):",
@@ -146,6 +145,10 @@ def _deferred_words(prelude: list[str], body: list[str], flags: int) -> list[str
              "            pid = first + at * 4 + k"]
             + _indent(prelude[1:] + body, 3)
             + [f"    marks = tl.where({index} == at, 0, marks)", "    " + following])
+    return ([f"first = tl.program_id(0) * {flags}",
+             "marks = tl.load(tl.multiple_of(flags_ptr.to(tl.pointer_type(tl.int32)), 16)"
+             f" + tl.program_id(0) * {words} + {index}) & 0x01010101",
+             "if tl.max(marks, 0) != 0:"] + _indent(loop))
 
 
 def flag_count(num_blocks: int) -> int:
