@@ -146,7 +146,9 @@ DEFER_FLAGS_FEW = int(os.environ.get("FTOPT_DEFER_FLAGS_FEW", "128"))
 # program of 1,024 flags then holds 8 registers of them a thread, not 32 (H200, GPT-2
 # 8-bit Adam, the deferred kernel of the carve's other leaves with no flag set, alone:
 # 2,616 programs of 128 flags 5.6 us, 327 of 1,024 6.3 us, 82 of 4,096 35 us, as bytes;
-# 2026-12-02). Not yet timed; FTOPT_DEFER_WORDS=1 sets it.
+# 2026-12-02). At 1,024 flags a program: two 16-byte loads a thread and 38 instructions
+# to its exit where none is set (static SASS, sm_90, benchmarks/sass_count.py). Not yet
+# timed; FTOPT_DEFER_WORDS=1 sets it.
 DEFER_WORDS = os.environ.get("FTOPT_DEFER_WORDS", "0") == "1"
 DEFER_FEW_BELOW = float(os.environ.get("FTOPT_DEFER_FEW_BELOW", "0.01"))
 # A "split+defer" group runs "split+select" while more than DEFER_SELECT_ABOVE of its
