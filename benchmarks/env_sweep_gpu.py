@@ -7,6 +7,7 @@ of the sparse case; writes ``OUT/sweep.json``.
 
     python3 benchmarks/env_sweep_gpu.py OUT --set FTOPT_CARVE_WARPS=,8-bit=2 \\
         --set "FTOPT_CARVE_SPAN=8-bit=2,8-bit=4" [--layouts=8-bit] [--rounds=2] [--repeats=2]
+        [--kinds=dense,sparse]
 
 ``--set NAME=a,b`` gives the values ``a`` and ``b``; a value with commas of its own
 writes them as ``;`` (``FTOPT_SPAN=16-bit=4;fp32=2``); an empty value leaves the
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--layouts", default="8-bit")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--kinds", default="", help="the A/B's gradients (default: all)")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
@@ -68,6 +70,7 @@ def main() -> None:
             where = out / f"c{i}_r{rep}"
             cmd = [sys.executable, str(HERE / "skip_watch_ab_gpu.py"), str(where),
                    f"--layouts={args.layouts}", f"--rounds={args.rounds}"]
+            cmd += [f"--kinds={args.kinds}"] if args.kinds else []
             print(f"== {label(update)} (repeat {rep}): {' '.join(cmd)}", flush=True)
             if args.dry_run:
                 continue

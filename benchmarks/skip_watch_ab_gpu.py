@@ -6,14 +6,15 @@ keys of ``tiles.SKIP_MODES``), donated steps (``gpu_step.median_step_ms``) with 
 gradients, 90% of the embedding's rows zero ("sparse"), one gradient in 97 zero
 ("mixed": every block part zero) and both ("sparse+mixed": the embedding's rows, one in 97
 of the other leaves' gradients), in two rounds (``--rounds=N``; the two skip_zeros
-variants' order swapped every other round): no skip_zeros, skip_zeros without the
+variants' order swapped every other round; ``--kinds=dense,sparse``: only those
+gradients): no skip_zeros, skip_zeros without the
 watch (``tiles.WATCH = False``: each group keeps its mode and counts nothing) and with it
 (the default). Prints each round and the medians, writes ``OUT/watch_ab.json``. The native
 tensor check (``ftopt.lowering.native``) is loaded first. Each case also reports the
 watch's modes over its steps and the host's time a call (near the step's time, the
 device waits for launches).
 
-    python3 benchmarks/skip_watch_ab_gpu.py OUT [--layouts=...] [--rounds=2]
+    python3 benchmarks/skip_watch_ab_gpu.py OUT [--layouts=...] [--rounds=2] [--kinds=...]
 """
 import collections
 import json
@@ -35,6 +36,8 @@ ONLY = [x for a in sys.argv[1:] if a.startswith("--layouts=")
         for x in a.split("=", 1)[1].split(",")]
 ROUNDS = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rounds=")),
                   "2"))
+KINDS = [x for a in sys.argv[1:] if a.startswith("--kinds=")
+         for x in a.split("=", 1)[1].split(",")]
 
 
 # The watch's mode at each step of a case (0 the group's own, 1 its alternate, 2 its
@@ -96,8 +99,9 @@ def main() -> None:
                 gpu_step._clear_lowering_caches()
                 launch._COMPILED.clear()
                 tx = ftopt.adam(1e-3, skip_zeros=skip, **kw)
-                for kind, g in (("dense", grads), ("sparse", sparse), ("mixed", mixed),
-                                ("sparse+mixed", both)):
+                for kind, g in [x for x in (("dense", grads), ("sparse", sparse),
+                                            ("mixed", mixed), ("sparse+mixed", both))
+                                if not KINDS or x[0] in KINDS]:
                     MODES.clear()
                     ms, host, primed = _step_and_host_ms(tx, params, g)
                     times.setdefault((variant, kind), []).append(ms)
