@@ -142,6 +142,7 @@ DEFER_FLAGS = int(os.environ.get("FTOPT_DEFER_FLAGS", "32"))
 # 2026-12-02).
 # FTOPT_DEFER_FLAGS_FEW (a power of two) and FTOPT_DEFER_FEW_BELOW override them.
 DEFER_FLAGS_FEW = int(os.environ.get("FTOPT_DEFER_FLAGS_FEW", "128"))
+DEFER_FEW_BELOW = float(os.environ.get("FTOPT_DEFER_FEW_BELOW", "0.01"))
 # The deferred kernel reads its flags four to an int32 word (split._deferred_words): a
 # program of 1,024 flags then holds 8 registers of them a thread, not 32 (H200, GPT-2
 # 8-bit Adam, the deferred kernel of the carve's other leaves with no flag set, alone:
@@ -150,7 +151,6 @@ DEFER_FLAGS_FEW = int(os.environ.get("FTOPT_DEFER_FLAGS_FEW", "128"))
 # to its exit where none is set (static SASS, sm_90, benchmarks/sass_count.py). Not yet
 # timed; FTOPT_DEFER_WORDS=1 sets it.
 DEFER_WORDS = os.environ.get("FTOPT_DEFER_WORDS", "0") == "1"
-DEFER_FEW_BELOW = float(os.environ.get("FTOPT_DEFER_FEW_BELOW", "0.01"))
 # A "split+defer" group runs "split+select" while more than DEFER_SELECT_ABOVE of its
 # blocks were deferred when last counted (ftopt.lowering.skip_watch): counted every
 # WATCH_PERIOD steps, and every WATCH_PROBE steps while it runs "split+select". H200,
