@@ -10,10 +10,13 @@ between the big kernel's end and the small one's start, medians of 20.
 
     python3 benchmarks/after_writes_gpu.py
 """
+import pathlib
 import statistics
+import sys
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent)]
+import timing  # noqa: E402
+import torch  # noqa: E402
 
 N = 350_000_000  # fp32 elements: 1.4 GB
 
@@ -31,17 +34,12 @@ def main() -> None:
               "sum of 335 KB of flags": lambda: flags.sum(dtype=torch.int32)}
     for big_name, big in bigs.items():
         for small_name, small in smalls.items():
-            for _ in range(3):
+            def pair(big=big, small=small):
                 big()
                 small()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(20):
-                    big()
-                    small()
-                torch.cuda.synchronize()
-            events = sorted([e for e in prof.events() if e.device_type.name == "CUDA"
-                             and e.device_time > 0], key=lambda e: e.time_range.start)
+            for _ in range(3):
+                pair()
+            events = [e for e in timing.cuda_events(pair, 20) if e.device_time > 0]
             durations, gaps = [], []
             for a, b in zip(events, events[1:]):
                 if a.device_time > 100 and b.device_time < 100:  # (big, then small)

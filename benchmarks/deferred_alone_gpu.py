@@ -15,7 +15,6 @@ sys.path[:0] = [str(Path(__file__).resolve().parent)]
 import gpu_step  # noqa: E402
 import timing  # noqa: E402
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import execute, native  # noqa: E402
@@ -37,14 +36,7 @@ def device_us(fn, n: int = 20) -> dict:
     """Median device us of each kernel of ``fn`` (by its place in a call)."""
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    events = sorted([e for e in prof.events()
-                     if e.device_type.name == "CUDA" and e.device_time > 0],
-                    key=lambda e: e.time_range.start)
+    events = [e for e in timing.cuda_events(fn, n) if e.device_time > 0]
     by: dict = {}
     for i, e in enumerate(events):
         by.setdefault(f"{e.name[:20]}#{i % max(len(events) // n, 1)}", []).append(
