@@ -109,7 +109,7 @@ def deferred(prelude: list[str], body: list[str], flags: int) -> list[str]:
     program's run of ``flags`` (:data:`tiles.DEFER_FLAGS`, or
     :data:`tiles.DEFER_FLAGS_FEW` while few are flagged)."""
     assert prelude[0] == "pid = tl.program_id(0)"
-    if tiles.DEFER_WORDS:
+    if tiles.DEFER_WORDS and flags >= 4:
         return _deferred_words(prelude, body, flags)
     following = f"at = tl.min(tl.where(todo, tl.arange(0, {flags}), {flags}))"
     # The flagged programs are taken from the flags in registers, one after another: a

@@ -144,13 +144,16 @@ DEFER_FLAGS = int(os.environ.get("FTOPT_DEFER_FLAGS", "32"))
 DEFER_FLAGS_FEW = int(os.environ.get("FTOPT_DEFER_FLAGS_FEW", "128"))
 DEFER_FEW_BELOW = float(os.environ.get("FTOPT_DEFER_FEW_BELOW", "0.01"))
 # The deferred kernel reads its flags four to an int32 word (split._deferred_words): a
-# program of 1,024 flags then holds 8 registers of them a thread, not 32 (H200, GPT-2
-# 8-bit Adam, the deferred kernel of the carve's other leaves with no flag set, alone:
-# 2,616 programs of 128 flags 5.6 us, 327 of 1,024 6.3 us, 82 of 4,096 35 us, as bytes;
-# 2026-12-02). At 1,024 flags a program: two 16-byte loads a thread and 38 instructions
-# to its exit where none is set (static SASS, sm_90, benchmarks/sass_count.py). Not yet
-# timed; FTOPT_DEFER_WORDS=1 sets it.
-DEFER_WORDS = os.environ.get("FTOPT_DEFER_WORDS", "0") == "1"
+# program of 128 flags then holds one register of them a thread, not four. H200, GPT-2
+# 8-bit Adam with the watch against off (four A/Bs a setting, three runs, 2026-12-02),
+# bytes / words: dense +2.7% / +2.0..2.2%, 90% of the embedding's rows zero 1.229x /
+# 1.237-1.240x, every block part zero +14.9% (words). More flags a program while few
+# are set (512 / 1024 / 2048 / 4096) or the deferred kernel in 4 or 8 warps without a
+# register cap (no spills) were no faster: where a few blocks are flagged (13 of 334,848,
+# the others' leaves beside the embedding) the kernel is the latency of one flagged
+# block's chain of loads, ~5.5 us at 128 flags, 3.2 at 1,024 in 4 warps, alone.
+# FTOPT_DEFER_WORDS=0 reads them as bytes.
+DEFER_WORDS = os.environ.get("FTOPT_DEFER_WORDS", "1") == "1"
 # A "split+defer" group runs "split+select" while more than DEFER_SELECT_ABOVE of its
 # blocks were deferred when last counted (ftopt.lowering.skip_watch): counted every
 # WATCH_PERIOD steps, and every WATCH_PROBE steps while it runs "split+select". H200,
