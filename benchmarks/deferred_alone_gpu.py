@@ -1,9 +1,11 @@
 """The device time of each main and deferred kernel of a settled skip_zeros step, re-run
 by hand from its bound launches: alone (back to back), after a one-element add, and
-after its own main kernel. GPT-2 8-bit Adam, dense gradients and 90% of the embedding's
-rows zero (the carve: the others' group and the spanned one), under torch.profiler
-(medians of 20; 10 pairs). Settings come from the environment (``FTOPT_DEFER_WORDS``,
-``FTOPT_DEFER_FLAGS_FEW``, ``FTOPT_PDL``).
+after its own main kernel, and the deferred kernel at an eighth of its grid and at one
+program; with each launch's grid, registers, spills and warps, and the flags set (a
+flagged block runs its body in the deferred kernel). GPT-2 8-bit Adam, dense gradients
+and 90% of the embedding's rows zero (the carve: the others' group and the spanned one),
+under torch.profiler (medians of 20; 10 pairs). Settings come from the environment
+(``FTOPT_DEFER_WORDS``, ``FTOPT_DEFER_FLAGS_FEW``, ``FTOPT_PDL``).
 
     python3 benchmarks/deferred_alone_gpu.py
 """
@@ -44,6 +46,21 @@ def device_us(fn, n: int = 20) -> dict:
     return {k: round(statistics.median(v), 2) for k, v in by.items()}
 
 
+def _compiled(runner) -> tuple:
+    """The compiled kernel and grid a bound launch's runner closes over (Triton's
+    ``CompiledKernel.__getitem__``)."""
+    cells = [c.cell_contents for c in runner.__closure__ or ()]
+    return (next(c for c in cells if hasattr(c, "n_regs")),
+            next(c for c in cells if isinstance(c, tuple)))
+
+
+def described(b) -> str:
+    compiled, grid = _compiled(b.runner)
+    return (f"grid {grid[0]}, {compiled.n_regs} registers, {compiled.n_spills} spilled, "
+            f"{compiled.metadata.num_warps} warps, flags a program "
+            f"{b.group.defer_flags or '-'}")
+
+
 def main() -> None:
     native.module(wait=True)
     cfg = gpu_step.gpt2_tree_config(torch.device("cuda"))
@@ -56,7 +73,7 @@ def main() -> None:
             for _ in range(30):  # (the watch settled: its carve, its flags a program)
                 step()
             torch.cuda.synchronize()
-            bound = max(plan_chain(tx).prepared._bound_by.values(), key=lambda x: len(x[2]))
+            bound = plan_chain(tx).prepared._bound  # (the last step's mode)
             args = SEEN["scalars"] if bound[0] else (SEEN["scalars"],)
             by_group: dict = {}
             for b in bound[2]:
@@ -65,6 +82,8 @@ def main() -> None:
                 group = launches[0].group
                 print(f"{label}: group of {group.work.num_blocks} blocks, {len(launches)} "
                       f"launches, beside {group.beside}", flush=True)
+                for b in launches:
+                    print("  launch:", described(b), flush=True)
                 runs = [lambda b=b, a=args: b.runner(*b.before, *a, *b.after)
                         for b in launches]
                 print("  each alone:", [device_us(r) for r in runs], flush=True)
@@ -74,6 +93,17 @@ def main() -> None:
                           device_us(lambda d=deferred: (one.add_(1.0), d())), flush=True)
                     print("  main then deferred:",
                           device_us(lambda m=main_run, d=deferred: (m(), d()), 10),
+                          flush=True)
+                    compiled, grid = _compiled(launches[1].runner)
+                    b = launches[1]
+                    for size in (max(grid[0] // 8, 1), 1):
+                        runner = compiled[(size, 1, 1)]
+                        print(f"  deferred at a grid of {size}:", device_us(
+                            lambda r=runner, b=b, a=args: r(*b.before, *a, *b.after)),
+                            flush=True)
+                    flags = group.flags
+                    print(f"  flags set: {int((flags == 1).sum())} deferred, "
+                          f"{int((flags == 2).sum())} all zero, of {flags.numel()}",
                           flush=True)
 
 
