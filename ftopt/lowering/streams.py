@@ -21,7 +21,10 @@ kernel then runs at their end instead of their start, the step as long (8-bit
 nor those kernels on a third stream of the highest priority (their deferred kernel
 then runs beside the spanned one, which it slows as much: the step 480-482 us against
 479-482, 8-bit 1.229x against 1.226x), nor the spanned group in a few programs a
-multiprocessor that stay resident beside the others' kernel (tiles.CARVE_PROGRAMS).
+multiprocessor that stay resident beside the others' kernel (tiles.CARVE_PROGRAMS), nor
+the step's small groups on the second stream too (GPT-2's 98 small fp32 leaves beside
+8-bit states, 3.4 us alone: 8-bit 1.241x against 1.244x, bf16 states 1.258x both;
+2026-12-02).
 
 While a CUDA graph is being captured the launches run in turn on the capturing stream.
 ``FTOPT_CARVE_STREAM=0`` runs them in turn always.
