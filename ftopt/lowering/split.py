@@ -11,22 +11,26 @@ spill, or run at fewer warps a multiprocessor). Tail programs (a leaf's last, pa
 block) are always deferred.
 
 The deferred kernel is the chain's main kernel in a loop: program ``k`` reads the flags
-of programs ``k * DEFER_FLAGS`` to ``(k + 1) * DEFER_FLAGS - 1`` at once and returns where
-none is 1 (the common case: a flag byte a main program, one load of them here), else
-runs each flagged program's body in turn. The flags need no reset: every main program
-writes its own, each step (0: no zero gradient, 1: some, or a tail, 2: only zeros, which
-:mod:`ftopt.lowering.skip_watch` counts).
+of programs ``k * DEFER_FLAGS`` to ``(k + 1) * DEFER_FLAGS - 1`` at once and returns
+where none is 1 (the common case: a flag byte a main program, read four to a word here:
+:data:`tiles.DEFER_WORDS`), else runs each flagged program's body in turn. The flags
+need no reset: every main program writes its own, each step (0: no zero gradient, 1:
+some, or a tail, 2: only zeros, which :mod:`ftopt.lowering.skip_watch` counts).
 
 On an H200 (GPT-2 8-bit Adam, dense gradients) this kernel, 3,800 programs of 128 flags
-none of which is set, takes 7.2-7.9 us, at 4, 2 or 1 warps alike. Its programs cost it,
-not the launch: re-run alone, 2,616 programs 5.6 us, 1,178 programs 1.7-2.2 us; fewer
-programs of more flags are slower (a program holds its flags in registers: 1,024 a
-program, 327 programs, 6.3 us; 4,096, 82 programs, 35 us). Measured and not taken: a
-queue of the deferred programs' numbers (an atomic count in the main kernel; 528
-programs reading it) took 6.5 us but the main kernel ~4 us more, and 3.8 ms a step where
-every block was deferred (485k atomic adds on one count); marks of the flagged runs (a
-byte a run of 128, read 32 a program) 16.6 us, the main kernel 23 us more (that version
-also failed its tests on the GPU, not diagnosed: benchmarks/RESULTS.md).
+of which 18 are set (exact zeros among the benchmark's random gradients), takes 7.2-7.9
+us after its main kernel, at 4, 2 or 1 warps alike. Re-run alone (the carve's other
+leaves, 2,616 programs, 13 set): 4.0-5.6 us; at one program 0.9; a kernel that only
+reads the flags, 2.4; with no flag set (1,178 programs) 1.7-2.2. So it costs its
+programs' start and one flagged block's chain of dependent loads (flags, work table,
+addresses, the block's data); fewer programs of more flags, or the body in more warps
+without spills, do not shorten it in the step (``benchmarks/RESULTS.md``). Measured and
+not taken: a queue of the deferred programs' numbers (an atomic count in the main
+kernel; 528 programs reading it) took 6.5 us but the main kernel ~4 us more, and 3.8 ms
+a step where every block was deferred (485k atomic adds on one count); marks of the
+flagged runs (a byte a run of 128, read 32 a program) 16.6 us, the main kernel 23 us
+more (that version also failed its tests on the GPU, not diagnosed:
+benchmarks/RESULTS.md).
 
 A layout of :data:`tiles.SPANS` runs several consecutive blocks a main program
 (:func:`spanned`): the program checks all their gradients with one wait on memory and
