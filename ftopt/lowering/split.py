@@ -30,7 +30,13 @@ kernel; 528 programs reading it) took 6.5 us but the main kernel ~4 us more, and
 a step where every block was deferred (485k atomic adds on one count); marks of the
 flagged runs (a byte a run of 128, read 32 a program) 16.6 us, the main kernel 23 us
 more (that version also failed its tests on the GPU, not diagnosed:
-benchmarks/RESULTS.md).
+benchmarks/RESULTS.md). Nor, 2026-12-02: the select body in the main kernel for full
+blocks and only the tails deferred (the compiler merges the two bodies' encoders: 67
+registers; at the cap of 72 fewer programs a multiprocessor, dense +7.0%; at 64, 8 bytes
+spilled, dense +3.6% against +2.3%, 90% of the embedding's rows zero 1.252x against
+1.242-1.250x); the parameter's load before the check (dense +4.7% against +2.5%); the
+deferred kernel in 4 warps; the carve's spanned kernel checking only (its live blocks all
+deferred: 1.11-1.17x against 1.24x).
 
 A layout of :data:`tiles.SPANS` runs several consecutive blocks a main program
 (:func:`spanned`): the program checks all their gradients with one wait on memory and
