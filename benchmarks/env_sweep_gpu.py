@@ -7,7 +7,7 @@ of the sparse case; writes ``OUT/sweep.json``.
 
     python3 benchmarks/env_sweep_gpu.py OUT --set FTOPT_CARVE_WARPS=,8-bit=2 \\
         --set "FTOPT_CARVE_SPAN=8-bit=2,8-bit=4" [--layouts=8-bit] [--rounds=2] [--repeats=2]
-        [--kinds=dense,sparse]
+        [--kinds=dense,sparse] [--steps=40]
 
 ``--set NAME=a,b`` gives the values ``a`` and ``b``; a value with commas of its own
 writes them as ``;`` (``FTOPT_SPAN=16-bit=4;fp32=2``); an empty value leaves the
@@ -42,11 +42,18 @@ def label(update: dict) -> str:
 
 
 def summary(rows: list) -> dict:
-    """(layout, grads) -> the watch's time over off's, and the host's ms of each round."""
+    """(layout, grads) -> the watch's time over off's, the host's ms of each round, and
+    the watch's time over off's with the queue primed (None where not recorded)."""
+    off = {(r["layout"], r["grads"]): r for r in rows if r["variant"] == "off"}
     out = {}
     for row in rows:
         if row["variant"] == "watch":
-            out[(row["layout"], row["grads"])] = (row["vs_off"], row.get("host_ms", []))
+            base = off.get((row["layout"], row["grads"]), {})
+            primed = (statistics.median(row["primed_ms"]) / statistics.median(
+                base["primed_ms"]) if row.get("primed_ms") and base.get("primed_ms")
+                else None)
+            out[(row["layout"], row["grads"])] = (row["vs_off"], row.get("host_ms", []),
+                                                  primed)
     return out
 
 
@@ -58,6 +65,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--kinds", default="", help="the A/B's gradients (default: all)")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="the A/B's steps between two events (default: its own)")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
@@ -71,6 +80,7 @@ def main() -> None:
             cmd = [sys.executable, str(HERE / "skip_watch_ab_gpu.py"), str(where),
                    f"--layouts={args.layouts}", f"--rounds={args.rounds}"]
             cmd += [f"--kinds={args.kinds}"] if args.kinds else []
+            cmd += [f"--steps={args.steps}"] if args.steps else []
             print(f"== {label(update)} (repeat {rep}): {' '.join(cmd)}", flush=True)
             if args.dry_run:
                 continue
@@ -90,10 +100,16 @@ def main() -> None:
             med = statistics.median(ratios)
             med_shown = f"{1 / med:.3f}x" if grads == "sparse" else f"{(med - 1) * 100:+.1f}%"
             host = f"; host {statistics.median(hosts):.3f} ms a call" if hosts else ""
+            primed = [run[(layout, grads)][2] for run in runs
+                      if (layout, grads) in run and run[(layout, grads)][2] is not None]
+            if primed:
+                pm = statistics.median(primed)
+                host += "; queue primed " + (f"{1 / pm:.3f}x" if grads == "sparse"
+                                             else f"{(pm - 1) * 100:+.1f}%")
             print(f"{label(update):40s} {layout:30s} {grads:12s} {shown} (median "
                   f"{med_shown}{host})", flush=True)
             table.append(dict(settings=update, layout=layout, grads=grads, vs_off=ratios,
-                              host_ms=hosts))
+                              host_ms=hosts, primed_vs_off=primed))
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(table, indent=1))
 

@@ -15,6 +15,7 @@ watch's modes over its steps and the host's time a call (near the step's time, t
 device waits for launches).
 
     python3 benchmarks/skip_watch_ab_gpu.py OUT [--layouts=...] [--rounds=2] [--kinds=...]
+        [--steps=40]
 """
 import collections
 import json
@@ -38,6 +39,10 @@ ROUNDS = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--r
                   "2"))
 KINDS = [x for a in sys.argv[1:] if a.startswith("--kinds=")
          for x in a.split("=", 1)[1].split(",")]
+# Steps between a timing's two events (``--steps=N``): unprimed, the first call's host
+# work before its first launch counts once in N steps.
+STEPS = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--steps=")),
+                 "40"))
 
 
 # The watch's mode at each step of a case (0 the group's own, 1 its alternate, 2 its
@@ -57,22 +62,23 @@ skip_watch.SkipWatch.plan = _counted_plan
 
 
 def _step_and_host_ms(tx, params: dict, grads: dict) -> tuple[float, float, float]:
-    """``gpu_step.median_step_ms``'s steps (3 untimed, 3 x 40 timed by events); the
-    host's ms a call over 40 more, not waited for (where it is near the step's time, the
-    device waits for launches); and the step's ms with one call queued before the first
-    event (3 x 40, the median), which leaves out the first call's host work before its
-    first launch (events started on an idle device count it, once in 40 steps)."""
+    """``gpu_step.median_step_ms``'s steps (3 untimed, 3 x :data:`STEPS` timed by
+    events); the host's ms a call over 40 more, not waited for (where it is near the
+    step's time, the device waits for launches); and the step's ms with one call queued
+    before the first event (3 x :data:`STEPS`, the median), which leaves out the first
+    call's host work before its first launch (events started on an idle device count it,
+    once in :data:`STEPS` steps)."""
     step = timing.donated_stepper(tx, params, grads)
     for _ in range(3):
         step()
-    ms = statistics.median(timing.event_ms(step, 40, 3))
+    ms = statistics.median(timing.event_ms(step, STEPS, 3))
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(40):
         step()
     host = (time.perf_counter() - start) / 40 * 1e3
     torch.cuda.synchronize()
-    return ms, host, statistics.median(timing.event_ms(step, 40, 3, primed=True))
+    return ms, host, statistics.median(timing.event_ms(step, STEPS, 3, primed=True))
 
 
 def main() -> None:
