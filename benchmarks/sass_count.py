@@ -16,6 +16,15 @@ GPU machine's.
 
 Prints a table per kernel: instructions in all, per element of a thread's share of the
 tile, and by kind (global loads/stores, MUFU, float, integer, shuffles, control).
+
+Hand-edited variants of a kernel, counted as its own (a shape to try before generating
+it): ``--edit DIR`` writes each recorded kernel's source to ``DIR/<case>_<kernel>_<i>.py``;
+``--sources DIR`` compiles those files (where present) in place of the generated ones,
+with the same signature, constants and options; ``--maxnreg N`` sets the register cap of
+the kernels that have one.
+
+    python benchmarks/sass_count.py adam8_skip --edit /tmp/k      # then edit /tmp/k/*.py
+    python benchmarks/sass_count.py adam8_skip --sources /tmp/k --maxnreg 64 --dump /tmp/s
 """
 
 from __future__ import annotations
@@ -195,6 +204,9 @@ def main() -> None:
     ap.add_argument("cases", nargs="*", help="cases (default: all)")
     ap.add_argument("--out", help="write <out>.md and <out>.json")
     ap.add_argument("--dump", help="write each kernel's SASS listing to this folder")
+    ap.add_argument("--edit", help="write each kernel's source to this folder")
+    ap.add_argument("--sources", help="compile this folder's sources in place of them")
+    ap.add_argument("--maxnreg", type=int, help="the register cap of capped kernels")
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.compile:
@@ -202,6 +214,15 @@ def main() -> None:
         return
     names = args.cases or list(_cases())
     jobs = record(names)
+    for i, job in enumerate(jobs):
+        name = f"{job['case']}_{job['name']}_{i}.py"
+        if args.edit:
+            pathlib.Path(args.edit).mkdir(parents=True, exist_ok=True)
+            pathlib.Path(args.edit, name).write_text(pathlib.Path(job["path"]).read_text())
+        if args.sources and pathlib.Path(args.sources, name).exists():
+            job["path"] = str(pathlib.Path(args.sources, name).resolve())
+        if args.maxnreg and "maxnreg" in job["options"]:
+            job["options"]["maxnreg"] = args.maxnreg
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     if args.dump:
