@@ -2,8 +2,9 @@
 settings, each in a process of its own (the settings are read at import), the
 combinations in turn ``--repeats`` times against drift. Prints, per combination and
 layout, the watch against no skip_zeros with dense gradients, 90% of the embedding's rows
-zero and every block part zero (each repeat, then the median), and the host's ms a call
-of the sparse case; writes ``OUT/sweep.json``.
+zero and every block part zero (each repeat, then the median; then the median of the
+ratios with the queue primed), and the host's ms a call; writes ``OUT/sweep.json``.
+``--steps=N``: the A/B's steps between two events.
 
     python3 benchmarks/env_sweep_gpu.py OUT --set FTOPT_CARVE_WARPS=,8-bit=2 \\
         --set "FTOPT_CARVE_SPAN=8-bit=2,8-bit=4" [--layouts=8-bit] [--rounds=2] [--repeats=2]
