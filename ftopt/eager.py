@@ -7,9 +7,14 @@ value is a :class:`Vec`: one entry per leaf, of one of three kinds
 * ``leaf``: a scalar per leaf (a per-leaf norm, a trust ratio);
 * ``scalar``: one scalar for all leaves (a hyperparameter, a bias correction).
 
-Binary operations broadcast the lower kind up. In ``foreach`` mode operations on tensor
-lists call ``torch._foreach_*`` (one dispatch for all leaves); in ``loop`` mode every op
-is a plain torch op per leaf, which autograd and ``torch.func`` transforms understand.
+Binary operations broadcast the lower kind up. A ``scalar`` or ``leaf`` tensor meets an
+``elem`` tensor in that tensor's floating dtype, as torch casts a 0-d operand to the dtype
+of a tensor with dimensions: so a 0-d leaf computes as the same values in a 1-D leaf
+would, not in float64 where the per-step scalars are float64 tensors.
+
+In ``foreach`` mode operations on tensor lists call ``torch._foreach_*`` (one dispatch for
+all leaves); in ``loop`` mode every op is a plain torch op per leaf, which autograd and
+``torch.func`` transforms understand.
 
 On the CPU, ``foreach`` bodies without norms are instead run by
 :mod:`ftopt.chunked` (a backend): the same torch ops, so the same bits, chunk by chunk.
@@ -98,7 +103,8 @@ class Vec:
         if fast and a.kind == "elem" and _foreach_operand(b):
             rhs = b.items[0] if b.kind == "scalar" else b.items
             return Vec("elem", list(_FOREACH_BINARY[op](a.items, rhs)), self.mode)
-        return Vec(kind, [op(x, y) for x, y in zip(a._expanded(n), b._expanded(n))], self.mode)
+        pairs = _met(a, b, n)
+        return Vec(kind, [op(x, y) for x, y in pairs], self.mode)
 
     def __add__(self, o):
         return self._binary(o, operator.add)
@@ -157,6 +163,28 @@ class Vec:
         return Vec(self.kind, [fn(x) for x in self.items], self.mode)
 
     __hash__ = None  # comparisons build values, they do not compare objects
+
+
+def _as_met(value, t):
+    """``value`` (a per-step or per-leaf value) as an operand of the per-element tensor
+    ``t``: a floating 0-d tensor in ``t``'s floating dtype where ``t`` is 0-d itself (with
+    dimensions, torch casts it so; between two 0-d tensors it would promote instead)."""
+    if (isinstance(value, torch.Tensor) and isinstance(t, torch.Tensor) and t.ndim == 0
+            and value.ndim == 0 and value.dtype != t.dtype
+            and value.is_floating_point() and t.is_floating_point()):
+        return value.to(t.dtype)
+    return value
+
+
+def _met(a: Vec, b: Vec, n: int) -> list[tuple]:
+    """The per-leaf operand pairs of ``a`` and ``b``, a non-``elem`` one met to the
+    ``elem`` one (:func:`_as_met`)."""
+    pairs = zip(a._expanded(n), b._expanded(n))
+    if a.kind == "elem" and b.kind != "elem":
+        return [(x, _as_met(y, x)) for x, y in pairs]
+    if b.kind == "elem" and a.kind != "elem":
+        return [(_as_met(x, y), y) for x, y in pairs]
+    return list(pairs)
 
 
 def _foreach_operand(b: Vec) -> bool:
@@ -243,9 +271,7 @@ class EagerOps:
         cond, a, b = (_as_vec(v, self.mode) for v in (cond, a, b))
         kind = max(cond.kind, a.kind, b.kind, key=_KIND_ORDER.__getitem__)
         n = max(len(v.items) for v in (cond, a, b))
-        items = [
-            _where(c, x, y) for c, x, y in zip(cond._expanded(n), a._expanded(n), b._expanded(n))
-        ]
+        items = [_where(c, x, y) for c, (x, y) in zip(cond._expanded(n), _met(a, b, n))]
         return Vec(kind, items, self.mode)
 
     def lerp(self, start, end, weight) -> Vec:

@@ -240,8 +240,8 @@ class RuleTransform:
                 old_value = getattr_running(carried, name)
                 running[name] = value.to(running_dtype(old_value))
         for j, i in enumerate(active):
-            # A 0-d leaf whose per-step scalars are float64 tensors (a device count) would
-            # be promoted to float64: updates are in the leaf's compute dtype.
+            # A value the body made from float64 per-step scalars alone (a device count's),
+            # broadcast to the leaf, is float64: updates are in the leaf's compute dtype.
             want = compute_dtype(us[j])
             new_u[i] = u_items[j] if u_items[j].dtype == want else u_items[j].to(want)
         for slot in rule.slots:

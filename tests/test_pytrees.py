@@ -19,6 +19,7 @@ import torch
 from registry import BY_NAME, TRANSFORMS, standalone
 
 import ftopt
+from ftopt.chunked import entry as chunked_entry
 
 SEED = 777
 
@@ -385,6 +386,31 @@ def test_zero_dim_and_empty_leaves(name):
                  use_step=False)
     for k in no_e:
         assert torch.equal(pn[k], p[k]), k
+
+
+@pytest.mark.parametrize("path", ["whole_leaves", "chunked"])
+@pytest.mark.parametrize("name", sorted(e.name for e in TRANSFORMS))
+def test_zero_dim_leaves_with_tensor_hyperparameters(name, path, monkeypatch):
+    """0-d leaves step as 1-element leaves with the same numbers when the hyperparameters
+    are 0-d tensors (whose per-step scalars are float64): on the whole-leaf eager path
+    (every accelerator, autograd, ``torch.func``) and on the CPU's chunked one. A 0-d leaf
+    must not be computed in float64 where a 1-D one is computed in fp32."""
+    if path == "whole_leaves":
+        monkeypatch.setattr(chunked_entry, "evaluate", lambda *a, **k: None)
+        monkeypatch.setattr(chunked_entry, "step", lambda *a, **k: None)
+    e = BY_NAME[name]
+    gen = _gen(SEED + 6)
+    params = {**{f"s{i}": _randn(gen) for i in range(12)}, "m": _randn(gen, 3, 4)}
+    grads_seq = [_grads_like(params, gen, zero_frac=0.0) for _ in range(3)]
+    as_vec = {k: v.reshape(1) if v.ndim == 0 else v for k, v in params.items()}
+    vseq = [{k: v.reshape(1) if v.ndim == 0 else v for k, v in g.items()} for g in grads_seq]
+    with torch.no_grad():
+        p, _ = _run(standalone(e, **e.defaults(tensors=True)), params, grads_seq, False)
+        pv, _ = _run(standalone(e, **e.defaults(tensors=True)), as_vec, vseq, False)
+    for k, v in params.items():
+        assert p[k].shape == v.shape and p[k].dtype == v.dtype, k
+        assert torch.equal(pv[k].reshape(v.shape), p[k]), (
+            f"{k}: {p[k].tolist()} as a 0-d leaf, {pv[k].tolist()} as a 1-element leaf")
 
 
 def test_empty_leaf_with_8bit_state():

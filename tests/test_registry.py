@@ -213,7 +213,8 @@ SUITES = [
     ("test_purity", "test_inputs_never_modified", "name", {}, lambda: registry.TRANSFORMS),
     *[("test_pytrees", t, "name", {}, lambda: registry.TRANSFORMS) for t in (
         "test_tree_kinds_equal_flat_list", "test_none_gradient_leaf", "test_all_none_gradients",
-        "test_empty_tree", "test_zero_dim_and_empty_leaves")],
+        "test_empty_tree", "test_zero_dim_and_empty_leaves",
+        "test_zero_dim_leaves_with_tensor_hyperparameters")],
     *[("test_errors", t, "name", {}, lambda: registry.TRANSFORMS) for t in (
         "test_grads_missing_key", "test_grads_extra_key", "test_grads_list_length",
         "test_grads_wrong_container", "test_grad_shape_mismatch", "test_bad_grad_dtype",
