@@ -117,8 +117,11 @@ QUANT_SKIP_MAXNREG = int(os.environ.get("FTOPT_QUANT_SKIP_MAXNREG", "72"))
 # the plain body alone; its deferred kernel takes QUANT_SKIP_MAXNREG). Static SASS (sm_90,
 # 8-bit Adam, benchmarks/sass_count.py): the split kernel's select bodies spill 96 bytes
 # at 72 registers; the main kernel without them needs 64 registers and spills nothing
-# (on the H200 too, at caps 64 and 72). FTOPT_QUANT_DEFER_MAXNREG overrides it.
-QUANT_DEFER_MAXNREG = int(os.environ.get("FTOPT_QUANT_DEFER_MAXNREG", "72"))
+# (on the H200 too, at caps 64 and 72; at 64 it takes 59). H200, GPT-2 8-bit Adam, 64
+# against 72, three runs: 90% of the embedding's rows zero 1.249x vs 1.234x, 1.250x vs
+# 1.242x, primed 1.251x vs 1.239x; dense +2.3% vs +2.3%, +1.9% vs +2.3%, +1.3% vs +2.0%
+# (benchmarks/RESULTS.md, 2026-12-02). FTOPT_QUANT_DEFER_MAXNREG overrides it.
+QUANT_DEFER_MAXNREG = int(os.environ.get("FTOPT_QUANT_DEFER_MAXNREG", "64"))
 # Flags (main programs) a program of the deferred kernel reads at once; where one is set
 # it runs their bodies in turn. H200, GPT-2 8-bit Adam, dense / 90% of the embedding's
 # rows zero / every block part zero (ms; off 0.607-0.613): 8 0.644 / 0.550 / 1.002, 16
