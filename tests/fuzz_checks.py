@@ -51,6 +51,19 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+def _bit_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    """How two same-shaped tensors differ, for a failure message: how many elements, by
+    how many units in the last place at most (integer views), and the first such pair."""
+    a, b = a.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)
+    apart = (bits(a).long() - bits(b).long()).abs()
+    where = (apart > 0).nonzero().flatten()
+    if not where.numel():
+        return "(no element differs)"
+    k = int(where[0])
+    return (f"({where.numel()} of {a.numel()} elements, up to {int(apart.max())} ulps; "
+            f"element {k}: {a[k].item()!r} vs {b[k].item()!r})")
+
+
 def _leaves(tree: Any) -> list:
     return optree.tree_leaves(tree, none_is_leaf=False, namespace="ftopt")
 
@@ -84,7 +97,8 @@ def assert_bitwise(a: Any, b: Any, what: str) -> None:
         return
     for i, (x, y) in enumerate(zip(la, lb)):  # (which leaf: for the message)
         assert x.device == y.device, f"{what}: leaf {i} is on {x.device} vs {y.device}"
-        assert torch.equal(bits(x), bits(y)), f"{what}: leaf {i} differs in its bits"
+        assert torch.equal(bits(x), bits(y)), \
+            f"{what}: leaf {i} differs in its bits {_bit_diff(x, y)}"
     raise AssertionError(f"{what}: the leaves differ in their bits")
 
 
@@ -604,7 +618,8 @@ def skip_zeros_exact(case: Case, backend: str) -> None:
                 f"{where}: param {path} changed at a zero-gradient element"
             if s_.exact_off_zeros:
                 assert torch.equal(bits(new)[~m], bits(ctl)[~m]), \
-                    f"{where}: param {path} differs from the plain chain off the zeros"
+                    f"{where}: param {path} differs from the plain chain off the zeros " \
+                    f"{_bit_diff(new[~m], ctl[~m])}"
         olds, news, ctls = _slots(s, p), _slots(s1, p), _slots(s0, p)
         assert [n for n, _ in olds] == [n for n, _ in news] == [n for n, _ in ctls], \
             f"{where}: state slots differ: {[n for n, _ in olds]}, {[n for n, _ in ctls]}"
@@ -620,7 +635,8 @@ def skip_zeros_exact(case: Case, backend: str) -> None:
                     f"{w} changed at a zero-gradient element"
                 if s_.exact_off_zeros:
                     assert torch.equal(bits(new)[~m], bits(ctl)[~m]), \
-                        f"{w} differs from the plain chain off the zeros"
+                        f"{w} differs from the plain chain off the zeros " \
+                        f"{_bit_diff(new[~m], ctl[~m])}"
         p, s = p1_dev, s1_dev
 
 

@@ -129,7 +129,9 @@ def test_checks_catch_a_planted_bug(prop, monkeypatch):
         with pytest.raises(checks.PurityError, match=r"input tensor 3 \(torch.float32\(4,\)"):
             checks.purity(case, "eager")
         return
-    with pytest.raises(AssertionError):
+    # (a donated step's failure names how its bits differ)
+    match = r"differs in its bits \(1 of 15 elements, up to \d+ ulps" if prop == "donate" else None
+    with pytest.raises(AssertionError, match=match):
         if prop == "fused_vs_eager":
             checks.fused_vs_eager(case)
         elif prop == "skip_zeros":
@@ -139,6 +141,18 @@ def test_checks_catch_a_planted_bug(prop, monkeypatch):
 
         else:
             checks.checkpoint(case, "eager")
+
+
+def test_bit_diff_names_the_elements_and_their_ulps():
+    a = torch.tensor([1.0, 2.0, 3.0, -0.0])
+    b = a.clone()
+    b[1] = torch.nextafter(b[1], torch.tensor(9.0))
+    b[3] = 0.0  # -0.0 and +0.0 differ in their bits
+    assert checks._bit_diff(a, b) == (
+        "(2 of 4 elements, up to 2147483648 ulps; element 1: 2.0 vs 2.000000238418579)")
+    assert checks._bit_diff(a[:3].bfloat16(), (a[:3] + 0.5).bfloat16()).startswith(
+        "(3 of 3 elements, up to 64 ulps")
+    assert checks._bit_diff(a, a.clone()) == "(no element differs)"
 
 
 def test_reference_spread_tells_ill_conditioned_chains_from_bugs():
