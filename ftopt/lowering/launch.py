@@ -251,10 +251,19 @@ def _launch(kernel, grid: tuple, args: list, constants: tuple, device: torch.dev
         with interpreter.patches_undone():
             kernel[grid](*args, **named)
         return
+    if "maxnreg" in named and _spills_at_cap(kernel.warmup(*args, grid=grid, **named)):
+        del named["maxnreg"]
     compiled = kernel[grid](*args, **named)
     if _DIRECT and compiled is not None:
         tail = [named[name] for name in kernel.arg_names[len(args):]]
         _COMPILED[cache_key] = (compiled, tail)
+
+
+def _spills_at_cap(compiled) -> bool:
+    """Whether a kernel compiled under its register cap spills more than
+    :data:`tiles.CAP_SPILLS` registers (then it runs at the compiler's choice)."""
+    compiled._init_handles()
+    return compiled.n_spills > tiles.CAP_SPILLS
 
 
 def run_reductions(traced, groups: list[GroupLaunch], scalars, device):

@@ -122,6 +122,14 @@ QUANT_SKIP_MAXNREG = int(os.environ.get("FTOPT_QUANT_SKIP_MAXNREG", "72"))
 # 1.242x, primed 1.251x vs 1.239x; dense +2.3% vs +2.3%, +1.9% vs +2.3%, +1.3% vs +2.0%
 # (benchmarks/RESULTS.md, 2026-12-02). FTOPT_QUANT_DEFER_MAXNREG overrides it.
 QUANT_DEFER_MAXNREG = int(os.environ.get("FTOPT_QUANT_DEFER_MAXNREG", "64"))
+# A capped kernel whose compile spills more registers than this (Triton's ``n_spills``)
+# runs at the compiler's choice. Far past its cap ptxas (Triton 3.6, sm_90) miscompiled a
+# long 8-bit chain, AdEMAMix -> Adadelta -> AMSGrad: at 64 registers, 174 spilled, 84 of
+# 520 elements of a moment wrong (each thread's 7th and 8th); uncapped, none spilled, all
+# right. H200, 8-bit Adam, AdamW, AdEMAMix, Lion and LAMB, with and without skip_zeros:
+# capped, 0-98 spilled, but one AdEMAMix skip_zeros kernel (154 at 72; 168 registers
+# uncapped). benchmarks/RESULTS.md, 2026-12-03. FTOPT_CAP_SPILLS overrides it.
+CAP_SPILLS = int(os.environ.get("FTOPT_CAP_SPILLS", "128"))
 # Flags (main programs) a program of the deferred kernel reads at once; where one is set
 # it runs their bodies in turn. H200, GPT-2 8-bit Adam, dense / 90% of the embedding's
 # rows zero / every block part zero (ms; off 0.607-0.613): 8 0.644 / 0.550 / 1.002, 16
