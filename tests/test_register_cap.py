@@ -46,11 +46,12 @@ class _Kernel:
         return run
 
 
-@pytest.mark.parametrize("spills,capped", [(0, True), (tiles.CAP_SPILLS, True),
-                                           (tiles.CAP_SPILLS + 1, False), (174, False)])
+@pytest.mark.parametrize("spills,capped", [(0, True), (128, True), (129, False),
+                                           (174, False)])
 def test_a_capped_kernel_that_spills_past_the_limit_runs_uncapped(spills, capped,
                                                                   monkeypatch):
     monkeypatch.setattr(tiles, "INTERPRETING", False)
+    monkeypatch.setattr(tiles, "CAP_SPILLS", 128)
     kernel = _Kernel(spills)
     constants = (("BLOCK", 256), ("num_warps", 1), ("maxnreg", 64))
     launch._launch(kernel, (3,), [object()], constants, torch.device("cpu"), ("spills",))
