@@ -72,6 +72,8 @@ def _cases() -> dict:
         "adam_bf16_params": lambda: ftopt.adam(1e-3),
         "adam8": lambda: ftopt.adam(1e-3, state_bits=8),
         "adam8_skip": lambda: ftopt.adam(1e-3, state_bits=8, skip_zeros=True),
+        "ademamix8": lambda: ftopt.ademamix(1e-3, state_bits=8),
+        "ademamix8_skip": lambda: ftopt.ademamix(1e-3, state_bits=8, skip_zeros=True),
         "noisy_sgd": lambda: ftopt.noisy_sgd(1e-2),
         "novograd": lambda: ftopt.novograd(1e-2),
         "fromage": lambda: ftopt.fromage(1e-2),
