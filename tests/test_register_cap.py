@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fuzz_checks import bits
 
 import ftopt
 from ftopt.lowering import launch, tiles
@@ -68,10 +69,6 @@ def test_an_uncapped_kernel_compiles_once(monkeypatch):
     assert kernel.warmups == [] and len(kernel.launches) == 1
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16).int() if t.element_size() == 2 else t.view(torch.int32).long()
-
-
 @pytest.mark.parametrize("skip", [False, True])
 def test_a_long_8bit_chain_fused_matches_eager(skip):
     """The chain that ptxas miscompiled at its cap: each param within 2 ulps of eager's,
@@ -90,7 +87,7 @@ def test_a_long_8bit_chain_fused_matches_eager(skip):
     state = tx.init(params)
     pf, sf = ftopt.step(tx, params, grads, state, backend="fused")
     pe, se = ftopt.step(tx, params, grads, state, backend="eager")
-    ulps = (_bits(pf["w"]) - _bits(pe["w"])).abs()
+    ulps = (bits(pf["w"]).int() - bits(pe["w"]).int()).abs()
     assert int(ulps.max()) <= 2, f"{int((ulps > 2).sum())} of 520 elements > 2 ulps apart"
     codes = [(a, b) for a, b in zip(ftopt.tree.leaves(sf), ftopt.tree.leaves(se))
              if a.dtype == torch.uint8]
