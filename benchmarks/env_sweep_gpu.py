@@ -4,11 +4,11 @@ combinations in turn ``--repeats`` times against drift. Prints, per combination 
 layout, the watch against no skip_zeros with dense gradients, 90% of the embedding's rows
 zero and every block part zero (each repeat, then the median; then the median of the
 ratios with the queue primed), and the host's ms a call; writes ``OUT/sweep.json``.
-``--steps=N``: the A/B's steps between two events.
+``--steps=N``: the A/B's steps between two events; ``--opt=NAME``: its ``ftopt`` alias.
 
     python3 benchmarks/env_sweep_gpu.py OUT --set FTOPT_CARVE_WARPS=,8-bit=2 \\
         --set "FTOPT_CARVE_SPAN=8-bit=2,8-bit=4" [--layouts=8-bit] [--rounds=2] [--repeats=2]
-        [--kinds=dense,sparse] [--steps=40]
+        [--kinds=dense,sparse] [--steps=40] [--opt=adam]
 
 ``--set NAME=a,b`` gives the values ``a`` and ``b``; a value with commas of its own
 writes them as ``;`` (``FTOPT_SPAN=16-bit=4;fp32=2``); an empty value leaves the
@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="", help="the A/B's gradients (default: all)")
     parser.add_argument("--steps", type=int, default=0,
                         help="the A/B's steps between two events (default: its own)")
+    parser.add_argument("--opt", default="", help="the A/B's ftopt alias (default: adam)")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
@@ -82,6 +83,7 @@ def main() -> None:
                    f"--layouts={args.layouts}", f"--rounds={args.rounds}"]
             cmd += [f"--kinds={args.kinds}"] if args.kinds else []
             cmd += [f"--steps={args.steps}"] if args.steps else []
+            cmd += [f"--opt={args.opt}"] if args.opt else []
             print(f"== {label(update)} (repeat {rep}): {' '.join(cmd)}", flush=True)
             if args.dry_run:
                 continue

@@ -14,8 +14,10 @@ tensor check (``ftopt.lowering.native``) is loaded first. Each case also reports
 watch's modes over its steps and the host's time a call (near the step's time, the
 device waits for launches).
 
+``--opt=ademamix``: that ``ftopt`` alias instead of ``adam`` (its defaults, lr 1e-3).
+
     python3 benchmarks/skip_watch_ab_gpu.py OUT [--layouts=...] [--rounds=2] [--kinds=...]
-        [--steps=40]
+        [--steps=40] [--opt=adam]
 """
 import collections
 import json
@@ -43,6 +45,7 @@ KINDS = [x for a in sys.argv[1:] if a.startswith("--kinds=")
 # work before its first launch counts once in N steps.
 STEPS = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--steps=")),
                  "40"))
+OPT = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--opt=")), "adam")
 
 
 # The watch's mode at each step of a case (0 the group's own, 1 its alternate, 2 its
@@ -104,7 +107,7 @@ def main() -> None:
                 tiles.WATCH = watch
                 gpu_step._clear_lowering_caches()
                 launch._COMPILED.clear()
-                tx = ftopt.adam(1e-3, skip_zeros=skip, **kw)
+                tx = getattr(ftopt, OPT)(1e-3, skip_zeros=skip, **kw)
                 for kind, g in [x for x in (("dense", grads), ("sparse", sparse),
                                             ("mixed", mixed), ("sparse+mixed", both))
                                 if not KINDS or x[0] in KINDS]:
@@ -118,7 +121,7 @@ def main() -> None:
         for (variant, kind), v in times.items():
             off = statistics.median(times[("off", kind)])
             med = statistics.median(v)
-            rows.append(dict(layout=name, variant=variant, grads=kind, ms=v, median=med,
+            rows.append(dict(opt=OPT, layout=name, variant=variant, grads=kind, ms=v, median=med,
                              vs_off=med / off, native_check=native.status(),
                              modes=[x[0] for x in seen[(variant, kind)]],
                              host_ms=[x[1] for x in seen[(variant, kind)]],
