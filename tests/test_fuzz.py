@@ -458,7 +458,7 @@ def test_stage_replay_names_every_prefix_of_the_chain():
     stages = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stages)
     runner = _runner()
-    case = runner.example(22, 2453, runner.structure_pool(22, 30, 2), "cpu")
+    case = runner.example(22, 2453, runner.structure_pool(22, 30, 2), DEVICE)
     lines = stages.prefixes(case, 0)
     names = [part.entry.name for part in case.structure.parts]
     assert [line.split(" ")[1] for line in lines[::3]] == names

@@ -122,7 +122,9 @@ def test_readme_fsdp2_example_runs(tmp_path):
         port = s.getsockname()[1]
     root = pathlib.Path(__file__).parent.parent
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), PYTHONPATH=str(root))
+               MASTER_PORT=str(port),
+               PYTHONPATH=os.pathsep.join(x for x in (str(root), os.environ.get("PYTHONPATH"))
+                                          if x))
     script = tmp_path / "fsdp2_example.py"
     script.write_text(code)
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,

@@ -50,6 +50,14 @@ def _grads(gen, steps: int, scattered: range) -> list:
     return out
 
 
+def _counted() -> None:
+    """On a GPU, wait for the step: the watch reads a step's count once its copy to the
+    host is done, so at the next step, as the schedules below expect, however busy the
+    device (the tests run in parallel)."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def _run(tx, params, state, grads: list, modes: list | None = None,
          stepped: list | None = None):
     """Donated steps over copies of ``params`` and ``state`` (``modes``: the watch's
@@ -57,6 +65,7 @@ def _run(tx, params, state, grads: list, modes: list | None = None,
     params, state = cloned(params), cloned(state)
     for g in grads:
         params, state = ftopt.step(tx, params, g, state, backend="fused", donate=True)
+        _counted()
         if modes is not None:
             (group,) = plan_chain(tx).prepared.groups
             modes.append(group.watch.now)
@@ -418,6 +427,7 @@ def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, rest_part
     p, s = cloned(params), cloned(state)
     for g in grads:
         p, s = ftopt.step(tx, p, g, s, backend="fused", donate=True)
+        _counted()
         (group,) = plan_chain(tx).prepared.groups
         modes.append(group.watch.now)
         carves.append(group.watch.carve)
