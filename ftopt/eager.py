@@ -103,7 +103,8 @@ class Vec:
         if fast and a.kind == "elem" and _foreach_operand(b):
             rhs = b.items[0] if b.kind == "scalar" else b.items
             return Vec("elem", list(_FOREACH_BINARY[op](a.items, rhs)), self.mode)
-        if fast and op is operator.truediv and a.kind == "elem" and a.items[0].is_cuda:
+        if fast and op is operator.truediv and a.kind == "elem" and a.items[:1] and (
+                a.items[0].is_cuda):
             # CUDA's foreach division by a number multiplies by its reciprocal, rounded
             # from float64: a tensor divisor likewise, for the same bits as a number.
             b = b._unary(lambda y: torch.as_tensor(y, dtype=torch.float64).reciprocal())
