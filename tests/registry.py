@@ -143,6 +143,13 @@ def draw_schedule(src: Source, lo: float = 1e-4, hi: float = 1e-1) -> Callable:
         "piecewise": lambda: s.piecewise_constant_schedule(a, {1: 0.5, 3: 0.5}),
         "join": lambda: s.join_schedules([s.constant_schedule(a), s.linear_schedule(a, b, n)],
                                          [1]),
+        "interpolate": lambda: s.piecewise_interpolate_schedule("cosine", a, {n: b / a}),
+        "onecycle": lambda: s.linear_onecycle_schedule(n + 2, a, div_factor=max(a / b, 1.0),
+                                                       final_div_factor=1.0),
+        "warmup_exponential": lambda: s.warmup_exponential_decay_schedule(lo, a, 1, n, 0.5,
+                                                                          end_value=lo),
+        "sgdr": lambda: s.sgdr_schedule([dict(init_value=lo, peak_value=a, warmup_steps=1,
+                                              decay_steps=n + 1, end_value=b)] * 2),
     }
     return options[src.choice(sorted(options))]()
 
@@ -806,7 +813,9 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ademamix_alpha_warmup", "ademamix_b3_warmup", "constant_schedule",
     "cosine_decay_schedule", "exponential_decay", "join_schedules", "linear_schedule",
     "piecewise_constant_schedule", "polynomial_schedule", "warmup_constant_schedule",
-    "warmup_cosine_decay_schedule",
+    "warmup_cosine_decay_schedule", "warmup_exponential_decay_schedule",
+    "piecewise_interpolate_schedule", "linear_onecycle_schedule", "cosine_onecycle_schedule",
+    "sgdr_schedule",
     "FactoredState", "MuonMomentumState",
     "AddNoiseState",
 })

@@ -356,6 +356,13 @@ def all_schedules():
         "join_user": join_schedules([lambda c: 0.25, cosine_decay_schedule(1.0, 8)], [3]),
         "alpha": ademamix_alpha_warmup(5.0, 12),
         "b3": ademamix_b3_warmup(0.9, 0.999, 12),
+        "interp_linear": sched_mod.piecewise_interpolate_schedule("linear", 1.0, {3: 0.5, 9: 0.1}),
+        "interp_cosine": sched_mod.piecewise_interpolate_schedule("cosine", 1.0, {3: 2.0, 9: 0.1}),
+        "linear_onecycle": sched_mod.linear_onecycle_schedule(30, 1.0),
+        "cosine_onecycle": sched_mod.cosine_onecycle_schedule(30, 1.0),
+        "warmup_exp": sched_mod.warmup_exponential_decay_schedule(0.0, 1.0, 5, 4, 0.5, 2),
+        "sgdr": sched_mod.sgdr_schedule([dict(init_value=0.0, peak_value=1.0, warmup_steps=2,
+                                              decay_steps=10)] * 3),
     }
 
 
