@@ -35,7 +35,14 @@ from ftopt.combine import (
     partition,
     skip_zeros,
 )
+from ftopt.conditional import (
+    ConditionallyMaskState,
+    ConditionallyTransformState,
+    conditionally_mask,
+    conditionally_transform,
+)
 from ftopt.finite import ApplyIfFiniteState, apply_if_finite
+from ftopt.freezing import freeze, multi_transform, selective_transform
 from ftopt.lookahead import LookaheadParams, LookaheadState, lookahead
 from ftopt.lowering.explain import explain
 from ftopt.optim import Optimizer
@@ -65,8 +72,10 @@ from ftopt.schedules import (
     warmup_cosine_decay_schedule,
     warmup_exponential_decay_schedule,
 )
+from ftopt.skip_fns import skip_large_updates, skip_not_finite
 from ftopt.torch_port import from_torch_state_dict, to_torch_state_dict
 from ftopt.transforms import (
+    ApplyEveryState,
     EmaState,
     LeafSecondMomentState,
     MadgradState,
@@ -82,14 +91,18 @@ from ftopt.transforms import (
     ScaleByRmsState,
     ScaleByRpropState,
     ScaleByRssState,
+    ScaleByRStdDevState,
+    ScaleByRStdDevWithCountState,
     ScaleByScheduleState,
     ScaleBySimplifiedAdEMAMixState,
     TraceState,
     add_decayed_weights,
+    apply_every,
     clip_by_global_norm,
     clip_by_param_norm_ratio,
     ema,
     identity,
+    normalize_by_update_norm,
     scale,
     scale_by_adadelta,
     scale_by_adam,
@@ -109,8 +122,10 @@ from ftopt.transforms import (
     scale_by_row_norm,
     scale_by_rprop,
     scale_by_rss,
+    scale_by_schedule,
     scale_by_sign,
     scale_by_simplified_ademamix,
+    scale_by_stddev,
     scale_by_trust_ratio,
     scale_by_yogi,
     trace,
@@ -120,6 +135,7 @@ from ftopt.transforms.factored import (
     FactoredState,
     clip_by_block_rms,
     scale_by_factored_rms,
+    scale_by_param_block_norm,
     scale_by_param_block_rms,
 )
 from ftopt.transforms.muon import (
@@ -187,6 +203,12 @@ __all__ = [
     "adopt",
     "amsgrad",
     "apply_if_finite",
+    "conditionally_transform",
+    "conditionally_mask",
+    "ConditionallyTransformState",
+    "ConditionallyMaskState",
+    "apply_every",
+    "ApplyEveryState",
     "apply_updates",
     "chain",
     "clip_by_global_norm",
@@ -210,6 +232,9 @@ __all__ = [
     "lion",
     "madgrad",
     "masked",
+    "multi_transform",
+    "freeze",
+    "selective_transform",
     "nadam",
     "nadamw",
     "named_chain",
@@ -236,6 +261,8 @@ __all__ = [
     "scale_by_amsgrad",
     "scale_by_belief",
     "scale_by_learning_rate",
+    "scale_by_schedule",
+    "normalize_by_update_norm",
     "scale_by_lion",
     "scale_by_madgrad",
     "scale_by_optimistic_gradient",
@@ -244,6 +271,9 @@ __all__ = [
     "scale_by_row_norm",
     "scale_by_rprop",
     "scale_by_rss",
+    "scale_by_stddev",
+    "ScaleByRStdDevState",
+    "ScaleByRStdDevWithCountState",
     "scale_by_sign",
     "scale_by_simplified_ademamix",
     "scale_by_trust_ratio",
@@ -256,6 +286,8 @@ __all__ = [
     "signum",
     "simplified_ademamix",
     "skip_zeros",
+    "skip_not_finite",
+    "skip_large_updates",
     "stateless",
     "step",
     "to_bnb_state_dict",
@@ -276,6 +308,7 @@ __all__ = [
     "scale_by_factored_rms",
     "scale_by_muon",
     "scale_by_param_block_rms",
+    "scale_by_param_block_norm",
     "scale_by_shape",
 ]
 

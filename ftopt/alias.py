@@ -36,6 +36,7 @@ from ftopt.transforms import (
     scale_by_lion,
     scale_by_rms,
     scale_by_rss,
+    scale_by_stddev,
     scale_by_trust_ratio,
     trace,
 )
@@ -195,12 +196,16 @@ def rmsprop(
     eps: Float = 1e-8,
     initial_scale: float = 0.0,
     eps_in_sqrt: bool = True,
+    centered: bool = False,
     momentum: Float | None = None,
     nesterov: bool = False,
 ) -> list[GradientTransformation]:
-    """RMSprop: ``chain(scale_by_rms(...), lr, trace(momentum))`` (optax's order)."""
+    """RMSprop: ``chain(scale_by_rms(...), lr, trace(momentum))`` (optax's order);
+    ``centered``: :func:`scale_by_stddev` in place of ``scale_by_rms`` (torch.optim's
+    ``centered=True`` with ``eps_in_sqrt=False``)."""
     _check_momentum("rmsprop", momentum)
-    parts = [scale_by_rms(decay, eps, initial_scale, eps_in_sqrt=eps_in_sqrt),
+    scale = scale_by_stddev if centered else scale_by_rms
+    parts = [scale(decay, eps, initial_scale, eps_in_sqrt=eps_in_sqrt),
              scale_by_learning_rate(learning_rate)]
     if momentum is not None:
         parts.append(trace(momentum, nesterov))

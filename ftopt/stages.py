@@ -11,6 +11,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import optree
+
 from ftopt import tree as tree_lib
 from ftopt.combine import Chain, Masked, Partition, SkipZeros, owner
 from ftopt.rule_transform import RuleTransform
@@ -320,7 +322,14 @@ def _pieces(items: list) -> tuple[list, list]:
 def leaf_selection(selects: tuple, params: Any, n: int) -> list[bool]:
     """Whether a stage with these conditions applies to each of the ``n`` leaves of
     ``params`` (each condition judged on the tree its transform's eager ``update`` sees:
-    the params, less the leaves the conditions before it left out)."""
+    the params, less the leaves the conditions before it left out). Where ``params`` is
+    an update's tree with ``None`` leaves counted in ``n`` (an update without params: the
+    conditions see the updates, as eager's do), those leaves are not selected."""
+    every = optree.tree_leaves(params, none_is_leaf=True, namespace="ftopt")
+    missing = sum(x is None for x in every)
+    if missing and len(every) == n:
+        held = iter(leaf_selection(selects, params, n - missing))
+        return [x is not None and next(held) for x in every]
     keep = [True] * n
     for cond in selects:
         spec = tree_lib.structure(params)

@@ -11,6 +11,7 @@ ftopt stage (state)             torch state of each param
 ``scale_by_adam`` (mu, nu)      ``exp_avg``, ``exp_avg_sq``; ``count`` = ``step``
 ``trace`` (trace)               ``momentum_buffer`` (SGD; RMSprop: see below)
 ``scale_by_rms`` (nu)           ``square_avg``
+``scale_by_stddev`` (mu, nu)    ``grad_avg``, ``square_avg`` (centered RMSprop)
 ``scale_by_rss`` (sum)          ``sum``
 scheduled learning rate         its ``count`` = ``step``
 ==============================  ===================================================
@@ -25,13 +26,14 @@ The math matches torch where the transform is the one torch runs:
 * ``RMSprop(lr, alpha, eps)``: ``ftopt.rmsprop(lr, decay=alpha, eps=eps,
   eps_in_sqrt=False)``; with ``momentum``, ftopt's trace follows the learning rate
   (optax's order), so it holds −lr·torch's buffer: exact while the learning rate stays
-  what the torch group says.
+  what the torch group says. ``RMSprop(..., centered=True)``: ``ftopt.rmsprop(...,
+  eps_in_sqrt=False, centered=True)``.
 * ``Adagrad(lr, eps, initial_accumulator_value=v)``: ``chain(scale_by_rss(v, eps,
   eps_in_sqrt=False), scale_by_learning_rate(lr))`` (``ftopt.adagrad`` puts eps inside
   the square root, as optax).
 
 What cannot be ported raises a ``ValueError`` naming the param index and the reason:
-``amsgrad``, ``maximize``, ``centered`` RMSprop, SGD ``dampening``, Adagrad
+``amsgrad``, ``maximize``, SGD ``dampening``, Adagrad
 ``lr_decay``, torch state keys the transform has no place for (NAdam's ``mu_product``,
 ...), and step counts that differ between the params of a transform (ftopt keeps one
 per transform: a param torch never stepped has no state, which is ported as the
@@ -66,12 +68,12 @@ _SLOTS = {
     "scale_by_adam": {"mu": "exp_avg", "nu": "exp_avg_sq"},
     "trace": {"trace": "momentum_buffer"},
     "scale_by_rms": {"nu": "square_avg"},
+    "scale_by_stddev": {"mu": "grad_avg", "nu": "square_avg"},
     "scale_by_rss": {"sum_of_squares": "sum"},
 }
 # torch state keys without an ftopt place, and why.
 _UNPORTABLE_KEYS = {
     "max_exp_avg_sq": "amsgrad has no ftopt counterpart",
-    "grad_avg": "centered RMSprop has no ftopt counterpart",
     "mu_product": "NAdam's state has no ftopt counterpart",
     "eta": "ASGD's state has no ftopt counterpart",
     "acc_delta": "Adadelta's state has no ftopt counterpart",
@@ -148,8 +150,10 @@ def groups_by_index(groups: list, n: int, where: str) -> dict[int, dict]:
     return by_index
 
 
-def check_group(group: dict, index: int, where: str) -> None:
-    for option, plain in _GROUP_OPTIONS.items():
+def check_group(group: dict, index: int, where: str, centered: bool = False) -> None:
+    """Raises where a torch group option changes the math from ftopt's (``centered``:
+    the transform is centered RMSprop, ``scale_by_stddev``)."""
+    for option, plain in {**_GROUP_OPTIONS, "centered": centered}.items():
         if option in group and group[option] != plain:
             raise ValueError(f"{where}: param {index}: {option}={group[option]!r} cannot "
                              f"be ported (ftopt's math is {option}={plain!r})")
@@ -190,7 +194,8 @@ def from_torch_state_dict(torch_sd: dict, tx: GradientTransformation, params: An
     groups = groups_by_index(torch_sd["param_groups"], n, where)
     entries = {}
     for index in range(n):
-        check_group(groups[index], index, where)
+        check_group(groups[index], index, where,
+                    centered="scale_by_stddev" in {s.rule.name for s in layout.stages})
         entry = torch_sd["state"].get(index) or {}
         entry = {k: v for k, v in entry.items() if v is not None}
         used = {"step"} | {key for s in layout.stages
@@ -319,8 +324,8 @@ def to_torch_state_dict(state: Any, tx: GradientTransformation, params: Any, *,
                 if stage.rule.name == "trace" and layout.lr_scaled_trace:
                     value = value / -_torch_lr(by_index[index], index, where)
                 out[index][key] = value
-    if {"scale_by_adam", "scale_by_rms", "scale_by_rss"} & {s.rule.name for s in
-                                                            layout.stages}:
+    if {"scale_by_adam", "scale_by_rms", "scale_by_stddev", "scale_by_rss"} & {
+            s.rule.name for s in layout.stages}:
         for entry in out.values():  # torch's Adam, RMSprop and Adagrad keep a step
             entry["step"] = torch.tensor(float(count))
     return {"state": out, "param_groups": [dict(g) for g in groups]}
@@ -350,11 +355,12 @@ def _torch_group(layout: PortLayout, n: int, where: str) -> dict:
                             read_hparam(layout, "scale_by_adam", "b2", where)),
                      eps=read_hparam(layout, "scale_by_adam", "eps", where),
                      amsgrad=False, maximize=False, decoupled_weight_decay=decoupled)
-    elif "scale_by_rms" in names:
-        group.update(alpha=read_hparam(layout, "scale_by_rms", "decay", where),
-                     eps=read_hparam(layout, "scale_by_rms", "eps", where),
+    elif "scale_by_rms" in names or "scale_by_stddev" in names:
+        rms = "scale_by_rms" if "scale_by_rms" in names else "scale_by_stddev"
+        group.update(alpha=read_hparam(layout, rms, "decay", where),
+                     eps=read_hparam(layout, rms, "eps", where),
                      momentum=read_hparam(layout, "trace", "decay", where) or 0.0,
-                     centered=False)
+                     centered=rms == "scale_by_stddev")
     elif "scale_by_rss" in names:
         group.update(eps=read_hparam(layout, "scale_by_rss", "eps", where), lr_decay=0.0,
                      initial_accumulator_value=read_hparam(layout, "scale_by_rss",

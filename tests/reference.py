@@ -180,23 +180,31 @@ class RefLion(RefOptimizer):
 
 
 class RefRMSprop(RefOptimizer):
+    """optax rmsprop; ``centered``: scale_by_stddev (nu - mu² under the root, the running
+    mean mu of g; torch.optim.RMSprop's centered=True with eps outside)."""
+
     def __init__(self, lr, decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt=True,
-                 momentum=None, nesterov=False):
+                 momentum=None, nesterov=False, centered=False):
         super().__init__()
         self.lr, self.decay, self.eps, self.initial_scale = lr, decay, eps, initial_scale
         self.eps_in_sqrt, self.momentum, self.nesterov = eps_in_sqrt, momentum, nesterov
+        self.centered = centered
 
     def init_leaf(self, p):
-        st = zeros_state(p, "tr")
+        st = zeros_state(p, "tr", *(["mu"] if self.centered else []))
         st["nu"] = torch.full_like(p, self.initial_scale, dtype=F64)
         return st
 
     def leaf_update(self, p, g, st, t):
         st["nu"] = self.decay * st["nu"] + (1 - self.decay) * g * g
+        var = st["nu"]
+        if self.centered:
+            st["mu"] = self.decay * st["mu"] + (1 - self.decay) * g
+            var = st["nu"] - st["mu"] ** 2
         if self.eps_in_sqrt:
-            u = g / torch.sqrt(st["nu"] + self.eps)
+            u = g / torch.sqrt(var + self.eps)
         else:
-            u = g / (torch.sqrt(st["nu"]) + self.eps)
+            u = g / (torch.sqrt(var) + self.eps)
         u = -self.lr * u
         if self.momentum is not None:
             u = trace(st, u, self.momentum, self.nesterov)

@@ -278,6 +278,7 @@ def _odd_mask(params: Any) -> Any:
 
 
 MASKS: dict[str, Callable | None] = {"none": None, "ndim": _ndim_mask, "odd": _odd_mask}
+FREEZE_MASKS: dict[str, Any] = {"nothing": False, "ndim": _ndim_mask, "odd": _odd_mask}
 
 
 def _halve(updates: Any, params: Any) -> Any:
@@ -294,6 +295,16 @@ def _sched_lr(learning_rate: float, schedule: str = "linear",
             "join": lambda: s.join_schedules([s.constant_schedule(lr),
                                               s.linear_schedule(lr, 0.1 * lr, 2)], [1])}
     return ftopt.scale_by_learning_rate(made[schedule](), **kw)
+
+
+def _sched_scale(step_size: float, schedule: str = "linear") -> GradientTransformation:
+    """``scale_by_schedule`` of a schedule starting at ``step_size`` (any sign)."""
+    s, a = ftopt.schedules, step_size
+    made = {"linear": lambda: s.linear_schedule(a, 0.5 * a, 3),
+            "cosine": lambda: s.cosine_decay_schedule(a, 4, 0.1),
+            "join": lambda: s.join_schedules([s.constant_schedule(a),
+                                              s.linear_schedule(a, 0.1 * a, 2)], [1])}
+    return ftopt.scale_by_schedule(made[schedule]())
 
 
 def _ademamix_sched(b1: float, b2: float, b3: float, alpha: float, eps: float,
@@ -416,6 +427,20 @@ TRANSFORMS: list[Entry] = [
           options={"eps_in_sqrt": (True, False)}, states=("nu",), keeps_zero=True,
           eight_bit=True,
           example={"decay": 0.9, "eps": 1e-8, "initial_scale": 0.1}),
+    Entry("scale_by_stddev", ftopt.scale_by_stddev,
+          floats={"decay": DECAY, "eps": EPS, "initial_scale": HP(0.0, 1.0, tensor=False)},
+          options={"eps_in_sqrt": (True, False)}, states=("mu", "nu"), keeps_zero=True,
+          eight_bit=True,
+          example={"decay": 0.9, "eps": 1e-8, "initial_scale": 0.1}),
+    Entry("scale_by_stddev[bias_correction]",
+          lambda **kw: ftopt.scale_by_stddev(**kw, bias_correction=True),
+          export="scale_by_stddev",
+          # (initial_scale > 0: with 0 the first step's centered variance is 0 - g² + g²,
+          # rounding's, as in optax)
+          floats={"decay": BETA, "eps": EPS, "initial_scale": HP(0.05, 1.0, tensor=False)},
+          options={"eps_in_sqrt": (True, False)}, states=("mu", "nu"), counted=True,
+          keeps_zero=True, eight_bit=True,
+          example={"decay": 0.9, "eps": 1e-8, "initial_scale": 0.1}),
     Entry("scale_by_rss", ftopt.scale_by_rss,
           floats={"initial_accumulator_value": HP(0.0, 1.0, tensor=False), "eps": EPS},
           options={"eps_in_sqrt": (True, False)}, states=("sum_of_squares",),
@@ -456,6 +481,31 @@ TRANSFORMS: list[Entry] = [
                   lambda x: "lab_a" if MASKS[labels](x) else "lab_b", p)),
           options={"labels": ("ndim", "odd")}, kind="combinator", fusible=False,
           inner=("scale_by_adam", "trace")),
+    Entry("multi_transform",  # optax's older name of partition
+          lambda inner=(), labels="ndim": ftopt.multi_transform(
+              {"lab_a": inner[0], "lab_b": inner[1]},
+              lambda p: ftopt.tree.map(
+                  lambda x: "lab_a" if MASKS[labels](x) else "lab_b", p)),
+          options={"labels": ("ndim", "odd")}, kind="combinator", fusible=False,
+          inner=("trace", "scale_by_adam")),
+    Entry("selective_transform",
+          lambda inner=(), freeze_mask="nothing": ftopt.selective_transform(
+              inner[0], freeze_mask=FREEZE_MASKS[freeze_mask]),
+          # (the suites' defaults train every leaf: they look for each leaf's state; the
+          # drawn options freeze some, and tests/test_freezing.py checks what they do)
+          options={"freeze_mask": ("nothing", "ndim", "odd")}, kind="combinator",
+          fusible=False,
+          inner=("scale_by_adam",)),
+    Entry("conditionally_transform",
+          lambda inner=(), every=1: ftopt.conditionally_transform(
+              inner[0], lambda step: step % every == 0),
+          options={"every": (1, 2)}, kind="combinator", fusible=False,
+          inner=("scale_by_adam",), bookkeeping=True),
+    Entry("conditionally_mask",
+          lambda inner=(), every=1: ftopt.conditionally_mask(
+              inner[0], lambda step: step % every == 0),
+          options={"every": (1, 2)}, kind="combinator", fusible=False,
+          inner=("scale_by_adam",), bookkeeping=True),
     Entry("apply_if_finite",
           lambda inner=(), max_consecutive_errors=2: ftopt.apply_if_finite(
               inner[0], max_consecutive_errors),
@@ -492,6 +542,13 @@ TRANSFORMS: list[Entry] = [
           floats={"learning_rate": LR, "decay": DECAY, "eps": EPS,
                   "initial_scale": HP(0.0, 1.0, tensor=False)},
           options={"eps_in_sqrt": (True, False)}, kind="alias", states=("nu",),
+          keeps_zero=True, eight_bit=True,
+          example={"learning_rate": 1e-2, "decay": 0.9}),
+    Entry("rmsprop[centered]", lambda **kw: ftopt.rmsprop(**kw, centered=True),
+          export="rmsprop",
+          floats={"learning_rate": LR, "decay": DECAY, "eps": EPS,
+                  "initial_scale": HP(0.0, 1.0, tensor=False)},
+          options={"eps_in_sqrt": (False, True)}, kind="alias", states=("mu", "nu"),
           keeps_zero=True, eight_bit=True,
           example={"learning_rate": 1e-2, "decay": 0.9}),
     Entry("rmsprop[momentum]", ftopt.rmsprop, export="rmsprop",
@@ -597,6 +654,17 @@ TRANSFORMS += [
 
 # ---- optax's everyday utilities (ftopt.transforms.utility)
 TRANSFORMS += [
+    Entry("scale_by_schedule", _sched_scale,
+          floats={"step_size": HP(-2.0, 2.0, tensor=False)},
+          options={"schedule": ("linear", "cosine", "join")}, counted=True, keeps_zero=True,
+          example={"step_size": 0.5}),
+    Entry("normalize_by_update_norm", ftopt.normalize_by_update_norm,
+          floats={"scale_factor": HP(0.1, 2.0), "eps": EPS}, norms="global", keeps_zero=True,
+          example={"scale_factor": 1.0}),
+    Entry("apply_every", ftopt.apply_every, options={"k": (2, 1, 3)}, states=("grad_acc",),
+          counted=True, eight_bit=True),
+    Entry("freeze", _mask_kw(ftopt.freeze), options={"mask": ("ndim", "odd")},
+          keeps_zero=True),
     Entry("zero_nans", ftopt.zero_nans, keeps_zero=True),
     Entry("clip", ftopt.clip, floats={"max_delta": HP(1e-3, 10.0, log=True)}, keeps_zero=True,
           example={"max_delta": 0.5}),
@@ -734,6 +802,9 @@ TRANSFORMS += [
     Entry("scale_by_param_block_rms", ftopt.scale_by_param_block_rms,
           floats={"min_scale": HP(0.0, 0.1)}, norms="leaf", uses_params=True,
           keeps_zero=True, example={"min_scale": 1e-3}),
+    Entry("scale_by_param_block_norm", ftopt.scale_by_param_block_norm,
+          floats={"min_scale": HP(0.0, 0.1)}, norms="leaf", uses_params=True,
+          keeps_zero=True, example={"min_scale": 1e-3}),
     Entry("scale_by_shape", ftopt.scale_by_shape, options={"consistent_rms": (None, 0.2)},
           keeps_zero=True),
     # Newton-Schulz in fp32 here, so that fused and eager agree to fp32 rounding on a GPU
@@ -780,7 +851,7 @@ TRANSFORMS += [
 # bits is in one of the two.
 SIGNED_STATES: frozenset[str] = frozenset({
     "mu", "trace", "m1", "m2", "m", "ema", "previous_gradient", "v", "g", "s", "x0",
-    "prev_updates", "z", "exp_avg", "grad_sum", "params0"})
+    "prev_updates", "z", "exp_avg", "grad_sum", "params0", "grad_acc"})
 UNSIGNED_STATES: frozenset[str] = frozenset({
     "nu", "sum_of_squares", "nu_max", "n", "e_g", "e_x", "grad_sum_sq", "step_sizes",
     "exp_avg_sq"})
@@ -816,6 +887,9 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "warmup_cosine_decay_schedule", "warmup_exponential_decay_schedule",
     "piecewise_interpolate_schedule", "linear_onecycle_schedule", "cosine_onecycle_schedule",
     "sgdr_schedule",
+    "ApplyEveryState", "ScaleByRStdDevState", "ScaleByRStdDevWithCountState",
+    "ConditionallyTransformState", "ConditionallyMaskState",
+    "skip_not_finite", "skip_large_updates",
     "FactoredState", "MuonMomentumState",
     "AddNoiseState",
 })

@@ -83,6 +83,16 @@ CASES = {
         lambda: ftopt.rmsprop(0.01, decay=0.95, eps=1e-3, eps_in_sqrt=False),
         lambda: R.RefRMSprop(0.01, decay=0.95, eps=1e-3, eps_in_sqrt=False),
     ),
+    "rmsprop_centered": (
+        lambda: ftopt.rmsprop(0.01, decay=0.8, eps=1e-3, initial_scale=0.5, centered=True),
+        lambda: R.RefRMSprop(0.01, decay=0.8, eps=1e-3, initial_scale=0.5, centered=True),
+    ),
+    "rmsprop_centered_eps_outside": (
+        lambda: ftopt.rmsprop(0.01, decay=0.95, eps=1e-3, eps_in_sqrt=False, centered=True,
+                              momentum=0.5),
+        lambda: R.RefRMSprop(0.01, decay=0.95, eps=1e-3, eps_in_sqrt=False, centered=True,
+                             momentum=0.5),
+    ),
     "rmsprop_momentum": (
         lambda: ftopt.rmsprop(0.01, decay=0.9, eps=1e-2, initial_scale=0.1, momentum=0.7),
         lambda: R.RefRMSprop(0.01, decay=0.9, eps=1e-2, initial_scale=0.1, momentum=0.7),
@@ -303,6 +313,7 @@ FIRST_STEP_MOVES_NOTHING = {"adopt", "adopt_nesterov_unclipped", "rprop", "sched
 REGISTRY_CASES = {
     "sgd": "sgd", "sgd[momentum]": "sgd_momentum", "adam": "adam", "adamw": "adamw",
     "lion": "lion", "rmsprop": "rmsprop", "rmsprop[momentum]": "rmsprop_momentum",
+    "rmsprop[centered]": "rmsprop_centered",
     "adagrad": "adagrad", "lamb": "lamb", "lars": "lars", "lars[masked]": "lars_masked",
     "ademamix": "ademamix",
     "adamax": "adamax", "adamaxw": "adamaxw", "amsgrad": "amsgrad", "nadam": "nadam",
@@ -579,6 +590,12 @@ TORCH_CASES = {
     "rmsprop_momentum": (
         lambda: ftopt.rmsprop(0.01, decay=0.95, eps=1e-3, eps_in_sqrt=False, momentum=0.6),
         lambda ps: torch.optim.RMSprop(ps, lr=0.01, alpha=0.95, eps=1e-3, momentum=0.6),
+    ),
+    "rmsprop_centered": (
+        lambda: ftopt.rmsprop(0.01, decay=0.95, eps=1e-3, eps_in_sqrt=False, centered=True,
+                              momentum=0.6),
+        lambda ps: torch.optim.RMSprop(ps, lr=0.01, alpha=0.95, eps=1e-3, momentum=0.6,
+                                       centered=True),
     ),
     "adagrad_eps0": (  # eps = 0: optax's "inside the sqrt" equals torch's "outside"
         lambda: ftopt.adagrad(0.1, initial_accumulator_value=0.2, eps=0.0),

@@ -23,7 +23,7 @@ import fuzz_checks as checks
 import optree
 import pytest
 import torch
-from fuzz_cases import DTYPES, HypothesisSource, draw_case, draw_structure
+from fuzz_cases import DTYPES, HypothesisSource, Part, Structure, draw_case, draw_structure
 from hypothesis import HealthCheck, Phase, given, note, seed, settings
 from hypothesis import strategies as st
 
@@ -191,7 +191,7 @@ def test_fp32_spread_sees_roundings_inside_a_chain():
     import ftopt
 
     runner = _runner()
-    case = runner.example(17, 8920, runner.structure_pool(17, 30, 2), "cpu")
+    case = _pinned(runner, 17, 8920, "cpu")
     ill = case.tx()
     p1, s1 = ftopt.step(ill, case.params, case.grads[0], ill.init(case.params),
                         backend="eager")
@@ -285,6 +285,39 @@ def _runner():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# Cases the fuzz found, pinned by their structures: a seed's pool is drawn from the
+# registry, which grows, so SEED:INDEX names another case once entries are added; the
+# case's own draws (hyperparameters, params, gradients) come from its key and are the same
+# given its structure. Written from the pools of 2026-12-03 (before scale_by_schedule).
+PINNED = {
+    (17, 8920): (Structure(parts=(
+        Part("scale_by_yogi", ()), Part("scale_by_adan", ()),
+        Part("scale_by_rms", (("eps_in_sqrt", True),)), Part("scale_by_adan", ()),
+        Part("identity", ())), skip="off", skip_at=0, bits=8, quant="wrapper", min_size=200,
+        state_dtype="", tensors=False, schedules=False, named=False), ("fp16", "bf16")),
+    (22, 644): (Structure(parts=(
+        Part("scale_by_adam", (("nesterov", False),)), Part("scale_by_trust_ratio", ()),
+        Part("scale_by_muon", (("adaptive", False), ("nesterov", True),
+                               ("ns_dtype", torch.float32), ("ns_steps", 2))),
+        Part("scale_by_optimistic_gradient", ()), Part("scale_by_ademamix", ())),
+        skip="off", skip_at=4, bits=8, quant="wrapper", min_size=0, state_dtype="",
+        tensors=False, schedules=False, named=True), ("bf16", "fp32")),
+    (22, 2453): (Structure(parts=(
+        Part("scale_by_yogi", ()), Part("scale_by_optimistic_gradient", ()),
+        Part("trace", (("nesterov", True),)), Part("keep_params_nonnegative", ()),
+        Part("scale_by_amsgrad", (("bias_correction_mu", True),
+                                  ("bias_correction_nu", False)))),
+        skip="marker", skip_at=4, bits=32, quant="wrapper", min_size=0, state_dtype="",
+        tensors=False, schedules=False, named=True), ("bf16", "fp16")),
+}
+
+
+def _pinned(runner, seed: int, index: int, device: str):
+    """The fuzz's case ``seed:index`` of :data:`PINNED`: a pool of its structure only, so
+    that the example's pick lands on it."""
+    return runner.example(seed, index, [PINNED[seed, index]] * 30, device)
 
 
 def test_runner_shards_are_disjoint_and_draw_the_same_cases():
@@ -381,7 +414,7 @@ def test_host_eager_runs_the_same_step_on_the_cpu():
     import ftopt
 
     runner = _runner()
-    case = runner.example(22, 644, runner.structure_pool(22, 30, 2), "cpu")
+    case = _pinned(runner, 22, 644, "cpu")
     assert case.structure.bits == 8 and not case.structure.tensors
     tx = case.tx()
     p, g = case.params, case.grads[0]
@@ -458,7 +491,7 @@ def test_stage_replay_names_every_prefix_of_the_chain():
     stages = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stages)
     runner = _runner()
-    case = runner.example(22, 2453, runner.structure_pool(22, 30, 2), DEVICE)
+    case = _pinned(runner, 22, 2453, DEVICE)
     lines = stages.prefixes(case, 0)
     names = [part.entry.name for part in case.structure.parts]
     assert [line.split(" ")[1] for line in lines[::3]] == names

@@ -56,7 +56,7 @@ def test_non_transforms_build_no_transform(name):
 def _inner_for(e) -> dict:
     if e.kind != "combinator":
         return {}
-    n = 2 if e.name == "partition" else 1
+    n = len(e.inner) or 1  # (partition and multi_transform take two)
     return {"inner": [ftopt.scale_by_adam() if i == 0 else ftopt.trace(0.5) for i in range(n)]}
 
 

@@ -177,6 +177,11 @@ CASES = {
         lambda: [T.scale_by_rms(0.8, 1e-3), T.scale_by_learning_rate(1e-2)],
         changes={"nu"},
     ),
+    "rmsprop[centered]": _alias(  # u = 0: only the running means move
+        lambda **kw: T.rmsprop(1e-2, decay=0.8, eps=1e-3, centered=True, **kw),
+        lambda: [T.scale_by_stddev(0.8, 1e-3), T.scale_by_learning_rate(1e-2)],
+        changes={"mu", "nu"},
+    ),
     "rmsprop[momentum]": _alias(
         lambda **kw: T.rmsprop(1e-2, decay=0.8, eps=1e-3, momentum=0.7, nesterov=True, **kw),
         lambda: [T.scale_by_rms(0.8, 1e-3), T.scale_by_learning_rate(1e-2),

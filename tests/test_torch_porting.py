@@ -31,6 +31,11 @@ PAIRS = {
     "rmsprop_momentum": (
         lambda p: torch.optim.RMSprop(p, lr=LR, alpha=0.9, eps=1e-6, momentum=0.7),
         lambda: ftopt.rmsprop(LR, decay=0.9, eps=1e-6, eps_in_sqrt=False, momentum=0.7)),
+    "rmsprop_centered": (
+        lambda p: torch.optim.RMSprop(p, lr=LR, alpha=0.9, eps=1e-6, momentum=0.5,
+                                      centered=True),
+        lambda: ftopt.rmsprop(LR, decay=0.9, eps=1e-6, eps_in_sqrt=False, centered=True,
+                              momentum=0.5)),
     "adagrad": (lambda p: torch.optim.Adagrad(p, lr=LR, eps=1e-8,
                                               initial_accumulator_value=0.1),
                 lambda: ftopt.chain(ftopt.scale_by_rss(0.1, 1e-8, eps_in_sqrt=False),
@@ -157,6 +162,14 @@ def test_what_cannot_be_ported_names_the_param_and_the_reason():
         ftopt.from_torch_state_dict(nadam.state_dict(), ftopt.adam(LR), params)
     with pytest.raises(ValueError, match="hold 3 params, params holds 1 tensors"):
         ftopt.from_torch_state_dict(adam.state_dict(), ftopt.adam(LR), {"w": params["a.bias"]})
+    centered = torch.optim.RMSprop(tensors, lr=LR, centered=True)
+    _torch_steps(centered, tensors, grads[:1])
+    with pytest.raises(ValueError, match="param 0: centered=True cannot be ported"):
+        ftopt.from_torch_state_dict(centered.state_dict(), ftopt.rmsprop(LR), params)
+    plain = torch.optim.RMSprop(tensors, lr=LR)
+    with pytest.raises(ValueError, match="param 0: centered=False cannot be ported"):
+        ftopt.from_torch_state_dict(plain.state_dict(), ftopt.rmsprop(LR, centered=True),
+                                    params)
     dampened = torch.optim.SGD(tensors, lr=LR, momentum=0.9, dampening=0.1)
     with pytest.raises(ValueError, match="param 0: dampening=0.1"):
         ftopt.from_torch_state_dict(dampened.state_dict(), ftopt.sgd(LR, 0.9), params)

@@ -16,6 +16,8 @@ from ftopt.transforms.adaptive import (
     ScaleByAdemamixState,
     ScaleByRmsState,
     ScaleByRssState,
+    ScaleByRStdDevState,
+    ScaleByRStdDevWithCountState,
     ScaleBySimplifiedAdEMAMixState,
     scale_by_adadelta,
     scale_by_adam,
@@ -23,18 +25,22 @@ from ftopt.transforms.adaptive import (
     scale_by_rms,
     scale_by_rss,
     scale_by_simplified_ademamix,
+    scale_by_stddev,
 )
 from ftopt.transforms.clipping import (
     clip_by_global_norm,
     clip_by_param_norm_ratio,
+    normalize_by_update_norm,
     scale_by_trust_ratio,
 )
 from ftopt.transforms.madgrad import MadgradState, scale_by_madgrad
 from ftopt.transforms.matrix_stages import scale_by_row_norm
 from ftopt.transforms.momentum import (
+    ApplyEveryState,
     EmaState,
     ScaleByOptimisticGradientState,
     TraceState,
+    apply_every,
     ema,
     scale_by_optimistic_gradient,
     trace,
@@ -52,6 +58,7 @@ from ftopt.transforms.scaling import (
     identity,
     scale,
     scale_by_learning_rate,
+    scale_by_schedule,
     weight_decay,
 )
 from ftopt.transforms.sign import ScaleByLionState, scale_by_lion, scale_by_sign
@@ -77,11 +84,14 @@ __all__ = [
     "ScaleByLionState",
     "ScaleByOptimisticGradientState",
     "ScaleByRmsState",
+    "ScaleByRStdDevState",
+    "ScaleByRStdDevWithCountState",
     "ScaleByRpropState",
     "ScaleByRssState",
     "ScaleByScheduleState",
     "ScaleBySimplifiedAdEMAMixState",
     "TraceState",
+    "ApplyEveryState",
     "add_decayed_weights",
     "clip_by_global_norm",
     "clip_by_param_norm_ratio",
@@ -98,6 +108,7 @@ __all__ = [
     "scale_by_amsgrad",
     "scale_by_belief",
     "scale_by_learning_rate",
+    "scale_by_schedule",
     "scale_by_lion",
     "scale_by_madgrad",
     "scale_by_optimistic_gradient",
@@ -106,11 +117,14 @@ __all__ = [
     "scale_by_row_norm",
     "scale_by_rprop",
     "scale_by_rss",
+    "scale_by_stddev",
     "scale_by_sign",
     "scale_by_simplified_ademamix",
     "scale_by_trust_ratio",
+    "normalize_by_update_norm",
     "scale_by_yogi",
     "trace",
+    "apply_every",
     "weight_decay",
 ]
 

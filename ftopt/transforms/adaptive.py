@@ -212,6 +212,74 @@ def scale_by_rms(
     return rule_transform(rule)
 
 
+@register_state
+class ScaleByRStdDevState(NamedTuple):
+    """The running means of the updates and of their squares (optax's layout)."""
+
+    mu: Any
+    nu: Any
+
+
+@register_state
+class ScaleByRStdDevWithCountState(NamedTuple):
+    """:class:`ScaleByRStdDevState` with the step count of its bias correction."""
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+def scale_by_stddev(
+    decay: float | torch.Tensor = 0.9,
+    eps: float | torch.Tensor = 1e-8,
+    initial_scale: float = 0.0,
+    *,
+    eps_in_sqrt: bool = True,
+    bias_correction: bool = False,
+) -> GradientTransformation:
+    """Scales by the running standard deviation of past updates (centered RMSprop, as
+    optax): mu ← decay·mu + (1−decay)·u; nu ← decay·nu + (1−decay)·u²;
+    u ← u/√(n̂ − m̂² + eps), or u/(√(n̂ − m̂²) + eps) with ``eps_in_sqrt=False``
+    (torch.optim.RMSprop's ``centered=True``), where m̂, n̂ are mu, nu, or with
+    ``bias_correction`` mu/(1−decayᵗ), nu/(1−decayᵗ).
+
+    Args:
+        decay: decay of the running means, in [0, 1] ([0, 1) with ``bias_correction``).
+        eps: stabiliser, >= 0 (default: 1e-8).
+        initial_scale: initial value of nu, >= 0 (default: 0.0).
+        eps_in_sqrt: where eps goes (default: True).
+        bias_correction: divide the means by 1 − decayᵗ (default: False).
+    """
+
+    def body(o, x):
+        mu = o.lerp(x.mu, x.u, x.one_minus_decay)
+        nu = o.lerp(x.nu, x.u * x.u, x.one_minus_decay)
+        m_hat, n_hat = (mu / x.bc, nu / x.bc) if bias_correction else (mu, nu)
+        var = n_hat - m_hat * m_hat
+        if eps_in_sqrt:
+            return x.u / o.sqrt(var + x.eps), {"mu": mu, "nu": nu}
+        return x.u / (o.sqrt(var) + x.eps), {"mu": mu, "nu": nu}
+
+    def scalars(t, h):
+        out = {"one_minus_decay": 1 - h["decay"]}
+        if bias_correction:
+            out["bc"] = 1 - h["decay"] ** t
+        return out
+
+    rule = Rule(
+        "scale_by_stddev",
+        body,
+        state_class=ScaleByRStdDevWithCountState if bias_correction else ScaleByRStdDevState,
+        slots=(Slot("mu"), Slot("nu", signed=False, init="initial_scale")),
+        hparams={"decay": decay, "eps": eps, "initial_scale": _host_float(initial_scale)},
+        domains={"decay": UNIT_OPEN if bias_correction else UNIT, "eps": NONNEG,
+                 "initial_scale": NONNEG},
+        scalars=scalars,
+        counted=bias_correction,
+    )
+    return rule_transform(rule)
+
+
 def scale_by_rss(
     initial_accumulator_value: float = 0.1,
     eps: float | torch.Tensor = 1e-7,

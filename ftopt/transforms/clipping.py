@@ -1,5 +1,5 @@
-"""Norm-based transforms: ``clip_by_global_norm``, ``clip_by_param_norm_ratio``,
-``scale_by_trust_ratio``.
+"""Norm-based transforms: ``clip_by_global_norm``, ``normalize_by_update_norm``,
+``clip_by_param_norm_ratio``, ``scale_by_trust_ratio``.
 
 Their bodies read norms through ``o.leaf_norm`` / ``o.global_norm``: the eager backend
 computes them with torch, the fused backend in a reduction pass before the main kernel.
@@ -29,6 +29,23 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
     return rule_transform(
         Rule("clip_by_global_norm", _global_clip_body, hparams={"max_norm": max_norm},
              domains={"max_norm": POSITIVE})
+    )
+
+
+def _normalize_body(o, x):
+    return x.u / ((o.global_norm(x.u) + x.eps) / x.scale_factor), {}
+
+
+def normalize_by_update_norm(scale_factor: float | torch.Tensor = 1.0,
+                             eps: float | torch.Tensor = 1e-6) -> GradientTransformation:
+    """Scales the whole tree to a global norm, as optax: u ← u / ((‖u‖ + eps)/scale_factor).
+
+    ‖u‖ is over all leaves of the tree. Args: scale_factor: the norm of the result (any
+    sign: ``-1.0`` descends with ``apply_updates``), finite; eps: >= 0, added to the norm.
+    """
+    return rule_transform(
+        Rule("normalize_by_update_norm", _normalize_body,
+             hparams={"scale_factor": scale_factor, "eps": eps}, domains={"eps": NONNEG})
     )
 
 

@@ -352,3 +352,21 @@ def scale_by_param_block_rms(min_scale: float | torch.Tensor = 1e-3) -> Gradient
         Rule("scale_by_param_block_rms", _param_block_rms_body,
              hparams={"min_scale": min_scale}, domains={"min_scale": NONNEG},
              uses_params=True))
+
+
+def _param_block_norm_body(o, x):
+    norm = o.leaf_norm(x.p)
+    return x.u * o.where(norm <= x.min_scale, x.min_scale, norm), {}
+
+
+def scale_by_param_block_norm(min_scale: float | torch.Tensor = 1e-3) -> GradientTransformation:
+    """Per leaf, as optax: u ← u · max(‖p‖, min_scale), ‖p‖ the leaf's L2 norm.
+
+    Elementwise with a per-leaf norm of the params, so it fuses. ``min_scale`` >= 0
+    (default: 1e-3).
+    """
+    return rule_transform(
+        Rule("scale_by_param_block_norm", _param_block_norm_body,
+             hparams={"min_scale": min_scale}, domains={"min_scale": NONNEG},
+             uses_params=True))
+

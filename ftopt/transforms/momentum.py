@@ -1,4 +1,5 @@
-"""Momentum and averages: ``trace``, ``ema``, ``scale_by_optimistic_gradient``."""
+"""Momentum, averages and accumulation: ``trace``, ``ema``, ``scale_by_optimistic_gradient``,
+``apply_every``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ftopt.base import GradientTransformation, register_state
-from ftopt.domains import NONNEG, UNIT, UNIT_OPEN
+from ftopt.domains import NONNEG, UNIT, UNIT_OPEN, check_int
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule, Slot
 
@@ -129,4 +130,44 @@ def scale_by_optimistic_gradient(
         scalars=_optimistic_scalars,
         counted=True,
     )
+    return rule_transform(rule)
+
+
+@register_state
+class ApplyEveryState(NamedTuple):
+    """The step count and the updates accumulated since the last emitted step."""
+
+    count: torch.Tensor
+    grad_acc: Any
+
+
+def _every_body(o, x):
+    acc = x.keep * x.grad_acc + x.u
+    return x.emit * acc, {"grad_acc": acc}
+
+
+def _every_scalars(k: int):
+    def scalars(t, h):  # t = count + 1; c = count mod k: keep the sum unless c = 0, emit at k - 1
+        c = (t - 1) % k
+        if isinstance(c, torch.Tensor):
+            return {"keep": c.clamp(max=1.0), "emit": (c - (k - 2)).clamp(0.0, 1.0)}
+        return {"keep": float(min(c, 1)), "emit": float(min(max(c - (k - 2), 0), 1))}
+
+    return scalars
+
+
+def apply_every(k: int = 1) -> GradientTransformation:
+    """Accumulates updates and emits their sum every ``k`` steps, as optax: with
+    ``c = count mod k``, acc ← u + (c ≠ 0)·acc; u ← (c = k − 1)·acc (zero on the others).
+
+    The other transforms of a chain still step on every call (``MultiSteps`` steps them
+    once per ``k`` calls instead). ``ApplyEveryState.count`` counts every call (optax
+    keeps it modulo ``k``).
+
+    Args:
+        k: an int >= 1.
+    """
+    k = check_int("apply_every", "k", k, minimum=1)
+    rule = Rule("apply_every", _every_body, state_class=ApplyEveryState,
+                slots=(Slot("grad_acc"),), scalars=_every_scalars(k), counted=True)
     return rule_transform(rule)

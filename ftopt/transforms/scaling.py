@@ -1,4 +1,5 @@
-"""Scaling transforms: ``scale``, ``scale_by_learning_rate``, ``add_decayed_weights``."""
+"""Scaling transforms: ``scale``, ``scale_by_schedule``, ``scale_by_learning_rate``,
+``add_decayed_weights``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from ftopt.base import EmptyState, GradientTransformation, register_state
 from ftopt.domains import NONNEG
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule
-from ftopt.schedules import ScalarOrSchedule
+from ftopt.schedules import ScalarOrSchedule, Schedule
 
 
 @register_state
@@ -36,6 +37,26 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
 def identity() -> GradientTransformation:
     """Leaves updates unchanged: u ← u (a scale by 1, so a chain holding it still fuses)."""
     return scale(1.0)
+
+
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+    """Scales updates by a schedule of the step count, as optax: u ← s(count)·u.
+
+    The count is 0 on the first step and kept in ``ScaleByScheduleState.count``; the
+    value is used as it is, any sign (:func:`scale_by_learning_rate` negates a learning
+    rate instead).
+
+    Args:
+        step_size_fn: a schedule (any callable of the count: :mod:`ftopt.schedules`).
+    """
+    if not callable(step_size_fn):
+        raise TypeError(f"scale_by_schedule: step_size_fn must be a schedule (a callable of "
+                        f"the step count), got {type(step_size_fn).__name__}; use scale() "
+                        f"for a constant")
+    rule = Rule("scale_by_schedule", _scale_body, state_class=ScaleByScheduleState,
+                hparams={"step_size_fn": step_size_fn},
+                scalars=lambda t, h: {"step_size": h["step_size_fn"]}, counted=True)
+    return rule_transform(rule)
 
 
 def scale_by_learning_rate(
