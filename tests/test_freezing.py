@@ -133,8 +133,13 @@ def test_scale_by_schedule_counts_from_zero():
 
 
 def _params(gen):
-    return {"layer": {"w": torch.randn(4, 5, generator=gen), "b": torch.randn(5, generator=gen)},
-            "head": torch.randn(3, 4, generator=gen)}
+    out = {"layer": {"w": torch.randn(4, 5, generator=gen), "b": torch.randn(5, generator=gen)},
+           "head": torch.randn(3, 4, generator=gen)}
+    return ftopt.tree.map(lambda x: x.to(DEVICE), out)
+
+
+def _like(params, gen):
+    return ftopt.tree.map(lambda x: torch.randn(x.shape, generator=gen).to(DEVICE), params)
 
 
 FROZEN = {"layer": {"w": False, "b": True}, "head": True}
@@ -154,7 +159,7 @@ def test_selective_transform_trains_the_rest_and_keeps_frozen_leaves(backend, ho
     sub_state = alone.init(sub)
     p, s = params, state
     for _ in range(5):
-        grads = ftopt.tree.map(lambda x: torch.randn(x.shape, generator=gen), params)
+        grads = _like(params, gen)
         p, s = ftopt.step(tx, p, grads, s, backend=backend)
         sub, sub_state = ftopt.step(alone, sub, {"w": grads["layer"]["w"]}, sub_state,
                                     backend=backend)
@@ -170,19 +175,19 @@ def test_selective_transform_trains_the_rest_and_keeps_frozen_leaves(backend, ho
 def test_freeze_zeros_masked_updates_and_passes_the_rest():
     gen = torch.Generator().manual_seed(4)
     params = _params(gen)
-    grads = ftopt.tree.map(lambda x: torch.randn(x.shape, generator=gen), params)
+    grads = _like(params, gen)
     tx = ftopt.freeze(FROZEN)
     out, _ = tx.update(grads, tx.init(params), params)
     assert torch.equal(out["layer"]["w"], grads["layer"]["w"])
-    assert torch.equal(out["layer"]["b"], torch.zeros(5))
-    assert torch.equal(out["head"], torch.zeros(3, 4))
+    assert torch.equal(out["layer"]["b"], torch.zeros(5, device=DEVICE))
+    assert torch.equal(out["head"], torch.zeros(3, 4, device=DEVICE))
     everything = ftopt.chain(ftopt.freeze(True), ftopt.sgd(0.1))
     p, _ = ftopt.step(everything, params, grads, everything.init(params))
     assert all(torch.equal(a, b) for a, b in zip(ftopt.tree.leaves(p), ftopt.tree.leaves(params)))
-    odd = {"w": torch.tensor([math.nan, -0.0, -math.inf, 2.0])}  # +0.0, every one
+    odd = {"w": torch.tensor([math.nan, -0.0, -math.inf, 2.0], device=DEVICE)}  # +0.0 bits
     out, _ = ftopt.freeze(True).update(odd, ftopt.freeze(True).init(odd), odd)
-    assert torch.equal(out["w"].view(torch.int32), torch.zeros(4, dtype=torch.int32))
-    p0 = {"w": torch.tensor([1.5, -2.0, 3.0, 0.25])}
+    assert torch.equal(out["w"].view(torch.int32).cpu(), torch.zeros(4, dtype=torch.int32))
+    p0 = {"w": torch.tensor([1.5, -2.0, 3.0, 0.25], device=DEVICE)}
     for backend in ("eager", "fused"):  # the fused rule writes the same zeros
         tx = ftopt.chain(ftopt.freeze(True), ftopt.scale(1.0))
         p, _ = ftopt.step(tx, p0, odd, tx.init(p0), backend=backend)
@@ -196,7 +201,7 @@ def test_freeze_zeros_masked_updates_and_passes_the_rest():
 def test_selective_transform_bool_and_errors():
     gen = torch.Generator().manual_seed(5)
     params = _params(gen)
-    grads = ftopt.tree.map(lambda x: torch.randn(x.shape, generator=gen), params)
+    grads = _like(params, gen)
     all_frozen = ftopt.selective_transform(ftopt.adam(1e-2), freeze_mask=True)
     p, s = ftopt.step(all_frozen, params, grads, all_frozen.init(params))
     assert all(torch.equal(a, b) for a, b in zip(ftopt.tree.leaves(p), ftopt.tree.leaves(params)))
@@ -228,13 +233,14 @@ def test_fused_update_without_params_of_a_callable_mask_with_a_none_gradient():
     gradient leaf left out (it raised an IndexError)."""
     frozen = lambda p: ftopt.tree.map(lambda x: x.ndim < 2, p)  # noqa: E731
     gen = torch.Generator().manual_seed(6)
-    params = {"a": torch.randn(3, 4, generator=gen), "b": torch.randn(5, generator=gen),
-              "odd": torch.randn(2, 2, generator=gen)}
+    params = {"a": torch.randn(3, 4, generator=gen).to(DEVICE),
+              "b": torch.randn(5, generator=gen).to(DEVICE),
+              "odd": torch.randn(2, 2, generator=gen).to(DEVICE)}
     for tx in (ftopt.chain(ftopt.masked(ftopt.scale_by_adam(), frozen), ftopt.scale(0.1)),
                ftopt.chain(ftopt.freeze(frozen), ftopt.scale(0.1))):
         state = tx.init(params)
-        grads = {"a": torch.randn(3, 4, generator=gen), "b": torch.randn(5, generator=gen),
-                 "odd": None}
+        grads = {"a": torch.randn(3, 4, generator=gen).to(DEVICE),
+                 "b": torch.randn(5, generator=gen).to(DEVICE), "odd": None}
         u_f, s_f = tx.update(grads, state, backend="fused")
         u_e, s_e = tx.update(grads, state, backend="eager")
         assert u_f["odd"] is None and u_e["odd"] is None

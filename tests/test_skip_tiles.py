@@ -119,13 +119,52 @@ def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
 def test_8bit_split_kernels_load_their_codes_before_the_zero_check(monkeypatch):
     """A "split" kernel with 8-bit slots loads and decodes them once, before it checks
     its gradients (both branches use them), not once per branch after the check."""
-    traced = plan_chain(ftopt.adam(1e-2, skip_zeros=True, state_bits=8)).traced(True)
+    # (skip_lanes=False, as an 8-bit group's: its kernels load every lane)
+    traced = plan_chain(ftopt.adam(1e-2, skip_zeros=True, state_bits=8)).traced(
+        True, skip_lanes=False)
     src = codegen.main_source(traced, codegen.Variant(
         torch.float32, torch.float32, True, True, 256, split=True)).splitlines()
     check = next(i for i, x in enumerate(src) if "live_lanes = tl.sum(" in x)
     loads = [i for i, x in enumerate(src) if "st0_mu_old_code = tl.load(" in x]
     assert len(loads) == 2 and loads[0] < check < loads[1]  # (the second: the tail block)
     assert any("st0_nu_old = tl.load(qmap_unsigned_ptr" in x for x in src[:check])
+
+
+@pytest.mark.parametrize("mode", ["split+defer", "split+select"])
+def test_8bit_split_kernels_hoist_the_leaf_flags_their_loads_read(mode, monkeypatch):
+    """A masked 8-bit stage's loads read its per-leaf flag (a leaf it leaves out has no
+    state): hoisted before the zero check, they take the flag's lines along (they read
+    a name not yet set, a compile error on the GPU; found by the fuzz, seed 86). The
+    donated step of full blocks equals the plain one."""
+    monkeypatch.setitem(tiles.SKIP_MODES, "8-bit", mode)
+    matrices = lambda p: ftopt.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
+    tx = ftopt.quantize_states(ftopt.chain(
+        ftopt.add_decayed_weights(0.1), ftopt.masked(ftopt.scale_by_adam(), matrices),
+        ftopt.scale_by_learning_rate(1e-2), ftopt.skip_zeros()), bits=8, min_size=1)
+    # (8-bit groups load every lane: skip_lanes is for in-place kernels)
+    src = codegen.main_source(plan_chain(tx).traced(True, skip_lanes=False), codegen.Variant(
+        torch.float32, torch.float32, True, True, 256, split=True)).splitlines()
+    check = next(i for i, x in enumerate(src) if "live_lanes = tl.sum(" in x)
+    flag = next(i for i, x in enumerate(src[:check]) if x.strip().startswith("v") and
+                "lv" in x and "!= 0.0" in x)
+    name = src[flag].split("=")[0].strip()
+    load = next(i for i, x in enumerate(src) if "_mu_old_code = tl.load(" in x)
+    assert flag < load < check and f"tl.where({name}, n, 0)" in src[load]
+    gen = torch.Generator().manual_seed(86)
+    tile = max(tiles.BLOCK, TILE)
+    params = {"w": torch.randn(4, 4 * tile, generator=gen).to(DEVICE),
+              "b": torch.randn(2 * tile, generator=gen).to(DEVICE)}
+    state = tx.init(params)
+    for k in range(3):
+        grads = {n: torch.randn(v.shape, generator=gen).to(DEVICE) for n, v in params.items()}
+        grads["w"][0] = 0.0
+        full = ftopt.step(tx, params, grads, state, backend="fused")
+        donated = ftopt.step(tx, cloned(params), grads, cloned(state), backend="fused",
+                             donate=True)
+        assert same_bits(donated, full), k
+        params, state = full
+    groups = plan_chain(tx).prepared.groups
+    assert groups and all(g.split for g in groups)
 
 
 def test_8bit_kernels_with_skip_zeros_take_their_own_register_cap(monkeypatch):

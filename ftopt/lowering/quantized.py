@@ -50,6 +50,7 @@ Gathers per element and quantized slot (all from the 2 KiB table, so L1 hits):
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -218,8 +219,9 @@ def load_lines(name: str, role: str, signed: bool, load_mask: str) -> list[str]:
 
 def hoisted(lines: list[str]) -> tuple[list[str], list[str]]:
     """(the :func:`load_lines` of every 8-bit slot in ``lines``, loads of a full block,
-    and the other lines): the loads and decodes a "split" kernel issues before its
-    zero-gradient check."""
+    with the lines they read (a per-leaf flag of a masked stage: its value and test);
+    the other lines): the loads and decodes a "split" kernel issues before its
+    zero-gradient check. A slot whose loads read a name set only inside a block stays."""
     early, rest, i = [], [], 0
     while i < len(lines):
         line = lines[i]
@@ -228,12 +230,41 @@ def hoisted(lines: list[str]) -> tuple[list[str], list[str]]:
             old = name[: -len("_code")]
             end = next(j for j in range(i, len(lines))
                        if lines[j].startswith(f"{old} = tl.load("))
-            early += lines[i:end + 1]
-            i = end + 1
-            continue
+            needed = _read_before(rest, lines[i:end + 1])
+            if needed is not None:
+                early += [rest[k] for k in needed] + lines[i:end + 1]
+                rest = [x for k, x in enumerate(rest) if k not in needed]
+                i = end + 1
+                continue
         rest.append(line)
         i += 1
     return early, rest
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+# The lanes' skip masks: a "split" kernel's branches set them otherwise, after the check.
+_BRANCH_NAMES = frozenset({"zero", "keep"})
+
+
+def _read_before(rest: list[str], block: list[str]) -> list[int] | None:
+    """The indices of the top-level assignments of ``rest`` that ``block`` reads, itself
+    or through them, in order; ``None`` if it reads a name ``rest`` sets inside a block,
+    or a skip mask."""
+    wanted = {x for line in block for x in _NAME.findall(line.split(" = ", 1)[-1])}
+    found = []
+    for k in range(len(rest) - 1, -1, -1):
+        target, _, expr = rest[k].partition(" = ")
+        name = target.strip()
+        if name not in wanted or not _NAME.fullmatch(name):
+            continue
+        if rest[k].startswith(" ") or name in _BRANCH_NAMES:
+            return None
+        found.append(k)
+        wanted.discard(name)
+        wanted |= set(_NAME.findall(expr))
+    return sorted(found)
 
 
 def store_lines(role: str, old: str, value: str, signed: bool, zero: str | None,
