@@ -46,6 +46,7 @@ from ftopt.freezing import freeze, multi_transform, selective_transform
 from ftopt.lookahead import LookaheadParams, LookaheadState, lookahead
 from ftopt.lowering.explain import explain
 from ftopt.optim import Optimizer
+from ftopt.plateau import ReduceLROnPlateauState, reduce_on_plateau
 from ftopt.quantize import quantize_states
 from ftopt.schedule_free import (
     ScheduleFreeState,
@@ -244,6 +245,8 @@ __all__ = [
     "piecewise_interpolate_schedule",
     "polynomial_schedule",
     "quantize_states",
+    "reduce_on_plateau",
+    "ReduceLROnPlateauState",
     "radam",
     "rmsprop",
     "rprop",

@@ -859,10 +859,13 @@ UNSIGNED_STATES: frozenset[str] = frozenset({
 BY_NAME: dict[str, Entry] = {e.name: e for e in TRANSFORMS}
 assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
 
-# Transforms whose params are not the gradients' tree (lookahead: a LookaheadParams pair
-# of fast and slow weights, the gradients those of the fast ones), so no registry suite
-# can drive them: each names the test file that covers its contract instead.
-PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py"}
+# Transforms no registry suite can drive, each with the test file that covers its
+# contract instead: params that are not the gradients' tree (lookahead: a
+# LookaheadParams pair of fast and slow weights, the gradients those of the fast ones),
+# or an update that needs more than the gradients (reduce_on_plateau: the metric, as
+# ``value=``).
+PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
+                                   "reduce_on_plateau": "tests/test_plateau.py"}
 
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({
@@ -887,7 +890,8 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "warmup_cosine_decay_schedule", "warmup_exponential_decay_schedule",
     "piecewise_interpolate_schedule", "linear_onecycle_schedule", "cosine_onecycle_schedule",
     "sgdr_schedule",
-    "ApplyEveryState", "ScaleByRStdDevState", "ScaleByRStdDevWithCountState",
+    "ApplyEveryState", "ReduceLROnPlateauState", "ScaleByRStdDevState",
+    "ScaleByRStdDevWithCountState",
     "ConditionallyTransformState", "ConditionallyMaskState",
     "skip_not_finite", "skip_large_updates",
     "FactoredState", "MuonMomentumState",

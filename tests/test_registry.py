@@ -1,7 +1,8 @@
 """The test registry (``tests/registry.py``) covers every export of ``ftopt``.
 
 A new export must land either in the registry (it builds a ``GradientTransformation``) or
-in ``registry.NOT_TRANSFORMS`` (or, where its params are not the gradients' tree, in
+in ``registry.NOT_TRANSFORMS`` (or, where the suites cannot drive it: params that are
+not the gradients' tree, an update that needs more than the gradients, in
 ``registry.PARAMS_WRAPPERS`` with its own test file); an export annotated to return a
 ``GradientTransformation`` cannot hide in the second list. Every entry builds from its own
 hyperparameter draws, and its traits match what the built transform does.
