@@ -16,6 +16,7 @@ from ftopt.alias_variants import (
     amsgrad,
     nadam,
     nadamw,
+    optimistic_adam_v2,
     optimistic_gradient_descent,
     radam,
     sign_sgd,
@@ -47,6 +48,7 @@ from ftopt.lookahead import LookaheadParams, LookaheadState, lookahead
 from ftopt.lowering.explain import explain
 from ftopt.optim import Optimizer
 from ftopt.plateau import ReduceLROnPlateauState, reduce_on_plateau
+from ftopt.polyak import polyak_sgd, scale_by_polyak
 from ftopt.quantize import quantize_states
 from ftopt.schedule_free import (
     ScheduleFreeState,
@@ -240,12 +242,15 @@ __all__ = [
     "nadamw",
     "named_chain",
     "optimistic_gradient_descent",
+    "optimistic_adam_v2",
     "partition",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
     "polynomial_schedule",
     "quantize_states",
     "reduce_on_plateau",
+    "polyak_sgd",
+    "scale_by_polyak",
     "ReduceLROnPlateauState",
     "radam",
     "rmsprop",

@@ -1,8 +1,8 @@
 """More of optax's elementwise optimizers, each a short chain of transforms (optax
 signatures and defaults): Adam's variants (``adamax``, ``adamaxw``, ``amsgrad``, ``nadam``,
 ``nadamw``, ``radam``, ``adabelief``, ``yogi``, ``adopt``, ``simplified_ademamix``),
-``adadelta``, the sign methods (``sign_sgd``, ``signum``) and
-``optimistic_gradient_descent``.
+``adadelta``, the sign methods (``sign_sgd``, ``signum``),
+``optimistic_gradient_descent`` and ``optimistic_adam_v2``.
 
 As in :mod:`ftopt.alias`, every alias takes keyword-only ``skip_zeros``, ``state_bits`` and
 ``state_dtype``.
@@ -38,8 +38,8 @@ from ftopt.transforms import (
 )
 
 __all__ = ["adabelief", "adadelta", "adamax", "adamaxw", "adopt", "amsgrad", "nadam",
-           "nadamw", "optimistic_gradient_descent", "radam", "sign_sgd", "signum",
-           "simplified_ademamix", "yogi"]
+           "nadamw", "optimistic_adam_v2", "optimistic_gradient_descent", "radam",
+           "sign_sgd", "signum", "simplified_ademamix", "yogi"]
 
 
 @chain_alias
@@ -227,6 +227,26 @@ def optimistic_gradient_descent(
     """Optimistic gradient descent: ``chain(scale_by_optimistic_gradient(alpha, beta),
     scale_by_learning_rate(lr))``: p ← p − lr·((alpha+beta)·gₜ − beta·gₜ₋₁)."""
     return [scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(learning_rate)]
+
+
+@chain_alias
+def optimistic_adam_v2(
+    learning_rate: ScalarOrSchedule,
+    *,
+    alpha: Float = 1.0,
+    beta: Float = 1.0,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-8,
+    eps_root: Float = 0.0,
+    nesterov: bool = True,
+) -> list[GradientTransformation]:
+    """Optimistic Adam (as optax, Daskalakis et al. 2017): ``chain(scale_by_adam(b1, b2,
+    eps, eps_root, nesterov=nesterov), scale_by_optimistic_gradient(alpha, beta),
+    scale_by_learning_rate(lr))``: with r the Adam direction, p ← p − lr·((alpha+beta)·rₜ
+    − beta·rₜ₋₁)."""
+    return [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
+            scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(learning_rate)]
 
 
 @chain_alias

@@ -219,6 +219,28 @@ class RefOptimisticGD(RefOptimizer):
         return -self.lr * ((self.alpha + self.beta) * g - self.beta * prev)
 
 
+class RefOptimisticAdam(RefOptimizer):
+    """optax.optimistic_adam_v2: the Adam direction r (Nesterov by default), then
+    (alpha + beta)·r − beta·r_prev (r_prev = r on the first step) -> -lr."""
+
+    def __init__(self, lr, alpha=1.0, beta=1.0, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
+                 nesterov=True):
+        super().__init__()
+        self.lr, self.alpha, self.beta = lr, alpha, beta
+        self.b1, self.b2, self.eps, self.eps_root, self.nesterov = b1, b2, eps, eps_root, nesterov
+
+    def init_leaf(self, p):
+        st = zeros_state(p, "mu", "nu")
+        st["prev"] = None
+        return st
+
+    def leaf_update(self, p, g, st, t):
+        r = adam_direction(st, g, t, self.b1, self.b2, self.eps, self.eps_root, self.nesterov)
+        prev = r if st["prev"] is None else st["prev"]
+        st["prev"] = r
+        return -self.lr * ((self.alpha + self.beta) * r - self.beta * prev)
+
+
 class RefAdopt(RefOptimizer):
     def __init__(self, lr, b1=0.9, b2=0.9999, eps=1e-6, nesterov=False, use_clipping=True):
         super().__init__()

@@ -640,6 +640,12 @@ TRANSFORMS += [
           floats={"learning_rate": LR, "alpha": HP(0.0, 2.0), "beta": HP(0.0, 2.0)},
           kind="alias", states=("previous_gradient",), counted=True, eight_bit=True,
           example={"learning_rate": 1e-2}),
+    Entry("optimistic_adam_v2", ftopt.optimistic_adam_v2,
+          floats={"learning_rate": LR, "alpha": HP(0.0, 2.0), "beta": HP(0.0, 2.0),
+                  "b1": BETA, "b2": BETA, "eps": EPS},
+          options={"nesterov": (True, False)}, kind="alias",
+          states=("mu", "nu", "previous_gradient"), counted=True, eight_bit=True,
+          example={"learning_rate": 1e-2}),
     Entry("adopt", ftopt.adopt, floats={"learning_rate": LR, "b1": BETA, "b2": BETA, "eps": EPS},
           options={"use_clipping": (True, False), "nesterov": (False, True)}, kind="alias",
           states=("mu", "nu"), counted=True, eight_bit=True,
@@ -862,10 +868,12 @@ assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
 # Transforms no registry suite can drive, each with the test file that covers its
 # contract instead: params that are not the gradients' tree (lookahead: a
 # LookaheadParams pair of fast and slow weights, the gradients those of the fast ones),
-# or an update that needs more than the gradients (reduce_on_plateau: the metric, as
-# ``value=``).
+# or an update that needs more than the gradients (reduce_on_plateau, the Polyak step:
+# the loss, as ``value=``).
 PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
-                                   "reduce_on_plateau": "tests/test_plateau.py"}
+                                   "reduce_on_plateau": "tests/test_plateau.py",
+                                   "scale_by_polyak": "tests/test_polyak.py",
+                                   "polyak_sgd": "tests/test_polyak.py"}
 
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({

@@ -204,6 +204,15 @@ CASES = {
         lambda: ftopt.optimistic_gradient_descent(0.05, alpha=0.7, beta=0.4),
         lambda: RV.RefOptimisticGD(0.05, alpha=0.7, beta=0.4),
     ),
+    "optimistic_adam_v2": (
+        lambda: ftopt.optimistic_adam_v2(0.01, alpha=0.8, beta=0.5, b1=0.85, b2=0.99,
+                                         eps=1e-3),
+        lambda: RV.RefOptimisticAdam(0.01, alpha=0.8, beta=0.5, b1=0.85, b2=0.99, eps=1e-3),
+    ),
+    "optimistic_adam_v2_plain": (
+        lambda: ftopt.optimistic_adam_v2(0.02, b1=0.9, b2=0.95, eps=1e-2, nesterov=False),
+        lambda: RV.RefOptimisticAdam(0.02, b1=0.9, b2=0.95, eps=1e-2, nesterov=False),
+    ),
     "adopt": (
         lambda: ftopt.adopt(0.01, b1=0.8, b2=0.95, eps=1e-3),
         lambda: RV.RefAdopt(0.01, b1=0.8, b2=0.95, eps=1e-3),
@@ -320,6 +329,7 @@ REGISTRY_CASES = {
     "nadamw": "nadamw", "radam": "radam", "adabelief": "adabelief", "yogi": "yogi",
     "adadelta": "adadelta", "sign_sgd": "sign_sgd", "signum": "signum",
     "optimistic_gradient_descent": "optimistic_gradient_descent", "adopt": "adopt",
+    "optimistic_adam_v2": "optimistic_adam_v2",
     "simplified_ademamix": "simplified_ademamix",
     "adan": "adan", "madgrad": "madgrad", "rprop": "rprop", "noisy_sgd": "noisy_sgd",
     "schedule_free_sgd": "schedule_free_sgd", "schedule_free_adamw": "schedule_free_adamw",
