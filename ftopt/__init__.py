@@ -8,6 +8,7 @@ from ftopt.alias_noise import noisy_sgd
 from ftopt.alias_norms import fromage, novograd
 from ftopt.alias_prodigy import prodigy
 from ftopt.alias_variants import (
+    acprop,
     adabelief,
     adadelta,
     adamax,
@@ -107,6 +108,7 @@ from ftopt.transforms import (
     identity,
     normalize_by_update_norm,
     scale,
+    scale_by_acprop,
     scale_by_adadelta,
     scale_by_adam,
     scale_by_adamax,
@@ -192,6 +194,7 @@ __all__ = [
     "ScheduleFreeState",
     "TraceState",
     "adabelief",
+    "acprop",
     "adadelta",
     "adagrad",
     "adam",
@@ -261,6 +264,7 @@ __all__ = [
     "schedule_free_sgd",
     "scale",
     "scale_by_adadelta",
+    "scale_by_acprop",
     "scale_by_adam",
     "scale_by_adamax",
     "scale_by_adan",

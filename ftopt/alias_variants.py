@@ -1,6 +1,6 @@
 """More of optax's elementwise optimizers, each a short chain of transforms (optax
 signatures and defaults): Adam's variants (``adamax``, ``adamaxw``, ``amsgrad``, ``nadam``,
-``nadamw``, ``radam``, ``adabelief``, ``yogi``, ``adopt``, ``simplified_ademamix``),
+``nadamw``, ``radam``, ``adabelief``, ``acprop``, ``yogi``, ``adopt``, ``simplified_ademamix``),
 ``adadelta``, the sign methods (``sign_sgd``, ``signum``),
 ``optimistic_gradient_descent`` and ``optimistic_adam_v2``.
 
@@ -23,6 +23,7 @@ from ftopt.transforms import (
     add_decayed_weights,
     ema,
     quarter_power,
+    scale_by_acprop,
     scale_by_adadelta,
     scale_by_adam,
     scale_by_adamax,
@@ -37,7 +38,7 @@ from ftopt.transforms import (
     scale_by_yogi,
 )
 
-__all__ = ["adabelief", "adadelta", "adamax", "adamaxw", "adopt", "amsgrad", "nadam",
+__all__ = ["acprop", "adabelief", "adadelta", "adamax", "adamaxw", "adopt", "amsgrad", "nadam",
            "nadamw", "optimistic_adam_v2", "optimistic_gradient_descent", "radam",
            "sign_sgd", "signum", "simplified_ademamix", "yogi"]
 
@@ -164,6 +165,22 @@ def adabelief(
         parts.append(add_decayed_weights(weight_decay, weight_decay_mask))
     parts.append(scale_by_learning_rate(learning_rate))
     return parts
+
+
+@chain_alias
+def acprop(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-16,
+    eps_root: Float = 1e-16,
+    weight_decay: Float = 0.0,
+    mask: Any = None,
+) -> list[GradientTransformation]:
+    """ACProp (as optax.contrib): ``chain(scale_by_acprop(b1, b2, eps, eps_root),
+    add_decayed_weights(weight_decay, mask), scale_by_learning_rate(lr))``."""
+    return [scale_by_acprop(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
+            scale_by_learning_rate(learning_rate)]
 
 
 @chain_alias

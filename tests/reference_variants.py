@@ -149,6 +149,26 @@ class RefAdaBelief(RefOptimizer):
         return -self.lr * (d + self.wd * p)
 
 
+class RefACProp(RefOptimizer):
+    """optax.contrib.acprop: the update divided by the previous step's bias-corrected
+    second moment of the prediction error g − mu_old (1 on the first step)."""
+
+    def __init__(self, lr, b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, weight_decay=0.0):
+        super().__init__()
+        self.lr, self.b1, self.b2, self.eps, self.eps_root = lr, b1, b2, eps, eps_root
+        self.wd = weight_decay
+
+    def init_leaf(self, p):
+        return zeros_state(p, "mu", "nu")
+
+    def leaf_update(self, p, g, st, t):
+        nu_hat = torch.ones_like(g) if t == 1 else st["nu"] / (1 - self.b2 ** (t - 1))
+        err = g - st["mu"]
+        st["mu"] = self.b1 * st["mu"] + (1 - self.b1) * g
+        st["nu"] = self.b2 * st["nu"] + (1 - self.b2) * err * err + self.eps_root
+        return -self.lr * (g / (torch.sqrt(nu_hat) + self.eps) + self.wd * p)
+
+
 class RefYogi(RefOptimizer):
     def __init__(self, lr, b1=0.9, b2=0.999, eps=1e-3, initial_accumulator_value=1e-6):
         super().__init__()

@@ -383,6 +383,12 @@ TRANSFORMS: list[Entry] = [
     # b1 from 0.1: with b1 = 0 the prediction error u - mu is 0, nu stays at eps_root and
     # the update is u/eps (1e16·u at eps = 1e-16): a valid but degenerate optimizer whose
     # overflow to inf the backends need not agree on.
+    # (eps from 1e-8: the first steps divide by the root of one gradient's square)
+    Entry("scale_by_acprop", ftopt.scale_by_acprop,
+          floats={"b1": BETA, "b2": BETA, "eps": HP(1e-8, 1e-3, log=True),
+                  "eps_root": HP(0.0, 1e-6)},
+          states=("mu", "nu"), counted=True, eight_bit=True,
+          example={"b1": 0.9, "b2": 0.999, "eps": 1e-8, "eps_root": 1e-16}),
     Entry("scale_by_belief", ftopt.scale_by_belief,
           floats={"b1": BELIEF_B1, "b2": BETA, "eps": HP(1e-16, 1e-3, log=True),
                   "eps_root": HP(0.0, 1e-6)},
@@ -614,6 +620,13 @@ TRANSFORMS += [
           options={"nesterov": (False, True)}, kind="alias", states=("mu", "nu"),
           counted=True, eight_bit=True,
           example={"learning_rate": 1e-2, "b2": 0.99}),
+    Entry("acprop", _mask_kw(ftopt.acprop),
+          floats={"learning_rate": LR, "b1": BETA, "b2": BETA,
+                  "eps": HP(1e-8, 1e-3, log=True), "eps_root": HP(0.0, 1e-6),
+                  "weight_decay": WD},
+          options={"mask": ("none", "ndim")},
+          kind="alias", states=("mu", "nu"), counted=True, uses_params=True, eight_bit=True,
+          example={"learning_rate": 1e-2, "eps": 1e-8, "weight_decay": 0.01}),
     Entry("adabelief", _mask_kw(ftopt.adabelief, "weight_decay_mask"),
           floats={"learning_rate": LR, "b1": BELIEF_B1, "b2": BETA,
                   "eps": HP(1e-16, 1e-3, log=True), "eps_root": HP(0.0, 1e-6),

@@ -176,6 +176,15 @@ CASES = {
         lambda: ftopt.radam(0.01, b1=0.85, b2=0.9, eps=1e-4, threshold=4.5, nesterov=True),
         lambda: RV.RefRAdam(0.01, b1=0.85, b2=0.9, eps=1e-4, threshold=4.5, nesterov=True),
     ),
+    "acprop": (
+        lambda: ftopt.acprop(0.01, b1=0.8, b2=0.95, eps=1e-4, eps_root=1e-6,
+                             weight_decay=0.1),
+        lambda: RV.RefACProp(0.01, b1=0.8, b2=0.95, eps=1e-4, eps_root=1e-6,
+                             weight_decay=0.1),
+    ),
+    "acprop_defaults": (
+        lambda: ftopt.acprop(0.01), lambda: RV.RefACProp(0.01),
+    ),
     "adabelief": (
         lambda: ftopt.adabelief(0.01, b1=0.8, b2=0.95, eps=1e-4, eps_root=1e-6,
                                 weight_decay=0.1),
@@ -327,6 +336,7 @@ REGISTRY_CASES = {
     "ademamix": "ademamix",
     "adamax": "adamax", "adamaxw": "adamaxw", "amsgrad": "amsgrad", "nadam": "nadam",
     "nadamw": "nadamw", "radam": "radam", "adabelief": "adabelief", "yogi": "yogi",
+    "acprop": "acprop",
     "adadelta": "adadelta", "sign_sgd": "sign_sgd", "signum": "signum",
     "optimistic_gradient_descent": "optimistic_gradient_descent", "adopt": "adopt",
     "optimistic_adam_v2": "optimistic_adam_v2",

@@ -324,10 +324,11 @@ ZERO_SAFE = {
 }
 # Optimizers whose update and state stay zero where grads and state are (no weight decay):
 # the registry entries whose hyperparameters decay no weights, and these composites.
-# Adamax (nu ← max(b2·nu, |u| + eps) = eps), AdaBelief (nu ← ... + eps_root) and Yogi (mu
-# and nu start at 1e-6, so the update does too) move state or params where grads are zero.
+# Adamax (nu ← max(b2·nu, |u| + eps) = eps), AdaBelief and ACProp (nu ← ... + eps_root)
+# and Yogi (mu and nu start at 1e-6, so the update does too) move state or params where
+# grads are zero.
 NOT_ZERO_AT_ZERO = {"adamax", "scale_by_adamax", "adabelief", "scale_by_belief", "yogi",
-                    "scale_by_yogi"}
+                    "scale_by_yogi", "acprop", "scale_by_acprop"}
 NO_DECAY = {*(e.name for e in eight_bit() if not float(_hp(e).get("weight_decay", 0.0))
               and e.name not in NOT_ZERO_AT_ZERO),
             "adam_nesterov", "rmsprop_eps_outside", "adagrad_zero_init"}

@@ -254,6 +254,13 @@ CASES = {
         lambda: [T.scale_by_radam(0.8, 0.95), T.scale_by_learning_rate(1e-2)],
         changes={"params", "mu", "nu"},
     ),
+    # (zero-gradient elements move by the decay alone, lr·WD·p: seen in 16 bits at lr 0.5)
+    "acprop": _alias(
+        lambda **kw: T.acprop(0.5, b1=0.8, b2=0.95, eps=1e-6, weight_decay=WD, **kw),
+        lambda: [T.scale_by_acprop(0.8, 0.95, 1e-6), T.add_decayed_weights(WD),
+                 T.scale_by_learning_rate(0.5)],
+        changes={"params", "mu", "nu"},
+    ),
     "adabelief": _alias(
         lambda **kw: T.adabelief(1e-2, b1=0.8, b2=0.95, eps=1e-6, weight_decay=WD, **kw),
         lambda: [T.scale_by_belief(0.8, 0.95, 1e-6), T.add_decayed_weights(WD),

@@ -3,6 +3,7 @@
 from ftopt.transforms.adam_family import (
     ScaleByAmsgradState,
     ScaleByBeliefState,
+    scale_by_acprop,
     scale_by_adamax,
     scale_by_amsgrad,
     scale_by_belief,
@@ -102,6 +103,7 @@ __all__ = [
     "scale_by_adadelta",
     "scale_by_adam",
     "scale_by_adan",
+    "scale_by_acprop",
     "scale_by_adamax",
     "scale_by_ademamix",
     "scale_by_adopt",

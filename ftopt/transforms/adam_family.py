@@ -161,6 +161,52 @@ def scale_by_belief(
                        nesterov)
 
 
+def _acprop_scalars(t, h):
+    """ACProp's denominator is the previous step's second moment, bias-corrected at the
+    previous count; on the first step it is 1 (optax.contrib): nu_hat = nu/bc + first."""
+    b2 = h["b2"]
+    if isinstance(t, torch.Tensor):
+        first = (t <= 1).to(t.dtype)
+        before = torch.clamp(t - 1, min=1)
+    else:
+        first, before = float(t <= 1), max(t - 1, 1)
+    return {"one_minus_b1": 1 - h["b1"], "one_minus_b2": 1 - b2,
+            "bc_before": 1 - (1 - first) * b2**before, "first": first}
+
+
+def scale_by_acprop(
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-16,
+    eps_root: Float = 1e-16,
+) -> GradientTransformation:
+    """ACProp's preconditioning (the asynchronous AdaBelief, as optax.contrib): the update
+    is divided by the second moment of the prediction error *before* this step.
+
+    mu ← b1·mu + (1−b1)·u; nu ← b2·nu + (1−b2)·(u − mu_old)² + eps_root;
+    u ← u/(√(nu_old/(1−b2^(t−1))) + eps), with √1 in place of the root on the first step.
+
+    Args:
+        b1, b2: decays of the moments, in [0, 1) (defaults 0.9, 0.999).
+        eps: added to the denominator, >= 0 (default: 1e-16).
+        eps_root: added to the stored nu every step, >= 0 (default: 1e-16).
+    """
+
+    def body(o, x):
+        mu = o.lerp(x.mu, x.u, x.one_minus_b1)
+        error = x.u - x.mu
+        nu = o.lerp(x.nu, error * error, x.one_minus_b2) + x.eps_root
+        nu_hat = x.nu / x.bc_before + x.first  # (nu_old is 0 on the first step)
+        return x.u / (o.sqrt(nu_hat) + x.eps), {"mu": mu, "nu": nu}
+
+    return rule_transform(Rule(
+        "scale_by_acprop", body, state_class=ScaleByBeliefState,
+        slots=(Slot("mu", signed=True), Slot("nu", signed=False)),
+        hparams={"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root},
+        domains={"b1": UNIT_OPEN, "b2": UNIT_OPEN, "eps": NONNEG, "eps_root": NONNEG},
+        scalars=_acprop_scalars, counted=True))
+
+
 def _yogi_body(o, x):
     mu = o.lerp(x.mu, x.u, x.one_minus_b1)
     square = x.u * x.u
