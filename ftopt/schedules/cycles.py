@@ -15,6 +15,7 @@ from ftopt.schedules.decays import (
     _check_steps,
     _full,
     _is_tensor,
+    _scaled_levels,
     exponential_decay,
     join_schedules,
     linear_schedule,
@@ -52,18 +53,8 @@ def _interpolated(name: str, kind: str, init_value: float,
     if kind not in _KINDS:
         raise ValueError(f"{name}: interpolate_type must be 'linear' or 'cosine', got {kind!r}")
     init = check_finite(name, "init_value", init_value)
-    if boundaries_and_scales is not None and not isinstance(boundaries_and_scales, Mapping):
-        raise TypeError(f"{name}: boundaries_and_scales must be a mapping {{step: scale}}, "
-                        f"got {type(boundaries_and_scales).__name__}")
-    items = []
-    for boundary, scale in (boundaries_and_scales or {}).items():
-        boundary = _check_steps(name, "boundary", boundary)
-        items.append((boundary, check_finite(name, f"scale at boundary {boundary}", scale,
-                                             NONNEG)))
-    items.sort()
-    bounds, levels = [0] + [b for b, _ in items], [init]
-    for _, scale in items:  # cumulative products in float64, rounded once
-        levels.append(levels[-1] * scale)
+    scaled = _scaled_levels(name, init, boundaries_and_scales)
+    bounds, levels = [0] + [b for b, _ in scaled], [init] + [x for _, x in scaled]
     # (lo, hi, a, b): from a at lo to b at hi; the pieces are disjoint (sorted bounds)
     pieces = [x for x in zip(bounds, bounds[1:], levels, levels[1:]) if x[1] > x[0]]
     last_bound, last = bounds[-1], levels[-1]

@@ -236,19 +236,7 @@ def piecewise_constant_schedule(
     """
     name = "piecewise_constant_schedule"
     init = check_finite(name, "init_value", init_value)
-    if boundaries_and_scales is not None and not isinstance(boundaries_and_scales, Mapping):
-        raise TypeError(f"{name}: boundaries_and_scales must be a mapping {{step: scale}}, "
-                        f"got {type(boundaries_and_scales).__name__}")
-    items = []
-    for boundary, scale in (boundaries_and_scales or {}).items():
-        boundary = _check_steps(name, "boundary", boundary)
-        items.append((boundary, check_finite(name, f"scale at boundary {boundary}", scale,
-                                             NONNEG)))
-    items.sort()
-    levels, level = [], init
-    for boundary, scale in items:  # cumulative products in float64, rounded once
-        level *= scale
-        levels.append((boundary, level))
+    levels = _scaled_levels(name, init, boundaries_and_scales)
 
     def schedule(count: Count) -> Value:
         out = _full(init, count) if _is_tensor(count) else init
@@ -260,6 +248,27 @@ def piecewise_constant_schedule(
         return out
 
     return schedule
+
+
+def _scaled_levels(name: str, init: float, boundaries_and_scales: Mapping[int, float] | None
+                   ) -> list[tuple[int, float]]:
+    """``{step: scale}`` checked (int steps, finite scales >= 0) and sorted by step, each
+    with the level from there on: ``init`` times the scales so far (float64, rounded
+    once)."""
+    if boundaries_and_scales is not None and not isinstance(boundaries_and_scales, Mapping):
+        raise TypeError(f"{name}: boundaries_and_scales must be a mapping {{step: scale}}, "
+                        f"got {type(boundaries_and_scales).__name__}")
+    items = []
+    for boundary, scale in (boundaries_and_scales or {}).items():
+        boundary = _check_steps(name, "boundary", boundary)
+        items.append((boundary, check_finite(name, f"scale at boundary {boundary}", scale,
+                                             NONNEG)))
+    items.sort()
+    levels, level = [], init
+    for boundary, scale in items:
+        level *= scale
+        levels.append((boundary, level))
+    return levels
 
 
 def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
