@@ -65,8 +65,13 @@ def check_transform(tx: Any, what: str) -> None:
     else:
         name = getattr(tx, "__qualname__", None) if callable(tx) else None
         got = type(tx).__name__ + (f" {name!r}" if isinstance(name, str) else "")
-    hint = ("; call a factory (ftopt.adam(1e-3), not ftopt.adam), or wrap a function "
-            "of (updates, params) with ftopt.stateless(fn)" if callable(tx) else "")
+    if callable(getattr(tx, "gradient_transformation", None)):  # (MultiSteps, as optax's)
+        hint = "; pass tx.gradient_transformation()"
+    elif callable(tx):
+        hint = ("; call a factory (ftopt.adam(1e-3), not ftopt.adam), or wrap a function "
+                "of (updates, params) with ftopt.stateless(fn)")
+    else:
+        hint = ""
     raise TypeError(f"{what}: expected a GradientTransformation, got {got}{hint}")
 
 

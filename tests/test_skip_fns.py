@@ -61,3 +61,10 @@ def test_multisteps_skips_the_bad_calls_and_continues_as_without_them(which):
         for k in p:
             assert torch.equal(p[k], rp[k]), (i, k)
     assert not torch.equal(p["w"], params["w"])
+
+
+def test_a_multisteps_object_is_refused_with_its_method_named():
+    multi = ftopt.MultiSteps(ftopt.adam(1e-2), 2)
+    params = {"w": torch.ones(2)}
+    with pytest.raises(TypeError, match=r"got MultiSteps; pass tx.gradient_transformation\(\)"):
+        ftopt.step(multi, params, params, multi.init(params))
