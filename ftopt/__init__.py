@@ -3,7 +3,7 @@
 from ftopt import dispatch, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
 from ftopt.alias_matrix import adafactor, muon
-from ftopt.alias_more import adan, madgrad, rprop
+from ftopt.alias_more import adan, cocob, madgrad, rprop
 from ftopt.alias_noise import noisy_sgd
 from ftopt.alias_norms import fromage, novograd
 from ftopt.alias_prodigy import prodigy
@@ -80,6 +80,7 @@ from ftopt.skip_fns import skip_large_updates, skip_not_finite
 from ftopt.torch_port import from_torch_state_dict, to_torch_state_dict
 from ftopt.transforms import (
     ApplyEveryState,
+    COCOBState,
     EmaState,
     LeafSecondMomentState,
     MadgradState,
@@ -117,6 +118,7 @@ from ftopt.transforms import (
     scale_by_adopt,
     scale_by_amsgrad,
     scale_by_belief,
+    scale_by_cocob,
     scale_by_learning_rate,
     scale_by_lion,
     scale_by_madgrad,
@@ -173,6 +175,7 @@ __all__ = [
     "ApplyIfFiniteState",
     "EmaState",
     "MadgradState",
+    "COCOBState",
     "EmptyState",
     "GradientTransformation",
     "MaskedState",
@@ -237,6 +240,8 @@ __all__ = [
     "linear_onecycle_schedule",
     "lion",
     "madgrad",
+    "cocob",
+    "scale_by_cocob",
     "masked",
     "multi_transform",
     "freeze",

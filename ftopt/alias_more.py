@@ -1,6 +1,6 @@
 """More elementwise optimizers of optax's catalogue (optax and optax.contrib names,
 signatures and defaults), each a short chain of transforms: ``adan``, ``madgrad``,
-``rprop``.
+``cocob``, ``rprop``.
 
 As in :mod:`ftopt.alias`, every alias takes keyword-only ``skip_zeros``, ``state_bits`` and
 ``state_dtype``.
@@ -17,12 +17,13 @@ from ftopt.transforms import (
     add_decayed_weights,
     scale,
     scale_by_adan,
+    scale_by_cocob,
     scale_by_learning_rate,
     scale_by_madgrad,
     scale_by_rprop,
 )
 
-__all__ = ["adan", "madgrad", "rprop"]
+__all__ = ["adan", "cocob", "madgrad", "rprop"]
 
 
 @chain_alias
@@ -56,6 +57,21 @@ def madgrad(
     facebookresearch/madgrad's default (its ``decouple_decay=True``, p ← p − lr·wd·p after
     the step, is not offered)."""
     return [add_decayed_weights(weight_decay), scale_by_madgrad(learning_rate, momentum, eps)]
+
+
+@chain_alias
+def cocob(
+    learning_rate: ScalarOrSchedule = 1.0,
+    alpha: Float = 100.0,
+    eps: float = 1e-8,
+    weight_decay: Float = 0.0,
+    mask: Any = None,
+) -> list[GradientTransformation]:
+    """COCOB-Backprop (as optax.contrib): ``chain(add_decayed_weights(wd, mask),
+    scale_by_learning_rate(lr, flip_sign=False), scale_by_cocob(alpha, eps))``."""
+    return [add_decayed_weights(weight_decay, mask),
+            scale_by_learning_rate(learning_rate, flip_sign=False),
+            scale_by_cocob(alpha, eps)]
 
 
 @chain_alias

@@ -354,6 +354,31 @@ class RefMadgrad(RefOptimizer):
         return (1 - self.momentum) * z + self.momentum * p - p
 
 
+class RefCOCOB(RefOptimizer):
+    """optax.contrib.cocob: u = lr·(g + wd·p) (no sign flip); L = max(L, |u|); G += |u|;
+    R = max(R − u·(p − p0), 0); C −= u; p_new = p0 + C/(L·max(G + L, alpha·L))·(L + R).
+    (State names as ftopt's slots: C cumulative_gradients, L scale, G subgradients, R
+    reward, p0 init_particles.)"""
+
+    def __init__(self, lr=1.0, alpha=100.0, eps=1e-8, weight_decay=0.0):
+        super().__init__()
+        self.lr, self.alpha, self.eps, self.wd = lr, alpha, eps, weight_decay
+
+    def init_leaf(self, p):
+        return {**zeros_state(p, "cumulative_gradients", "subgradients", "reward"),
+                "scale": torch.full_like(p, self.eps, dtype=F64), "init_particles": p.clone()}
+
+    def leaf_update(self, p, g, st, t):
+        u = self.lr * (g + self.wd * p)
+        st["scale"] = torch.maximum(st["scale"], u.abs())
+        st["subgradients"] = st["subgradients"] + u.abs()
+        st["reward"] = torch.clamp(st["reward"] - u * (p - st["init_particles"]), min=0.0)
+        st["cumulative_gradients"] = st["cumulative_gradients"] - u
+        L, G = st["scale"], st["subgradients"]
+        bet = st["cumulative_gradients"] / (L * torch.maximum(G + L, self.alpha * L))
+        return st["init_particles"] + bet * (L + st["reward"]) - p
+
+
 class RefRprop(RefOptimizer):
     """optax's Rprop: the step for sign(g_t) is applied at t + 1 (the first update is 0)."""
 

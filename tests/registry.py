@@ -724,6 +724,19 @@ TRANSFORMS += [
           states=("grad_sum_sq", "s", "x0"), counted=True, uses_params=True,
           eight_bit=True, wide_states=("x0",),
           example={"learning_rate": 1e-2, "momentum": 0.9, "eps": 1e-6}),
+    Entry("scale_by_cocob", ftopt.scale_by_cocob,
+          floats={"alpha": HP(1.0, 200.0, log=True), "eps": HP(1e-6, 1e-2, log=True,
+                                                              tensor=False)},
+          states=("init_particles", "cumulative_gradients", "scale", "subgradients",
+                  "reward"), uses_params=True, eight_bit=True, wide_states=("init_particles",),
+          example={"alpha": 100.0, "eps": 1e-3}),
+    Entry("cocob", _mask_kw(ftopt.cocob),
+          floats={"learning_rate": HP(0.1, 1.0, tensor=False), "alpha": HP(1.0, 200.0, log=True),
+                  "eps": HP(1e-6, 1e-2, log=True, tensor=False), "weight_decay": WD},
+          options={"mask": ("none", "ndim")}, kind="alias",
+          states=("init_particles", "cumulative_gradients", "scale", "subgradients",
+                  "reward"), uses_params=True, eight_bit=True, wide_states=("init_particles",),
+          example={"learning_rate": 1.0, "eps": 1e-3}),
     Entry("madgrad", ftopt.madgrad,
           floats={"learning_rate": LR, "momentum": BETA, "weight_decay": WD, "eps": EPS},
           kind="alias", states=("grad_sum_sq", "s", "x0"), counted=True, uses_params=True,
@@ -870,10 +883,11 @@ TRANSFORMS += [
 # bits is in one of the two.
 SIGNED_STATES: frozenset[str] = frozenset({
     "mu", "trace", "m1", "m2", "m", "ema", "previous_gradient", "v", "g", "s", "x0",
-    "prev_updates", "z", "exp_avg", "grad_sum", "params0", "grad_acc"})
+    "prev_updates", "z", "exp_avg", "grad_sum", "params0", "grad_acc", "init_particles",
+    "cumulative_gradients"})
 UNSIGNED_STATES: frozenset[str] = frozenset({
     "nu", "sum_of_squares", "nu_max", "n", "e_g", "e_x", "grad_sum_sq", "step_sizes",
-    "exp_avg_sq"})
+    "exp_avg_sq", "scale", "subgradients", "reward"})
 
 BY_NAME: dict[str, Entry] = {e.name: e for e in TRANSFORMS}
 assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
@@ -911,7 +925,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "warmup_cosine_decay_schedule", "warmup_exponential_decay_schedule",
     "piecewise_interpolate_schedule", "linear_onecycle_schedule", "cosine_onecycle_schedule",
     "sgdr_schedule",
-    "ApplyEveryState", "ReduceLROnPlateauState", "ScaleByRStdDevState",
+    "ApplyEveryState", "COCOBState", "ReduceLROnPlateauState", "ScaleByRStdDevState",
     "ScaleByRStdDevWithCountState",
     "ConditionallyTransformState", "ConditionallyMaskState",
     "skip_not_finite", "skip_large_updates",

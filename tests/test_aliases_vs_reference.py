@@ -245,6 +245,10 @@ CASES = {
         lambda: RV.RefAdan(0.01, b1=0.8, b2=0.9, b3=0.95, eps=1e-3, eps_root=1e-5,
                            weight_decay=0.1),
     ),
+    "cocob": (
+        lambda: ftopt.cocob(0.5, alpha=20.0, eps=1e-3, weight_decay=0.1),
+        lambda: RV.RefCOCOB(0.5, alpha=20.0, eps=1e-3, weight_decay=0.1),
+    ),
     "madgrad": (
         lambda: ftopt.madgrad(0.01, momentum=0.8, weight_decay=0.1, eps=1e-4),
         lambda: RV.RefMadgrad(0.01, momentum=0.8, weight_decay=0.1, eps=1e-4),
@@ -339,7 +343,7 @@ REGISTRY_CASES = {
     "acprop": "acprop",
     "adadelta": "adadelta", "sign_sgd": "sign_sgd", "signum": "signum",
     "optimistic_gradient_descent": "optimistic_gradient_descent", "adopt": "adopt",
-    "optimistic_adam_v2": "optimistic_adam_v2",
+    "optimistic_adam_v2": "optimistic_adam_v2", "cocob": "cocob",
     "simplified_ademamix": "simplified_ademamix",
     "adan": "adan", "madgrad": "madgrad", "rprop": "rprop", "noisy_sgd": "noisy_sgd",
     "schedule_free_sgd": "schedule_free_sgd", "schedule_free_adamw": "schedule_free_adamw",

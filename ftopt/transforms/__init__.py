@@ -34,6 +34,7 @@ from ftopt.transforms.clipping import (
     normalize_by_update_norm,
     scale_by_trust_ratio,
 )
+from ftopt.transforms.cocob import COCOBState, scale_by_cocob
 from ftopt.transforms.madgrad import MadgradState, scale_by_madgrad
 from ftopt.transforms.matrix_stages import scale_by_row_norm
 from ftopt.transforms.momentum import (
@@ -76,6 +77,7 @@ __all__ = [
     "scale_by_novograd",
     "EmaState",
     "MadgradState",
+    "COCOBState",
     "ScaleByAdaDeltaState",
     "ScaleByAdamState",
     "ScaleByAdanState",
@@ -113,6 +115,7 @@ __all__ = [
     "scale_by_schedule",
     "scale_by_lion",
     "scale_by_madgrad",
+    "scale_by_cocob",
     "scale_by_optimistic_gradient",
     "scale_by_radam",
     "scale_by_rms",
