@@ -17,7 +17,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, register_owner, register_state
-from ftopt.finite import _safe_increment, _select
+from ftopt.finite import safe_increment, where_leaf
 
 __all__ = ["ConditionallyTransformState", "ConditionallyMaskState",
            "conditionally_transform", "conditionally_mask"]
@@ -94,7 +94,7 @@ class Conditionally:
         kwargs = ({k: v for k, v in extra.items() if k not in _OWN_EXTRA}
                   if self.forward_extra_args else {})
         flag = self.should_transform_fn(state.step, **kwargs)
-        step = _safe_increment(state.step)
+        step = safe_increment(state.step)
         if not isinstance(flag, torch.Tensor):
             if not flag:
                 return self._rejected(updates), self._state(step, state.inner_state)
@@ -106,8 +106,8 @@ class Conditionally:
                              f"bool tensor, got a {flag.dtype} tensor of shape "
                              f"{tuple(flag.shape)}")
         new_updates, new_inner = self.inner.update(updates, state.inner_state, params, **extra)
-        inner = tree_lib.map(lambda n, o: _select(flag, n, o), new_inner, state.inner_state)
-        out = tree_lib.map(lambda n, o: _select(flag, n, o), new_updates,
+        inner = tree_lib.map(lambda n, o: where_leaf(flag, n, o), new_inner, state.inner_state)
+        out = tree_lib.map(lambda n, o: where_leaf(flag, n, o), new_updates,
                            self._rejected(updates))
         return out, self._state(step, inner)
 

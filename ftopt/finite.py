@@ -43,7 +43,7 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: Any
 
 
-def _safe_increment(count: torch.Tensor) -> torch.Tensor:
+def safe_increment(count: torch.Tensor) -> torch.Tensor:
     # As optax.numerics.safe_increment: saturate instead of wrapping around.
     return torch.where(count < _INT32_MAX, count + 1, count)
 
@@ -56,7 +56,7 @@ def _all_finite(leaves: list[torch.Tensor], device: torch.device) -> torch.Tenso
     return all_ranks(torch.stack([torch.isfinite(u).all().to(device) for u in leaves]).all())
 
 
-def _select(flag: torch.Tensor, new: Any, old: Any) -> Any:
+def where_leaf(flag: torch.Tensor, new: Any, old: Any) -> Any:
     """``new`` where ``flag`` else ``old``, leaf by leaf (bit-exact either way)."""
     if not isinstance(new, torch.Tensor) or not isinstance(old, torch.Tensor):
         return new
@@ -118,14 +118,14 @@ class ApplyIfFinite:
                                 f"{type(u).__name__}")
         count = state.notfinite_count
         finite = _all_finite(leaves, count.device)
-        notfinite_count = torch.where(finite, torch.zeros_like(count), _safe_increment(count))
+        notfinite_count = torch.where(finite, torch.zeros_like(count), safe_increment(count))
         apply = finite | (notfinite_count > self.max_consecutive_errors)
         # The inner step always runs (no branch on the device flag); its results are kept
         # only where ``apply`` holds.
         new_updates, new_inner = self.inner.update(updates, state.inner_state, params, **extra)
-        inner = tree_lib.map(lambda n, o: _select(apply, n, o), new_inner, state.inner_state)
+        inner = tree_lib.map(lambda n, o: where_leaf(apply, n, o), new_inner, state.inner_state)
         total = torch.where(finite, state.total_notfinite,
-                            _safe_increment(state.total_notfinite))
+                            safe_increment(state.total_notfinite))
         return (tree_lib.map(lambda u: _skip(apply, u), new_updates),
                 ApplyIfFiniteState(notfinite_count, finite, total, inner))
 

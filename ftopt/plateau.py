@@ -12,7 +12,7 @@ import torch
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import check_finite, check_int
-from ftopt.finite import _safe_increment
+from ftopt.finite import safe_increment
 
 __all__ = ["ReduceLROnPlateauState", "reduce_on_plateau"]
 
@@ -75,7 +75,7 @@ class ReduceOnPlateau:
         improved = s.avg_value < (1 - self.rtol) * s.best_value - self.atol
         best = torch.where(improved, s.avg_value, s.best_value)
         plateau = torch.where(improved, torch.zeros_like(s.plateau_count),
-                              _safe_increment(s.plateau_count))
+                              safe_increment(s.plateau_count))
         reduce = plateau == self.patience
         cooling = s.cooldown_count > 0
         zero = torch.zeros_like(s.plateau_count)
@@ -102,7 +102,7 @@ class ReduceOnPlateau:
         if value.numel() != 1:
             raise ValueError(f"reduce_on_plateau: value must be one number, got shape "
                              f"{tuple(value.shape)}")
-        count = _safe_increment(state.count)
+        count = safe_increment(state.count)
         avg = (state.count * state.avg_value + value.reshape(())) / count
         new = state._replace(count=count, avg_value=avg)
         decided = self._new_scale(new)

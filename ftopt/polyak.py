@@ -15,6 +15,7 @@ from ftopt.base import EmptyState, GradientTransformation, register_owner
 from ftopt.combine import chain
 from ftopt.domains import NONNEG, check_finite
 from ftopt.schedules import ScalarOrSchedule
+from ftopt.skip_fns import squared_norm
 
 __all__ = ["scale_by_polyak", "polyak_sgd"]
 
@@ -49,12 +50,8 @@ class ScaleByPolyak:
         leaves = [u for u in tree_lib.leaves(updates) if u is not None]
         if not leaves:
             return updates, state
-        dtype = torch.float32
-        for u in leaves:
-            dtype = torch.promote_types(dtype, u.dtype)
-        device = leaves[0].device
-        sq = torch.stack([u.to(dtype).square().sum().to(device) for u in leaves]).sum()
-        gap = torch.as_tensor(value, dtype=dtype, device=device).reshape(()) - self.f_min
+        sq = squared_norm(leaves)
+        gap = torch.as_tensor(value, dtype=sq.dtype, device=sq.device).reshape(()) - self.f_min
         if self.variant == "sps+":
             gap = gap.clamp(min=0.0)
         denom = sq + self.eps

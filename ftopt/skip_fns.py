@@ -19,6 +19,16 @@ def _leaves(updates: Any) -> list[torch.Tensor]:
     return [u for u in tree_lib.leaves(updates) if u is not None]
 
 
+def squared_norm(leaves: list[torch.Tensor]) -> torch.Tensor:
+    """Σ u² over ``leaves`` (at least one) as a 0-d tensor on the first one's device, in
+    float32 or the widest of their dtypes, from torch ops only (no host read)."""
+    dtype = torch.float32
+    for u in leaves:
+        dtype = torch.promote_types(dtype, u.dtype)
+    device = leaves[0].device
+    return torch.stack([u.to(dtype).square().sum().to(device) for u in leaves]).sum()
+
+
 def skip_not_finite(updates: Any, gradient_step: Any = None,
                     params: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Skips where any gradient element is NaN or ±Inf, as optax.
@@ -42,17 +52,12 @@ def skip_large_updates(updates: Any, gradient_step: Any, params: Any,
     ``max_squared_norm`` (NaN too), as optax. Bind the bound first:
     ``functools.partial(skip_large_updates, max_squared_norm=100.0)``.
 
-    The squares are summed in float32 (at least). Returns: ``(should_skip,
+    The squares are summed in float32 (at least: :func:`squared_norm`). Returns: ``(should_skip,
     {"should_skip", "norm_squared"})``.
     """
     del gradient_step, params
     max_squared_norm = check_finite("skip_large_updates", "max_squared_norm", max_squared_norm)
     leaves = _leaves(updates)
-    if not leaves:
-        norm_sq = torch.zeros((), dtype=torch.float32)
-    else:
-        norm_sq = torch.stack([
-            u.to(torch.promote_types(u.dtype, torch.float32)).square().sum().float()
-            for u in leaves]).sum()
+    norm_sq = squared_norm(leaves) if leaves else torch.zeros((), dtype=torch.float32)
     should_skip = ~(norm_sq < max_squared_norm)
     return should_skip, {"should_skip": should_skip, "norm_squared": norm_sq}
