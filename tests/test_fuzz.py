@@ -271,6 +271,31 @@ def test_tiny_hyperparameter_in_the_interpreter(wd):
     torch.testing.assert_close(fused, eager, rtol=1e-6, atol=0)
 
 
+def test_stddev_variance_cancels_alike_on_every_backend():
+    """Found by the H200's fuzz (seed 86 example 1840: ... -> scale_by_sign ->
+    scale_by_stddev with bias correction, fp16 states). After the sign the inputs are
+    exact, and the variance n̂ − m̂² cancels: fused rounded m̂ = mu/bc as mu·(1/bc),
+    eager divides, and the cancellation magnified that ulp to 1.3e-5 (fused 14x farther
+    from float64 than eager). The variance is now (nu·bc − mu²)/bc², whose cancelling
+    terms are products every backend rounds alike; the whole contract holds."""
+    import ftopt
+
+    runner = _runner()
+    case = _pinned(runner, 86, 1840, "cpu")
+    assert {k: v for k, v in checks.run_all(case).items() if v} == {}
+    for decay in (0.048, 0.3):  # mostly one sign: n̂ − m̂² ≪ n̂, often 0 (before: 0.27 apart)
+        gen = torch.Generator().manual_seed(15)
+        p = {"w": torch.randn(4096, generator=gen)}
+        tx = ftopt.chain(ftopt.scale_by_sign(),
+                         ftopt.scale_by_stddev(decay, 1e-8, bias_correction=True))
+        s_f = s_e = tx.init(p)
+        for _ in range(4):
+            g = {"w": torch.randn(4096, generator=gen) + 1.5}
+            u_f, s_f = tx.update(g, s_f, p, backend="fused")
+            u_e, s_e = tx.update(g, s_e, p, backend="eager")
+            torch.testing.assert_close(u_f["w"], u_e["w"], rtol=1e-6, atol=0)
+
+
 # ------------------------------------------------------------------------------------------
 # The GPU runner's bookkeeping (benchmarks/fuzz.py): shards, dtypes per structure, merge
 # ------------------------------------------------------------------------------------------
@@ -311,6 +336,13 @@ PINNED = {
                                   ("bias_correction_nu", False)))),
         skip="marker", skip_at=4, bits=32, quant="wrapper", min_size=0, state_dtype="",
         tensors=False, schedules=False, named=True), ("bf16", "fp16")),
+    (86, 1840): (Structure(parts=(
+        Part("scale_by_ademamix", ()), Part("normalize_by_update_norm", ()),
+        Part("scale_by_rms", (("eps_in_sqrt", False),)), Part("scale_by_sign", ()),
+        Part("scale_by_stddev[bias_correction]", (("eps_in_sqrt", False),))),
+        skip="wrap", skip_at=5, bits=32, quant="wrapper", min_size=0,
+        state_dtype="float16", tensors=False, schedules=False, named=False),
+        ("fp16", "fp32")),
 }
 
 

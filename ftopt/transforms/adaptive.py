@@ -254,8 +254,10 @@ def scale_by_stddev(
     def body(o, x):
         mu = o.lerp(x.mu, x.u, x.one_minus_decay)
         nu = o.lerp(x.nu, x.u * x.u, x.one_minus_decay)
-        m_hat, n_hat = (mu / x.bc, nu / x.bc) if bias_correction else (mu, nu)
-        var = n_hat - m_hat * m_hat
+        # n̂ − m̂² as (nu·bc − mu²)/bc²: the two terms that cancel are rounded the same
+        # way by every backend (no quotient inside the difference, which a backend may
+        # round as a product with the reciprocal and the cancellation would magnify).
+        var = (nu * x.bc - mu * mu) / (x.bc * x.bc) if bias_correction else nu - mu * mu
         if eps_in_sqrt:
             return x.u / o.sqrt(var + x.eps), {"mu": mu, "nu": nu}
         return x.u / (o.sqrt(var) + x.eps), {"mu": mu, "nu": nu}
