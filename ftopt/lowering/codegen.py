@@ -341,10 +341,11 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
 
 def main_nodes(traced: TracedChain, quantized: bool) -> list:
     """The nodes the main kernel computes: what its stores (less the elided ones) and
-    flags need."""
-    return traced.graph.closure([node for _, node in kept_stores(traced, quantized)]
-                                + [node for _, node in traced.running_stores]
-                                + list(traced.slot_flags.values()))
+    flags need; fp32 and 16-bit state loads first (``tiles.LOADS_FIRST``)."""
+    nodes = traced.graph.closure([node for _, node in kept_stores(traced, quantized)]
+                                 + [node for _, node in traced.running_stores]
+                                 + list(traced.slot_flags.values()))
+    return traced.graph.loads_first(nodes) if tiles.LOADS_FIRST and not quantized else nodes
 
 
 def _broadcast(value: str) -> str:

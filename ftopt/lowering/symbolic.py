@@ -77,6 +77,22 @@ class Graph:
             stack.extend(self.nodes[name].deps)
         return [n for n in self.nodes.values() if n.name in needed]
 
+    def loads_first(self, nodes: list[Node]) -> list[Node]:
+        """``nodes`` (in creation order) with every load (of a state: ``*_old``) and
+        what it needs first, the rest after: a later stage's load is issued before the
+        earlier stages' arithmetic, not after it (``tiles.LOADS_FIRST``)."""
+        early: set[str] = set()
+        stack = [n.name for n in nodes
+                 if n.name.endswith("_old") or n.expr.startswith("tl.load(")]
+        while stack:
+            name = stack.pop()
+            if name in early or name not in self.nodes:
+                continue
+            early.add(name)
+            stack.extend(self.nodes[name].deps)
+        return ([n for n in nodes if n.name in early]
+                + [n for n in nodes if n.name not in early])
+
     def scalar(self, stage: int, name: str) -> Sym:
         index = len(self.scalars)
         self.scalars.append((stage, name))

@@ -24,6 +24,11 @@ def _per_layout(variable: str, default: str) -> dict[str, int]:
 # Under the Triton interpreter every program costs Python time, so blocks are larger.
 BLOCK = int(os.environ.get("FTOPT_BLOCK", "4096" if INTERPRETING else "512"))
 NUM_WARPS = int(os.environ.get("FTOPT_NUM_WARPS", "4"))
+# fp32 and 16-bit main kernels issue every load before the arithmetic (Graph.loads_first):
+# a load after a correctly rounded division or sqrt waits on its branches. H200, ms:
+# optimistic_adam_v2 1.78 -> 0.63, none slower (benchmarks/RESULTS.md, 2026-12-03). 8-bit
+# kernels keep their order (quantized.hoisted). FTOPT_LOADS_FIRST=0: the chain's order.
+LOADS_FIRST = os.environ.get("FTOPT_LOADS_FIRST", "1") != "0"
 # In-place skip_zeros kernels load p and the states only after g (their masks depend on
 # it, so those loads are not vectorized): their own tile, tuned apart (H200, dense
 # gradients, 1024/4: +3.0% over no skip_zeros where 512/4 gave -0.3%).
