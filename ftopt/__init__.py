@@ -158,6 +158,7 @@ from ftopt.transforms.utility import (
     keep_params_nonnegative,
     zero_nans,
 )
+from ftopt.tree_updates import global_norm, incremental_update, periodic_update
 from ftopt.update import apply_updates, step
 from ftopt.wrappers import InjectHyperparamsState, MultiSteps, MultiStepsState, inject_hyperparams
 
@@ -258,6 +259,9 @@ __all__ = [
     "quantize_states",
     "reduce_on_plateau",
     "polyak_sgd",
+    "global_norm",
+    "incremental_update",
+    "periodic_update",
     "scale_by_polyak",
     "ReduceLROnPlateauState",
     "radam",

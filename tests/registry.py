@@ -929,6 +929,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ScaleByRStdDevWithCountState",
     "ConditionallyTransformState", "ConditionallyMaskState",
     "skip_not_finite", "skip_large_updates",
+    "global_norm", "incremental_update", "periodic_update",
     "FactoredState", "MuonMomentumState",
     "AddNoiseState",
 })
