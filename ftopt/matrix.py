@@ -79,6 +79,7 @@ class MatrixTransform:
 
     matrix_stage = True
     mask_aware = True
+    uses_params = False  # (a stage whose math reads the params: an update needs them)
 
     def __init__(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor],
                  applies: Callable[[torch.Tensor], bool] = is_matrix_2d,

@@ -642,11 +642,14 @@ def check_optimizer(mesh, rank, directory):
 
 
 def check_matrix_stages(mesh, rank, device):
-    """Per-row matrix stages on FSDP2's Shard(0) leaves equal one process; a split they
-    read across is refused before anything is written, naming the leaf."""
+    """Per-row matrix stages on FSDP2's Shard(0) leaves equal one process (and
+    adaptive_grad_clip's whole-leaf units, the biases, whose norms are summed over the
+    ranks); a split they read across is refused before anything is written, naming the
+    leaf."""
     out = {}
-    row_chain = lambda: ftopt.chain(ftopt.centralize(), ftopt.scale_by_row_norm(),  # noqa: E731
-                                    ftopt.adamw(3e-3, weight_decay=0.1))
+    row_chain = lambda: ftopt.chain(  # noqa: E731
+        ftopt.adaptive_grad_clip(0.02), ftopt.centralize(), ftopt.scale_by_row_norm(),
+        ftopt.adamw(3e-3, weight_decay=0.1))
     data = batches(3)
     for backend in ("eager",) + (("fused",) if device is not None else ()):
         model, ref = make_models(mesh)

@@ -422,6 +422,11 @@ TRANSFORMS: list[Entry] = [
     # A matrix stage (ftopt.matrix): the elementwise stages around it fuse in segments.
     Entry("scale_by_row_norm", ftopt.scale_by_row_norm, floats={"eps": HP(0.0, 1e-3)},
           norms="row", keeps_zero=True, example={"eps": 1e-8}),
+    # A matrix stage that reads the params (per-unit norms of update and param).
+    Entry("adaptive_grad_clip", ftopt.adaptive_grad_clip,
+          floats={"clipping": HP(0.01, 2.0, log=True), "eps": HP(0.0, 1e-2)},
+          norms="row", uses_params=True, keeps_zero=True,
+          example={"clipping": 0.05, "eps": 1e-3}),
     Entry("scale_by_lion", ftopt.scale_by_lion, floats={"b1": BETA, "b2": BETA},
           states=("mu",), counted=True, eight_bit=True,
           example={"b1": 0.9, "b2": 0.99}),

@@ -184,6 +184,10 @@ def update(tx, updates, state, params, backend: str, *, cached: bool = True):
                              "params)")
         if callable(stage.rule.leaf_mask):
             raise ValueError(f"{stage.rule.name}: a callable mask needs params")
+    for part in plan.segments or () if params is None else ():
+        if not isinstance(part, ChainPlan) and getattr(part[0], "uses_params", False):
+            raise ValueError(f"{part[0].name} needs params: call update(updates, state, "
+                             "params)")
     if params is not None:
         paths, p_flat, spec = tree_lib.flatten_with_paths(params)
         g_flat = tree_lib.flatten_like(spec, updates, "updates", paths)

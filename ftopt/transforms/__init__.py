@@ -36,7 +36,7 @@ from ftopt.transforms.clipping import (
 )
 from ftopt.transforms.cocob import COCOBState, scale_by_cocob
 from ftopt.transforms.madgrad import MadgradState, scale_by_madgrad
-from ftopt.transforms.matrix_stages import scale_by_row_norm
+from ftopt.transforms.matrix_stages import adaptive_grad_clip, scale_by_row_norm
 from ftopt.transforms.momentum import (
     ApplyEveryState,
     EmaState,
@@ -120,6 +120,7 @@ __all__ = [
     "scale_by_radam",
     "scale_by_rms",
     "scale_by_row_norm",
+    "adaptive_grad_clip",
     "scale_by_rprop",
     "scale_by_rss",
     "scale_by_stddev",

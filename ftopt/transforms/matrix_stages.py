@@ -1,12 +1,21 @@
-"""Matrix stages (see :mod:`ftopt.matrix`): ``scale_by_row_norm``."""
+"""Matrix stages (see :mod:`ftopt.matrix`): ``scale_by_row_norm`` and
+``adaptive_grad_clip``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
+from ftopt import shards
+from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation
 from ftopt.domains import NONNEG, check_finite
-from ftopt.matrix import matrix_transform
+from ftopt.matrix import MatrixTransform, check_shards, flatten_call, matrix_transform
+from ftopt.program import skip_update
+from ftopt.rules import compute_dtype
+from ftopt.validate import check_leaf
 
 
 def scale_by_row_norm(eps: float = 1e-8) -> GradientTransformation:
@@ -27,3 +36,152 @@ def scale_by_row_norm(eps: float = 1e-8) -> GradientTransformation:
         return batch / torch.where(denom == 0, 1.0, denom)  # a zero row (eps 0) stays 0
 
     return matrix_transform("scale_by_row_norm", fn, reads="rows")
+
+
+class AdaptiveGradClip(MatrixTransform):
+    """The stage behind :func:`adaptive_grad_clip` (a matrix stage that reads the params)."""
+
+    uses_params = True
+
+    def __init__(self, clipping: float, eps: float, axis: tuple[int, ...] | None):
+        super().__init__("adaptive_grad_clip", _no_batch_fn, applies=_any_leaf, reads="rows")
+        self.clipping, self.eps, self.axis = clipping, eps, axis
+
+    def axes(self, path: str, x: torch.Tensor) -> tuple[int, ...]:
+        """The dims of ``x`` a unit spans (those its norm sums over)."""
+        if self.axis is None:
+            if x.squeeze().ndim <= 1:  # scalars and vectors: the whole leaf
+                return tuple(range(x.ndim))
+            return tuple(range(1, x.ndim))  # torch's (out, in, ...): one unit an output
+        out = []
+        for a in self.axis:
+            if not -x.ndim <= a < x.ndim:
+                raise ValueError(f"adaptive_grad_clip at {path}: axis {a} is out of range "
+                                 f"for a leaf of shape {tuple(x.shape)}")
+            out.append(a % x.ndim)
+        return tuple(sorted(set(out)))
+
+    def check_shards(self, paths: Sequence[str], u_flat: Sequence[Any]) -> None:
+        # A whole-leaf unit takes its norms over the ranks (shards.reduce_squares): any
+        # split. Output rows (dim 0 not in the unit): a split on dim 0 only. Other units
+        # read across any split.
+        for path, u in zip(paths, u_flat):
+            if u is not None:
+                axes = self.axes(path, u)
+                if len(axes) < u.ndim:
+                    check_shards(self.name, "leaf" if 0 in axes else "rows", _any_leaf,
+                                 [path], [u])
+
+    def check_state(self, state: Any, u_flat: Sequence[Any], p_flat: Sequence[Any],
+                    spec: Any, paths: Sequence[str]) -> None:
+        """Before a segmented fused step writes anything: params given, axes valid."""
+        del state, spec
+        for path, u, p in zip(paths, u_flat, p_flat):
+            if u is not None:
+                if p is None:
+                    raise ValueError("adaptive_grad_clip needs params: call "
+                                     "update(updates, state, params)")
+                self.axes(path, u)
+
+    def clip_flat(self, u_flat: Sequence[Any], p_flat: Sequence[Any], paths: Sequence[str],
+                  zero_flat: Sequence[Any] | None) -> list:
+        out = list(u_flat)
+        groups: dict[tuple, list[int]] = {}
+        whole: list[int] = []
+        for i, (path, u, p) in enumerate(zip(paths, u_flat, p_flat)):
+            if u is None:
+                continue
+            if p is None:
+                raise ValueError("adaptive_grad_clip needs params: call update(updates, "
+                                 "state, params)")
+            axes = self.axes(path, u)
+            if len(axes) == u.ndim:
+                whole.append(i)
+            else:
+                groups.setdefault((tuple(u.shape), compute_dtype(u), u.device, axes),
+                                  []).append(i)
+        for (_, dtype, _, axes), leaves in groups.items():
+            u = torch.stack([u_flat[i].to(dtype) for i in leaves])
+            p = torch.stack([p_flat[i].to(u.device, dtype) for i in leaves])
+            dims = [a + 1 for a in axes]
+            result = self._clip(u, torch.linalg.vector_norm(u, dim=dims, keepdim=True),
+                                torch.linalg.vector_norm(p, dim=dims, keepdim=True))
+            for j, i in enumerate(leaves):
+                out[i] = result[j]
+        if whole:  # one buffer of Σu² and Σp², summed over the ranks on local shards
+            first = u_flat[whole[0]]
+            wide = torch.float32
+            for i in whole:
+                wide = torch.promote_types(wide, u_flat[i].dtype)
+            squares = torch.stack(
+                [x.to(first.device, wide).square().sum()
+                 for x in [u_flat[i] for i in whole] + [p_flat[i] for i in whole]])
+            norms = shards.reduce_squares(squares, [paths[i] for i in whole] * 2).sqrt()
+            for k, i in enumerate(whole):
+                u = u_flat[i].to(compute_dtype(u_flat[i]))
+                out[i] = self._clip(u, norms[k].to(u.device, u.dtype),
+                                    norms[len(whole) + k].to(u.device, u.dtype))
+        if zero_flat is not None:
+            out = [u if u is None or z is None else skip_update(u, z)
+                   for u, z in zip(out, zero_flat)]
+        return out
+
+    def _clip(self, u: torch.Tensor, g_norm: torch.Tensor, p_norm: torch.Tensor
+              ) -> torch.Tensor:
+        max_norm = self.clipping * p_norm.clamp_min(self.eps)
+        return torch.where(g_norm < max_norm, u, u * (max_norm / g_norm.clamp_min(1e-6)))
+
+    def update(self, updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("adaptive_grad_clip needs params: call update(updates, state, "
+                             "params)")
+        spec, paths, leaves, p_flat, zero_flat = flatten_call(updates, params, extra)
+        for path, u, p in zip(paths, leaves, p_flat):
+            if u is not None:
+                check_leaf(path, u, p)
+        self.check_shards(paths, leaves)
+        return tree_lib.unflatten(spec, self.clip_flat(leaves, p_flat, paths, zero_flat)), state
+
+    def run_flat(self, u_flat, zero_flat, state, p_flat, spec, paths):
+        del spec
+        return self.clip_flat(u_flat, p_flat, paths, zero_flat), state
+
+
+def _no_batch_fn(batch: torch.Tensor) -> torch.Tensor:
+    raise TypeError("adaptive_grad_clip reads the params: it runs through clip_flat")
+
+
+def _any_leaf(leaf: torch.Tensor) -> bool:
+    return True
+
+
+def adaptive_grad_clip(clipping: float | torch.Tensor, eps: float | torch.Tensor = 1e-3,
+                       axis: int | Sequence[int] | None = None) -> GradientTransformation:
+    """Clips each unit of an update to at most ``clipping`` times its param's norm
+    (Brock et al. 2021, as optax): ``u ← u · clipping·max(‖p‖, eps)/‖u‖`` where ``‖u‖``
+    exceeds that, unit by unit.
+
+    A unit is a slice of the leaf over the dims ``axis`` lists (its norm sums over them).
+    The default follows torch's layouts: a leaf with at most one dim larger than 1 is one
+    unit; any other leaf has one unit for each index of its first dim (an output row of a
+    ``Linear`` weight ``(out, in)``, a filter of a ``Conv`` weight ``(out, in, *kernel)``),
+    as timm's ``adaptive_clip_grad``. optax's default reads JAX's ``(in, out)`` kernels:
+    the same units, written ``axis=0`` there. Runs eagerly (torch ops, leaves of one shape
+    batched); the elementwise stages around it stay fused.
+
+    Args:
+        clipping: the largest ratio of a unit's update norm to its param norm, >= 0.
+        eps: the smallest param norm used, >= 0 (default: 1e-3), so zero-initialised
+            params still move.
+        axis: the dims a unit spans, for every leaf (default: by layout, above).
+    """
+    clipping = check_finite("adaptive_grad_clip", "clipping", clipping, NONNEG)
+    eps = check_finite("adaptive_grad_clip", "eps", eps, NONNEG)
+    if axis is not None:
+        axes = (axis,) if isinstance(axis, int) else tuple(axis)
+        if not axes or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes):
+            raise TypeError(f"adaptive_grad_clip: axis must be an int or a non-empty "
+                            f"sequence of ints, got {axis!r}")
+        axis = axes
+    stage = AdaptiveGradClip(clipping, eps, axis)
+    return GradientTransformation(stage.init, stage.update)
