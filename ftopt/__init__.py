@@ -2,7 +2,7 @@
 
 from ftopt import dispatch, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
-from ftopt.alias_matrix import adafactor, muon
+from ftopt.alias_matrix import adafactor, muon, sm3
 from ftopt.alias_more import adan, cocob, madgrad, rprop
 from ftopt.alias_noise import noisy_sgd
 from ftopt.alias_norms import fromage, novograd
@@ -100,6 +100,7 @@ from ftopt.transforms import (
     ScaleByRStdDevWithCountState,
     ScaleByScheduleState,
     ScaleBySimplifiedAdEMAMixState,
+    ScaleBySM3State,
     TraceState,
     adaptive_grad_clip,
     add_decayed_weights,
@@ -133,6 +134,7 @@ from ftopt.transforms import (
     scale_by_schedule,
     scale_by_sign,
     scale_by_simplified_ademamix,
+    scale_by_sm3,
     scale_by_stddev,
     scale_by_trust_ratio,
     scale_by_yogi,
@@ -292,6 +294,9 @@ __all__ = [
     "scale_by_rms",
     "scale_by_row_norm",
     "adaptive_grad_clip",
+    "ScaleBySM3State",
+    "scale_by_sm3",
+    "sm3",
     "scale_by_rprop",
     "scale_by_rss",
     "scale_by_stddev",

@@ -1,4 +1,5 @@
-"""Optimizers with matrix stages (:mod:`ftopt.matrix`): ``adafactor`` and ``muon``.
+"""Optimizers with matrix stages (:mod:`ftopt.matrix`): ``adafactor``, ``muon`` and
+``sm3``.
 
 optax signatures and defaults, plus the keyword-only ``skip_zeros``, ``state_bits`` and
 ``state_dtype`` every alias takes (:mod:`ftopt.alias`).
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ftopt.alias import adamw, check_state_options, finish
+from ftopt.alias import adamw, chain_alias, check_state_options, finish
 from ftopt.base import GradientTransformation
 from ftopt.combine import partition
 from ftopt.quantize import STATE_DTYPES
@@ -28,9 +29,10 @@ from ftopt.transforms.factored import (
     scale_by_param_block_rms,
 )
 from ftopt.transforms.muon import DEFAULT_NS_COEFFS, scale_by_muon, scale_by_shape
+from ftopt.transforms.sm3 import scale_by_sm3
 from ftopt.tree import map as tree_map
 
-__all__ = ["adafactor", "muon"]
+__all__ = ["adafactor", "muon", "sm3"]
 
 Float = float | torch.Tensor
 
@@ -162,3 +164,12 @@ def muon(
                       nesterov=nesterov, skip_zeros=skip_zeros, state_bits=state_bits,
                       state_dtype=state_dtype, state_rounding=state_rounding)
     return partition({"muon": matrix_part, "adam": adam_part}, _is_matrix)
+
+
+@chain_alias
+def sm3(learning_rate: ScalarOrSchedule, momentum: Float = 0.9) -> list[GradientTransformation]:
+    """SM3 (Anil et al. 2019), as optax: ``chain(scale_by_sm3(momentum),
+    scale_by_learning_rate(lr))`` (optax scales by ``-lr``; a schedule works here too).
+    Its accumulators and momentum belong to the matrix stage and stay in the params'
+    compute dtype whatever ``state_bits`` and ``state_dtype`` say."""
+    return [scale_by_sm3(momentum), scale_by_learning_rate(learning_rate)]

@@ -64,6 +64,7 @@ from ftopt.transforms.scaling import (
     weight_decay,
 )
 from ftopt.transforms.sign import ScaleByLionState, scale_by_lion, scale_by_sign
+from ftopt.transforms.sm3 import ScaleBySM3State, scale_by_sm3
 from ftopt.transforms.utility import (
     centralize,
     clip,
@@ -121,6 +122,8 @@ __all__ = [
     "scale_by_rms",
     "scale_by_row_norm",
     "adaptive_grad_clip",
+    "ScaleBySM3State",
+    "scale_by_sm3",
     "scale_by_rprop",
     "scale_by_rss",
     "scale_by_stddev",
