@@ -3,7 +3,7 @@
 from ftopt import dispatch, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
 from ftopt.alias_matrix import adafactor, muon, sm3
-from ftopt.alias_more import adan, cocob, madgrad, rprop
+from ftopt.alias_more import adan, cocob, dog, dowg, madgrad, rprop
 from ftopt.alias_noise import noisy_sgd
 from ftopt.alias_norms import fromage, novograd
 from ftopt.alias_prodigy import prodigy
@@ -81,6 +81,8 @@ from ftopt.torch_port import from_torch_state_dict, to_torch_state_dict
 from ftopt.transforms import (
     ApplyEveryState,
     COCOBState,
+    DoGState,
+    DoWGState,
     EmaState,
     LeafSecondMomentState,
     MadgradState,
@@ -121,6 +123,8 @@ from ftopt.transforms import (
     scale_by_amsgrad,
     scale_by_belief,
     scale_by_cocob,
+    scale_by_dog,
+    scale_by_dowg,
     scale_by_learning_rate,
     scale_by_lion,
     scale_by_madgrad,
@@ -297,6 +301,12 @@ __all__ = [
     "ScaleBySM3State",
     "scale_by_sm3",
     "sm3",
+    "DoGState",
+    "DoWGState",
+    "scale_by_dog",
+    "scale_by_dowg",
+    "dog",
+    "dowg",
     "scale_by_rprop",
     "scale_by_rss",
     "scale_by_stddev",

@@ -1,6 +1,6 @@
 """More elementwise optimizers of optax's catalogue (optax and optax.contrib names,
 signatures and defaults), each a short chain of transforms: ``adan``, ``madgrad``,
-``cocob``, ``rprop``.
+``cocob``, ``rprop``, ``dog``, ``dowg``.
 
 As in :mod:`ftopt.alias`, every alias takes keyword-only ``skip_zeros``, ``state_bits`` and
 ``state_dtype``.
@@ -22,8 +22,9 @@ from ftopt.transforms import (
     scale_by_madgrad,
     scale_by_rprop,
 )
+from ftopt.transforms.dog import scale_by_dog, scale_by_dowg
 
-__all__ = ["adan", "cocob", "madgrad", "rprop"]
+__all__ = ["adan", "cocob", "dog", "dowg", "madgrad", "rprop"]
 
 
 @chain_alias
@@ -86,3 +87,33 @@ def rprop(
     step behind torch.optim.Rprop's; see :func:`ftopt.scale_by_rprop`)."""
     return [scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size, max_step_size),
             scale(-1.0)]
+
+
+@chain_alias
+def dog(
+    learning_rate: ScalarOrSchedule = 1.0,
+    init_step: tuple[str, Float] = ("heuristic", 1e-6),
+    eps: Float = 1e-8,
+    weight_decay: Float | None = None,
+    mask: Any = None,
+) -> list[GradientTransformation]:
+    """DoG (optax.contrib): ``chain([add_decayed_weights(wd, mask)],
+    scale_by_dog(init_step, eps), scale_by_learning_rate(lr))``. Its state keeps a copy of
+    the params at ``init`` (pass the real params there)."""
+    parts = [] if weight_decay is None else [add_decayed_weights(weight_decay, mask)]
+    return parts + [scale_by_dog(init_step, eps), scale_by_learning_rate(learning_rate)]
+
+
+@chain_alias
+def dowg(
+    learning_rate: ScalarOrSchedule = 1.0,
+    init_estim_sq_dist: Float | None = None,
+    eps: Float = 1e-4,
+    weight_decay: Float | None = None,
+    mask: Any = None,
+) -> list[GradientTransformation]:
+    """DoWG (optax.contrib): ``chain([add_decayed_weights(wd, mask)],
+    scale_by_dowg(init_estim_sq_dist, eps), scale_by_learning_rate(lr))``."""
+    parts = [] if weight_decay is None else [add_decayed_weights(weight_decay, mask)]
+    return parts + [scale_by_dowg(init_estim_sq_dist, eps),
+                    scale_by_learning_rate(learning_rate)]

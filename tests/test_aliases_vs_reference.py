@@ -15,6 +15,7 @@ from __future__ import annotations
 import optree
 import pytest
 import reference as R
+import reference_dog as RD
 import reference_noise as RZ
 import reference_norms as RN
 import reference_prodigy as RP
@@ -322,6 +323,20 @@ CASES = {
     ),
 }
 
+# DoG and DoWG (tests/reference_dog.py): one step size for the tree, from global norms.
+# The step grows with the distance travelled, which feeds back the rounding of every
+# earlier step (as Prodigy's estimate does), and ‖x₀ − p‖ is a difference of fp32 params
+# (relative error ~ulp(p)/|x₀ − p|): hyperparameters whose steps travel far enough for 20
+# steps to stay within the trajectory tolerance; each step from the same state, and the
+# defaults: tests/test_dog.py.
+CASES["dog"] = (lambda: ftopt.dog(1.0, ("heuristic", 1e-2), eps=1e-8, weight_decay=0.05),
+                lambda: RD.RefDoG(1.0, ("heuristic", 1e-2), eps=1e-8, weight_decay=0.05))
+CASES["dog_distance"] = (lambda: ftopt.dog(0.5, ("distance", 0.1)),
+                         lambda: RD.RefDoG(0.5, ("distance", 0.1)))
+CASES["dog_learning_rate"] = (lambda: ftopt.dog(1.0, ("learning_rate", 0.05)),
+                              lambda: RD.RefDoG(1.0, ("learning_rate", 0.05)))
+CASES["dowg"] = (lambda: ftopt.dowg(0.3, init_estim_sq_dist=0.01, weight_decay=0.05),
+                 lambda: RD.RefDoWG(0.3, init_estim_sq_dist=0.01, weight_decay=0.05))
 CASES["noisy_sgd"] = (lambda: ftopt.noisy_sgd(0.05, eta=0.02, gamma=0.6, seed=77),
                       lambda: RZ.RefNoisySGD(0.05, eta=0.02, gamma=0.6, seed=77))
 
@@ -348,6 +363,7 @@ REGISTRY_CASES = {
     "adan": "adan", "madgrad": "madgrad", "rprop": "rprop", "noisy_sgd": "noisy_sgd",
     "schedule_free_sgd": "schedule_free_sgd", "schedule_free_adamw": "schedule_free_adamw",
     "novograd": "novograd", "fromage": "fromage", "prodigy": "prodigy",
+    "dog": "dog", "dowg": "dowg",
 }
 PATHS = ["update", "step_eager"]
 

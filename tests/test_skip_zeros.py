@@ -461,6 +461,22 @@ CASES["prodigy"] = _alias(
     step_grads=lambda params, gen: steady_sign_grads(params, gen),
     reference=_prodigy_reference,
 )
+# DoG and DoWG: one step size for the tree, from global norms of the update (weight decay
+# in it, so the skipped elements' share differs) and of the distance from init_params. The
+# step is ~r/‖g‖ over ~9,000 elements: a large learning rate, so that the weight decay
+# alone moves bf16 params in the control.
+CASES["dog"] = _alias(
+    lambda **kw: T.dog(100.0, ("distance", 1e-2), weight_decay=WD, **kw),
+    lambda: [T.add_decayed_weights(WD), T.scale_by_dog(("distance", 1e-2)),
+             T.scale_by_learning_rate(100.0)],
+    norm="global", changes={"params"},
+)
+CASES["dowg"] = _alias(
+    lambda **kw: T.dowg(100.0, 1e-3, weight_decay=WD, **kw),
+    lambda: [T.add_decayed_weights(WD), T.scale_by_dowg(1e-3),
+             T.scale_by_learning_rate(100.0)],
+    norm="global", changes={"params"},
+)
 CASES["noisy_sgd"] = _alias(  # the noise moves params where the gradient is zero, so the
     lambda **kw: T.noisy_sgd(1e-2, eta=0.05, gamma=0.5, seed=3, **kw),  # warm-up has none
     lambda: [T.add_noise(0.05, 0.5, seed=3), T.scale_by_learning_rate(1e-2)],
