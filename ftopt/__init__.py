@@ -25,7 +25,7 @@ from ftopt.alias_variants import (
     simplified_ademamix,
     yogi,
 )
-from ftopt.base import EmptyState, GradientTransformation, set_to_zero, stateless
+from ftopt.base import EmptyState, GradientTransformation, stateless
 from ftopt.bnb_port import from_bnb_state_dict, to_bnb_state_dict
 from ftopt.checkpoint import load_state_dict, state_dict
 from ftopt.combine import (
@@ -44,7 +44,7 @@ from ftopt.conditional import (
     conditionally_transform,
 )
 from ftopt.finite import ApplyIfFiniteState, apply_if_finite
-from ftopt.freezing import freeze, multi_transform, selective_transform
+from ftopt.freezing import freeze, multi_transform, selective_transform, set_to_zero
 from ftopt.lookahead import LookaheadParams, LookaheadState, lookahead
 from ftopt.lowering.explain import explain
 from ftopt.optim import Optimizer

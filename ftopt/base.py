@@ -19,7 +19,6 @@ OptState = PyTree
 __all__ = [
     "GradientTransformation",
     "EmptyState",
-    "set_to_zero",
     "stateless",
     "register_state",
     "check_transform",
@@ -135,7 +134,3 @@ def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransf
     obj = _Stateless(fn)
     return GradientTransformation(obj.init, obj.update)
 
-
-def set_to_zero() -> GradientTransformation:
-    """Replaces every update by zero: u ← 0 (``None`` leaves stay ``None``)."""
-    return stateless(lambda updates, params: tree_lib.map(torch.zeros_like, updates))

@@ -1,6 +1,6 @@
-"""Freezing parameters, as optax: ``freeze`` (zero updates where a mask is True) and
-``selective_transform`` (an optimizer for the other leaves only, no state for the frozen
-ones); ``multi_transform``, optax's older name of :func:`ftopt.partition`."""
+"""Freezing parameters, as optax: ``set_to_zero``, ``freeze`` (zero updates where a mask
+is True) and ``selective_transform`` (an optimizer for the other leaves only, no state for
+the frozen ones); ``multi_transform``, optax's older name of :func:`ftopt.partition`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ftopt.combine import masked, partition
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule
 
-__all__ = ["freeze", "selective_transform", "multi_transform"]
+__all__ = ["set_to_zero", "freeze", "selective_transform", "multi_transform"]
 
 multi_transform = partition  # optax's name before partition
 
@@ -21,8 +21,9 @@ def _zero_body(o, x):
     return o.where(x.u != x.u, 0.0, 0.0), {}  # +0.0 everywhere, NaN and -0.0 too
 
 
-def _zeros() -> GradientTransformation:
-    """``set_to_zero`` as an elementwise rule: a chain holding it still fuses."""
+def set_to_zero() -> GradientTransformation:
+    """Replaces every update by zero: u ← +0.0 (NaN and −0.0 too; ``None`` leaves stay
+    ``None``). An elementwise rule, so a chain holding it still fuses."""
     return rule_transform(Rule("set_to_zero", _zero_body))
 
 
@@ -41,7 +42,7 @@ def freeze(mask: bool | Any) -> GradientTransformation:
         mask: a bool (every leaf frozen, or none), a pytree of bools shaped like the
             params (True: frozen), or a function of the params returning one.
     """
-    return masked(_zeros(), _mask_tree(mask))
+    return masked(set_to_zero(), _mask_tree(mask))
 
 
 def selective_transform(optimizer: GradientTransformation, *,
@@ -61,4 +62,4 @@ def selective_transform(optimizer: GradientTransformation, *,
         flags = mask(params) if callable(mask) else mask
         return tree_lib.map(lambda frozen: "freeze" if frozen else "train", flags)
 
-    return partition({"train": optimizer, "freeze": _zeros()}, labels)
+    return partition({"train": optimizer, "freeze": set_to_zero()}, labels)

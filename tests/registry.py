@@ -471,9 +471,8 @@ TRANSFORMS: list[Entry] = [
           example={"max_norm": 1.0}),
     Entry("identity", ftopt.identity, keeps_zero=True),
     Entry("skip_zeros", ftopt.skip_zeros, kind="marker", keeps_zero=True),
+    Entry("set_to_zero", ftopt.set_to_zero, keeps_zero=True, moves=False),
     # ---- utilities without an elementwise rule: they run eagerly
-    Entry("set_to_zero", ftopt.set_to_zero, keeps_zero=True, fusible=False,
-          moves=False),
     Entry("stateless", lambda: ftopt.stateless(_halve), keeps_zero=True, fusible=False),
     # ---- combinators: ``make`` takes the inner transforms
     Entry("chain", lambda inner=(): ftopt.chain(*inner), kind="combinator",

@@ -198,6 +198,21 @@ def test_freeze_zeros_masked_updates_and_passes_the_rest():
                                                  ftopt.tree.leaves(grads)))
 
 
+def test_set_to_zero_is_a_fused_rule():
+    """Every update +0.0 (NaN, ±inf and −0.0 too), fused and eager alike; a chain holding
+    it runs as one fused kernel, where the eager stateless transform it replaced split it."""
+    odd = {"w": torch.tensor([math.nan, -0.0, -math.inf, 2.0, 3e-39], device=DEVICE),
+           "s": torch.tensor(-1.5, device=DEVICE)}
+    tx = ftopt.chain(ftopt.scale_by_adam(), ftopt.set_to_zero())
+    for backend in ("eager", "fused"):
+        out, _ = tx.update(odd, tx.init(odd), odd, backend=backend)
+        for u in ftopt.tree.leaves(out):
+            assert torch.equal(u.view(torch.int32).cpu(), torch.zeros(u.shape, dtype=torch.int32))
+    plan = ftopt.explain(ftopt.chain(ftopt.scale_by_adam(), ftopt.set_to_zero(),
+                                     ftopt.add_decayed_weights(0.1)), odd)
+    assert "3 elementwise stages (scale_by_adam, set_to_zero, add_decayed_weights)" in plan
+
+
 def test_selective_transform_bool_and_errors():
     gen = torch.Generator().manual_seed(5)
     params = _params(gen)
