@@ -65,8 +65,8 @@ class Graph:
     def sym(self, name: str) -> Sym:
         return Sym(name, self.nodes[name].kind, self)
 
-    def closure(self, roots: list[str]) -> list[Node]:
-        """The nodes ``roots`` depend on, in creation order."""
+    def _needs(self, roots: list[str]) -> set[str]:
+        """The names of ``roots`` and of every node they depend on."""
         needed: set[str] = set()
         stack = list(roots)
         while stack:
@@ -75,21 +75,19 @@ class Graph:
                 continue
             needed.add(name)
             stack.extend(self.nodes[name].deps)
+        return needed
+
+    def closure(self, roots: list[str]) -> list[Node]:
+        """The nodes ``roots`` depend on, in creation order."""
+        needed = self._needs(roots)
         return [n for n in self.nodes.values() if n.name in needed]
 
     def loads_first(self, nodes: list[Node]) -> list[Node]:
         """``nodes`` (in creation order) with every load (of a state: ``*_old``) and
         what it needs first, the rest after: a later stage's load is issued before the
         earlier stages' arithmetic, not after it (``tiles.LOADS_FIRST``)."""
-        early: set[str] = set()
-        stack = [n.name for n in nodes
-                 if n.name.endswith("_old") or n.expr.startswith("tl.load(")]
-        while stack:
-            name = stack.pop()
-            if name in early or name not in self.nodes:
-                continue
-            early.add(name)
-            stack.extend(self.nodes[name].deps)
+        early = self._needs([n.name for n in nodes
+                             if n.name.endswith("_old") or n.expr.startswith("tl.load(")])
         return ([n for n in nodes if n.name in early]
                 + [n for n in nodes if n.name not in early])
 
