@@ -47,6 +47,7 @@ from ftopt.finite import ApplyIfFiniteState, apply_if_finite
 from ftopt.freezing import freeze, multi_transform, selective_transform, set_to_zero
 from ftopt.lookahead import LookaheadParams, LookaheadState, lookahead
 from ftopt.lowering.explain import explain
+from ftopt.momo import MomoAdamState, MomoState, momo, momo_adam
 from ftopt.optim import Optimizer
 from ftopt.plateau import ReduceLROnPlateauState, reduce_on_plateau
 from ftopt.polyak import polyak_sgd, scale_by_polyak
@@ -266,6 +267,10 @@ __all__ = [
     "quantize_states",
     "reduce_on_plateau",
     "polyak_sgd",
+    "momo",
+    "momo_adam",
+    "MomoState",
+    "MomoAdamState",
     "global_norm",
     "incremental_update",
     "periodic_update",

@@ -938,7 +938,9 @@ assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
 PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
                                    "reduce_on_plateau": "tests/test_plateau.py",
                                    "scale_by_polyak": "tests/test_polyak.py",
-                                   "polyak_sgd": "tests/test_polyak.py"}
+                                   "polyak_sgd": "tests/test_polyak.py",
+                                   "momo": "tests/test_momo.py",
+                                   "momo_adam": "tests/test_momo.py"}
 
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({
@@ -965,6 +967,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "sgdr_schedule",
     "ApplyEveryState", "COCOBState", "ReduceLROnPlateauState", "ScaleByRStdDevState",
     "ScaleByRStdDevWithCountState", "ScaleBySM3State", "DoGState", "DoWGState",
+    "MomoState", "MomoAdamState",
     "ConditionallyTransformState", "ConditionallyMaskState",
     "skip_not_finite", "skip_large_updates",
     "global_norm", "incremental_update", "periodic_update",
