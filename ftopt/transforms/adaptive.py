@@ -12,6 +12,7 @@ from ftopt.domains import NONNEG, POSITIVE, UNIT, UNIT_OPEN
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule, Slot
 from ftopt.schedules import ScalarOrSchedule
+from ftopt.transforms.momentum import decay_scalars
 
 
 @register_state
@@ -207,7 +208,7 @@ def scale_by_rms(
         slots=(Slot("nu", signed=False, init="initial_scale"),),
         hparams={"decay": decay, "eps": eps, "initial_scale": _host_float(initial_scale)},
         domains={"decay": UNIT, "eps": NONNEG, "initial_scale": NONNEG},
-        scalars=lambda t, h: {"one_minus_decay": 1 - h["decay"]},
+        scalars=decay_scalars(False),
     )
     return rule_transform(rule)
 
@@ -262,12 +263,6 @@ def scale_by_stddev(
             return x.u / o.sqrt(var + x.eps), {"mu": mu, "nu": nu}
         return x.u / (o.sqrt(var) + x.eps), {"mu": mu, "nu": nu}
 
-    def scalars(t, h):
-        out = {"one_minus_decay": 1 - h["decay"]}
-        if bias_correction:
-            out["bc"] = 1 - h["decay"] ** t
-        return out
-
     rule = Rule(
         "scale_by_stddev",
         body,
@@ -276,7 +271,7 @@ def scale_by_stddev(
         hparams={"decay": decay, "eps": eps, "initial_scale": _host_float(initial_scale)},
         domains={"decay": UNIT_OPEN if bias_correction else UNIT, "eps": NONNEG,
                  "initial_scale": NONNEG},
-        scalars=scalars,
+        scalars=decay_scalars(bias_correction),
         counted=bias_correction,
     )
     return rule_transform(rule)

@@ -43,6 +43,19 @@ def trace(decay: float | torch.Tensor, nesterov: bool = False) -> GradientTransf
     return rule_transform(rule)
 
 
+def decay_scalars(bias_correction: bool):
+    """The per-step scalars of a running average with hyperparameter ``decay``:
+    ``one_minus_decay`` and, with ``bias_correction``, ``bc`` = 1 − decayᵗ."""
+
+    def scalars(t, h):
+        out = {"one_minus_decay": 1 - h["decay"]}
+        if bias_correction:
+            out["bc"] = 1 - h["decay"] ** t
+        return out
+
+    return scalars
+
+
 @register_state
 class EmaState(NamedTuple):
     """The step count and the exponential moving average (optax's layout)."""
@@ -67,12 +80,6 @@ def ema(decay: float | torch.Tensor, debias: bool = True) -> GradientTransformat
         average = o.lerp(x.ema, x.u, x.one_minus_decay)  # decay·ema + (1−decay)·u
         return (average / x.bc if debias else average), {"ema": average}
 
-    def scalars(t, h):
-        s = {"one_minus_decay": 1 - h["decay"]}
-        if debias:
-            s["bc"] = 1 - h["decay"] ** t
-        return s
-
     rule = Rule(
         "ema",
         body,
@@ -80,7 +87,7 @@ def ema(decay: float | torch.Tensor, debias: bool = True) -> GradientTransformat
         slots=(Slot("ema"),),
         hparams={"decay": decay},
         domains={"decay": UNIT_OPEN if debias else UNIT},
-        scalars=scalars,
+        scalars=decay_scalars(debias),
         counted=True,
     )
     return rule_transform(rule)
