@@ -6,7 +6,7 @@ from ftopt.alias_matrix import adafactor, muon, sm3
 from ftopt.alias_more import adan, cocob, dog, dowg, madgrad, rprop
 from ftopt.alias_noise import noisy_sgd
 from ftopt.alias_norms import fromage, novograd
-from ftopt.alias_prodigy import prodigy
+from ftopt.alias_prodigy import dadapt_adamw, prodigy
 from ftopt.alias_variants import (
     acprop,
     adabelief,
@@ -146,6 +146,7 @@ from ftopt.transforms import (
     trace,
     weight_decay,
 )
+from ftopt.transforms.dadapt import DAdaptAdamWState
 from ftopt.transforms.factored import (
     FactoredState,
     clip_by_block_rms,
@@ -268,6 +269,8 @@ __all__ = [
     "reduce_on_plateau",
     "polyak_sgd",
     "momo",
+    "dadapt_adamw",
+    "DAdaptAdamWState",
     "momo_adam",
     "MomoState",
     "MomoAdamState",

@@ -1,5 +1,6 @@
-"""``prodigy`` (optax.contrib): learning-rate-free AdamW (see :mod:`ftopt.transforms.prodigy`
-for the math and how it runs)."""
+"""``prodigy`` and ``dadapt_adamw`` (optax.contrib): learning-rate-free AdamW (see
+:mod:`ftopt.transforms.prodigy` and :mod:`ftopt.transforms.dadapt` for the math and how
+they run)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Any
 from ftopt.alias import Float, chain_alias
 from ftopt.base import GradientTransformation
 from ftopt.schedules import ScalarOrSchedule
+from ftopt.transforms.dadapt import dadapt_adamw as _dadapt_adamw
 from ftopt.transforms.prodigy import scale_by_prodigy
 
-__all__ = ["prodigy"]
+__all__ = ["prodigy", "dadapt_adamw"]
 
 
 @chain_alias
@@ -44,3 +46,20 @@ def prodigy(
     """
     return [scale_by_prodigy(learning_rate, betas, beta3, eps, estim_lr0, estim_lr_coef,
                              weight_decay, safeguard_warmup, weight_decay_mask)]
+
+
+@chain_alias
+def dadapt_adamw(
+    learning_rate: ScalarOrSchedule = 1.0,
+    betas: tuple[Float, Float] = (0.9, 0.999),
+    eps: Float = 1e-8,
+    estim_lr0: float = 1e-6,
+    weight_decay: Float = 0.0,
+) -> list[GradientTransformation]:
+    """D-Adaptation AdamW (as optax.contrib.dadapt_adamw, same arguments and defaults):
+    AdamW whose step is d·lr, d a running lower bound of the distance to the solution from
+    a global sum Σ g·s/(√v + eps) and the global L1 norm of s. One fused rule; the state is
+    optax's ``DAdaptAdamWState`` (d and its numerator 0-d tensors moved on the device).
+    ``state_bits=8`` and ``state_dtype`` store m, v and s as every rule's slots.
+    """
+    return [_dadapt_adamw(learning_rate, betas, eps, estim_lr0, weight_decay)]

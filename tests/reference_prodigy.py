@@ -60,3 +60,49 @@ class RefProdigy(RefOptimizer):
             self.last_update[k] = u
             out[k] = p[k] + u
         return out
+
+
+class RefDAdaptAdamW(RefOptimizer):
+    """optax.contrib.dadapt_adamw (D-Adaptation, Prodigy's predecessor), from
+    optax/contrib/_dadapt_adamw.py: β = √b2, dlr = E·lr·√(1−b2ᵗ)/(1−b1ᵗ);
+    A = Σ g·s/(√v + eps) (old s, v); m ← b1 m + (1−b1) dlr g; v ← b2 v + (1−b2) g²;
+    s ← β s + (1−β) dlr g; num ← β num + (1−β) dlr A; E ← max(E, num/((1−β) Σ|s|))
+    (kept where Σ|s| = 0); u = −wd dlr p − m/(√v + eps). ``skip`` as RefProdigy's."""
+
+    def __init__(self, lr=1.0, b1=0.9, b2=0.999, eps=1e-8, estim_lr0=1e-6, weight_decay=0.0):
+        super().__init__()
+        self.lr, self.b1, self.b2, self.eps, self.wd = lr, b1, b2, eps, weight_decay
+        self.estim, self.num = estim_lr0, 0.0
+
+    def step(self, params: dict, grads: dict, skip: dict | None = None) -> dict:
+        self.t += 1
+        t, sb2 = self.t, math.sqrt(self.b2)
+        p = {k: v.detach().to(F64) for k, v in params.items()}
+        g = {k: grads[k].detach().to(F64) for k in p}
+        for k, v in p.items():
+            if k not in self.state:
+                zero = torch.zeros_like(v)
+                self.state[k] = {"m": zero, "v": zero, "s": zero}
+        dlr = self.estim * self.lr * math.sqrt(1 - self.b2 ** t) / (1 - self.b1 ** t)
+        acc = sum(float((g[k] * self.state[k]["s"] / (self.state[k]["v"].sqrt() + self.eps))
+                        .sum()) for k in p)
+        for k in p:
+            st = self.state[k]
+            new = {"m": self.b1 * st["m"] + (1 - self.b1) * dlr * g[k],
+                   "v": self.b2 * st["v"] + (1 - self.b2) * g[k] ** 2,
+                   "s": sb2 * st["s"] + (1 - sb2) * dlr * g[k]}
+            for name, value in new.items():
+                st[name] = value if skip is None else torch.where(skip[k], st[name], value)
+        self.num = sb2 * self.num + (1 - sb2) * dlr * acc
+        l1 = sum(float(self.state[k]["s"].abs().sum()) for k in p)
+        if l1 > 0:
+            self.estim = max(self.estim, self.num / ((1 - sb2) * l1))
+        out = {}
+        for k in p:
+            st = self.state[k]
+            u = -self.wd * dlr * p[k] - st["m"] / (st["v"].sqrt() + self.eps)
+            if skip is not None:
+                u = torch.where(skip[k], torch.zeros((), dtype=F64), u)
+            self.last_update[k] = u
+            out[k] = p[k] + u
+        return out

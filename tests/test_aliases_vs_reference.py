@@ -291,6 +291,10 @@ CASES = {
     "prodigy": (lambda: ftopt.prodigy(1.0, betas=(0.9, 0.99), estim_lr0=1e-3,
                                       weight_decay=0.05),
                 lambda: RP.RefProdigy(1.0, 0.9, 0.99, estim_lr0=1e-3, weight_decay=0.05)),
+    "dadapt_adamw": (lambda: ftopt.dadapt_adamw(1.0, betas=(0.9, 0.99), estim_lr0=1e-3,
+                                                weight_decay=0.05),
+                     lambda: RP.RefDAdaptAdamW(1.0, 0.9, 0.99, estim_lr0=1e-3,
+                                               weight_decay=0.05)),
     # ---- bitsandbytes rows of SPEC §4 (Adam/AdamW, AdEMAMix, Lion rows are the aliases above)
     "bnb_sgd": (
         lambda: sc.chain(sc.add_decayed_weights(0.05), sc.trace(decay=0.7),
@@ -363,7 +367,7 @@ REGISTRY_CASES = {
     "adan": "adan", "madgrad": "madgrad", "rprop": "rprop", "noisy_sgd": "noisy_sgd",
     "schedule_free_sgd": "schedule_free_sgd", "schedule_free_adamw": "schedule_free_adamw",
     "novograd": "novograd", "fromage": "fromage", "prodigy": "prodigy",
-    "dog": "dog", "dowg": "dowg",
+    "dog": "dog", "dowg": "dowg", "dadapt_adamw": "dadapt_adamw",
 }
 PATHS = ["update", "step_eager"]
 

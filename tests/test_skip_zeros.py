@@ -461,6 +461,42 @@ CASES["prodigy"] = _alias(
     step_grads=lambda params, gen: steady_sign_grads(params, gen),
     reference=_prodigy_reference,
 )
+_DADAPT = {"lr": 5.0, "betas": (0.8, 0.9), "eps": 0.1, "estim_lr0": 1e-3}
+
+
+def _dadapt_reference(params, grads, state, mask):
+    """RefDAdaptAdamW (float64, tests/reference_prodigy.py) one step on from ``state``."""
+    (st,) = state
+    b1, b2 = _DADAPT["betas"]
+    ref = RP.RefDAdaptAdamW(_DADAPT["lr"], b1, b2, eps=_DADAPT["eps"],
+                            estim_lr0=_DADAPT["estim_lr0"], weight_decay=WD)
+    ref.t, ref.estim = int(st.count), float(st.estim_lr)
+    ref.num = float(st.numerator_weighted)
+    names = {"m": "exp_avg", "v": "exp_avg_sq", "s": "grad_sum"}
+    ref.state = {k: {short: getattr(st, name)[k].double() for short, name in names.items()}
+                 for k in params}
+    new_params = ref.step(params, grads, skip=mask)
+    slots = {name: {k: ref.state[k][short] for k in params} for short, name in names.items()}
+    f64 = torch.float64
+    return new_params, (type(st)(**slots, estim_lr=torch.tensor(ref.estim, dtype=f64),
+                                 numerator_weighted=torch.tensor(ref.num, dtype=f64),
+                                 count=st.count + 1),)
+
+
+# D-Adaptation's estimate reads Σ|s| over the kept state, as Prodigy's (above); its new
+# value reaches the updates one step later (this step's dlr is the old estimate's), so off
+# the zero-grad elements the step equals the plain chain's, as after a norm of the raw
+# gradients ("first"; no NaN gradients: a global sum would carry them everywhere).
+CASES["dadapt_adamw"] = _alias(
+    lambda **kw: T.dadapt_adamw(_DADAPT["lr"], betas=_DADAPT["betas"], eps=_DADAPT["eps"],
+                                estim_lr0=_DADAPT["estim_lr0"], weight_decay=WD, **kw),
+    lambda: [ftopt.transforms.dadapt.dadapt_adamw(
+        _DADAPT["lr"], _DADAPT["betas"], _DADAPT["eps"], _DADAPT["estim_lr0"], WD)],
+    norm="first", changes={"params", "exp_avg", "exp_avg_sq", "grad_sum"},
+    warm_grads=lambda params, gen: steady_sign_grads(params, gen),
+    step_grads=lambda params, gen: steady_sign_grads(params, gen),
+    reference=_dadapt_reference,
+)
 # DoG and DoWG: one step size for the tree, from global norms of the update (weight decay
 # in it, so the skipped elements' share differs) and of the distance from init_params. The
 # step is ~r/‖g‖ over ~9,000 elements: a large learning rate, so that the weight decay

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import zlib
 
 import pytest
@@ -161,11 +162,33 @@ def _float64_state(tx, params, grads, state):
                       backend="eager")[1]
 
 
-def _check_close(a, b, step, reference=None, old=None) -> dict:
+def _order_spread(tx, params, grads, state, index: int, want: float, draws: int = 8) -> float:
+    """The root mean square distance from ``want`` of leaf ``index`` of the eager fp32
+    state after the same step with every leaf's elements permuted alike (one permutation
+    per leaf shape, shared by the param, its gradient and its states): the elementwise
+    math is unchanged, a global sum adds in another order. What either backend's order of
+    addition may cost a sum that cancels."""
+    shapes = {tuple(x.shape) for x in _leaves(params)}
+    total = 0.0
+    for k in range(draws):
+        gen = torch.Generator().manual_seed(k)
+        perm = {s: torch.randperm(math.prod(s), generator=gen) for s in shapes}
+
+        def mix(x, perm=perm):
+            p = perm.get(tuple(x.shape)) if x.ndim else None
+            return x if p is None else x.flatten()[p.to(x.device)].view(x.shape)
+        trees = (ftopt.tree.map(mix, t) for t in (params, grads, state))
+        got = float(_leaves(ftopt.step(tx, *trees, backend="eager")[1])[index])
+        total += (got - want) ** 2
+    return math.sqrt(total / draws)
+
+
+def _check_close(a, b, step, reference=None, old=None, spread_of=None) -> dict:
     """16-bit states: identical but where the fp32 values of the two backends (which may
     differ in their last bit) straddle a rounding boundary of the storage dtype: then one
     ulp apart, for at most 2 + 1 in 200 of the elements. Returns, by leaf shape, where
-    they differ. ``reference()``: the float64 state (see below).
+    they differ. ``reference()``: the float64 state, ``spread_of(i, r)``: the spread of
+    leaf ``i`` around ``r`` over orders of addition (see below).
 
     With ``FTOPT_FAST_MATH`` naming "16-bit states" (approximate square root and division
     on a GPU) fused agrees with eager within float rounding of the inputs: an element
@@ -188,9 +211,14 @@ def _check_close(a, b, step, reference=None, old=None) -> dict:
             # fused as accurate as eager against float64 (as the fuzz's fused_vs_eager).
             err = abs(float(x) - float(y)) / max(abs(float(y)), 1e-30)
             if err > 1e-6 and reference is not None:
+                # Where the sum cancels (D-Adaptation's Σ g·s/(√v + eps): Σ|terms| 140x
+                # the sum), which order lands closest is luck: fused as close to float64
+                # as eager, or within 4 RMS of the orders a permutation gives.
                 r = float(_leaves(reference())[i])
-                err = abs(float(x) - r) - 2 * abs(float(y) - r) - 1e-6 * abs(r)
-                assert err <= 0, (step, i, float(x), float(y), r)
+                spread = 0.0 if spread_of is None else spread_of(i, r)
+                err = abs(float(x) - r) - max(2 * abs(float(y) - r), 4 * spread) \
+                    - 1e-6 * abs(r)
+                assert err <= 0, (step, i, float(x), float(y), r, spread)
                 continue
             assert err <= 1e-6, (step, i, float(x), float(y))
             continue
@@ -226,7 +254,9 @@ def test_fused_matches_eager(name, dtype, skip):
         pe, se = _step(tx, params, grads, state, "eager")
         pf, sf = _step(tx, params, grads, state, "fused", donate=step == 2)
         apart = _check_close(sf, se, step, functools.partial(_float64_state, tx, params,
-                                                             grads, state), old=state)
+                                                             grads, state), old=state,
+                             spread_of=functools.partial(_order_spread, tx, params, grads,
+                                                         state))
         for k in pe:
             # As fp32 (test_fused.py): the backends may round the fp32 math differently
             # in the last bit (torch.lerp's multiply-add on the CPU); an element whose
