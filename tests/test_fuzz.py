@@ -281,16 +281,16 @@ def test_stddev_variance_cancels_alike_on_every_backend():
     import ftopt
 
     runner = _runner()
-    case = _pinned(runner, 86, 1840, "cpu")
+    case = _pinned(runner, 86, 1840, DEVICE)
     assert {k: v for k, v in checks.run_all(case).items() if v} == {}
     for decay in (0.048, 0.3):  # mostly one sign: n̂ − m̂² ≪ n̂, often 0 (before: 0.27 apart)
         gen = torch.Generator().manual_seed(15)
-        p = {"w": torch.randn(4096, generator=gen)}
+        p = {"w": torch.randn(4096, generator=gen).to(DEVICE)}
         tx = ftopt.chain(ftopt.scale_by_sign(),
                          ftopt.scale_by_stddev(decay, 1e-8, bias_correction=True))
         s_f = s_e = tx.init(p)
         for _ in range(4):
-            g = {"w": torch.randn(4096, generator=gen) + 1.5}
+            g = {"w": (torch.randn(4096, generator=gen) + 1.5).to(DEVICE)}
             u_f, s_f = tx.update(g, s_f, p, backend="fused")
             u_e, s_e = tx.update(g, s_e, p, backend="eager")
             torch.testing.assert_close(u_f["w"], u_e["w"], rtol=1e-6, atol=0)

@@ -127,6 +127,7 @@ def test_few_deferred_blocks_take_more_flags_a_deferred_program(small_blocks,
         taken = []
         for g in grads:
             p, s = ftopt.step(tx, p, g, s, backend="fused", donate=True)
+            _counted()
             (group,) = plan_chain(tx).prepared.groups
             kernels = group.kernels([0.0] * 16, False)
             assert kernels[1][1] == (group.flags.numel() // group.defer_flags,)
