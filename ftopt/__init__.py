@@ -51,6 +51,13 @@ from ftopt.momo import MomoAdamState, MomoState, momo, momo_adam
 from ftopt.optim import Optimizer
 from ftopt.plateau import ReduceLROnPlateauState, reduce_on_plateau
 from ftopt.polyak import polyak_sgd, scale_by_polyak
+from ftopt.privacy import (
+    DifferentiallyPrivateAggregateState,
+    differentially_private_aggregate,
+    dpsgd,
+    per_example_global_norm_clip,
+    per_example_layer_norm_clip,
+)
 from ftopt.quantize import quantize_states
 from ftopt.schedule_free import (
     ScheduleFreeState,
@@ -268,6 +275,11 @@ __all__ = [
     "quantize_states",
     "reduce_on_plateau",
     "polyak_sgd",
+    "dpsgd",
+    "differentially_private_aggregate",
+    "DifferentiallyPrivateAggregateState",
+    "per_example_global_norm_clip",
+    "per_example_layer_norm_clip",
     "momo",
     "dadapt_adamw",
     "DAdaptAdamWState",

@@ -947,7 +947,10 @@ PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
                                    "scale_by_polyak": "tests/test_polyak.py",
                                    "polyak_sgd": "tests/test_polyak.py",
                                    "momo": "tests/test_momo.py",
-                                   "momo_adam": "tests/test_momo.py"}
+                                   "momo_adam": "tests/test_momo.py",
+                                   "differentially_private_aggregate":
+                                       "tests/test_privacy.py",
+                                   "dpsgd": "tests/test_privacy.py"}
 
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({
@@ -975,6 +978,8 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ApplyEveryState", "COCOBState", "ReduceLROnPlateauState", "ScaleByRStdDevState",
     "ScaleByRStdDevWithCountState", "ScaleBySM3State", "DoGState", "DoWGState",
     "MomoState", "MomoAdamState", "DAdaptAdamWState",
+    "DifferentiallyPrivateAggregateState", "per_example_global_norm_clip",
+    "per_example_layer_norm_clip",
     "ConditionallyTransformState", "ConditionallyMaskState",
     "skip_not_finite", "skip_large_updates",
     "global_norm", "incremental_update", "periodic_update",
