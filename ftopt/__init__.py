@@ -37,6 +37,11 @@ from ftopt.combine import (
     partition,
     skip_zeros,
 )
+from ftopt.complex_valued import (
+    SplitRealAndImaginaryArrays,
+    SplitRealAndImaginaryState,
+    split_real_and_imaginary,
+)
 from ftopt.conditional import (
     ConditionallyMaskState,
     ConditionallyTransformState,
@@ -275,6 +280,9 @@ __all__ = [
     "quantize_states",
     "reduce_on_plateau",
     "polyak_sgd",
+    "split_real_and_imaginary",
+    "SplitRealAndImaginaryArrays",
+    "SplitRealAndImaginaryState",
     "dpsgd",
     "differentially_private_aggregate",
     "DifferentiallyPrivateAggregateState",

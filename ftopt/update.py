@@ -23,7 +23,8 @@ def _apply_leaf(path: str, p, u):
     if not isinstance(u, torch.Tensor) or not isinstance(p, torch.Tensor):
         raise TypeError(f"apply_updates at {path}: expected tensors, got "
                         f"{type(p).__name__} and {type(u).__name__}")
-    if not p.is_floating_point() or not u.is_floating_point():
+    complex_pair = p.is_complex() and u.is_complex()  # (split_real_and_imaginary's)
+    if not complex_pair and (not p.is_floating_point() or not u.is_floating_point()):
         which, t = ("param", p) if not p.is_floating_point() else ("update", u)
         raise TypeError(f"apply_updates at {path}: expected a floating-point {which}, got "
                         f"{t.dtype}")
@@ -37,12 +38,15 @@ def _apply_leaf(path: str, p, u):
     if u.device != p.device:
         raise ValueError(f"apply_updates at {path}: update on {u.device}, expected the "
                          f"param's device {p.device}")
-    compute = torch.promote_types(torch.promote_types(p.dtype, u.dtype), torch.float32)
+    least = torch.complex64 if p.is_complex() else torch.float32
+    compute = torch.promote_types(torch.promote_types(p.dtype, u.dtype), least)
     return (p.to(compute) + u.to(compute)).to(p.dtype)
 
 
 def apply_updates(params: Any, updates: Any) -> Any:
-    """p ← p + u for every leaf, in fp32 (or wider), rounded once to the param's dtype.
+    """p ← p + u for every leaf, in fp32 (or wider), rounded once to the param's dtype
+    (complex params and updates, as :func:`ftopt.split_real_and_imaginary` gives: in
+    complex64 or wider).
 
     A ``None`` update leaves its param unchanged. Pure: returns new tensors.
     """

@@ -950,7 +950,9 @@ PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
                                    "momo_adam": "tests/test_momo.py",
                                    "differentially_private_aggregate":
                                        "tests/test_privacy.py",
-                                   "dpsgd": "tests/test_privacy.py"}
+                                   "dpsgd": "tests/test_privacy.py",
+                                   "split_real_and_imaginary":
+                                       "tests/test_complex_valued.py"}
 
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({
@@ -980,6 +982,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "MomoState", "MomoAdamState", "DAdaptAdamWState",
     "DifferentiallyPrivateAggregateState", "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
+    "SplitRealAndImaginaryArrays", "SplitRealAndImaginaryState",
     "ConditionallyTransformState", "ConditionallyMaskState",
     "skip_not_finite", "skip_large_updates",
     "global_norm", "incremental_update", "periodic_update",
