@@ -4,6 +4,8 @@ from the same state, and the state's layout."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import reference_dog as RD
 import torch
@@ -121,3 +123,64 @@ def test_bad_input_is_refused():
         ftopt.scale_by_dog(("far", 1.0))
     with pytest.raises(ValueError, match="eps must be"):
         ftopt.scale_by_dowg(eps=0.0)
+
+
+def _ldog_ref(state, p, g, reps_rel, eps, scale):
+    """optax's scale_by_distance_over_gradients in float64, per leaf, from ``state``:
+    (updates, max_dist, grad_sum_of_squares)."""
+    u, dists, sums = {}, {}, {}
+    for k in p:
+        x0, x, gk = (t.double() for t in (state.init_params[k], p[k], g[k]))
+        d = float(state.max_dist[k])
+        d = reps_rel * (1 + float(x0.norm())) if d < 0 else d  # (optax's init value)
+        dists[k] = max(d, float((x - x0).norm()))
+        sums[k] = float(state.grad_sum_of_squares[k]) + float(gk.square().sum())
+        u[k] = scale * dists[k] / math.sqrt(sums[k] + eps) * gk
+    return u, dists, sums
+
+
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_layerwise_dog_matches_float64_from_the_same_state(backend):
+    reps_rel, eps, scale = 1e-3, 1e-6, -1.0
+    tx = ftopt.scale_by_distance_over_gradients(reps_rel, eps, global_scale=scale)
+    p, gs = _draw(5)
+    state = tx.init(p)
+    assert all(float(state.max_dist[k]) == -1.0 for k in SHAPES)  # (before a first step)
+    assert all(state.max_dist[k].ndim == 0 for k in SHAPES)
+    for g in gs:
+        want, dists, sums = _ldog_ref(state, p, g, reps_rel, eps, scale)
+        u, state = tx.update(g, state, p, backend=backend)
+        for k in SHAPES:
+            torch.testing.assert_close(u[k].double(), want[k], rtol=2e-6, atol=1e-12)
+            assert abs(float(state.max_dist[k]) - dists[k]) <= 1e-6 * dists[k]
+            assert abs(float(state.grad_sum_of_squares[k]) - sums[k]) <= 1e-6 * sums[k]
+        p = {k: p[k] - 0.1 * g[k] for k in SHAPES}  # (the distance grows: r̄ moves)
+    # each leaf its own step: the per-leaf scales differ
+    ratios = {k: float(u[k].flatten()[0] / gs[-1][k].flatten()[0]) for k in SHAPES}
+    assert len({round(r, 9) for r in ratios.values()}) == len(SHAPES)
+
+
+def test_layerwise_dog_skip_zeros_keeps_an_all_zero_leaf():
+    tx = ftopt.chain(ftopt.scale_by_distance_over_gradients(1e-3), ftopt.skip_zeros())
+    plain = ftopt.scale_by_distance_over_gradients(1e-3)
+    p, gs = _draw(6, steps=2)
+    s, t = tx.init(p), plain.init(p)
+    _, s = tx.update(gs[0], s, p)
+    _, t = plain.update(gs[0], t, p)
+    g = dict(gs[1], b=torch.zeros_like(gs[1]["b"]))
+    g["w"][0] = 0.0
+    u, s2 = tx.update(g, s, p)
+    v, t2 = plain.update(g, t, p)
+    inner, old = s2[0], s[0]
+    assert torch.equal(inner.max_dist["b"], old.max_dist["b"])
+    assert torch.equal(inner.grad_sum_of_squares["b"], old.grad_sum_of_squares["b"])
+    assert torch.equal(u["b"], torch.full_like(u["b"], -0.0)) and u["b"].signbit().all()
+    assert torch.equal(u["w"][0], torch.full_like(u["w"][0], -0.0))
+    # a partly zero leaf advances from its norm, where the zeros count as zeros
+    assert torch.equal(inner.grad_sum_of_squares["w"], t2.grad_sum_of_squares["w"])
+    # the control: without skip_zeros the zero leaf's r̄ still moves (p ≠ x0 after a step)
+    p2 = {k: p[k] + 0.5 for k in SHAPES}
+    _, t3 = plain.update(g, t, p2)
+    assert not torch.equal(t3.max_dist["b"], t.max_dist["b"])
+    _, s3 = tx.update(g, s, p2)
+    assert torch.equal(s3[0].max_dist["b"], s[0].max_dist["b"])

@@ -35,7 +35,14 @@ from ftopt.transforms.clipping import (
     scale_by_trust_ratio,
 )
 from ftopt.transforms.cocob import COCOBState, scale_by_cocob
-from ftopt.transforms.dog import DoGState, DoWGState, scale_by_dog, scale_by_dowg
+from ftopt.transforms.dog import (
+    DoGState,
+    DoWGState,
+    ScaleByDistanceOverGradientsState,
+    scale_by_distance_over_gradients,
+    scale_by_dog,
+    scale_by_dowg,
+)
 from ftopt.transforms.madgrad import MadgradState, scale_by_madgrad
 from ftopt.transforms.matrix_stages import adaptive_grad_clip, scale_by_row_norm
 from ftopt.transforms.momentum import (
@@ -129,6 +136,8 @@ __all__ = [
     "DoWGState",
     "scale_by_dog",
     "scale_by_dowg",
+    "scale_by_distance_over_gradients",
+    "ScaleByDistanceOverGradientsState",
     "scale_by_rprop",
     "scale_by_rss",
     "scale_by_stddev",

@@ -22,7 +22,8 @@ from ftopt.domains import NONNEG, POSITIVE, check_finite
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule, Slot
 
-__all__ = ["DoGState", "DoWGState", "scale_by_dog", "scale_by_dowg"]
+__all__ = ["DoGState", "DoWGState", "ScaleByDistanceOverGradientsState", "scale_by_dog",
+           "scale_by_dowg", "scale_by_distance_over_gradients"]
 
 Float = float | torch.Tensor
 INIT_STEPS = ("distance", "learning_rate", "heuristic")
@@ -139,4 +140,64 @@ def scale_by_dowg(init_estim_sq_dist: Float | None = None,
         uses_params=True,
         running={"estim_sq_dist": "init_estim_sq_dist", "weighted_sq_norm_grads": 0.0},
         advance=_carry(("estim_sq_dist", "weighted_sq_norm_grads")))
+    return rule_transform(rule)
+
+
+@register_state
+class ScaleByDistanceOverGradientsState(NamedTuple):
+    """optax's ``ScaleByDistanceOverGradientsState``: per leaf, the largest distance from
+    the initial params and the sum of squared gradient norms (0-d, where optax keeps a
+    shape-(1,) array), and the initial params. ``max_dist`` holds −1 until a leaf's first
+    step (where optax's init stores reps_rel·(1 + ‖x₀‖), which that step takes)."""
+
+    max_dist: Any
+    grad_sum_of_squares: Any
+    init_params: Any
+
+
+def _ldog_body(o, x):
+    start = x.reps_rel * (1.0 + o.leaf_norm(x.init_params))
+    previous = o.where(x.max_dist < 0.0, start, x.max_dist)
+    max_dist = o.maximum(previous, o.leaf_norm(x.p - x.init_params))
+    norm = o.leaf_norm(x.u)
+    sum_sq = x.grad_sum_of_squares + norm * norm
+    step = x.global_scale * (max_dist / o.sqrt(sum_sq + x.eps))
+    return step * x.u, {"max_dist": max_dist, "grad_sum_of_squares": sum_sq,
+                        "init_params": x.init_params}
+
+
+def scale_by_distance_over_gradients(reps_rel: Float = 1e-6, eps: Float = 1e-8,
+                                     param_dtype: torch.dtype | None = None,
+                                     global_scale: Float = 1.0) -> GradientTransformation:
+    """Layer-wise DoG (LDoG, Ivgi et al. 2023), optax's
+    ``scale_by_distance_over_gradients``: per leaf, with x₀ its params at ``init``,
+    r̄ ← max(r̄, ‖p − x₀‖) (r̄ starting at reps_rel·(1 + ‖x₀‖)), G ← G + ‖u‖²,
+    ``u ← global_scale · r̄/√(G + eps) · u``. One elementwise rule: the three leaf norms
+    come from the fused reduction pass, r̄ and G are per-leaf slots (0-d, never 8 or
+    16-bit). With ``skip_zeros`` a leaf whose gradient is all zero keeps r̄ and G bit for
+    bit; in a partly zero leaf they advance from the norms, where a skipped element counts
+    as the zero it is. Needs the params at every update.
+
+    Args:
+        reps_rel: the initial distance's factor, >= 0 (default: 1e-6).
+        eps: added to G under the root, > 0 (default: 1e-8).
+        param_dtype: the copy of the initial params is kept in the params' compute
+            dtype (fp32 for 16-bit params); only ``None``, ``torch.float32`` (optax's
+            default) or ``torch.float64`` are accepted, and the copy follows the params
+            all the same.
+        global_scale: a factor of every update, typically 1.0 or −1.0 (default: 1.0).
+    """
+    if param_dtype not in (None, torch.float32, torch.float64):
+        raise ValueError("scale_by_distance_over_gradients: param_dtype must be None, "
+                         f"torch.float32 or torch.float64, got {param_dtype!r}")
+    rule = Rule(
+        "scale_by_distance_over_gradients", _ldog_body,
+        state_class=ScaleByDistanceOverGradientsState,
+        slots=(Slot("max_dist", per_leaf=True, init="unset"),
+               Slot("grad_sum_of_squares", signed=False, per_leaf=True),
+               Slot("init_params", from_params=True)),
+        hparams={"reps_rel": reps_rel, "eps": eps, "global_scale": global_scale,
+                 "unset": -1.0},
+        domains={"reps_rel": NONNEG, "eps": POSITIVE},
+        uses_params=True)
     return rule_transform(rule)
