@@ -53,6 +53,17 @@ from ftopt.freezing import freeze, multi_transform, selective_transform, set_to_
 from ftopt.lookahead import LookaheadParams, LookaheadState, lookahead
 from ftopt.lowering.explain import explain
 from ftopt.momo import MomoAdamState, MomoState, momo, momo_adam
+from ftopt.numerics import (
+    abs_sq,
+    init_empty_state,
+    safe_increment,
+    safe_int32_increment,
+    safe_norm,
+    safe_root_mean_squares,
+    scale_gradient,
+    stateless_with_tree_map,
+    with_extra_args_support,
+)
 from ftopt.optim import Optimizer
 from ftopt.plateau import ReduceLROnPlateauState, reduce_on_plateau
 from ftopt.polyak import polyak_sgd, scale_by_polyak
@@ -282,6 +293,15 @@ __all__ = [
     "quantize_states",
     "reduce_on_plateau",
     "polyak_sgd",
+    "abs_sq",
+    "safe_norm",
+    "safe_root_mean_squares",
+    "safe_increment",
+    "safe_int32_increment",
+    "stateless_with_tree_map",
+    "with_extra_args_support",
+    "init_empty_state",
+    "scale_gradient",
     "split_real_and_imaginary",
     "SplitRealAndImaginaryArrays",
     "SplitRealAndImaginaryState",

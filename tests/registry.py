@@ -474,6 +474,11 @@ TRANSFORMS: list[Entry] = [
     Entry("set_to_zero", ftopt.set_to_zero, keeps_zero=True, moves=False),
     # ---- utilities without an elementwise rule: they run eagerly
     Entry("stateless", lambda: ftopt.stateless(_halve), keeps_zero=True, fusible=False),
+    Entry("stateless_with_tree_map",
+          lambda: ftopt.stateless_with_tree_map(lambda u, p: u * 0.5), keeps_zero=True,
+          fusible=False),
+    Entry("with_extra_args_support", lambda inner=(): ftopt.with_extra_args_support(*inner),
+          kind="combinator", inner=("scale_by_adam",)),
     # ---- combinators: ``make`` takes the inner transforms
     Entry("chain", lambda inner=(): ftopt.chain(*inner), kind="combinator",
           inner=("scale_by_adam", "add_decayed_weights")),
@@ -989,6 +994,8 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "DifferentiallyPrivateAggregateState", "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
     "SplitRealAndImaginaryArrays", "SplitRealAndImaginaryState",
+    "abs_sq", "safe_norm", "safe_root_mean_squares", "safe_increment", "safe_int32_increment",
+    "init_empty_state", "scale_gradient",
     "ConditionallyTransformState", "ConditionallyMaskState",
     "skip_not_finite", "skip_large_updates",
     "global_norm", "incremental_update", "periodic_update",
