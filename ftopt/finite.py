@@ -18,11 +18,11 @@ from ftopt import tree as tree_lib
 from ftopt._counts import mark_device_decided
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import check_int
+from ftopt.numerics import safe_increment
 from ftopt.shards import all_ranks
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite"]
 
-_INT32_MAX = torch.iinfo(torch.int32).max
 
 
 @register_state
@@ -41,11 +41,6 @@ class ApplyIfFiniteState(NamedTuple):
     last_finite: torch.Tensor
     total_notfinite: torch.Tensor
     inner_state: Any
-
-
-def safe_increment(count: torch.Tensor) -> torch.Tensor:
-    # As optax.numerics.safe_increment: saturate instead of wrapping around.
-    return torch.where(count < _INT32_MAX, count + 1, count)
 
 
 def _all_finite(leaves: list[torch.Tensor], device: torch.device) -> torch.Tensor:
