@@ -50,6 +50,13 @@ from ftopt.conditional import (
 )
 from ftopt.finite import ApplyIfFiniteState, apply_if_finite
 from ftopt.freezing import freeze, multi_transform, selective_transform, set_to_zero
+from ftopt.lbfgs import ScaleByLBFGSState, lbfgs, scale_by_lbfgs
+from ftopt.linesearch import (
+    BacktrackingLinesearchInfo,
+    ScaleByBacktrackingLinesearchState,
+    scale_by_backtracking_linesearch,
+    value_and_grad_from_state,
+)
 from ftopt.lookahead import LookaheadParams, LookaheadState, lookahead
 from ftopt.lowering.explain import explain
 from ftopt.momo import MomoAdamState, MomoState, momo, momo_adam
@@ -195,6 +202,11 @@ from ftopt.transforms.utility import (
 from ftopt.tree_updates import global_norm, incremental_update, periodic_update
 from ftopt.update import apply_updates, step
 from ftopt.wrappers import InjectHyperparamsState, MultiSteps, MultiStepsState, inject_hyperparams
+from ftopt.zoom_linesearch import (
+    ScaleByZoomLinesearchState,
+    ZoomLinesearchInfo,
+    scale_by_zoom_linesearch,
+)
 
 # The backends, installed where ftopt is imported (imported on first use, except the
 # torch.compile entry, which needs no Triton): the core reaches them only through
@@ -314,6 +326,16 @@ __all__ = [
     "dadapt_adamw",
     "DAdaptAdamWState",
     "momo_adam",
+    "lbfgs",
+    "scale_by_lbfgs",
+    "ScaleByLBFGSState",
+    "scale_by_backtracking_linesearch",
+    "ScaleByBacktrackingLinesearchState",
+    "BacktrackingLinesearchInfo",
+    "scale_by_zoom_linesearch",
+    "ScaleByZoomLinesearchState",
+    "ZoomLinesearchInfo",
+    "value_and_grad_from_state",
     "MomoState",
     "MomoAdamState",
     "global_norm",

@@ -962,7 +962,14 @@ PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
                                        "tests/test_privacy.py",
                                    "dpsgd": "tests/test_privacy.py",
                                    "split_real_and_imaginary":
-                                       "tests/test_complex_valued.py"}
+                                       "tests/test_complex_valued.py",
+                                   # L-BFGS refuses skip_zeros (its state and direction mix
+                                   # all elements) and the line searches read value_fn=.
+                                   "scale_by_lbfgs": "tests/test_lbfgs.py",
+                                   "lbfgs": "tests/test_lbfgs.py",
+                                   "scale_by_backtracking_linesearch":
+                                       "tests/test_linesearch.py",
+                                   "scale_by_zoom_linesearch": "tests/test_linesearch.py"}
 
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({
@@ -1001,6 +1008,8 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "global_norm", "incremental_update", "periodic_update",
     "FactoredState", "MuonMomentumState",
     "AddNoiseState",
+    "ScaleByLBFGSState", "ScaleByBacktrackingLinesearchState", "BacktrackingLinesearchInfo",
+    "ScaleByZoomLinesearchState", "ZoomLinesearchInfo", "value_and_grad_from_state",
 })
 
 
