@@ -52,6 +52,7 @@ from ftopt.optim import Optimizer
 from ftopt.plateau import ReduceLROnPlateauState, reduce_on_plateau
 from ftopt.polyak import polyak_sgd, scale_by_polyak
 from ftopt.quantize import quantize_states
+from ftopt.sam import SAMState, sam
 from ftopt.schedule_free import (
     ScheduleFreeState,
     schedule_free,
@@ -374,6 +375,8 @@ __all__ += [
     "zero_nans",
 ]
 
+# optax.contrib's SAM and Mechanic wrappers (ftopt.sam, ftopt.mechanic)
+__all__ += ["SAMState", "sam"]
 # Per-leaf norm optimizers (ftopt.alias_norms)
 __all__ += ["LeafSecondMomentState", "NovogradMomentumState", "fromage", "novograd",
             "scale_by_novograd"]

@@ -941,13 +941,15 @@ assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
 # contract instead: params that are not the gradients' tree (lookahead: a
 # LookaheadParams pair of fast and slow weights, the gradients those of the fast ones),
 # or an update that needs more than the gradients (reduce_on_plateau, the Polyak step:
-# the loss, as ``value=``).
+# the loss, as ``value=``; sam's opaque mode: ``grad_fn=``), or a wrapper whose params move
+# where the gradient is zero (sam's return to its cache, mechanize's learned scale).
 PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
                                    "reduce_on_plateau": "tests/test_plateau.py",
                                    "scale_by_polyak": "tests/test_polyak.py",
                                    "polyak_sgd": "tests/test_polyak.py",
                                    "momo": "tests/test_momo.py",
-                                   "momo_adam": "tests/test_momo.py"}
+                                   "momo_adam": "tests/test_momo.py",
+                                   "sam": "tests/test_sam.py"}
 
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({
@@ -979,7 +981,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "skip_not_finite", "skip_large_updates",
     "global_norm", "incremental_update", "periodic_update",
     "FactoredState", "MuonMomentumState",
-    "AddNoiseState",
+    "AddNoiseState", "SAMState",
 })
 
 
