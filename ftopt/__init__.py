@@ -47,6 +47,7 @@ from ftopt.finite import ApplyIfFiniteState, apply_if_finite
 from ftopt.freezing import freeze, multi_transform, selective_transform, set_to_zero
 from ftopt.lookahead import LookaheadParams, LookaheadState, lookahead
 from ftopt.lowering.explain import explain
+from ftopt.mechanic import MechanicState, mechanize
 from ftopt.momo import MomoAdamState, MomoState, momo, momo_adam
 from ftopt.optim import Optimizer
 from ftopt.plateau import ReduceLROnPlateauState, reduce_on_plateau
@@ -376,7 +377,7 @@ __all__ += [
 ]
 
 # optax.contrib's SAM and Mechanic wrappers (ftopt.sam, ftopt.mechanic)
-__all__ += ["SAMState", "sam"]
+__all__ += ["SAMState", "sam", "MechanicState", "mechanize"]
 # Per-leaf norm optimizers (ftopt.alias_norms)
 __all__ += ["LeafSecondMomentState", "NovogradMomentumState", "fromage", "novograd",
             "scale_by_novograd"]

@@ -949,7 +949,8 @@ PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
                                    "polyak_sgd": "tests/test_polyak.py",
                                    "momo": "tests/test_momo.py",
                                    "momo_adam": "tests/test_momo.py",
-                                   "sam": "tests/test_sam.py"}
+                                   "sam": "tests/test_sam.py",
+                                   "mechanize": "tests/test_mechanize.py"}
 
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({
@@ -981,7 +982,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "skip_not_finite", "skip_large_updates",
     "global_norm", "incremental_update", "periodic_update",
     "FactoredState", "MuonMomentumState",
-    "AddNoiseState", "SAMState",
+    "AddNoiseState", "SAMState", "MechanicState",
 })
 
 
