@@ -59,6 +59,7 @@ from ftopt.linesearch import (
 )
 from ftopt.lookahead import LookaheadParams, LookaheadState, lookahead
 from ftopt.lowering.explain import explain
+from ftopt.mechanic import MechanicState, mechanize
 from ftopt.momo import MomoAdamState, MomoState, momo, momo_adam
 from ftopt.numerics import (
     abs_sq,
@@ -82,6 +83,7 @@ from ftopt.privacy import (
     per_example_layer_norm_clip,
 )
 from ftopt.quantize import quantize_states
+from ftopt.sam import SAMState, sam
 from ftopt.schedule_free import (
     ScheduleFreeState,
     schedule_free,
@@ -305,37 +307,10 @@ __all__ = [
     "quantize_states",
     "reduce_on_plateau",
     "polyak_sgd",
-    "abs_sq",
-    "safe_norm",
-    "safe_root_mean_squares",
-    "safe_increment",
-    "safe_int32_increment",
-    "stateless_with_tree_map",
-    "with_extra_args_support",
-    "init_empty_state",
-    "scale_gradient",
-    "split_real_and_imaginary",
-    "SplitRealAndImaginaryArrays",
-    "SplitRealAndImaginaryState",
-    "dpsgd",
-    "differentially_private_aggregate",
-    "DifferentiallyPrivateAggregateState",
-    "per_example_global_norm_clip",
-    "per_example_layer_norm_clip",
     "momo",
     "dadapt_adamw",
     "DAdaptAdamWState",
     "momo_adam",
-    "lbfgs",
-    "scale_by_lbfgs",
-    "ScaleByLBFGSState",
-    "scale_by_backtracking_linesearch",
-    "ScaleByBacktrackingLinesearchState",
-    "BacktrackingLinesearchInfo",
-    "scale_by_zoom_linesearch",
-    "ScaleByZoomLinesearchState",
-    "ZoomLinesearchInfo",
-    "value_and_grad_from_state",
     "MomoState",
     "MomoAdamState",
     "global_norm",
@@ -440,6 +415,8 @@ __all__ += [
     "zero_nans",
 ]
 
+# optax.contrib's SAM and Mechanic wrappers (ftopt.sam, ftopt.mechanic)
+__all__ += ["SAMState", "sam", "MechanicState", "mechanize"]
 # Per-leaf norm optimizers (ftopt.alias_norms)
 __all__ += ["LeafSecondMomentState", "NovogradMomentumState", "fromage", "novograd",
             "scale_by_novograd"]
@@ -447,3 +424,13 @@ __all__ += ["LeafSecondMomentState", "NovogradMomentumState", "fromage", "novogr
 __all__ += ["AddNoiseState", "add_noise", "noisy_sgd"]
 # Prodigy (ftopt.alias_prodigy)
 __all__ += ["ProdigyState", "prodigy"]
+__all__ += ["dpsgd", "differentially_private_aggregate", "DifferentiallyPrivateAggregateState",
+            "per_example_global_norm_clip", "per_example_layer_norm_clip",
+            "split_real_and_imaginary", "SplitRealAndImaginaryArrays",
+            "SplitRealAndImaginaryState", "abs_sq", "safe_norm", "safe_root_mean_squares",
+            "safe_increment", "safe_int32_increment", "stateless_with_tree_map",
+            "with_extra_args_support", "init_empty_state", "scale_gradient"]
+__all__ += ["lbfgs", "scale_by_lbfgs", "ScaleByLBFGSState",
+            "scale_by_backtracking_linesearch", "ScaleByBacktrackingLinesearchState",
+            "BacktrackingLinesearchInfo", "scale_by_zoom_linesearch",
+            "ScaleByZoomLinesearchState", "ZoomLinesearchInfo", "value_and_grad_from_state"]

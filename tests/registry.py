@@ -951,7 +951,8 @@ assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
 # contract instead: params that are not the gradients' tree (lookahead: a
 # LookaheadParams pair of fast and slow weights, the gradients those of the fast ones),
 # or an update that needs more than the gradients (reduce_on_plateau, the Polyak step:
-# the loss, as ``value=``).
+# the loss, as ``value=``; sam's opaque mode: ``grad_fn=``), or a wrapper whose params move
+# where the gradient is zero (sam's return to its cache, mechanize's learned scale).
 PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
                                    "reduce_on_plateau": "tests/test_plateau.py",
                                    "scale_by_polyak": "tests/test_polyak.py",
@@ -969,7 +970,9 @@ PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
                                    "lbfgs": "tests/test_lbfgs.py",
                                    "scale_by_backtracking_linesearch":
                                        "tests/test_linesearch.py",
-                                   "scale_by_zoom_linesearch": "tests/test_linesearch.py"}
+                                   "scale_by_zoom_linesearch": "tests/test_linesearch.py",
+                                   "sam": "tests/test_sam.py",
+                                   "mechanize": "tests/test_mechanize.py"}
 
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({
@@ -1010,6 +1013,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "AddNoiseState",
     "ScaleByLBFGSState", "ScaleByBacktrackingLinesearchState", "BacktrackingLinesearchInfo",
     "ScaleByZoomLinesearchState", "ZoomLinesearchInfo", "value_and_grad_from_state",
+    "SAMState", "MechanicState",
 })
 
 
