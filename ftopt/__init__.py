@@ -45,6 +45,7 @@ from ftopt.conditional import (
 )
 from ftopt.finite import ApplyIfFiniteState, apply_if_finite
 from ftopt.freezing import freeze, multi_transform, selective_transform, set_to_zero
+from ftopt.galore import GaLoreDimensionNumbers, GaLoreState, galore, scale_by_galore
 from ftopt.lookahead import LookaheadParams, LookaheadState, lookahead
 from ftopt.lowering.explain import explain
 from ftopt.momo import MomoAdamState, MomoState, momo, momo_adam
@@ -78,6 +79,13 @@ from ftopt.schedules import (
     warmup_exponential_decay_schedule,
 )
 from ftopt.skip_fns import skip_large_updates, skip_not_finite
+from ftopt.sophia import (
+    HutchinsonState,
+    SophiaState,
+    hutchinson_estimator_diag_hessian,
+    scale_by_sophia,
+    sophia,
+)
 from ftopt.torch_port import from_torch_state_dict, to_torch_state_dict
 from ftopt.transforms import (
     ApplyEveryState,
@@ -274,6 +282,15 @@ __all__ = [
     "momo_adam",
     "MomoState",
     "MomoAdamState",
+    "sophia",
+    "scale_by_sophia",
+    "hutchinson_estimator_diag_hessian",
+    "SophiaState",
+    "HutchinsonState",
+    "galore",
+    "scale_by_galore",
+    "GaLoreState",
+    "GaLoreDimensionNumbers",
     "global_norm",
     "incremental_update",
     "periodic_update",

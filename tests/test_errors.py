@@ -47,7 +47,11 @@ STATEFUL = sorted([*names(stateful()), "adam_8bit_skip"])
 ALIASES = sorted({e.exported for e in by_trait(kind="alias")})
 
 # Known gaps, keyed by (test, registry name): expected failures (strict, so a fix shows).
-KNOWN: dict[tuple[str, str], str] = {}
+# GaLore's state of a transposed (4, 5) leaf has the (5, 4) leaf's projector shape, (5, 2),
+# and the base optimizer's error names only the projected shapes it finds.
+_GALORE_T = "a transposed leaf's state differs only in its projected shapes"
+KNOWN: dict[tuple[str, str], str] = {("test_state_shape_mismatch", "galore"): _GALORE_T,
+                                     ("test_state_shape_mismatch", "scale_by_galore"): _GALORE_T}
 
 
 def _cases(test: str, names: list[str], *rest) -> list:
@@ -205,7 +209,7 @@ def test_grad_shape_mismatch(name):
     _all_entry_points(tx, params, grads, state, ValueError, ["['layer']['w']", "(4, 5)", "(5, 4)"])
 
 
-@pytest.mark.parametrize("name", STATEFUL)
+@pytest.mark.parametrize("name", _cases("test_state_shape_mismatch", STATEFUL))
 def test_state_shape_mismatch(name):
     tx = TXS[name]()
     params = _params()
