@@ -11,7 +11,9 @@ optimizer's state lives in the projected shapes. Leaves of one shape and layout 
 stacked: one batched ``torch.linalg.svd`` and one batched matrix product each.
 
 Eager torch ops around the base optimizer's own update, which runs (and fuses, where its
-chain can) as any ftopt update does on the tree of projected gradients.
+chain can) as any ftopt update does on the tree of projected gradients. On ``DTensor``
+leaves (a call on local shards) a projected leaf must be unsplit (``Replicate``): the SVD
+reads all of it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ftopt.combine import chain
 from ftopt.combine import skip_zeros as skip_zeros_marker
 from ftopt.domains import check_finite, check_int
 from ftopt.finite import safe_increment
+from ftopt.matrix import check_shards
 from ftopt.program import skip_update
 from ftopt.quantize import quantize_states
 from ftopt.rules import check_param, compute_dtype
@@ -209,6 +212,9 @@ class ScaleByGaLore:
                 continue
             lay = layouts[i] = _layout(tuple(u.shape), d, self.rank, path)
             _check_projector(path, proj[i], u, lay)
+        # An SVD reads the whole leaf: a projected leaf's shards may split no dim.
+        check_shards(self.name, "leaf", lambda u: True, [paths[i] for i in layouts],
+                     [u_flat[i] for i in layouts])
         count = host_count(state.count)
         count = int(state.count) if count is None else count
         new_count = safe_increment(state.count)

@@ -341,3 +341,20 @@ def test_trains_a_small_classifier():
     end = train(ftopt.sophia(0.05, update_interval=2, gamma=0.05))
     assert end < 0.1 < 0.7 < start, (start, end)  # (measured: 1.02 -> 0.075)
     assert end < 0.5 * train(ftopt.sgd(0.05))  # (measured: 0.33)
+
+
+def test_verbose_prints_the_win_rate(capsys):
+    """The fraction of elements not clipped, every ``print_win_rate_every_n_steps`` steps."""
+    p, gs = _draw(18, 4)
+    prob = _problem(18)
+    tx = ftopt.scale_by_sophia(gamma=1.0, update_interval=1, verbose=True,
+                               print_win_rate_every_n_steps=2)
+    state = tx.init(p)
+    rates = []
+    for g in gs:
+        u, state = tx.update(g, state, p, obj_fn=prob.f)
+        rates.append(sum(int((x.abs() < 1.0).sum()) for x in u.values()) / 11)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"Sophia optimizer win rate: {rates[1]}",
+                     f"Sophia optimizer win rate: {rates[3]}"]
+    assert 0 < rates[3] < 1
