@@ -244,10 +244,10 @@ class ScaleBySophia:
                                      f"{_describe(s)}")
         zero = (tree_lib.flatten_like(spec, zero_mask, "zero_mask", paths)
                 if zero_mask is not None else [None] * len(u_flat))
-        return spec, u_flat, p_flat, mu, nu, zero
+        return spec, paths, u_flat, mu, nu, zero
 
     def update(self, updates, state, params=None, *, zero_mask=None, **extra):
-        spec, u_flat, p_flat, mu, nu, zero = self._flat(updates, state, params, zero_mask)
+        spec, paths, u_flat, mu, nu, zero = self._flat(updates, state, params, zero_mask)
         count = _host(state.count)  # (no device read for a count ftopt made)
         new_count = safe_increment(state.count)
         after = min(count + 1, _INT32_MAX)
@@ -256,7 +256,7 @@ class ScaleBySophia:
         hess_state, h_flat = state.hessian_fn_state, None
         if refresh:  # from the incoming gradients and the params, before this step's update
             h_tree, hess_state = self.hess.update(updates, hess_state, params, **extra)
-            h_flat = _flatten_estimate(spec, h_tree, u_flat)
+            h_flat = _flatten_estimate(spec, paths, h_tree, u_flat)
         bc1 = 1 - self.b1 ** after
         out, new_mu, new_nu = list(u_flat), list(mu), list(nu)
         kept, total = 0, 0
@@ -289,12 +289,12 @@ class ScaleBySophia:
             hess_state)
 
 
-def _flatten_estimate(spec, h_tree, u_flat) -> list:
-    h = spec.flatten_up_to(h_tree)
-    for u, x in zip(u_flat, h):
+def _flatten_estimate(spec, paths, h_tree, u_flat) -> list:
+    h = tree_lib.flatten_like(spec, h_tree, "hessian_diagonal_fn's output", paths)
+    for path, u, x in zip(paths, u_flat, h):
         if u is not None and (not isinstance(x, torch.Tensor) or x.shape != u.shape):
-            raise ValueError(f"hessian_diagonal_fn returned {_describe(x)} for a leaf of "
-                             f"shape {tuple(u.shape)}")
+            raise ValueError(f"hessian_diagonal_fn's output at {path}: expected a tensor of "
+                             f"shape {tuple(u.shape)}, got {_describe(x)}")
     return h
 
 

@@ -358,3 +358,14 @@ def test_verbose_prints_the_win_rate(capsys):
     assert lines == [f"Sophia optimizer win rate: {rates[1]}",
                      f"Sophia optimizer win rate: {rates[3]}"]
     assert 0 < rates[3] < 1
+
+
+def test_a_bad_estimate_names_the_leaf():
+    def bad_update(updates, state, params=None, **extra):
+        return {"w": torch.zeros(5), "b": torch.zeros(2)}, state
+
+    tx = ftopt.scale_by_sophia(hessian_diagonal_fn=ftopt.GradientTransformation(
+        lambda p: ftopt.EmptyState(), bad_update))
+    p, gs = _draw(19, 1)
+    with pytest.raises(ValueError, match=r"hessian_diagonal_fn's output at \['b'\].*\(3, 2\)"):
+        tx.update(gs[0], tx.init(p), p)
