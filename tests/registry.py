@@ -921,6 +921,15 @@ TRANSFORMS += [
           eight_bit=True,
           mixes=True,
           example={"learning_rate": 1e-2, "beta": 0.95, "weight_decay": 0.01}),
+    # GaLore: the base optimizer (scale_by_adam) runs on low-rank projections of the 2-D
+    # leaves; its states have the projected shapes (tests/test_galore.py).
+    Entry("scale_by_galore", ftopt.scale_by_galore, floats={"scale": HP(0.1, 2.0)},
+          options={"rank": (2, 128), "update_proj_gap": (1, 200)}, states=("mu", "nu"),
+          counted=True, fusible=False, mixes=True, example={"rank": 2}),
+    Entry("galore", ftopt.galore, floats={"learning_rate": LR, "weight_decay": WD},
+          options={"rank": (2, 128), "update_proj_gap": (1, 200)}, kind="alias",
+          states=("mu", "nu"), counted=True, uses_params=True, fusible=False, mixes=True,
+          example={"learning_rate": 1e-2, "rank": 2}),
 ]
 
 # ---- gradient noise (ftopt.transforms.noise, ftopt.alias_noise)
@@ -972,7 +981,10 @@ PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
                                        "tests/test_linesearch.py",
                                    "scale_by_zoom_linesearch": "tests/test_linesearch.py",
                                    "sam": "tests/test_sam.py",
-                                   "mechanize": "tests/test_mechanize.py"}
+                                   "mechanize": "tests/test_mechanize.py",
+                                   "sophia": "tests/test_sophia.py",
+                                   "scale_by_sophia": "tests/test_sophia.py",
+                                   "hutchinson_estimator_diag_hessian": "tests/test_sophia.py"}
 
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({
@@ -1014,6 +1026,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ScaleByLBFGSState", "ScaleByBacktrackingLinesearchState", "BacktrackingLinesearchInfo",
     "ScaleByZoomLinesearchState", "ZoomLinesearchInfo", "value_and_grad_from_state",
     "SAMState", "MechanicState",
+    "SophiaState", "HutchinsonState", "GaLoreState", "GaLoreDimensionNumbers",
 })
 
 
