@@ -14,8 +14,8 @@ PyTorch's autograd gives the conjugate Wirtinger derivative of a real loss (the 
 of steepest ascent), so, unlike JAX's ``grad``, the gradients need no conjugation before
 ``update``: ``p - lr·grad`` descends. For elementwise optimizers the result is then that of
 ``torch.optim`` on complex params (which views them as real pairs). The wrapper runs as
-eager torch ops, the inner transform on the real pairs (fused where it fuses, when called
-on its own on such pairs).
+eager torch ops; its inner transform's update is called as any nested update is (in
+``ftopt.step`` eagerly; from a direct ``update`` call, fused where it fuses).
 """
 
 from __future__ import annotations
