@@ -17,6 +17,7 @@ from ftopt.alias_variants import (
     amsgrad,
     nadam,
     nadamw,
+    optimistic_adam,
     optimistic_adam_v2,
     optimistic_gradient_descent,
     radam,
@@ -153,6 +154,7 @@ from ftopt.transforms import (
     clip_by_param_norm_ratio,
     ema,
     identity,
+    normalize,
     normalize_by_update_norm,
     scale,
     scale_by_acprop,
@@ -305,3 +307,4 @@ __all__ += ["lbfgs", "scale_by_lbfgs", "ScaleByLBFGSState",
             "scale_by_backtracking_linesearch", "ScaleByBacktrackingLinesearchState",
             "BacktrackingLinesearchInfo", "scale_by_zoom_linesearch",
             "ScaleByZoomLinesearchState", "ZoomLinesearchInfo", "value_and_grad_from_state"]
+__all__ += ["optimistic_adam", "normalize"]

@@ -39,7 +39,8 @@ from ftopt.transforms import (
 )
 
 __all__ = ["acprop", "adabelief", "adadelta", "adamax", "adamaxw", "adopt", "amsgrad", "nadam",
-           "nadamw", "optimistic_adam_v2", "optimistic_gradient_descent", "radam",
+           "nadamw", "optimistic_adam", "optimistic_adam_v2", "optimistic_gradient_descent",
+           "radam",
            "sign_sgd", "signum", "simplified_ademamix", "yogi"]
 
 
@@ -264,6 +265,35 @@ def optimistic_adam_v2(
     − beta·rₜ₋₁)."""
     return [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
             scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(learning_rate)]
+
+
+@chain_alias
+def optimistic_adam(
+    learning_rate: Float,
+    optimism: Float | None = None,
+    b1: Float = 0.9,
+    b2: Float = 0.999,
+    eps: Float = 1e-8,
+    eps_root: Float = 0.0,
+    *,
+    nesterov: bool = True,
+) -> list[GradientTransformation]:
+    """Optimistic Adam in optax's older interface (``optax.optimistic_adam``, deprecated
+    there for :func:`optimistic_adam_v2`): ``chain(scale_by_adam(b1, b2, eps, eps_root,
+    nesterov=nesterov), scale_by_optimistic_gradient(alpha=learning_rate, beta=optimism),
+    scale_by_learning_rate(1.0))``, so p ← p − ((lr + o)·rₜ − o·rₜ₋₁); ``optimism``
+    defaults to ``learning_rate``. It is ``optimistic_adam_v2(1.0, alpha=learning_rate,
+    beta=optimism)``. The learning rate is a number or a 0-d tensor, not a schedule (as
+    optax)."""
+    if callable(learning_rate):
+        raise ValueError("optimistic_adam: learning_rate cannot be a schedule (optax's "
+                         "interface); use optimistic_adam_v2, which takes one")
+    check_hparam("optimistic_adam", "learning_rate", learning_rate)
+    optimism = learning_rate if optimism is None else optimism
+    check_hparam("optimistic_adam", "optimism", optimism)
+    return [scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
+            scale_by_optimistic_gradient(learning_rate, optimism),
+            scale_by_learning_rate(1.0)]
 
 
 @chain_alias

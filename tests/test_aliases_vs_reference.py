@@ -219,6 +219,10 @@ CASES = {
                                          eps=1e-3),
         lambda: RV.RefOptimisticAdam(0.01, alpha=0.8, beta=0.5, b1=0.85, b2=0.99, eps=1e-3),
     ),
+    "optimistic_adam": (  # optax's older interface: v2 with lr 1, alpha = lr, beta = optimism
+        lambda: ftopt.optimistic_adam(0.01, 0.3, b1=0.85, b2=0.99, eps=1e-3),
+        lambda: RV.RefOptimisticAdam(1.0, alpha=0.01, beta=0.3, b1=0.85, b2=0.99, eps=1e-3),
+    ),
     "optimistic_adam_v2_plain": (
         lambda: ftopt.optimistic_adam_v2(0.02, b1=0.9, b2=0.95, eps=1e-2, nesterov=False),
         lambda: RV.RefOptimisticAdam(0.02, b1=0.9, b2=0.95, eps=1e-2, nesterov=False),
@@ -363,6 +367,7 @@ REGISTRY_CASES = {
     "adadelta": "adadelta", "sign_sgd": "sign_sgd", "signum": "signum",
     "optimistic_gradient_descent": "optimistic_gradient_descent", "adopt": "adopt",
     "optimistic_adam_v2": "optimistic_adam_v2", "cocob": "cocob",
+    "optimistic_adam": "optimistic_adam",
     "simplified_ademamix": "simplified_ademamix",
     "adan": "adan", "madgrad": "madgrad", "rprop": "rprop", "noisy_sgd": "noisy_sgd",
     "schedule_free_sgd": "schedule_free_sgd", "schedule_free_adamw": "schedule_free_adamw",

@@ -290,6 +290,12 @@ CASES = {
         lambda: [T.ema(0.8, debias=False), T.scale_by_sign(), T.scale_by_learning_rate(1e-2)],
         changes={"params", "ema"},
     ),
+    "optimistic_adam": _alias(
+        lambda **kw: T.optimistic_adam(1e-2, 0.4, b1=0.8, b2=0.95, **kw),
+        lambda: [T.scale_by_adam(0.8, 0.95, nesterov=True),
+                 T.scale_by_optimistic_gradient(1e-2, 0.4), T.scale_by_learning_rate(1.0)],
+        changes={"params", "mu", "nu", "previous_gradient"},
+    ),
     "optimistic_adam_v2": _alias(
         lambda **kw: T.optimistic_adam_v2(1e-2, alpha=0.7, beta=0.4, b1=0.8, b2=0.95, **kw),
         lambda: [T.scale_by_adam(0.8, 0.95, nesterov=True),

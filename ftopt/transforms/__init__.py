@@ -31,6 +31,7 @@ from ftopt.transforms.adaptive import (
 from ftopt.transforms.clipping import (
     clip_by_global_norm,
     clip_by_param_norm_ratio,
+    normalize,
     normalize_by_update_norm,
     scale_by_trust_ratio,
 )
@@ -145,6 +146,7 @@ __all__ = [
     "scale_by_simplified_ademamix",
     "scale_by_trust_ratio",
     "normalize_by_update_norm",
+    "normalize",
     "scale_by_yogi",
     "trace",
     "apply_every",

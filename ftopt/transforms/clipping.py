@@ -49,6 +49,13 @@ def normalize_by_update_norm(scale_factor: float | torch.Tensor = 1.0,
     )
 
 
+def normalize() -> GradientTransformation:
+    """Scales the whole tree to unit global norm, u ← u/‖u‖ (optax.contrib's ``normalize``,
+    which SAM's adversarial optimizer uses): ``normalize_by_update_norm(1.0, 0.0)``, the
+    same rule (a zero tree gives NaN, as optax's 0/0)."""
+    return normalize_by_update_norm(1.0, 0.0)
+
+
 def _param_ratio_body(o, x):
     limit = x.max_ratio * o.leaf_norm(x.p)
     norm = o.leaf_norm(x.u)
