@@ -432,23 +432,32 @@ CASES = {
 _PRODIGY = {"lr": 5.0, "betas": (0.8, 0.9), "eps": 0.1, "estim_lr0": 1e-3}
 
 
-def _prodigy_reference(params, grads, state, mask):
-    """RefProdigy (float64, tests/reference_prodigy.py) one step on from ``state``."""
-    (st,) = state
-    b1, b2 = _PRODIGY["betas"]
-    ref = RP.RefProdigy(_PRODIGY["lr"], b1, b2, eps=_PRODIGY["eps"],
-                        estim_lr0=_PRODIGY["estim_lr0"], weight_decay=WD)
-    ref.t, ref.estim = int(st.count), float(st.estim_lr)
-    ref.num = float(st.numerator_weighted)
-    names = {"m": "exp_avg", "v": "exp_avg_sq", "s": "grad_sum", "x0": "params0"}
-    ref.state = {k: {short: getattr(st, name)[k].double() for short, name in names.items()}
-                 for k in params}
-    new_params = ref.step(params, grads, skip=mask)
-    slots = {name: {k: ref.state[k][short] for k in params} for short, name in names.items()}
-    f64 = torch.float64
-    return new_params, (type(st)(**slots, estim_lr=torch.tensor(ref.estim, dtype=f64),
-                                 numerator_weighted=torch.tensor(ref.num, dtype=f64),
-                                 count=st.count + 1),)
+def _estimate_reference(ref_class, names: dict, hp: dict):
+    """A float64 reference (tests/reference_prodigy.py: RefProdigy, RefDAdaptAdamW) one
+    step on from ``state``: its slots ``names`` (short name -> state field), its estimate,
+    numerator and count."""
+    def reference(params, grads, state, mask):
+        (st,) = state
+        b1, b2 = hp["betas"]
+        ref = ref_class(hp["lr"], b1, b2, eps=hp["eps"], estim_lr0=hp["estim_lr0"],
+                        weight_decay=WD)
+        ref.t, ref.estim = int(st.count), float(st.estim_lr)
+        ref.num = float(st.numerator_weighted)
+        ref.state = {k: {short: getattr(st, name)[k].double() for short, name in names.items()}
+                     for k in params}
+        new_params = ref.step(params, grads, skip=mask)
+        slots = {name: {k: ref.state[k][short] for k in params}
+                 for short, name in names.items()}
+        f64 = torch.float64
+        return new_params, (type(st)(**slots, estim_lr=torch.tensor(ref.estim, dtype=f64),
+                                     numerator_weighted=torch.tensor(ref.num, dtype=f64),
+                                     count=st.count + 1),)
+    return reference
+
+
+_prodigy_reference = _estimate_reference(
+    RP.RefProdigy, {"m": "exp_avg", "v": "exp_avg_sq", "s": "grad_sum", "x0": "params0"},
+    _PRODIGY)
 
 
 # Prodigy's estimate reads Σ|s| over the kept state, a global norm; it grows only while the
@@ -470,23 +479,8 @@ CASES["prodigy"] = _alias(
 _DADAPT = {"lr": 5.0, "betas": (0.8, 0.9), "eps": 0.1, "estim_lr0": 1e-3}
 
 
-def _dadapt_reference(params, grads, state, mask):
-    """RefDAdaptAdamW (float64, tests/reference_prodigy.py) one step on from ``state``."""
-    (st,) = state
-    b1, b2 = _DADAPT["betas"]
-    ref = RP.RefDAdaptAdamW(_DADAPT["lr"], b1, b2, eps=_DADAPT["eps"],
-                            estim_lr0=_DADAPT["estim_lr0"], weight_decay=WD)
-    ref.t, ref.estim = int(st.count), float(st.estim_lr)
-    ref.num = float(st.numerator_weighted)
-    names = {"m": "exp_avg", "v": "exp_avg_sq", "s": "grad_sum"}
-    ref.state = {k: {short: getattr(st, name)[k].double() for short, name in names.items()}
-                 for k in params}
-    new_params = ref.step(params, grads, skip=mask)
-    slots = {name: {k: ref.state[k][short] for k in params} for short, name in names.items()}
-    f64 = torch.float64
-    return new_params, (type(st)(**slots, estim_lr=torch.tensor(ref.estim, dtype=f64),
-                                 numerator_weighted=torch.tensor(ref.num, dtype=f64),
-                                 count=st.count + 1),)
+_dadapt_reference = _estimate_reference(
+    RP.RefDAdaptAdamW, {"m": "exp_avg", "v": "exp_avg_sq", "s": "grad_sum"}, _DADAPT)
 
 
 # D-Adaptation's estimate reads Σ|s| over the kept state, as Prodigy's (above); its new
