@@ -225,7 +225,9 @@ def matrix_inverse_pth_root(
     Deviation: optax computes ``Mᵢ^p`` with a switch over ``p ∈ {1, 2, 4, 8}`` indexed
     by ``round(log2 p)`` and clamped, so for any other ``p`` it iterates with another power
     and returns something that is not the inverse ``p``-th root. Here ``Mᵢ^p`` is the
-    ``p``-th power for every ``p`` (the same products for 1, 2, 4 and 8).
+    ``p``-th power for every ``p`` (the same products for 1, 2, 4 and 8), and ``α`` is
+    taken in the iteration's dtype (optax rounds it to float32, exact for 1, 2, 4 and 8,
+    not for other ``p``, where in float64 the iteration would stall near ``1e-7``).
     """
     name = "matrix_inverse_pth_root"
     matrix = _square_matrix(name, matrix)
@@ -238,7 +240,7 @@ def matrix_inverse_pth_root(
     _check_precision(name, precision)
     n, device = matrix.shape[0], matrix.device
     dtype = torch.promote_types(matrix.dtype, torch.float32)
-    alpha = torch.tensor(-1.0 / p, dtype=torch.float32, device=device)
+    alpha = -1.0 / p
     identity = torch.eye(n, dtype=dtype, device=device)
     max_ev, _ = power_iteration(matrix, num_iters=100, error_tolerance=1e-6)
     ridge = ridge_epsilon * torch.maximum(max_ev, max_ev.new_tensor(1e-16))
