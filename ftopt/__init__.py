@@ -53,6 +53,7 @@ from ftopt.finite import ApplyIfFiniteState, apply_if_finite
 from ftopt.freezing import freeze, multi_transform, selective_transform, set_to_zero
 from ftopt.galore import GaLoreDimensionNumbers, GaLoreState, galore, scale_by_galore
 from ftopt.lbfgs import ScaleByLBFGSState, lbfgs, scale_by_lbfgs
+from ftopt.linear_algebra import matrix_inverse_pth_root, nnls, power_iteration
 from ftopt.linesearch import (
     BacktrackingLinesearchInfo,
     ScaleByBacktrackingLinesearchState,
@@ -86,6 +87,7 @@ from ftopt.privacy import (
 )
 from ftopt.quantize import quantize_states
 from ftopt.sam import SAMState, sam
+from ftopt.sampling import multi_normal
 from ftopt.schedule_free import (
     ScheduleFreeState,
     schedule_free,
@@ -308,3 +310,5 @@ __all__ += ["lbfgs", "scale_by_lbfgs", "ScaleByLBFGSState",
             "BacktrackingLinesearchInfo", "scale_by_zoom_linesearch",
             "ScaleByZoomLinesearchState", "ZoomLinesearchInfo", "value_and_grad_from_state"]
 __all__ += ["optimistic_adam", "normalize"]
+# Linear-algebra and sampling utilities (ftopt.linear_algebra, ftopt.sampling)
+__all__ += ["power_iteration", "matrix_inverse_pth_root", "nnls", "multi_normal"]

@@ -1034,6 +1034,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ScaleByZoomLinesearchState", "ZoomLinesearchInfo", "value_and_grad_from_state",
     "SAMState", "MechanicState",
     "SophiaState", "HutchinsonState", "GaLoreState", "GaLoreDimensionNumbers",
+    "power_iteration", "matrix_inverse_pth_root", "nnls", "multi_normal",
 })
 
 
