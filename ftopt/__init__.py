@@ -1,6 +1,6 @@
 """ftopt: functional, optax-style optimizers for PyTorch with fused Triton kernels."""
 
-from ftopt import dispatch, schedules, tree
+from ftopt import dispatch, projections, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
 from ftopt.alias_matrix import adafactor, muon, sm3
 from ftopt.alias_more import adan, cocob, dog, dowg, madgrad, rprop
@@ -308,3 +308,4 @@ __all__ += ["lbfgs", "scale_by_lbfgs", "ScaleByLBFGSState",
             "BacktrackingLinesearchInfo", "scale_by_zoom_linesearch",
             "ScaleByZoomLinesearchState", "ZoomLinesearchInfo", "value_and_grad_from_state"]
 __all__ += ["optimistic_adam", "normalize"]
+__all__ += ["projections"]
