@@ -1,6 +1,6 @@
 """ftopt: functional, optax-style optimizers for PyTorch with fused Triton kernels."""
 
-from ftopt import dispatch, schedules, tree
+from ftopt import dispatch, projections, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
 from ftopt.alias_matrix import adafactor, muon, sm3
 from ftopt.alias_more import adan, cocob, dog, dowg, madgrad, rprop
@@ -312,3 +312,4 @@ __all__ += ["lbfgs", "scale_by_lbfgs", "ScaleByLBFGSState",
 __all__ += ["optimistic_adam", "normalize"]
 # Linear-algebra and sampling utilities (ftopt.linear_algebra, ftopt.sampling)
 __all__ += ["power_iteration", "matrix_inverse_pth_root", "nnls", "multi_normal"]
+__all__ += ["projections"]

@@ -1006,7 +1006,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ScaleByAdanState", "MadgradState", "ScaleByRpropState",
     "ScheduleFreeState", "schedule_free_eval_params", "ProdigyState",
     "LeafSecondMomentState", "NovogradMomentumState",
-    "apply_updates", "step", "explain", "schedules", "tree",
+    "apply_updates", "step", "explain", "schedules", "tree", "projections",
     "Optimizer", "from_torch_state_dict", "to_torch_state_dict", "state_dict",
     "from_bnb_state_dict", "to_bnb_state_dict",
     "load_state_dict",
