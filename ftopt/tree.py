@@ -4,6 +4,19 @@ ftopt trees follow optree with ``none_is_leaf=False``: ``None`` is an empty subt
 gradient tree may hold ``None`` where the params hold a tensor ("no gradient"); helpers
 here flatten such trees against the params' structure so that the ``None`` shows up as a
 leaf position.
+
+It also carries optax's ``optax.tree`` namespace over torch tensors, with optax's
+semantics (differences in each function's docstring): ``add``, ``add_scale``,
+``allclose``, ``batch_shape``, ``bias_correction``, ``clip``, ``conj``, ``div``,
+``full_like``, ``max``, ``min``, ``mul``, ``norm``, ``ones_like``, ``real``, ``scale``,
+``size``, ``sub``, ``sum``, ``update_infinity_moment``, ``update_moment``,
+``update_moment_per_elem_norm``, ``vdot``, ``where``, ``zeros_like`` (the function
+below), ``cast``, ``cast_like``, ``dtype``, ``random_like`` (a ``torch.Generator`` or
+an ``int`` seed instead of a JAX key; the draws differ from JAX's), ``get``,
+``get_all_with_path``, ``set``, ``map_params`` (defined in :mod:`ftopt.tree_math`,
+:mod:`ftopt.tree_reduce`, :mod:`ftopt.tree_dtypes`, :mod:`ftopt.tree_state`). optax's
+``split_key_like`` and ``unwrap_random_key_data`` handle JAX PRNG keys, which torch
+does not have, and are left out.
 """
 
 from __future__ import annotations
