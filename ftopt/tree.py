@@ -4,6 +4,19 @@ ftopt trees follow optree with ``none_is_leaf=False``: ``None`` is an empty subt
 gradient tree may hold ``None`` where the params hold a tensor ("no gradient"); helpers
 here flatten such trees against the params' structure so that the ``None`` shows up as a
 leaf position.
+
+It also carries optax's ``optax.tree`` namespace over torch tensors, with optax's
+semantics (differences in each function's docstring): ``add``, ``add_scale``,
+``allclose``, ``batch_shape``, ``bias_correction``, ``clip``, ``conj``, ``div``,
+``full_like``, ``max``, ``min``, ``mul``, ``norm``, ``ones_like``, ``real``, ``scale``,
+``size``, ``sub``, ``sum``, ``update_infinity_moment``, ``update_moment``,
+``update_moment_per_elem_norm``, ``vdot``, ``where``, ``zeros_like`` (the function
+below), ``cast``, ``cast_like``, ``dtype``, ``random_like`` (a ``torch.Generator`` or
+an ``int`` seed instead of a JAX key; the draws differ from JAX's), ``get``,
+``get_all_with_path``, ``set``, ``map_params`` (defined in :mod:`ftopt.tree_math`,
+:mod:`ftopt.tree_reduce`, :mod:`ftopt.tree_dtypes`, :mod:`ftopt.tree_state`). optax's
+``split_key_like`` and ``unwrap_random_key_data`` handle JAX PRNG keys, which torch
+does not have, and are left out.
 """
 
 from __future__ import annotations
@@ -15,6 +28,9 @@ from typing import Any
 
 import optree
 import torch
+
+from ftopt.tree_paths import diff as _diff
+from ftopt.tree_paths import path_str
 
 PyTree = Any
 
@@ -31,6 +47,13 @@ __all__ = [
     "zeros_like",
     "state_device",
     "enclosing_device",
+    # optax.tree's functions (ftopt.tree_math, tree_reduce, tree_dtypes, tree_state);
+    # zeros_like above is optax's tree_zeros_like.
+    "add", "add_scale", "allclose", "batch_shape", "bias_correction", "clip", "conj",
+    "div", "full_like", "max", "min", "mul", "norm", "ones_like", "real", "scale",
+    "size", "sub", "sum", "update_infinity_moment", "update_moment",
+    "update_moment_per_elem_norm", "vdot", "where", "cast", "cast_like", "dtype",
+    "random_like", "get", "get_all_with_path", "set", "map_params", "NamedTupleKey",
 ]
 
 # The device of the params around a subtree being initialised (see enclosing_device).
@@ -61,13 +84,6 @@ def map_with_path(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
     )
 
 
-def path_str(path: Sequence) -> str:
-    """``('layer', 0, 'weight')`` -> ``"['layer'][0]['weight']"`` (``<root>`` if empty)."""
-    if not path:
-        return "<root>"
-    return "".join(f"[{k!r}]" for k in path)
-
-
 def flatten_with_paths(tree: PyTree) -> tuple[list[str], list, optree.PyTreeSpec]:
     """Paths, leaves and structure of ``tree``."""
     paths, flat, spec = optree.tree_flatten_with_path(
@@ -95,52 +111,11 @@ def flatten_like(
         raise ValueError(f"{what} does not match the {against} tree: {detail}") from None
 
 
-def _diff(spec: optree.PyTreeSpec, tree: PyTree, path: tuple) -> str | None:
-    """The first place where ``tree`` does not fit ``spec`` (``None`` if it fits)."""
-    try:
-        spec.flatten_up_to(tree)
-        return None
-    except (ValueError, TypeError):
-        pass
-    if spec.is_leaf():  # pragma: no cover - anything fits a leaf
-        return None
-    where = path_str(path)
-    try:
-        children, _, entries, _ = optree.tree_flatten_one_level(
-            tree, none_is_leaf=spec.none_is_leaf, namespace=spec.namespace)
-    except (ValueError, TypeError):
-        return (f"expected a {spec.type.__name__} at {where}, got a leaf of type "
-                f"{type(tree).__name__}")
-    want, got = list(spec.entries()), list(entries)
-    if type(tree) is not spec.type and not (
-        isinstance(tree, dict) and issubclass(spec.type, dict)
-    ):
-        return f"expected a {spec.type.__name__} at {where}, got a {type(tree).__name__}"
-    sequence = all(isinstance(e, int) for e in want + got)
-    if sequence and len(want) != len(got):
-        return (f"expected a {spec.type.__name__} of length {len(want)} at {where}, got "
-                f"a {type(tree).__name__} of length {len(got)}")
-    if not sequence or want != got:
-        missing = [e for e in want if e not in got]
-        extra = [e for e in got if e not in want]
-        if missing:
-            return (f"missing {path_str((*path, missing[0]))} (expected keys {want} at "
-                    f"{where}, got {got})")
-        if extra:
-            return (f"unexpected {path_str((*path, extra[0]))} (expected keys {want} at "
-                    f"{where}, got {got})")
-    for entry, child_spec in zip(want, spec.children()):
-        found = _diff(child_spec, children[got.index(entry)], (*path, entry))
-        if found is not None:
-            return found
-    return None
-
-
 def _first_difference(
     spec: optree.PyTreeSpec, tree: PyTree, paths: Sequence[str], err: Exception
 ) -> str:
     other_paths, _, _ = flatten_with_paths(tree)
-    present = set(other_paths)
+    present = {*other_paths}  # (the name set is ftopt.tree.set here)
     missing = [p for p in paths if p not in present]
     extra = [p for p in other_paths if not any(p.startswith(q) for q in paths)]
     if extra:
@@ -186,3 +161,30 @@ def enclosing_device(tree: PyTree) -> Iterator[None]:
         yield
     finally:
         _ENCLOSING_DEVICE.reset(token)
+
+
+# optax's optax.tree namespace, over torch tensors (the modules use optree directly and
+# never import this one). Imported last: sum, max, min, set and dtype shadow builtins
+# (and torch names) only for code that reads them from ftopt.tree.
+from ftopt.tree_dtypes import cast, cast_like, dtype, random_like  # noqa: E402
+from ftopt.tree_math import (  # noqa: E402
+    add,
+    add_scale,
+    batch_shape,
+    bias_correction,
+    clip,
+    conj,
+    div,
+    full_like,
+    mul,
+    ones_like,
+    real,
+    scale,
+    sub,
+    update_infinity_moment,
+    update_moment,
+    update_moment_per_elem_norm,
+    where,
+)
+from ftopt.tree_reduce import allclose, max, min, norm, size, sum, vdot  # noqa: E402
+from ftopt.tree_state import NamedTupleKey, get, get_all_with_path, map_params, set  # noqa: E402
