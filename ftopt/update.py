@@ -63,6 +63,7 @@ def step(
     *,
     donate: bool = False,
     backend: str = "auto",
+    **extra: Any,
 ) -> tuple[Any, Any]:
     """One optimizer step: ``update`` then ``apply_updates``, fused where it can be.
 
@@ -74,6 +75,11 @@ def step(
             in is modified.
         backend: ``"auto"`` (fused Triton kernels where :func:`ftopt.explain` says so,
             eager otherwise), ``"fused"`` (raise if the step cannot fuse) or ``"eager"``.
+        **extra: keywords of ``tx.update`` (the loss as ``value=`` for ``polyak_sgd``,
+            ``momo`` and the line searches, with ``grad=`` and ``value_fn=``; ``obj_fn=``
+            for ``sophia``; ``grad_fn=`` for ``sam``'s opaque mode): the step then runs
+            eagerly, as ``tx.update(grads, state, params, **extra)`` and
+            ``apply_updates``.
 
     Returns:
         ``(new_params, new_state)``.
@@ -81,6 +87,8 @@ def step(
     check_transform(tx, "step: argument tx")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if extra:
+        return _step_with(tx, params, grads, state, donate, backend, extra)
     compiling = torch.compiler.is_compiling()
     wrapper_step = getattr(getattr(tx.update, "__self__", None), "wrapper_step", None)
     if wrapper_step is not None and not compiling:
@@ -140,15 +148,31 @@ def _distributed():
     return found
 
 
-def _eager(tx, params, grads, state, donate: bool):
+def _step_with(tx, params, grads, state, donate: bool, backend: str, extra: dict):
+    """A step whose ``update`` takes ``extra`` keywords: eager, on plain tensors."""
+    if backend == "fused":
+        raise RuntimeError(f"step(backend='fused') cannot fuse: the keywords "
+                           f"{sorted(extra)} go to an eager update")
+    if shards.any_dtensor(params, grads):
+        raise TypeError(f"step: DTensor params with the keywords {sorted(extra)}: call "
+                        "tx.update(grads, state, params, ...) and ftopt.apply_updates")
+    if donate:
+        paths, flat, _ = tree_lib.flatten_with_paths(params)
+        check_disjoint(paths, flat)
+        with torch.no_grad():
+            return _eager(tx, params, grads, state, True, extra)
+    return _eager(tx, params, grads, state, False, extra)
+
+
+def _eager(tx, params, grads, state, donate: bool, extra: dict | None = None):
     # A chain of elementwise rules on the CPU: update + apply in one chunked pass.
-    chunked = dispatch.backend("chunked")
+    chunked = dispatch.backend("chunked") if not extra else None
     if chunked is not None:
         result = chunked.step(tx, params, grads, state, donate)
         if result is not None:
             return result
     with dispatch.eager_updates():  # the fused path was ruled out (or not asked for)
-        updates, new_state = tx.update(grads, state, params)
+        updates, new_state = tx.update(grads, state, params, **(extra or {}))
     new_params = apply_updates(params, updates)
     if donate:
         return _write_back(params, new_params), _write_back(state, new_state)
