@@ -36,7 +36,7 @@ from ftopt.finite import safe_increment
 from ftopt.matrix import check_shards
 from ftopt.program import skip_update
 from ftopt.quantize import quantize_states
-from ftopt.rules import check_param, compute_dtype
+from ftopt.rules import checked_params, compute_dtype
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate
 from ftopt.validate import check_leaf
@@ -165,9 +165,7 @@ class ScaleByGaLore:
         return found
 
     def init(self, params) -> GaLoreState:
-        paths, flat, spec = tree_lib.flatten_with_paths(params)
-        for path, p in zip(paths, flat):
-            check_param(path, p)
+        paths, flat, spec = checked_params(params)
         count = torch.zeros((), dtype=torch.int32, device=tree_lib.state_device(flat))
         remember_count(count, 0)
         if not flat:

@@ -20,7 +20,7 @@ from ftopt.combine import chain
 from ftopt.domains import check_int
 from ftopt.finite import safe_increment
 from ftopt.linesearch import check_refuses_mask
-from ftopt.rules import check_param, compute_dtype, state_dtype
+from ftopt.rules import checked_params, compute_dtype, state_dtype
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.transforms.scaling import identity, scale, scale_by_learning_rate
 from ftopt.validate import check_leaf
@@ -64,9 +64,7 @@ class ScaleByLBFGS:
         register_owner(self)
 
     def init(self, params) -> ScaleByLBFGSState:
-        paths, flat, spec = tree_lib.flatten_with_paths(params)
-        for path, p in zip(paths, flat):
-            check_param(path, p)
+        paths, flat, spec = checked_params(params)
         m = self.memory_size
         zeros = lambda shape: tree_lib.unflatten(spec, [  # noqa: E731
             torch.zeros(shape(p), dtype=state_dtype(p), device=p.device) for p in flat])

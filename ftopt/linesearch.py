@@ -34,7 +34,7 @@ import torch
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, check_finite, check_int
-from ftopt.rules import check_param, compute_dtype
+from ftopt.rules import check_param, checked_params, compute_dtype
 from ftopt.validate import check_leaf
 
 __all__ = ["BacktrackingLinesearchInfo", "ScaleByBacktrackingLinesearchState",
@@ -222,9 +222,7 @@ class BacktrackingLinesearch:
         register_owner(self)
 
     def init(self, params) -> ScaleByBacktrackingLinesearchState:
-        paths, flat, _ = tree_lib.flatten_with_paths(params)
-        for path, p in zip(paths, flat):
-            check_param(path, p)
+        paths, flat, _ = checked_params(params)
         dt, dev = value_dtype(flat), tree_lib.state_device(flat)
         return ScaleByBacktrackingLinesearchState(
             learning_rate=torch.ones((), dtype=dt, device=dev),

@@ -15,7 +15,7 @@ from ftopt._counts import host_count, remember_count
 from ftopt.base import GradientTransformation, check_transform, register_owner, register_state
 from ftopt.domains import NONNEG, POSITIVE, check_finite, check_int
 from ftopt.finite import safe_increment
-from ftopt.rules import check_param, compute_dtype
+from ftopt.rules import checked_params, compute_dtype
 from ftopt.validate import check_leaf
 
 __all__ = ["MechanicState", "mechanize"]
@@ -62,9 +62,7 @@ class Mechanic:
         register_owner(self)
 
     def init(self, params) -> MechanicState:
-        paths, flat, _ = tree_lib.flatten_with_paths(params)
-        for path, p in zip(paths, flat):
-            check_param(path, p)
+        paths, flat, _ = checked_params(params)
         device = tree_lib.state_device(flat)
         dtype = (torch.float64 if flat and all(p.dtype == torch.float64 for p in flat)
                  else torch.float32)

@@ -20,7 +20,7 @@ from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, UNIT, UNIT_OPEN, check_finite
 from ftopt.finite import safe_increment
 from ftopt.program import skip_update
-from ftopt.rules import check_param, compute_dtype, state_dtype
+from ftopt.rules import checked_params, compute_dtype, state_dtype
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.validate import check_leaf
 
@@ -81,9 +81,7 @@ class Momo:
         register_owner(self)
 
     def init(self, params) -> MomoState | MomoAdamState:
-        paths, flat, spec = tree_lib.flatten_with_paths(params)
-        for path, p in zip(paths, flat):
-            check_param(path, p)
+        paths, flat, spec = checked_params(params)
         zeros = lambda: tree_lib.unflatten(spec, [  # noqa: E731
             torch.zeros(p.shape, dtype=state_dtype(p), device=p.device) for p in flat])
         device = tree_lib.state_device(flat)

@@ -37,12 +37,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ftopt import tree as tree_lib
 from ftopt.base import EmptyState, register_state
 from ftopt.domains import Interval
 
 __all__ = ["Slot", "Rule", "QuantizedSlot", "QuantConfig", "Env", "hparam_values",
            "step_scalars", "initial_running", "running_dtype", "running_step", "compute_dtype",
-           "state_dtype", "check_param"]
+           "state_dtype", "check_param", "checked_params"]
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,15 @@ def check_param(path: str, p) -> None:
                         "(expected a dense tensor)")
     if not p.is_floating_point():
         raise TypeError(f"params at {path}: expected a floating-point tensor, got {p.dtype}")
+
+
+def checked_params(params) -> tuple[list[str], list, Any]:
+    """Paths, leaves and structure of ``params``, every leaf checked (:func:`check_param`):
+    what an eager transform's ``init`` starts from."""
+    paths, flat, spec = tree_lib.flatten_with_paths(params)
+    for path, p in zip(paths, flat):
+        check_param(path, p)
+    return paths, flat, spec
 
 def as_host_numbers(scalars: dict, dtype: torch.dtype) -> dict:
     """Per-step scalars that are float64 0-d tensors (a device count) in ``dtype``, as

@@ -20,7 +20,7 @@ from ftopt.base import GradientTransformation, check_transform, register_owner, 
 from ftopt.domains import check_int
 from ftopt.finite import where_leaf
 from ftopt.program import skip_updates
-from ftopt.rules import check_param
+from ftopt.rules import checked_params
 from ftopt.update import apply_updates
 from ftopt.validate import check_leaf
 
@@ -96,9 +96,7 @@ class Sam:
         register_owner(self)
 
     def init(self, params) -> SAMState:
-        paths, flat, _ = tree_lib.flatten_with_paths(params)
-        for path, p in zip(paths, flat):
-            check_param(path, p)
+        paths, flat, _ = checked_params(params)
         since = torch.zeros((), dtype=torch.int32, device=tree_lib.state_device(flat))
         remember_count(since, 0)
         cache = None if self.opaque else tree_lib.map(torch.clone, params)

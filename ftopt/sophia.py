@@ -28,7 +28,7 @@ from ftopt.combine import chain
 from ftopt.domains import NONNEG, UNIT_OPEN, check_finite, check_int
 from ftopt.finite import safe_increment
 from ftopt.program import skip_update
-from ftopt.rules import check_param, compute_dtype, state_dtype
+from ftopt.rules import checked_params, compute_dtype, state_dtype
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.transforms import add_decayed_weights, scale_by_learning_rate
 from ftopt.validate import check_leaf
@@ -104,9 +104,7 @@ class Hutchinson:
         register_owner(self)
 
     def init(self, params) -> HutchinsonState:
-        paths, flat, _ = tree_lib.flatten_with_paths(params)
-        for path, p in zip(paths, flat):
-            check_param(path, p)
+        paths, flat, _ = checked_params(params)
         device = tree_lib.state_device(flat)
         key = torch.full((), self.seed, dtype=torch.int64, device=device)
         remember_count(key, self.seed)
@@ -126,9 +124,7 @@ class Hutchinson:
             raise TypeError(f"{name}: obj_fn must be callable, got {type(obj_fn).__name__}")
         if not isinstance(state, HutchinsonState):
             raise TypeError(f"{name}: expected a HutchinsonState, got {type(state).__name__}")
-        paths, flat, spec = tree_lib.flatten_with_paths(params)
-        for path, p in zip(paths, flat):
-            check_param(path, p)
+        paths, flat, spec = checked_params(params)
         key = _host(state.key)
         generators: dict[torch.device, torch.Generator] = {}
 
@@ -211,9 +207,7 @@ class ScaleBySophia:
         register_owner(self)
 
     def init(self, params) -> SophiaState:
-        paths, flat, spec = tree_lib.flatten_with_paths(params)
-        for path, p in zip(paths, flat):
-            check_param(path, p)
+        paths, flat, spec = checked_params(params)
         mu = [torch.zeros(p.shape, dtype=self.mu_dtype or state_dtype(p), device=p.device)
               for p in flat]
         nu = [torch.zeros(p.shape, dtype=state_dtype(p), device=p.device) for p in flat]

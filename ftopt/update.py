@@ -131,14 +131,7 @@ def step(
                 return result
         if backend == "fused":
             raise RuntimeError(f"step(backend='fused') cannot fuse: {reason}")
-    if donate:
-        paths, flat, _ = tree_lib.flatten_with_paths(params)
-        check_disjoint(paths, flat)
-        # A donated step writes into the given tensors: never differentiable, so no
-        # autograd graph is built for it (nn.Parameters in grad mode take the fast path).
-        with torch.no_grad():
-            return _eager(tx, params, grads, state, True)
-    return _eager(tx, params, grads, state, False)
+    return _eager_step(tx, params, grads, state, donate)
 
 
 def _distributed():
@@ -156,9 +149,15 @@ def _step_with(tx, params, grads, state, donate: bool, backend: str, extra: dict
     if shards.any_dtensor(params, grads):
         raise TypeError(f"step: DTensor params with the keywords {sorted(extra)}: call "
                         "tx.update(grads, state, params, ...) and ftopt.apply_updates")
+    return _eager_step(tx, params, grads, state, donate, extra)
+
+
+def _eager_step(tx, params, grads, state, donate: bool, extra: dict | None = None):
     if donate:
         paths, flat, _ = tree_lib.flatten_with_paths(params)
         check_disjoint(paths, flat)
+        # A donated step writes into the given tensors: never differentiable, so no
+        # autograd graph is built for it (nn.Parameters in grad mode take the fast path).
         with torch.no_grad():
             return _eager(tx, params, grads, state, True, extra)
     return _eager(tx, params, grads, state, False, extra)

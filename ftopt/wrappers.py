@@ -27,7 +27,7 @@ from ftopt._counts import (
 )
 from ftopt.base import GradientTransformation, check_transform, register_owner, register_state
 from ftopt.domains import check_int
-from ftopt.rules import check_param
+from ftopt.rules import check_param, checked_params
 from ftopt.update import step
 from ftopt.validate import check_count, check_layout, check_leaf
 
@@ -128,9 +128,7 @@ class MultiSteps:
         return int(k(gradient_step)) if callable(k) else k
 
     def init(self, params) -> MultiStepsState:
-        paths, flat, _ = tree_lib.flatten_with_paths(params)
-        for path, p in zip(paths, flat):
-            check_param(path, p)
+        paths, flat, _ = checked_params(params)
         inner_state = self.inner.init(params)
         device = _device_of(params)
         acc = tree_lib.map(lambda p: torch.zeros_like(p, dtype=torch.promote_types(

@@ -17,7 +17,7 @@ from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, check_finite, check_int
 from ftopt.linesearch import Line, check_refuses_mask, nan_to_inf, objective_args, value_dtype
-from ftopt.rules import check_param
+from ftopt.rules import checked_params
 
 __all__ = ["ZoomLinesearchInfo", "ScaleByZoomLinesearchState", "scale_by_zoom_linesearch"]
 
@@ -141,9 +141,7 @@ class ZoomLinesearch:
         register_owner(self)
 
     def init(self, params) -> ScaleByZoomLinesearchState:
-        paths, flat, _ = tree_lib.flatten_with_paths(params)
-        for path, p in zip(paths, flat):
-            check_param(path, p)
+        paths, flat, _ = checked_params(params)
         dt, dev = value_dtype(flat), tree_lib.state_device(flat)
         inf = torch.full((), math.inf, dtype=dt, device=dev)
         return ScaleByZoomLinesearchState(
