@@ -1,12 +1,13 @@
 """Every optimizer family of the catalogue on GPT-2-small shapes (fp32), fused, one run.
 
 For each alias of the test registry (``tests/registry.py``) with no matrix stage of its
-own: the time of one donated ``ftopt.step`` on the 148-leaf GPT-2 tree, its nominal bytes
-per element and the fraction of the device's copy bandwidth measured in the same run,
-twice: for the main kernel alone (``B/elt``, what ``ftopt.explain`` says it reads and
-writes) and for the whole step (``step B/elt``: plus what the norm passes read again,
-LAMB's, LARS' and Fromage's params and updates). Both fractions divide by the time of the
-whole step; "step of copy" is the one to hold against 1.0.
+own, and each fusible transform named in ``--only`` (chained with ``scale(-1e-3)``): the
+time of one donated ``ftopt.step`` on the 148-leaf GPT-2 tree, its nominal bytes per
+element and the fraction of the device's copy bandwidth measured in the same run, twice:
+for the main kernel alone (``B/elt``, what ``ftopt.explain`` says it reads and writes)
+and for the whole step (``step B/elt``: plus what the norm passes read again, LAMB's,
+LARS' and Fromage's params and updates). Both fractions divide by the time of the whole
+step; "step of copy" is the one to hold against 1.0.
 
 Expected on the H200 for ``noisy_sgd`` (12 B/elt, copy time 0.355 ms): since its noise is
 drawn per pair of elements, each element costs about half of the former 3 finalizer
@@ -143,9 +144,15 @@ def main() -> int:
     copy = None if args.smoke else copy_tbps(device, 1 << 28)
     rows = []
     for e in registry.TRANSFORMS:
-        if e.kind != "alias" or not e.fusible or e.mixes or (only and e.name not in only):
+        # A transform (not an alias) is timed when named in --only, chained with a
+        # learning rate as a user would: scale_by_distance_over_gradients, say.
+        named = e.kind == "transform" and only and e.name in only
+        if not (e.kind == "alias" or named) or not e.fusible or e.mixes or (
+                only and e.name not in only):
             continue
         tx = e.make(**e.example)
+        if named:
+            tx = ftopt.chain(tx, ftopt.scale(-1e-3))
         with contextlib.redirect_stdout(io.StringIO()):
             plan = ftopt.explain(tx, params, grads, donate=True, backend="fused")
         moved = re.search(r"main kernel reads (\d+), writes (\d+)", plan)
