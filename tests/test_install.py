@@ -43,3 +43,11 @@ def test_triton_is_not_a_core_dependency():
     extras = project["optional-dependencies"]
     assert any(d.startswith("triton") for d in extras["gpu"])
     assert any(d.startswith("triton") for d in extras["test"])  # the interpreter tests
+
+
+def test_the_package_is_typed():
+    """PEP 561: the marker ships in the package, so mypy and pyright read ftopt's hints."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
+    assert (ROOT / "ftopt" / "py.typed").is_file()
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "py.typed" in setuptools["package-data"]["ftopt"]
