@@ -249,14 +249,14 @@ def test_fused_novograd_in_masked_and_after_a_norm():
             torch.testing.assert_close(p_f[k], p_e[k], rtol=1e-6, atol=1e-7)
 
 
-def _step_ops(n_leaves: int, skip_zeros: bool) -> dict:
-    """The ATen ops (by name) of a donated fused NovoGrad step (its second) over
-    ``n_leaves``: tables, reduction pass and kernel launch together."""
+def _step_ops(n_leaves: int, skip_zeros: bool, tx=None) -> dict:
+    """The ATen ops (by name) of a donated fused step (its second; NovoGrad's unless
+    ``tx``) over ``n_leaves``: tables, reduction pass and kernel launch together."""
 
     gen = torch.Generator().manual_seed(12)
     params = {f"l{i}": torch.randn(3 + i % 4, 5, generator=gen).to(DEVICE)
               for i in range(n_leaves)}
-    tx = ftopt.novograd(1e-2, weight_decay=0.01, skip_zeros=skip_zeros)
+    tx = tx or ftopt.novograd(1e-2, weight_decay=0.01, skip_zeros=skip_zeros)
     state = tx.init(params)
     for _ in range(2):
         grads = {k: torch.randn(v.shape, generator=gen).to(DEVICE) for k, v in params.items()}
@@ -279,14 +279,29 @@ def test_fused_novograd_step_ops_do_not_grow_with_leaves(skip_zeros):
     assert many["aten._foreach_copy_.default"] == 1, many
 
 
+def test_global_norms_take_no_torch_ops():
+    """Global norms at two levels (a global clip, then LAMB's trust ratio of the clipped
+    update): the kernels write each leaf's sums into its column and sum the columns over
+    the leaves; the host dispatches no sum, stack, select or copy of its own for them, and
+    the same ops for 4 leaves as for 24."""
+    def tx():
+        return ftopt.chain(ftopt.clip_by_global_norm(0.5), ftopt.lamb(1e-2))
+
+    few, many = _step_ops(4, False, tx()), _step_ops(24, False, tx())
+    assert few == many, {k: (few.get(k), many.get(k)) for k in set(few) | set(many)
+                         if few.get(k) != many.get(k)}
+    assert not [k for k in many if any(w in k for w in ("sum", "stack", "select", "norm"))]
+    assert many.get("aten.zeros.default") == 1, many  # (one zeroed buffer for every sum)
+
+
 @pytest.mark.parametrize("r_block", [4, 4096])
 def test_leaf_sums_loop_over_many_partials(r_block, monkeypatch):
     """The reduction pass's per-leaf sums (a loop over each leaf's partials, R_BLOCK a
     load): with 4 a load, leaves of 10 and 3 partials take several iterations and a masked
     tail; the norms, hence fused Fromage and LAMB, still equal eager's."""
-    from ftopt.lowering import launch, tiles
+    from ftopt.lowering import reductions, tiles
 
-    monkeypatch.setattr(launch, "_LEAF_SUMS", (("R_BLOCK", r_block), ("num_warps", 1)))
+    monkeypatch.setattr(reductions, "_LEAF_SUMS", (("R_BLOCK", r_block), ("num_warps", 1)))
     gen = torch.Generator().manual_seed(9)
     shapes = {"a": (10 * tiles.BLOCK - 7,), "b": (3, tiles.BLOCK - 5), "c": (17,)}
     params = {k: torch.randn(s, generator=gen).to(DEVICE) for k, s in shapes.items()}

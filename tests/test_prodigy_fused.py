@@ -259,8 +259,9 @@ class _Ops(TorchDispatchMode):
 
 
 def test_donated_step_ops_do_not_grow_with_leaves(kernel_launches):
-    """A donated fused step of the alias: the reduction pass and the main kernel, and the
-    same torch ops, for 3 leaves or 12 (no per-leaf work on the host or the device)."""
+    """A donated fused step of the alias: the reduction pass (its kernel, the leaves' sums
+    and the global sums) and the main kernel, and the same torch ops, for 3 leaves or 12
+    (no per-leaf work on the host or the device)."""
     launches, ops = [], []
     for n in (3, 12):
         gen = torch.Generator().manual_seed(36)
@@ -278,7 +279,7 @@ def test_donated_step_ops_do_not_grow_with_leaves(kernel_launches):
                                        donate=True)
         launches.append(len(kernel_launches) - before)
         ops.append(counter.count)
-    assert launches[0] == launches[1] <= 3, launches
+    assert launches[0] == launches[1] <= 4, launches
     assert ops[0] == ops[1], ops
 
 

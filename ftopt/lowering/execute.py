@@ -20,7 +20,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
-from ftopt.lowering import branches, checks, launch, leaf_slots, streams
+from ftopt.lowering import branches, checks, launch, leaf_slots, reductions, streams
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.counts import advance_counts, advance_running, counts_on, increment
 from ftopt.lowering.flat import dict_list_getter, flat_dict_getter, flat_dict_leaves
@@ -242,8 +242,8 @@ class PreparedStep:
                     group.watch.after()
             return
         with launch.device_guard(self.device):
-            leaf_bufs, global_buf = launch.run_reductions(traced, groups, scalars,
-                                                          self.device)
+            leaf_bufs, global_buf = reductions.run_reductions(traced, groups, scalars,
+                                                              self.device)
             if not launch.run_main(traced, groups, scalars, leaf_bufs, global_buf,
                                    count_pairs, self.device, running):
                 increment(count_pairs)

@@ -17,30 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftopt import shards
 from ftopt.lowering import codegen, interpreter, quantized, streams, tiles, work
-
-# One program sums a leaf's partials, R_BLOCK a load, in a loop whose iterations each wait
-# for their load: 256 a load took GPT-2's embedding (75,400 partials of 512 elements) ~300
-# dependent loads, ~0.1 ms of one SM while the others idled (Fromage, LARS and NovoGrad at
-# 0.84-0.90 of copy on an H200); 4096 a load over 8 warps takes 19.
-_LEAF_SUMS_BLOCK = 4096
-_LEAF_SUMS = (("R_BLOCK", _LEAF_SUMS_BLOCK), ("num_warps", 8))
-
-
-@triton.jit
-def _leaf_sums(partials_ptr, first_block_ptr, num_blocks_ptr, out_ptr, N_PART: tl.constexpr,
-               R_BLOCK: tl.constexpr):
-    # Sum the per-block partials of one leaf in a fixed order (deterministic norms).
-    leaf = tl.program_id(0)
-    j = tl.program_id(1)
-    first = tl.load(first_block_ptr + leaf)
-    count = tl.load(num_blocks_ptr + leaf)
-    acc = tl.zeros([R_BLOCK], tl.float32)
-    for s in range(0, count, R_BLOCK):
-        idx = s + tl.arange(0, R_BLOCK)
-        acc += tl.load(partials_ptr + (first + idx) * N_PART + j, mask=idx < count, other=0.0)
-    tl.store(out_ptr + leaf * N_PART + j, tl.sum(acc))
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -264,70 +241,6 @@ def _spills_at_cap(compiled) -> bool:
     :data:`tiles.CAP_SPILLS` registers (then it runs at the compiler's choice)."""
     compiled._init_handles()
     return compiled.n_spills > tiles.CAP_SPILLS
-
-
-def run_reductions(traced, groups: list[GroupLaunch], scalars, device):
-    """Per-leaf reduction buffers of every group and the global buffer, level by level."""
-    n_red = max(len(traced.graph.reductions), 1)
-    if traced.levels == 0:
-        dummy = _dummy(device)
-        return [dummy] * len(groups), dummy
-    global_buf = torch.zeros(n_red, dtype=torch.float32, device=device)
-    leaf_bufs = [torch.zeros(g.work.num_leaves * n_red, dtype=torch.float32, device=device)
-                 for g in groups]
-    sharded = shards.in_local_shards()
-    for level in range(1, traced.levels + 1):
-        reds = codegen.level_reductions(traced, level)
-        level_sums = []
-        for group, buf in zip(groups, leaf_bufs):
-            w = group.work
-            if w.num_blocks == 0:
-                if sharded:  # (every rank takes part in the collective below)
-                    level_sums.append(torch.zeros(w.num_leaves * len(reds),
-                                                  dtype=torch.float32, device=device))
-                continue
-            roles = codegen.input_roles(group.traced, bool(group.quant_block))
-            kernel = _kernel(group.traced, "reduce", level, group.variant(scalars))
-            partials = torch.empty(w.num_blocks * len(reds), dtype=torch.float32,
-                                   device=device)
-            _launch(kernel, (w.num_blocks,),
-                    [*group.args(roles, scalars, buf, global_buf, False), partials],
-                    _constants_cached(group.traced, group.quant_block, kind=group.kind), device)
-            sums = torch.empty(w.num_leaves * len(reds), dtype=torch.float32, device=device)
-            _launch(_leaf_sums, (w.num_leaves, len(reds)),
-                    [partials, w.first_block, w.blocks_per_leaf, sums],
-                    (("N_PART", len(reds)), *_LEAF_SUMS), device)
-            level_sums.append(sums)
-        if sharded:
-            # Local shards: one all-reduce for every leaf of every group, between this
-            # level's reduction pass and the kernels that read it.
-            paths = [path for group in groups for path in group.paths for _ in reds]
-            level_sums = _reduced_over_shards(level_sums, paths)
-        sums_of = iter(level_sums)
-        for group, buf in zip(groups, leaf_bufs):
-            w = group.work
-            if w.num_blocks == 0 and not sharded:
-                continue
-            sums = next(sums_of)
-            view = buf.view(w.num_leaves, n_red)
-            for j, red in enumerate(reds):
-                view[:, red.index] = sums.view(w.num_leaves, len(reds))[:, j]
-        for red in reds:
-            if red.scope == "global":
-                total = [b.view(-1, n_red)[:, red.index].sum() for b in leaf_bufs]
-                global_buf[red.index] = torch.stack(total).sum()
-    return leaf_bufs, global_buf
-
-
-def _reduced_over_shards(parts: list[torch.Tensor], paths: list) -> list[torch.Tensor]:
-    """The per-leaf sums of squares of the local shards, summed over the ranks (``paths``:
-    each entry's leaf)."""
-    if not parts:
-        return parts
-    total = shards.reduce_squares(torch.cat(parts) if len(parts) > 1 else parts[0],
-                                  paths if len(paths) == sum(p.numel() for p in parts)
-                                  else None)
-    return list(total.split([p.numel() for p in parts]))
 
 
 @lru_cache(maxsize=16)
