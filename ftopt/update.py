@@ -40,7 +40,14 @@ def _apply_leaf(path: str, p, u):
                          f"param's device {p.device}")
     least = torch.complex64 if p.is_complex() else torch.float32
     compute = torch.promote_types(torch.promote_types(p.dtype, u.dtype), least)
-    return (p.to(compute) + u.to(compute)).to(p.dtype)
+    out = (p.to(compute) + u.to(compute)).to(p.dtype)
+    if p.dtype in (torch.float16, torch.bfloat16):
+        # torch's conversions between 16-bit floats and fp32 do not keep a NaN's bits (on
+        # the CPU: fp16 0xFE00 -> 0x7FFF, bf16 0xFFC1 -> 0xFFFF): a NaN param keeps its
+        # own (the sum is a NaN anyway), so that p + (-0.0), a skipped element's update,
+        # is p bit for bit (SPEC §3).
+        out = torch.where(torch.isnan(p), p, out)
+    return out
 
 
 def apply_updates(params: Any, updates: Any) -> Any:

@@ -296,6 +296,16 @@ def test_stddev_variance_cancels_alike_on_every_backend():
             torch.testing.assert_close(u_f["w"], u_e["w"], rtol=1e-6, atol=0)
 
 
+def test_seed94_case516_nan_params_keep_their_bits_where_skipped():
+    """Found by the CPU fuzz (seed 94, example 516): normalize's 0/0 after ADOPT's zero
+    first update makes 16-bit params NaN, and the next step's zero-gradient elements came
+    back as other NaNs (fp16 0xFE00 as 0x7FFF: torch's CPU conversion to fp32 and back).
+    A NaN param now keeps its bits through ``p + u``; the whole contract holds."""
+    runner = _runner()
+    case = _pinned(runner, 94, 516, "cpu")
+    assert {k: v for k, v in checks.run_all(case).items() if v} == {}
+
+
 # ------------------------------------------------------------------------------------------
 # The GPU runner's bookkeeping (benchmarks/fuzz.py): shards, dtypes per structure, merge
 # ------------------------------------------------------------------------------------------
@@ -343,6 +353,16 @@ PINNED = {
         skip="wrap", skip_at=5, bits=32, quant="wrapper", min_size=0,
         state_dtype="float16", tensors=False, schedules=False, named=False),
         ("fp16", "fp32")),
+    # ADOPT's first update is zero, so normalize's 0/0 makes the params NaN; the next
+    # step's skipped elements must keep those NaNs' bits (torch's CPU conversions of 16-bit
+    # floats to fp32 and back do not).
+    (94, 516): (Structure(parts=(
+        Part("scale_by_adopt", (("nesterov", False), ("use_clipping", True))),
+        Part("scale_by_factored_rms", (("factored", True), ("min_dim_size_to_factor", 2))),
+        Part("trace", (("nesterov", False),)), Part("scale_by_ademamix", ()),
+        Part("normalize", ())), skip="marker", skip_at=0, bits=8, quant="wrapper",
+        min_size=64, state_dtype="", tensors=False, schedules=False, named=False),
+        ("bf16", "fp16")),
 }
 
 

@@ -132,3 +132,53 @@ def test_a_global_norm_over_a_non_finite_gradient_is_non_finite(backend):
     tx = ftopt.chain(ftopt.clip_by_global_norm(1.0), ftopt.sgd(0.1))
     p, _ = _run(tx, params, [grads], backend)
     assert not torch.isfinite(p["b"]).any()
+
+
+# Quiet NaNs, with and without payloads and signs: those arithmetic makes (a signalling
+# NaN, made only by writing its bits, may come back quieted from a fused kernel).
+NAN_BITS = {torch.float16: [0xFE00, 0x7E01, 0x7FFF, 0xFFFF],
+            torch.bfloat16: [0xFFC1, 0x7FC0, 0x7FFF, 0xFFFF]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("clip", [False, True])  # (the CPU's eager paths: elementwise
+def test_a_nan_param_keeps_its_bits_where_its_gradient_is_zero(dtype, backend, bits, clip):
+    # rules in one chunked pass; with a global norm, update + apply_updates)
+    """skip_zeros keeps a param's bits where its gradient is zero, a NaN's too (whose
+    bits torch's conversions of 16-bit floats to fp32 and back do not keep); the other
+    elements step, and without skip_zeros the zero-gradient elements move too."""
+    gen = torch.Generator().manual_seed(31)
+    w = torch.randn(4100, generator=gen).to(dtype)  # (8-bit states from 4096 elements)
+    params = {"w": w.to(DEVICE)}
+    nans = torch.tensor(NAN_BITS[dtype], dtype=torch.int32).to(torch.int16).to(DEVICE)
+    g1 = {"w": torch.randn(4100, generator=gen).to(dtype).to(DEVICE)}
+    g2 = {"w": torch.randn(4100, generator=gen).to(dtype).to(DEVICE)}
+    zero = torch.zeros(4100, dtype=torch.bool, device=DEVICE)
+    zero[:4] = zero[100:110] = True
+    g2["w"][zero] = 0
+    for skip in (True, False):
+        tx = ftopt.adam(1e-2, skip_zeros=skip, state_bits=bits)
+        if clip:
+            tx = ftopt.chain(ftopt.clip_by_global_norm(1e3), ftopt.adam(1e-2, state_bits=bits),
+                             *[ftopt.skip_zeros()] * skip)
+        p, s = ftopt.step(tx, params, g1, tx.init(params), backend=backend)
+        p["w"].view(torch.int16)[:4] = nans
+        new, _ = ftopt.step(tx, p, g2, s, backend=backend)
+        old_bits, new_bits = p["w"].view(torch.int16), new["w"].view(torch.int16)
+        if skip:
+            assert torch.equal(new_bits[zero], old_bits[zero])
+        else:  # (adam's momentum moves them)
+            assert not torch.equal(new_bits[100:110], old_bits[100:110])
+        assert not torch.equal(new_bits[~zero], old_bits[~zero])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_apply_updates_keeps_a_nan_param_s_bits(dtype):
+    """p + (-0.0), a skipped element's update, is p bit for bit, a NaN included."""
+    bits = torch.tensor(NAN_BITS[dtype] + [0x3C00], dtype=torch.int32).to(torch.int16)
+    p = bits.view(dtype).to(DEVICE)
+    u = torch.tensor([-0.0, -0.0, -0.0, -0.0, 0.0], device=DEVICE)
+    out = ftopt.apply_updates({"p": p}, {"p": u})["p"]
+    assert torch.equal(out.view(torch.int16), p.view(torch.int16))

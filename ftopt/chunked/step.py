@@ -249,8 +249,11 @@ def _build(prep: _Prepared, leaf: int, zero_dim: bool) -> Program:
     if not u.dtype.is_floating_point:
         raise Unsupported("the update is not floating-point")  # apply_updates raises
     compute = torch.promote_types(torch.promote_types(p.dtype, u.dtype), torch.float32)
-    new_p = prog.binary(operator.add, prog.convert(ps, compute), prog.convert(u, compute))
-    prog.output("p", prog.convert(new_p, p.dtype))
+    new_p = prog.convert(prog.binary(operator.add, prog.convert(ps, compute),
+                                     prog.convert(u, compute)), p.dtype)
+    if p.dtype in (torch.float16, torch.bfloat16):  # a NaN keeps its bits (apply_updates)
+        new_p = prog.where(prog.binary(operator.ne, ps, ps), ps, new_p)
+    prog.output("p", new_p)
     return prog
 
 
