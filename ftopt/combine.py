@@ -32,6 +32,7 @@ __all__ = [
     "MaskedState",
     "PartitionState",
     "owner",
+    "update_keywords",
     "zero_mask_of",
 ]
 
@@ -39,6 +40,33 @@ __all__ = [
 def owner(tx: GradientTransformation) -> Any:
     """The object behind a transform (``None`` for a transform ftopt did not build)."""
     return getattr(tx.update, "__self__", None)
+
+
+def update_keywords(tx: GradientTransformation) -> frozenset[str]:
+    """The keyword arguments of ``update`` that ``tx`` needs: ``value`` (the loss, for
+    ``polyak_sgd``, ``momo`` and ``reduce_on_plateau``), ``grad`` and ``value_fn`` (the
+    line searches), ``obj_fn`` (Sophia's estimate), ``grad_fn`` (opaque SAM). Each object
+    behind a transform names those its own update reads in ``update_keywords``; this
+    collects them over the transforms it holds (a chain's, a wrapper's inner one)."""
+    found: set[str] = set()
+    seen: set[int] = set()
+    todo: list = [tx]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, GradientTransformation):
+            obj = owner(x)
+            if obj is not None and id(obj) not in seen:
+                seen.add(id(obj))
+                found.update(getattr(obj, "update_keywords", ()))
+                todo.extend(getattr(obj, "__dict__", {}).values())
+        elif isinstance(x, (tuple, list)):
+            todo.extend(x)
+        elif isinstance(x, Mapping):
+            todo.extend(x.values())
+    return frozenset(found)
 
 
 def _mask_aware(tx: GradientTransformation) -> bool:

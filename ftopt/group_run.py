@@ -27,6 +27,7 @@ import torch
 from ftopt import param_groups
 from ftopt._counts import remember_value
 from ftopt.base import GradientTransformation, check_transform
+from ftopt.combine import update_keywords
 
 __all__ = ["GroupRun", "Lane", "NUMERIC", "check_number", "is_live", "params_tree"]
 
@@ -65,6 +66,7 @@ class GroupRun:
     def __init__(self, keys: tuple[str, ...]):
         self.keys = keys  # the group's hyperparameters, handed to the factory
         self.tx: GradientTransformation | None = None
+        self.reads: frozenset[str] = frozenset()  # the update keywords it needs (value=)
         self.live: dict[str, Any] = {}
         self.fixed: dict[str, Any] = {}
         self.copied: dict[tuple, Any] = {}  # the values last copied into ``live``
@@ -86,7 +88,7 @@ class GroupRun:
         there is no factory)."""
         self.seen = None
         if factory is None:
-            self.tx = tx
+            self.tx, self.reads = tx, update_keywords(tx)
             return
         devices = {p.device for p in group["params"]}
         # Params on several devices: CPU scalars, which ops on any device accept.
@@ -122,6 +124,7 @@ class GroupRun:
                             f"keywords{', ' + renamed if renamed else ''}): {err}") from err
         check_transform(built, f"{where}: the factory {_name(factory)} returned")
         self.tx, self.live, self.fixed, self.copied = built, live, fixed, copied
+        self.reads = update_keywords(built)
 
     def changed(self, group: dict) -> tuple:
         """The keys whose values are not the very objects :meth:`remember` saw (one

@@ -205,6 +205,7 @@ class BacktrackingLinesearch:
     unfused_reason = ("scale_by_backtracking_linesearch runs eagerly: it evaluates value_fn "
                       "passed to update")
     name = "scale_by_backtracking_linesearch"
+    update_keywords = ("value", "grad", "value_fn")
 
     def __init__(self, max_steps, slope_rtol, decrease_factor, increase_factor, max_lr, atol,
                  rtol, store_grad):

@@ -63,6 +63,7 @@ class Momo:
     """The object behind :func:`momo` and :func:`momo_adam` (see there)."""
 
     mask_aware = True
+    update_keywords = ("value",)
 
     def __init__(self, name: str, learning_rate: ScalarOrSchedule, b1: float, b2: float | None,
                  eps: float, lower_bound: float, weight_decay: float, adapt: bool):

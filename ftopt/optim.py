@@ -177,6 +177,7 @@ class Optimizer(torch.optim.Optimizer):
         run = GroupRun(tuple(k for k in group if k not in _GROUP_KEYS))
         try:
             run.build(group, self._factory, self._tx, where)
+            _check_reads(run.reads, where)
         except Exception:
             self.param_groups.pop()
             raise
@@ -190,7 +191,9 @@ class Optimizer(torch.optim.Optimizer):
 
         Args:
             closure: re-evaluates the model and returns the loss; called under
-                ``torch.enable_grad()`` before the step.
+                ``torch.enable_grad()`` before the step. A transform that reads the loss
+                (``polyak_sgd``, ``momo``, ``reduce_on_plateau``: ``update``'s
+                ``value=``) gets the closure's, and needs one.
 
         Returns:
             The closure's loss, or ``None``.
@@ -207,8 +210,10 @@ class Optimizer(torch.optim.Optimizer):
         copy_in = [runs[i].refresh(groups[i], keys, self._factory,
                                    f"ftopt.Optimizer.step: param group {i}")
                    for i, keys in stale]
+        # Transforms that read the loss step group by group, eagerly, with no lane.
+        value = _loss_for(runs, loss)
         lane = self._lane
-        if lane is not None:
+        if lane is not None and value is None:
             # The last step's tables, bound to the same groups' tensors: the gradients in
             # leaf order, every tensor checked (fits), this step's scalars, the launches.
             bounds = lane.bounds
@@ -233,7 +238,8 @@ class Optimizer(torch.optim.Optimizer):
                     runs[i].copy_live(groups[i], copy)
                 runs[i].remember(groups[i], keys)
         # Groups that are the same chain of rules: one fused partition (param_groups.py).
-        fresh = self._joiner.step(runs, groups, grads_of, self._backend)
+        fresh = None if value is not None else self._joiner.step(runs, groups, grads_of,
+                                                                 self._backend)
         if fresh is not None:
             for index in fresh:
                 self._show_state(index)
@@ -251,16 +257,17 @@ class Optimizer(torch.optim.Optimizer):
             grad_tree = dict(zip(names, grads)) if names is not None else grads
             fresh = run.state is None
             state = run.tx.init(params) if fresh else run.state
+            extra = {"value": value} if run.reads else {}
             try:
                 _, state = ftopt_step(run.tx, params, grad_tree, state, donate=True,
-                                      backend=self._backend)
+                                      backend=self._backend, **extra)
             except (TypeError, ValueError, RuntimeError) as err:
                 raise type(err)(f"ftopt.Optimizer.step: param group {index}: {err}") \
                     from err
             run.state = state
             if fresh:
                 self._show_state(index)
-        if every:
+        if every and value is None:
             self._bind([(run.tx, run.tree, run.state) for run in runs])
         return loss
 
@@ -374,3 +381,30 @@ def _leaf_order(params: Any) -> list[int]:
         return [position[path[0]] for path in
                 optree.tree_paths(params, none_is_leaf=False, namespace="ftopt")]
     return list(range(len(params)))
+
+
+def _loss_for(runs: list, loss: Any) -> Any:
+    """The loss that groups whose transform reads it get as ``value=`` (detached), or
+    ``None`` where no group's does; a clear error where one does and there is none."""
+    for index, run in enumerate(runs):
+        if run.reads:
+            if loss is None:
+                raise TypeError(f"ftopt.Optimizer.step: param group {index}: its transform "
+                                "reads the loss (update's value=): call step(closure) with "
+                                "a closure that computes the loss, calls backward and "
+                                "returns it")
+            return loss.detach() if isinstance(loss, torch.Tensor) else loss
+    return None
+
+
+def _check_reads(reads: frozenset, where: str) -> None:
+    """A transform whose update needs a function of the params (a line search's
+    ``value_fn=``, Sophia's ``obj_fn=``, opaque SAM's ``grad_fn=``) cannot step here:
+    torch's optimizer API passes the loss at most (``value=``, from the closure)."""
+    others = sorted(reads - {"value"})
+    if others:
+        needs = ", ".join(k + "=" for k in others)
+        raise TypeError(f"{where}: the transform's update needs {needs}, which torch's "
+                        "optimizer API cannot pass (step(closure) gives the loss, value=, "
+                        "only); step it with tx.update or ftopt.step(tx, params, grads, "
+                        "state, ...) and those keywords instead")

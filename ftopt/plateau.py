@@ -36,6 +36,7 @@ class ReduceOnPlateau:
 
     unfused_reason = ("reduce_on_plateau runs eagerly: it reads the metric passed to "
                       "update as value=")
+    update_keywords = ("value",)
 
     def __init__(self, factor, patience, rtol, atol, cooldown, accumulation_size, min_scale):
         name = "reduce_on_plateau"

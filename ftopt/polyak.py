@@ -26,6 +26,7 @@ class ScaleByPolyak:
     """The object behind :func:`scale_by_polyak` (see there)."""
 
     unfused_reason = "scale_by_polyak runs eagerly: it reads the loss passed to update as value="
+    update_keywords = ("value",)
 
     def __init__(self, f_min: float, max_learning_rate: float, eps: float, variant: str):
         name = "scale_by_polyak"

@@ -93,6 +93,7 @@ class Sam:
                              "gradients that grad_fn returns across ranks instead, as "
                              "DistributedDataParallel does)")
         self.reset, self.opaque = reset_state, opaque_mode
+        self.update_keywords = ("grad_fn",) if opaque_mode else ()
         register_owner(self)
 
     def init(self, params) -> SAMState:

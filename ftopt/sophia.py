@@ -87,6 +87,7 @@ class Hutchinson:
 
     unfused_reason = ("hutchinson_estimator_diag_hessian runs eagerly: it differentiates "
                       "the obj_fn passed to update")
+    update_keywords = ("obj_fn",)
 
     def __init__(self, random_seed: int | torch.Tensor | None, n_samples: int):
         name = "hutchinson_estimator_diag_hessian"

@@ -26,6 +26,7 @@ from ftopt._counts import (
     remember_value,
 )
 from ftopt.base import GradientTransformation, check_transform, register_owner, register_state
+from ftopt.combine import update_keywords
 from ftopt.domains import check_int
 from ftopt.rules import check_param, checked_params
 from ftopt.update import step
@@ -273,6 +274,14 @@ class _Injected:
             check_transform(inner, "inject_hyperparams: the factory's result")
             self.built[key] = (inner, holders)
         return self.built[key]
+
+    @property
+    def update_keywords(self) -> tuple[str, ...]:
+        """The inner transform's (once built, found in :attr:`built`; before, one built
+        from the initial values and not kept)."""
+        inner = () if self.built else self.factory(**self.static, **{
+            k: v(0) if callable(v) else v for k, v in self.numeric.items()})
+        return tuple(update_keywords(inner)) if inner else ()
 
     def fused_inner(self) -> GradientTransformation | None:
         """The inner transform a fused step inside another transform runs

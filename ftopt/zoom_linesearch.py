@@ -118,6 +118,7 @@ class ZoomLinesearch:
     unfused_reason = ("scale_by_zoom_linesearch runs eagerly: it evaluates value_fn passed "
                       "to update")
     name = "scale_by_zoom_linesearch"
+    update_keywords = ("value", "grad", "value_fn")
 
     def __init__(self, max_steps, max_lr, tol, increase_factor, slope_rtol, curv_rtol,
                  approx_dec_rtol, stepsize_precision, initial_guess_strategy):
