@@ -50,6 +50,12 @@ def test_readme_torch_func_example_runs():
     assert int(namespace["state"][0].count) == 100
 
 
+def test_readme_optimizer_closure_example_runs():
+    torch.manual_seed(0)
+    losses = _run("Transforms that read the loss")["losses"]
+    assert losses[-1] < 0.5 * losses[0]
+
+
 def test_readme_torch_porting_example_runs():
     namespace = _run("### Porting a checkpoint")
     opt, state, back = namespace["torch_opt"], namespace["state"], namespace["back"]
