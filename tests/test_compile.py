@@ -56,11 +56,21 @@ def test_compiled_training_step_has_no_graph_break(make_tx, donate):
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
-def test_step_with_tensor_hyperparameters_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("norms", [False, True])
+def test_step_with_tensor_hyperparameters_replays_in_a_cuda_graph(norms):
+    """With norms: a global clip and LAMB's per-leaf trust ratios, whose reduction
+    passes (per-leaf and global sums, one zeroed buffer) are captured too."""
     lr = torch.tensor(1e-2, device=DEVICE)
     b1 = torch.tensor(0.9, device=DEVICE)
-    tx = ftopt.adamw(lr, b1=b1, weight_decay=0.1)
-    tx_ref = ftopt.adamw(lr, b1=b1, weight_decay=0.1)  # its own cached tables
+
+    def make():
+        if norms:
+            return ftopt.chain(ftopt.clip_by_global_norm(0.5),
+                               ftopt.lamb(lr, b1=b1, weight_decay=0.1))
+        return ftopt.adamw(lr, b1=b1, weight_decay=0.1)
+
+    tx = make()
+    tx_ref = make()  # its own cached tables
     params, loss_fn = _problem(1)
     grads = torch.func.grad(loss_fn)(params)
     static_g = {k: v.clone() for k, v in grads.items()}
@@ -84,7 +94,8 @@ def test_step_with_tensor_hyperparameters_replays_in_a_cuda_graph():
         graph.replay()
         ref_p, ref_s = ftopt.step(tx_ref, ref_p, static_g, ref_s, donate=True)
     torch.cuda.synchronize()
-    assert int(s[0].count) == int(ref_s[0].count) == 5
+    counted = s[-1][0] if norms else s[0]
+    assert int(counted.count) == int((ref_s[-1][0] if norms else ref_s[0]).count) == 5
     for k in p:
         assert torch.allclose(p[k], ref_p[k], rtol=1e-6, atol=1e-7), k
 
