@@ -279,9 +279,10 @@ class _Injected:
     def update_keywords(self) -> tuple[str, ...]:
         """The inner transform's (once built, found in :attr:`built`; before, one built
         from the initial values and not kept)."""
-        inner = () if self.built else self.factory(**self.static, **{
-            k: v(0) if callable(v) else v for k, v in self.numeric.items()})
-        return tuple(update_keywords(inner)) if inner else ()
+        if self.built:
+            return ()
+        return tuple(update_keywords(self.factory(**self.static, **{
+            k: v(0) if callable(v) else v for k, v in self.numeric.items()})))
 
     def fused_inner(self) -> GradientTransformation | None:
         """The inner transform a fused step inside another transform runs
