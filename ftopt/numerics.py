@@ -120,3 +120,11 @@ def scale_gradient(inputs: Any, scale: float | torch.Tensor) -> Any:
         frozen = x.detach()
         return frozen + scale * (x - frozen)
     return tree_lib.map(one, inputs)
+
+
+def keep_nan_bits(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new`` (a 16-bit step of ``old``), with the bits of ``old`` where both are NaN:
+    torch's conversions through fp32 do not keep a NaN's bits (CPU: fp16 0xFE00 ->
+    0x7FFF, bf16 0xFFC1 -> 0xFFFF), and a skipped element keeps its bytes (SPEC §3), a
+    NaN's too: the params of ``apply_updates`` and 16-bit states."""
+    return torch.where(torch.isnan(old) & torch.isnan(new), old, new)

@@ -22,6 +22,7 @@ from ftopt import tree as tree_lib
 from ftopt._counts import remember_count
 from ftopt.base import GradientTransformation, register_owner
 from ftopt.domains import check_hparam as _check_hparam
+from ftopt.numerics import keep_nan_bits
 from ftopt.quant import dequantize_blockwise, dynamic_map, quantize_blockwise
 from ftopt.rules import (
     QuantConfig,
@@ -418,7 +419,8 @@ def write_slot(old_leaf, new: torch.Tensor, signed: bool, quant: QuantConfig | N
     where a block whose gradients are all zero (``mask``, skip_zeros) keeps its bytes;
     else rounded once to the old leaf's dtype."""
     if not isinstance(old_leaf, QuantizedSlot):
-        return new.to(old_leaf.dtype)  # one rounding (to nearest) per store
+        out = new.to(old_leaf.dtype)  # one rounding (to nearest) per store
+        return keep_nan_bits(old_leaf, out) if out.element_size() == 2 else out
     qmap = dynamic_map(signed, new.device)
     codes, absmax = quantize_blockwise(new.float(), qmap, quant.block_size)
     if mask is not None:

@@ -11,6 +11,7 @@ from ftopt import tree as tree_lib
 from ftopt._counts import device_decided, host_count, mark_device_decided, remember_count
 from ftopt.aliasing import check_disjoint
 from ftopt.base import GradientTransformation, check_transform
+from ftopt.numerics import keep_nan_bits
 
 __all__ = ["apply_updates", "step"]
 
@@ -41,12 +42,8 @@ def _apply_leaf(path: str, p, u):
     least = torch.complex64 if p.is_complex() else torch.float32
     compute = torch.promote_types(torch.promote_types(p.dtype, u.dtype), least)
     out = (p.to(compute) + u.to(compute)).to(p.dtype)
-    if p.dtype in (torch.float16, torch.bfloat16):
-        # torch's conversions between 16-bit floats and fp32 do not keep a NaN's bits (on
-        # the CPU: fp16 0xFE00 -> 0x7FFF, bf16 0xFFC1 -> 0xFFFF): a NaN param keeps its
-        # own (the sum is a NaN anyway), so that p + (-0.0), a skipped element's update,
-        # is p bit for bit (SPEC §3).
-        out = torch.where(torch.isnan(p), p, out)
+    if p.dtype in (torch.float16, torch.bfloat16):  # p + (-0.0) is p, a NaN's bits too
+        out = keep_nan_bits(p, out)
     return out
 
 

@@ -389,6 +389,45 @@ def test_bf16_store_keeps_negative_zero(name):
             assert torch.equal(now[[0, 2]], old[[0, 2]]), backend
 
 
+# Quiet NaNs, with and without payloads and signs (a signalling NaN, made only by writing
+# its bits, may come back quieted).
+NAN_BITS = {torch.float16: [0xFE00, 0x7E01, 0x7FFF, 0xFFFF],
+            torch.bfloat16: [0xFFC1, 0x7FC0, 0x7FFF, 0xFFFF]}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("name", NAMES + registry.names(
+    registry.by_trait(wide_follow_state_dtype=True)))
+def test_a_nan_state_keeps_its_bits(name, dtype):
+    """A 16-bit state element that is a NaN keeps its bits where skip_zeros skips (the
+    conversions through fp32 and the GPU's arithmetic give other NaNs), and where it
+    steps and stays a NaN; the other zero-gradient elements keep theirs, the others
+    change, on both backends."""
+    dt = DTYPES[dtype]
+    tx = standalone(name, state_dtype=dt, skip_zeros=True)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"nan {name} {dtype}".encode()))
+    params = {"w": torch.randn(300, generator=gen).to(DEVICE)}
+    grads = {"w": torch.randn(300, generator=gen).to(DEVICE)}
+    params, state = ftopt.step(tx, params, grads, tx.init(params), backend="eager")
+    nans = torch.tensor(NAN_BITS[dt], dtype=torch.int32).to(torch.int16).to(DEVICE)
+    halves = [x for x in _leaves(state) if x.dtype == dt and x.shape == (300,)]
+    assert halves
+    for x in halves:
+        x.view(torch.int16)[:4] = nans  # (skipped below)
+        x.view(torch.int16)[20:24] = nans  # (stepped)
+    grads = {"w": torch.randn(300, generator=gen).to(DEVICE)}
+    grads["w"][:10] = 0.0
+    for backend in ("eager", "fused"):
+        _, new = ftopt.step(tx, params, grads, state, backend=backend)
+        after = [x for x in _leaves(new) if x.dtype == dt and x.shape == (300,)]
+        for old, now in zip(halves, after):
+            assert torch.equal(_bits(now)[:10], _bits(old)[:10]), backend
+            stays = torch.isnan(now[20:24])
+            assert torch.equal(_bits(now)[20:24][stays], _bits(old)[20:24][stays]), backend
+        assert any(not torch.equal(_bits(n)[30:], _bits(o)[30:])
+                   for o, n in zip(halves, after)), backend
+
+
 # -- checkpoints -----------------------------------------------------------------------
 
 

@@ -266,6 +266,7 @@ class _StepAlgebra:
         self.prep, self.prog, self.leaf, self.ps = prep, prog, leaf, ps
         self._ops = TraceOps(prog)
         self.compute = None
+        self._stored: dict[str, Any] = {}  # "k:name" -> its 16-bit input
 
     def ops(self):
         return self._ops
@@ -295,6 +296,7 @@ class _StepAlgebra:
             dtype = leaves[leaf].dtype
             inputs[name] = prog.input(f"{index}:{name}", dtype)
             if dtype in (torch.float16, torch.bfloat16):  # 16-bit storage: fp32 math
+                self._stored[f"{index}:{name}"] = inputs[name]
                 inputs[name] = prog.convert(inputs[name], self.compute)
         return {**inputs, **self.prep.scalars[index]}
 
@@ -306,7 +308,13 @@ class _StepAlgebra:
 
     def slot_out(self, index: int, name: str, value) -> None:
         dtype = self.prep.slots[index][name][self.leaf].dtype
-        self.prog.output(f"{index}:{name}", self.prog.convert(value, dtype))
+        prog, new = self.prog, self.prog.convert(value, dtype)
+        old = self._stored.get(f"{index}:{name}")
+        if old is not None:  # a NaN that stays a NaN keeps its bits (write_slot)
+            nan = prog.binary(operator.and_, prog.binary(operator.ne, old, old),
+                              prog.binary(operator.ne, new, new))
+            new = prog.where(nan, old, new)
+        prog.output(f"{index}:{name}", new)
 
 
 def _execute(prep: _Prepared, donate: bool):

@@ -187,26 +187,6 @@ class Variant:
     pdl: bool = False  # a programmatic dependent launch (ftopt.lowering.streams.PDL)
 
 
-def _fast_math(line: str) -> str:
-    # (Not in an 8-bit encoder, ``q_*``: its division by the block's absmax must give the
-    # codes eager gives.)
-    if line.lstrip().startswith("q_"):
-        return line
-    return line.replace("tl.sqrt_rn(", "ftopt_fast_sqrt(").replace("tl.div_rn(", "tl.fdiv(")
-
-
-# The approximate square root flushes denormal inputs to zero (``sqrt.approx.ftz.f32`` on
-# NVIDIA GPUs: with eps=0 a gradient below ~1e-19 would then divide by zero). Below the
-# smallest normal, x * 2**64 (exact) is normal, and its root times 2**-32 (exact) is x's.
-# (The approximate division, ``div.full.f32``, keeps denormals.)
-FAST_SQRT = """@triton.jit
-def ftopt_fast_sqrt(x):
-    tiny = x < 1.1754943508222875e-38
-    root = tl.sqrt(tl.where(tiny, x * 18446744073709551616.0, x))
-    return tl.where(tiny, root * 2.3283064365386963e-10, root)
-"""
-
-
 def _prelude(roles: list[str], dtypes: dict[str, str], variant: Variant) -> list[str]:
     lines = [
         "pid = tl.program_id(0)",
@@ -280,9 +260,12 @@ def _body_lines(traced: TracedChain, nodes, masks: dict[str, str],
             continue
         if role in half:  # 16-bit storage: read exactly into fp32
             load = f"tl.load({role}_in + offs{lanes.load_mask(traced, masks, tail, role)})"
-            lines.append(f"{node.name} = " + (
-                f"({load}.to(tl.uint32) << 16).to(tl.float32, bitcast=True)"
-                if half[role] == torch.bfloat16 else f"{load}.to(tl.float32)"))
+            lines += lanes.half_load_lines(node.name, load, half[role], True)
+            continue
+        if node.name == "p" and variant.p_dtype in (torch.float16, torch.bfloat16):
+            load, _, cast = expr.rpartition(".to(")
+            assert cast == "tl.float32)", expr
+            lines += lanes.half_load_lines("p", load, variant.p_dtype, False)
             continue
         if variant.scalar_args and node.name.startswith("s") and expr.startswith(
                 "tl.load(scalars_ptr"):
@@ -320,8 +303,8 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
         body = (split.deferred_blocks if variant.defer == 2 else split.full_or_tail)(*bodies)
     helpers = traced.graph.helpers
     if variant.fast_math:
-        body = [_fast_math(x) for x in body]
-        helpers = {**helpers, "ftopt_fast_sqrt": FAST_SQRT}
+        body = [lanes.fast_math(x) for x in body]
+        helpers = {**helpers, "ftopt_fast_sqrt": lanes.FAST_SQRT}
     if variant.quant_block and variant.encoder.startswith("lg2"):
         helpers = {**helpers, "ftopt_lg2": quantized.LG2_HELPER[
             "interpreter" if tiles.INTERPRETING else "cuda"]}
@@ -358,6 +341,7 @@ def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, varian
                      dtypes: dict, tail: bool) -> list[str]:
     signs = slot_signs(traced) if variant.quant_block else {}
     lines = _body_lines(traced, nodes, masks, variant, tail)
+    names = {node.name for node in nodes}
     for role, node in traced.running_stores:  # (every group's program 0: the same value)
         lines.append(f"tl.store({role}_ptr + offs * 0, {_broadcast(node)}, "
                      f"mask=offs == tl.where(pid == 0, 0, -1))")
@@ -382,9 +366,14 @@ def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, varian
             stores += quantized.store_lines(slot, f"{slot}_old", value, signs[slot], zero,
                                             tail, variant.encoder, flag, quiet)
             continue
+        # (a 16-bit NaN that stays a NaN keeps its bits: its old value's, where loaded)
+        old = "p" if role == "p_out" else f"{slot}_old"
+        old = old if old in names else None
         if dict(variant.slot_dtypes).get(slot) == torch.bfloat16:
-            stores += lanes.bf16_store_lines(role, slot, value, store_mask)
+            stores += lanes.bf16_store_lines(role, slot, value, store_mask, old)
             continue
+        if old is not None and dtypes[role] in ("tl.float16", "tl.bfloat16"):
+            value = lanes.half_value(value, old, dtypes[role])
         stores.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]})"
                       f"{store_mask})")
     if not (variant.skip_stores and traced.skips and all(traced.skips)):

@@ -1,10 +1,14 @@
 """Which lanes a generated kernel loads and stores: the masks of full and tail blocks,
 of in-place steps (zero-gradient lanes untouched) and of slots a per-leaf flag turns
-off; and the bf16 store that rounds as torch does."""
+off; the 16-bit stores (bf16 rounded as torch rounds, a NaN's bits kept); the
+approximate math of fast-math layouts."""
 
 from __future__ import annotations
 
-__all__ = ["masks", "flag_mask", "load_mask", "bf16_store_lines", "rows", "with_live_rows"]
+import torch
+
+__all__ = ["masks", "flag_mask", "load_mask", "bf16_store_lines", "half_load_lines",
+           "half_value", "rows", "with_live_rows", "fast_math", "FAST_SQRT"]
 
 
 def flag_mask(traced, flag: str, load: bool) -> str:
@@ -37,22 +41,48 @@ def masks(traced, tail: bool, chunks: bool = False) -> dict[str, str]:
     return {"GMASK": "", "LMASK": "", "SMASK": ""}
 
 
-def bf16_store_lines(role: str, slot: str, value: str, mask: str) -> list[str]:
+def bf16_store_lines(role: str, slot: str, value: str, mask: str,
+                     old: str | None = None) -> list[str]:
     """Stores fp32 ``value`` as bf16 bits, rounded to nearest even (NaN: 0x7FC0), as
     torch's ``.to(torch.bfloat16)`` rounds, with integer operations: exact on every
     backend (Triton's interpreter converts by truncation), and as fast as the conversion
     instruction on the H200 (bf16 params and states, GPT-2: 0.465 ms with these lines,
-    0.469 with the instruction)."""
+    0.469 with the instruction). ``old``: the slot's loaded value (fp32, widened
+    exactly), whose bits a NaN that stays a NaN keeps (``rule_transform.keep_nan_bits``)."""
     b = f"b_{slot}"
+    nan = "32704" if old is None else (
+        f"tl.where({old} != {old}, {old}.to(tl.uint32, bitcast=True) >> 16, 32704)")
     return [
         # (* 1.0: a broadcast that keeps every value, -0.0 included; a sum with a -0.0
         # literal becomes +0.0 in Triton 3.6 on an H200)
         f"{b}_x = {value} * tl.full([BLOCK], 1.0, tl.float32)",
         f"{b}_u = {b}_x.to(tl.uint32, bitcast=True)",
         f"{b}_u = ({b}_u + 32767 + (({b}_u >> 16) & 1)) >> 16",
-        f"{b}_u = tl.where({b}_x == {b}_x, {b}_u, 32704)",
+        f"{b}_u = tl.where({b}_x == {b}_x, {b}_u, {nan})",
         f"tl.store({role} + offs, {b}_u.to(tl.uint16){mask})",
     ]
+
+
+def half_load_lines(name: str, load: str, dtype, as_bits: bool) -> list[str]:
+    """``name``, a 16-bit value ``load`` gives, in fp32 with a NaN's bits kept: bf16
+    widened by a shift (``as_bits``: loaded as its bits, uint16); fp16 converted, its
+    bits kept beside as ``{name}_raw`` (the GPU's conversion of a NaN gives the
+    canonical one), for :func:`half_value`."""
+    if dtype == torch.bfloat16:
+        bits = load if as_bits else f"{load}.to(tl.uint16, bitcast=True)"
+        return [f"{name} = ({bits}.to(tl.uint32) << 16).to(tl.float32, bitcast=True)"]
+    return [f"{name}_raw = {load}", f"{name} = {name}_raw.to(tl.float32)"]
+
+
+def half_value(value: str, old: str, dtype: str) -> str:
+    """fp32 ``value`` converted to the 16-bit ``dtype`` (``"tl.float16"`` or
+    ``"tl.bfloat16"``), with the bits of ``old`` (loaded by :func:`half_load_lines`)
+    where both are NaN: the GPU's conversions and arithmetic give the canonical NaN, and
+    a skipped element keeps its bytes, a NaN's too (``rule_transform.keep_nan_bits``)."""
+    kept = (f"({old}.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to({dtype}, "
+            f"bitcast=True)" if dtype == "tl.bfloat16" else f"{old}_raw")
+    return (f"tl.where(({value} != {value}) & ({old} != {old}), {kept}, "
+            f"({value}).to({dtype}))")
 
 
 def rows(lanes: int) -> str:
@@ -72,3 +102,24 @@ def with_live_rows(body: list[str], lanes: int) -> list[str]:
     body = [line.replace("tl.full([BLOCK],", f"tl.full({shape},")
             .replace("tl.zeros([BLOCK],", f"tl.zeros({shape},") for line in body]
     return body[:at + 1] + [live] + body[at + 1:]
+
+
+def fast_math(line: str) -> str:
+    """``line`` with the approximate square root and division (tiles.FAST_MATH)."""
+    # (Not in an 8-bit encoder, ``q_*``: its division by the block's absmax must give the
+    # codes eager gives.)
+    if line.lstrip().startswith("q_"):
+        return line
+    return line.replace("tl.sqrt_rn(", "ftopt_fast_sqrt(").replace("tl.div_rn(", "tl.fdiv(")
+
+
+# The approximate square root flushes denormal inputs to zero (``sqrt.approx.ftz.f32`` on
+# NVIDIA GPUs: with eps=0 a gradient below ~1e-19 would then divide by zero). Below the
+# smallest normal, x * 2**64 (exact) is normal, and its root times 2**-32 (exact) is x's.
+# (The approximate division, ``div.full.f32``, keeps denormals.)
+FAST_SQRT = """@triton.jit
+def ftopt_fast_sqrt(x):
+    tiny = x < 1.1754943508222875e-38
+    root = tl.sqrt(tl.where(tiny, x * 18446744073709551616.0, x))
+    return tl.where(tiny, root * 2.3283064365386963e-10, root)
+"""
