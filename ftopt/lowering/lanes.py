@@ -48,7 +48,7 @@ def bf16_store_lines(role: str, slot: str, value: str, mask: str,
     backend (Triton's interpreter converts by truncation), and as fast as the conversion
     instruction on the H200 (bf16 params and states, GPT-2: 0.465 ms with these lines,
     0.469 with the instruction). ``old``: the slot's loaded value (fp32, widened
-    exactly), whose bits a NaN that stays a NaN keeps (``rule_transform.keep_nan_bits``)."""
+    exactly), whose bits a NaN that stays a NaN keeps (``ftopt.numerics.keep_nan_bits``)."""
     b = f"b_{slot}"
     nan = "32704" if old is None else (
         f"tl.where({old} != {old}, {old}.to(tl.uint32, bitcast=True) >> 16, 32704)")
@@ -78,7 +78,7 @@ def half_value(value: str, old: str, dtype: str) -> str:
     """fp32 ``value`` converted to the 16-bit ``dtype`` (``"tl.float16"`` or
     ``"tl.bfloat16"``), with the bits of ``old`` (loaded by :func:`half_load_lines`)
     where both are NaN: the GPU's conversions and arithmetic give the canonical NaN, and
-    a skipped element keeps its bytes, a NaN's too (``rule_transform.keep_nan_bits``)."""
+    a skipped element keeps its bytes, a NaN's too (``ftopt.numerics.keep_nan_bits``)."""
     kept = (f"({old}.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to({dtype}, "
             f"bitcast=True)" if dtype == "tl.bfloat16" else f"{old}_raw")
     return (f"tl.where(({value} != {value}) & ({old} != {old}), {kept}, "
