@@ -13,8 +13,12 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+import triton.runtime.interpreter as runtime
 
 import ftopt
+from ftopt.lowering.interpreter import patches_undone
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the interpreter runs only without a GPU")
@@ -61,3 +65,31 @@ def test_the_guard_restores_what_a_leaking_launch_changed():
         tl.core.add = lambda *a, **k: None
         tl.core.ftopt_probe = 1
     assert tl.core.add is original and not hasattr(tl.core, "ftopt_probe")
+
+
+@triton.jit
+def _five_sums(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, BLOCK))
+    total = tl.sum(x) + tl.sum(x * 2.0) + tl.max(x) + tl.min(x)
+    total += tl.sum(tl.zeros([BLOCK], tl.float32))
+    tl.store(out_ptr, total)
+
+
+@pytest.mark.parametrize("shimmed", [True, False])
+def test_a_launch_patches_triton_language_once_a_module(shimmed, monkeypatch):
+    """Within ftopt's launches the interpreter patches ``triton.language`` once for the
+    kernel and once for the ``@triton.jit`` helpers of ``standard.py`` (``tl.core``),
+    not again at each helper call; the result is the same, and ``triton.language`` is
+    left as it was. The control (``once=False``): every helper call patches again."""
+    calls = []
+    real = runtime._patch_lang
+    monkeypatch.setattr(runtime, "_patch_lang", lambda fn: calls.append(fn) or real(fn))
+    x = torch.randn(64)
+    out = torch.zeros(1)
+    with patches_undone(once=shimmed):
+        _five_sums[(1,)](x, out, BLOCK=64)
+    want = 3 * x.sum() + x.max() + x.min()
+    assert torch.allclose(out[0], want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == (2 if shimmed else 7)
+    assert tl.core.is_builtin(tl.maximum) and tl.core.is_builtin(tl.core.maximum)
+
