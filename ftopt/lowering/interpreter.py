@@ -6,7 +6,13 @@ import contextlib
 import inspect
 
 import triton.language as tl
-import triton.runtime.interpreter as _runtime
+
+from ftopt.lowering import tiles
+
+if tiles.INTERPRETING:  # (it imports numpy, which neither torch nor triton requires)
+    import triton.runtime.interpreter as _runtime
+else:
+    _runtime = None
 
 
 def patched() -> list:
