@@ -251,10 +251,18 @@ def _build(prep: _Prepared, leaf: int, zero_dim: bool) -> Program:
     compute = torch.promote_types(torch.promote_types(p.dtype, u.dtype), torch.float32)
     new_p = prog.convert(prog.binary(operator.add, prog.convert(ps, compute),
                                      prog.convert(u, compute)), p.dtype)
-    if p.dtype in (torch.float16, torch.bfloat16):  # a NaN keeps its bits (apply_updates)
-        new_p = prog.where(prog.binary(operator.ne, ps, ps), ps, new_p)
+    if p.dtype in (torch.float16, torch.bfloat16):
+        new_p = _keep_nan_bits(prog, ps, new_p)
     prog.output("p", new_p)
     return prog
+
+
+def _keep_nan_bits(prog: Program, old, new):
+    """``new`` with the bits of ``old`` where both are NaN (16-bit params and states:
+    ``ftopt.numerics.keep_nan_bits``)."""
+    nan = prog.binary(operator.and_, prog.binary(operator.ne, old, old),
+                      prog.binary(operator.ne, new, new))
+    return prog.where(nan, old, new)
 
 
 class _StepAlgebra:
@@ -308,13 +316,11 @@ class _StepAlgebra:
 
     def slot_out(self, index: int, name: str, value) -> None:
         dtype = self.prep.slots[index][name][self.leaf].dtype
-        prog, new = self.prog, self.prog.convert(value, dtype)
+        new = self.prog.convert(value, dtype)
         old = self._stored.get(f"{index}:{name}")
-        if old is not None:  # a NaN that stays a NaN keeps its bits (write_slot)
-            nan = prog.binary(operator.and_, prog.binary(operator.ne, old, old),
-                              prog.binary(operator.ne, new, new))
-            new = prog.where(nan, old, new)
-        prog.output(f"{index}:{name}", new)
+        if old is not None:
+            new = _keep_nan_bits(self.prog, old, new)
+        self.prog.output(f"{index}:{name}", new)
 
 
 def _execute(prep: _Prepared, donate: bool):
