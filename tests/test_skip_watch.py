@@ -14,6 +14,7 @@ from step_checks import cloned, same_bits
 import ftopt
 from ftopt.lowering import codegen, launch, streams, tiles, work
 from ftopt.lowering.plan import plan_chain
+from ftopt.lowering.skip_watch import SkipWatch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N = 256 * 40 + 77  # (8-bit states from 4096 elements; a tail block)
@@ -405,9 +406,10 @@ def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, rest_part
     (tiles.CARVE_SPANS) in a group of its own, the other leaf in the mode its own counts
     choose (dense gradients: bf16 states rounded to nearest run select, 8-bit stays
     split+defer; a zero in each of its blocks: 8-bit runs split+select, where the whole
-    group would not carve), until a probe finds its zeros gone. Its bound launches follow new
-    gradient tensors; the same bytes as the group that never carves (the control: it
-    never did), and skip_zeros held."""
+    group would not carve), until a probe (the carve, the other leaf in the group's own
+    mode: ``carve_now``) finds its zeros gone. Its bound launches follow new gradient
+    tensors; the same bytes as the group that never carves (the control: it never did),
+    and skip_zeros held."""
     dtype, kw = _one_block_layout(layout, monkeypatch)
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
     monkeypatch.setattr(tiles, "CARVE_SPANS", {"8-bit": 2})  # (else the alternate's 4)
@@ -431,14 +433,14 @@ def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, rest_part
         _counted()
         (group,) = plan_chain(tx).prepared.groups
         modes.append(group.watch.now)
-        carves.append(group.watch.carve)
+        carves.append(group.watch.carve_now)
     # (dense gradients: bf16 states rounded to nearest run select, 1)
-    assert modes == [0, 3, 3, 3, 0, 3, 3, 3, 0] + [int(layout != "8-bit")] * 3
+    assert modes == [0, 3, 3, 3, 3, 3, 3, 3, 3] + [int(layout != "8-bit")] * 3
     assert group.watch.zero_fraction == 0.0
     emb = sorted(params).index("emb")
     alternate = layout != "8-bit" or rest_part_zero  # (the other leaf's mode)
     carve = ((emb,), alternate)
-    assert carves[1] == carve
+    assert carves[1] == carve and carves[4] == carves[8] == ((emb,), False)  # (probes)
     (rest, rest_at), (spanned, spanned_at) = group.watch.carves[carve]
     assert rest.span == 1 and rest.leaves == [group.leaves[1 - emb]]
     assert rest.split == (layout == "8-bit") and rest.deferring == (not alternate)
@@ -461,14 +463,68 @@ def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, rest_part
     assert not torch.equal(emb_after[~zero], emb_before[~zero])
 
 
+@pytest.mark.parametrize("layout", ["8-bit", "bf16 states"])
+def test_a_carves_probe_counts_what_the_whole_group_would(layout, small_blocks, small_tiles,
+                                                          monkeypatch):
+    """A carving group's probe runs its carve, the other leaves in the group's own mode,
+    and counts the flags of its two groups (the spanned leaf's between the others': its
+    counts put back in the group's leaf order): the same counts, so the same modes and
+    bytes, as a probe that runs the whole group (the control: that one runs mode 0)."""
+    dtype, kw = _one_block_layout(layout, monkeypatch)
+    monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"a": torch.randn(256 * 20, generator=gen).to(DEVICE, dtype),
+              "emb": torch.randn(256 * 40, generator=gen).to(DEVICE, dtype),
+              "w": torch.randn(256 * 30 + 77, generator=gen).to(DEVICE, dtype)}
+    grads = [{k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
+              for k, v in params.items()} for _ in range(12)]
+    for k, g in enumerate(grads):  # 34-36 of its 40 blocks zero, others each step
+        g["emb"].view(40, 256)[torch.randperm(40, generator=gen)[:34 + k % 3]] = 0.0
+        g["a"][256 * k:256 * (k + 1)] = 0.0  # (one all-zero block)
+        g["w"][k::150] = 0.0
+    _plan, _decide = SkipWatch.plan, SkipWatch._decide
+
+    def runs(whole: bool) -> tuple:
+        """The modes, the counts read, and the params and states after the steps."""
+        def plan(self):
+            now = _plan(self)
+            if whole and self.sampling and now == 3:  # (the probe of a whole group)
+                self.now, self.carve_now = 0, None
+            return self.now
+
+        counts = []
+
+        def decide(self, *read):
+            counts.append(read)
+            _decide(self, *read)
+
+        monkeypatch.setattr(SkipWatch, "plan", plan)
+        monkeypatch.setattr(SkipWatch, "_decide", decide)
+        tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+        p, s = cloned(params), tx.init(params)
+        modes = []
+        for g in grads:
+            p, s = ftopt.step(tx, p, g, s, backend="fused", donate=True)
+            _counted()
+            (group,) = plan_chain(tx).prepared.groups
+            modes.append((group.watch.now, group.watch.sampling or None))
+        return modes, counts, (p, s)
+
+    modes, counts, stepped = runs(False)
+    whole_modes, whole_counts, whole_stepped = runs(True)
+    assert [m for m, _ in modes] == [0] + [3] * 11
+    assert [m for m, _ in whole_modes] == [0, 3, 3, 3, 0, 3, 3, 3, 0, 3, 3, 3]
+    assert len(counts) == 3 and counts == whole_counts
+    assert counts[1][2:] != counts[2][2:]  # (each leaf's counts, moving)
+    assert same_bits(stepped, whole_stepped)
+
+
 def test_the_watch_counts_each_leafs_zero_blocks_only_after_a_count_finds_some(
         monkeypatch):
     """A carving watch adds each leaf's all-zero blocks and blocks with some zeros to
     its count (flags 2 and 1 in the leaf's run of blocks), carves the leaves over
     tiles.SPAN_ABOVE all zero, and runs the others in the mode their own counts choose;
     once a count finds no all-zero block, the next counts skip the per-leaf sums."""
-    from ftopt.lowering.skip_watch import SkipWatch
-
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 2)
     # leaves of 3 and 5 blocks (4 flags of padding)
     flags = torch.zeros(12, dtype=torch.uint8)
@@ -478,8 +534,9 @@ def test_the_watch_counts_each_leafs_zero_blocks_only_after_a_count_finds_some(
         """The counts of a counting step whose kernel set ``values``."""
         watch.pending = None
         watch.steps = 0
-        watch.plan()  # (the first step counts: it clears the flags)
-        assert watch.sampling and not flags.any()
+        watch.other = 0  # (a count of the whole group: a carve's probe counts its groups')
+        watch.plan()  # (the first step counts)
+        assert watch.sampling and watch.now == 0
         flags[:8] = torch.tensor(values, dtype=torch.uint8)
         watch.after()
         counts = watch.pending[1].tolist()

@@ -217,12 +217,15 @@ class PreparedStep:
             for group in self.watched:
                 watch = group.watch
                 watch.plan()
-                group.counting = watch.sampling and not group.deferring
                 flags = watch.defer_flags()
-                modes.append((watch.now, group.counting,
-                              watch.carve if watch.now == 3 else None, flags))
+                counting = watch.sampling and not group.deferring
+                modes.append((watch.now, counting, watch.carve_now, flags))
                 for x in running_groups(group):
                     x.defer_flags = flags
+                    # (a counting kernel's programs without zeros write no flag)
+                    x.counting = counting
+                    if counting:
+                        x.flags.zero_()
             modes = tuple(modes)
             groups = [x for group in self.groups for x in running_groups(group)]
         bound = self._bound_by.get(modes)

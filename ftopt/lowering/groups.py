@@ -27,11 +27,12 @@ _SPLIT_SELECT = (False, False, False, False, True, False)
 def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: list,
                 paths: list, roles: dict, leaf_values: torch.Tensor, device,
                 mode: tuple | None = None, watched: bool = True,
-                span: int = 0) -> launch.GroupLaunch:
+                span: int = 0, flagged: bool = False) -> launch.GroupLaunch:
     """The group of ``leaves`` (``key``: p dtype, g dtype, 8-bit block, 16-bit slots;
     ``roles``: role -> the leaves' tensors) in ``mode`` (:func:`tiles.skip_mode`'s tuple;
     ``None``: the layout's) with ``span`` blocks a "split" program (0: the layout's,
-    :data:`tiles.SPANS`), with its alternates where ``watched``."""
+    :data:`tiles.SPANS`), with its alternates where ``watched``; ``flagged``: flags
+    for a watch's count where it is "split" (a carve's groups), as where ``watched``."""
     p_dtype, g_dtype, quant_block, slot_dtypes = key
     watched = watched and tiles.WATCH
     in_place, skip_tiles, skip_stores, chunks, split, defer = (
@@ -67,7 +68,7 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
         # (one leaf's blocks in order: an embedding carved out, say)
         group.one_leaf = len(leaves) == 1 and not work.is_interleaved(
             group.work.num_blocks, tiles.INTERLEAVE)
-    if group.split and (watched or (defer and not group_traced.in_place)):
+    if group.split and (watched or flagged or (defer and not group_traced.in_place)):
         # (one a block of the main kernel's table, its padding to whole spans too)
         group.flags = torch.zeros(split_kernels.flag_count(len(group.work.main_leaf)),
                                   dtype=torch.uint8, device=device)
@@ -124,7 +125,8 @@ def carved(group: launch.GroupLaunch, carve: tuple) -> list:
                               [paths[j] for j in at],
                               {r: [ts[j] for j in at] for r, ts in roles.items()},
                               values.view(len(leaves), width)[at].reshape(-1) if width
-                              else values, device, its_mode, watched=False, span=span)
+                              else values, device, its_mode, watched=False, span=span,
+                              flagged=True)
             sub.beside = beside  # (launched beside the other: ftopt.lowering.streams)
             sub.warps = tiles.CARVE_WARPS.get(sub.kind, 0) if beside else 0
             sub.programs = (tiles.CARVE_PROGRAMS.get(sub.kind, 0)
@@ -143,7 +145,7 @@ def running_groups(group: launch.GroupLaunch) -> list:
     if watch is None:
         return [group]
     if watch.now == 3:
-        return carved(group, watch.carve)
+        return carved(group, watch.carve_now)
     return [(group, group.alternate, group.spanned)[watch.now]]
 
 

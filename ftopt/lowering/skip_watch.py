@@ -43,7 +43,11 @@ mode their own counts choose, whatever the whole group's (its *carve*:
 90% of the embedding's rows zero and one gradient in 97 of the other leaves', against no
 skip_zeros: the others in the group's mode / in their own, bf16 states 1.12-1.13x /
 1.22-1.24x, 8-bit (the whole group in split+select, no carve) 1.05x / 1.09x; the others'
-gradients dense: unchanged (``benchmarks/RESULTS.md``).
+gradients dense: unchanged (``benchmarks/RESULTS.md``). A carving group's probe runs the
+carve with the others in the group's own mode, both groups counting, rather than the
+whole group (whose leaves, the embedding's too, then run one block a program: the probe
+step took 600-650 us against 470-490, 8-bit and bf16 states, H200, GPT-2 Adam, 90% of
+the embedding's rows zero).
 
 Every mode writes the same bytes (the same skip_zeros semantics, the same math): only the time
 differs. While a CUDA graph is being captured nothing is counted and nothing switches
@@ -91,6 +95,10 @@ class SkipWatch:
         self.carves: dict = {}
         self.rebuild: tuple | None = None
         self.now = 0  # ... this step
+        self.carve_now: tuple | None = None  # the carve this step runs (now 3)
+        # carve -> its flags' leaf order: each leaf's first and last block + 1 in them,
+        # and where each leaf's counts go back to (SkipWatch.after)
+        self._carve_ends: dict = {}
         # Blocks with some zero gradients (deferred) and with only zeros, over all
         # blocks, as last counted (only zeros: counted where not deferring).
         self.fraction: float | None = None
@@ -107,6 +115,7 @@ class SkipWatch:
         if _capturing(self.flags.device):
             self.sampling = False
             self.now = self.other
+            self.carve_now = self.carve if self.now == 3 else None
             return self.now
         if self.pending is not None:
             event, counts = self.pending
@@ -116,9 +125,11 @@ class SkipWatch:
         self.steps += 1
         period = tiles.WATCH_PROBE if self.other else tiles.WATCH_PERIOD
         self.sampling = self.pending is None and self.steps % period == 1 % period
-        if self.sampling and not self.deferring:
-            self.flags.zero_()  # (its programs without zeros write no flag)
-        self.now = 0 if self.sampling else self.other
+        # (a carving group's probe: its carve with the others in the group's own mode)
+        probe_carve = self.sampling and self.other == 3
+        self.now = 3 if probe_carve else 0 if self.sampling else self.other
+        self.carve_now = ((self.carve[0], False) if probe_carve
+                          else self.carve if self.now == 3 else None)
         return self.now
 
     def defer_flags(self) -> int:
@@ -158,13 +169,37 @@ class SkipWatch:
                 sum(some_of[j] for j in rest), sum(zero_of[j] for j in rest),
                 sum(self.leaf_blocks[j] for j in rest)))
 
+    def _counted_flags(self) -> tuple:
+        """This step's flags, one a block in the order of their leaves, and each leaf's
+        first and last block + 1 among them, and where each leaf's counts are in the
+        group's leaf order (``None``: in order). A probe of a carve counts the flags of
+        its two groups, the others' leaves first (:func:`ftopt.lowering.groups.carved`)."""
+        if self.now != 3:
+            return self.flags[:self.blocks], (*self._leaf_ends, None)
+        parts = self.carves[self.carve_now]
+        found = self._carve_ends.get(self.carve_now)
+        if found is None:
+            sparse = self.carve_now[0]
+            order = [j for j in range(len(self.leaf_blocks)) if j not in sparse] + list(sparse)
+            blocks_of = torch.tensor([self.leaf_blocks[j] for j in order], dtype=torch.int64)
+            ends = blocks_of.cumsum(0)
+            device = self.flags.device
+            found = self._carve_ends[self.carve_now] = (
+                (ends - blocks_of).to(device), ends.to(device),
+                torch.tensor(order).argsort().to(device),
+                [sum(self.leaf_blocks[j] for j in part) for part in (order[:-len(sparse)],
+                                                                     sparse)])
+        starts, ends, back, blocks = found
+        flags = torch.cat([sub.flags[:n] for (sub, _), n in zip(parts, blocks)])
+        return flags, (starts, ends, back)
+
     def after(self) -> None:
         """After a step's launches: count the flags of a sampled step."""
         if not self.sampling:
             return
         self.sampling = False
-        counts = torch.stack([torch.count_nonzero(self.flags),
-                              self.flags.sum(dtype=torch.int64)])
+        flags, (starts, ends, back) = self._counted_flags()
+        counts = torch.stack([torch.count_nonzero(flags), flags.sum(dtype=torch.int64)])
         if self.leaf_blocks and self.zero_fraction != 0.0:
             # Each leaf's all-zero blocks, from a running count (a sum per leaf by
             # atomic adds into one slot would serialize: an embedding's 150k blocks cost
@@ -172,10 +207,10 @@ class SkipWatch:
             # count found some.
             # One running count of both: the all-zero blocks in the high 32 bits, those
             # with some zeros in the low.
-            flags = self.flags[:self.blocks]
             both = (flags == 2).to(torch.int64) * 2**32 + (flags == 1)
             running = torch.cat([counts.new_zeros(1), both.cumsum(0)])
-            per_leaf = running[self._leaf_ends[1]] - running[self._leaf_ends[0]]
+            per_leaf = running[ends] - running[starts]
+            per_leaf = per_leaf if back is None else per_leaf[back]
             counts = torch.cat([counts, per_leaf >> 32, per_leaf & (2**32 - 1)])
         if self.flags.device.type == "cpu":
             self.pending = (None, counts)
