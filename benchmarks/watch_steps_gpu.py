@@ -1,8 +1,8 @@
 """The device's time of each step of a long primed run, by what the skip_zeros watch did
 at that step (``ftopt.lowering.skip_watch``): its ordinary steps, and those that count
-(a probe's too), with each watched group's mode. The mean over every step, counted ones
-included at their rate, is a training loop's steady state; ``skip_watch_ab_gpu.py``'s
-medians of 40-step windows mostly leave the counted steps out.
+(a probe's too), with each watched group's mode (starred where it counted). The mean
+over every step, counted ones included at their rate, is a training loop's steady
+state; ``skip_watch_ab_gpu.py``'s medians of 40-step windows mostly leave them out.
 
 GPT-2 Adam on each layout of ``gpu_step.LAYOUTS`` (``--layouts=8-bit,16-bit states``), no
 skip_zeros against skip_zeros with the watch, dense gradients and 90% of the
@@ -78,9 +78,9 @@ def main() -> None:
                 us, did = step_times(timing.donated_stepper(tx, params, g))
                 means[(variant, kind)] = mean = sum(us) / len(us)
                 by = collections.defaultdict(list)
-                for t, x in zip(did, us):
+                for t, x in zip(did, us):  # (which groups counted: their modes starred)
                     by[("counted" if any(s for _, s in t) else "ordinary",
-                        tuple(m for m, _ in t))].append(x)
+                        tuple(f"{m}*" if s else m for m, s in t))].append(x)
                 line = f"{name:42s} {variant:5s} {kind:6s} mean {mean:6.1f} us"
                 if variant == "watch":
                     line += f" ({means[('off', kind)] / mean:.3f}x off's)"
