@@ -63,9 +63,25 @@ def launch_call(plan: ChainPlan, checked, params, state, spec, paths, p_flat, g_
     new, new_stage_states, prepared = execute.execute(
         plan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active, params, state,
         donate, output, x_flat, selection)
-    if remember and not donate and prepared is not None and not plan.branched:
+    through = _passed_through(plan, selection, active) if output == "u" else []
+    if through:
+        # The update of a leaf that no position applies to is its input, in its input's
+        # dtype, as the eager path passes it through (the kernels write fp32 updates).
+        flat = tree_lib.flatten_like(spec, new, "updates", paths)
+        for i in through:
+            source = x_flat[i] if x_flat is not None and x_flat[i] is not None else g_flat[i]
+            flat[i] = flat[i].to(source.dtype)
+        new = tree_lib.unflatten(spec, flat)
+    if (remember and not donate and prepared is not None and not plan.branched
+            and not through):
         functional.remember(plan, output, prepared, spec, params, g_flat, slot_flat, p_flat)
     return new, with_stage_states(plan, state, new_stage_states)
+
+
+def _passed_through(plan: ChainPlan, selection, active: list) -> list:
+    """The active leaves that no position of ``plan`` applies to (a mask's others)."""
+    masks = [selection.values[(k, "mask")] for k in range(len(plan.positions))]
+    return [i for i in active if not any(m[i] for m in masks)]
 
 
 def with_stage_states(plan: ChainPlan, state, stage_states):
