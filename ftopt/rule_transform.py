@@ -268,16 +268,15 @@ def flatten_params_like(spec, params, paths, updates) -> list:
 
 
 def _passed_through(u_flat: list, mask_flat: list, active: list[int]) -> list:
-    """The updates of leaves a leaf mask leaves out: unchanged, in the compute dtype (as
-    the updates of the other leaves, and as the fused path writes them), ``-0.0`` where a
-    ``skip_zeros`` mask says the gradient is zero (so ``p + u`` keeps ``p``, ``-0.0``
-    too)."""
+    """The updates of leaves a leaf mask leaves out: unchanged, in their own dtype (as
+    ``masked``'s others, and as the fused path returns a leaf no position applies to),
+    ``-0.0`` where a ``skip_zeros`` mask says the gradient is zero (so ``p + u`` keeps
+    ``p``, ``-0.0`` too)."""
     out = list(u_flat)
     kept = set(active)
     for i, u in enumerate(u_flat):
         if u is None or i in kept:
             continue
-        u = u.to(compute_dtype(u))
         if mask_flat[i] is not None:
             u = program.skip_update(u, mask_flat[i])
         out[i] = u

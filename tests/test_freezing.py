@@ -265,19 +265,24 @@ def test_fused_update_without_params_of_a_callable_mask_with_a_none_gradient():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("skip", [False, True])
-def test_a_fused_update_passes_a_masked_out_leaf_through_in_its_dtype(dtype, skip):
-    """A leaf that no position of the chain applies to (``freeze``'s others) gets its
-    gradient back in the gradient's dtype on both paths, with skip_zeros in the chain too
-    (its kernels write fp32 updates; the control: the frozen leaf's zeros are fp32 on
-    both), bit for bit, in the first call and the cached one after it."""
+@pytest.mark.parametrize("mask", ["freeze", "rule"])
+def test_a_fused_update_passes_a_masked_out_leaf_through_in_its_dtype(dtype, skip, mask):
+    """A leaf that no position of the chain applies to (``freeze``'s others, or those a
+    rule's own mask leaves out: ``add_decayed_weights(mask=...)``) gets its gradient back
+    in the gradient's dtype on both paths, with skip_zeros in the chain too (its kernels
+    write fp32 updates; the control: the other leaf's update is fp32 on both), bit for
+    bit, in the first call and the cached one after it."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     params = {"b": torch.randn(7, generator=gen).to(DEVICE, dtype),
               "w": torch.randn(3, 5, generator=gen).to(DEVICE, dtype)}
     grads = {k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
              for k, v in params.items()}
     grads["w"][0, :2] = 0.0
-    frozen = ftopt.freeze(lambda p: {k: v.ndim == 1 for k, v in p.items()})
-    tx = ftopt.chain(ftopt.skip_zeros(), frozen) if skip else frozen
+    if mask == "freeze":
+        inner = ftopt.freeze(lambda p: {k: v.ndim == 1 for k, v in p.items()})
+    else:
+        inner = ftopt.add_decayed_weights(0.1, mask={"b": True, "w": False})
+    tx = ftopt.chain(ftopt.skip_zeros(), inner) if skip else inner
     state = tx.init(params)
     eager, _ = tx.update(grads, state, params, backend="eager")
     assert eager["w"].dtype == dtype and eager["b"].dtype == torch.float32
