@@ -5,10 +5,13 @@ layout, the watch against no skip_zeros with dense gradients, 90% of the embeddi
 zero and every block part zero (each repeat, then the median; then the median of the
 ratios with the queue primed), and the host's ms a call; writes ``OUT/sweep.json``.
 ``--steps=N``: the A/B's steps between two events; ``--opt=NAME``: its ``ftopt`` alias.
+``--harness=loop``: ``skip_in_loop_gpu.py`` in place of the A/B (each step behind a
+matrix-product burst, timed by its own events; dense and sparse gradients; ``--steps``
+is its timed steps, ``--burst=N`` its burst's size), the watch against off.
 
     python3 benchmarks/env_sweep_gpu.py OUT --set FTOPT_CARVE_WARPS=,8-bit=2 \\
         --set "FTOPT_CARVE_SPAN=8-bit=2,8-bit=4" [--layouts=8-bit] [--rounds=2] [--repeats=2]
-        [--kinds=dense,sparse] [--steps=40] [--opt=adam]
+        [--kinds=dense,sparse] [--steps=40] [--opt=adam] [--harness=loop] [--burst=8192]
 
 ``--set NAME=a,b`` gives the values ``a`` and ``b``; a value with commas of its own
 writes them as ``;`` (``FTOPT_SPAN=16-bit=4;fp32=2``); an empty value leaves the
@@ -58,6 +61,11 @@ def summary(rows: list) -> dict:
     return out
 
 
+def loop_summary(rows: list) -> dict:
+    """:func:`summary` of ``skip_in_loop_gpu.py``'s rows (no host or primed times)."""
+    return {(r["layout"], r["grads"]): (1 / r["median"], [], None) for r in rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
@@ -69,6 +77,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0,
                         help="the A/B's steps between two events (default: its own)")
     parser.add_argument("--opt", default="", help="the A/B's ftopt alias (default: adam)")
+    parser.add_argument("--harness", default="ab", choices=["ab", "loop"])
+    parser.add_argument("--burst", type=int, default=0,
+                        help="--harness=loop: the burst's size (default: its own)")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
@@ -79,17 +90,21 @@ def main() -> None:
             env = {k: v for k, v in os.environ.items() if k not in update}
             env.update({k: v for k, v in update.items() if v is not None})
             where = out / f"c{i}_r{rep}"
-            cmd = [sys.executable, str(HERE / "skip_watch_ab_gpu.py"), str(where),
+            loop = args.harness == "loop"
+            script = "skip_in_loop_gpu.py" if loop else "skip_watch_ab_gpu.py"
+            cmd = [sys.executable, str(HERE / script), str(where),
                    f"--layouts={args.layouts}", f"--rounds={args.rounds}"]
-            cmd += [f"--kinds={args.kinds}"] if args.kinds else []
+            cmd += [f"--kinds={args.kinds}"] if args.kinds and not loop else []
             cmd += [f"--steps={args.steps}"] if args.steps else []
-            cmd += [f"--opt={args.opt}"] if args.opt else []
+            cmd += [f"--opt={args.opt}"] if args.opt and not loop else []
+            cmd += [f"--burst={args.burst}"] if args.burst and loop else []
             print(f"== {label(update)} (repeat {rep}): {' '.join(cmd)}", flush=True)
             if args.dry_run:
                 continue
             subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-            rows = json.loads((where / "watch_ab.json").read_text())
-            results.setdefault(i, []).append(summary(rows))
+            rows = json.loads((where / ("in_loop.json" if loop else "watch_ab.json"))
+                              .read_text())
+            results.setdefault(i, []).append(loop_summary(rows) if loop else summary(rows))
     if args.dry_run:
         return
     table = []
