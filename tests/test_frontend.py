@@ -229,11 +229,13 @@ def test_the_front_end_refuses_what_the_interpreter_runs(tmp_path):
     assert len(failures) == 1 and "half" in failures[0]
 
 
-def test_the_bf16_store_passes_the_front_end(tmp_path):
-    """The bf16 state store's lines (integer rounding to nearest even) compile, in full
-    and masked blocks."""
+@pytest.mark.parametrize("convert", [False, True])
+def test_the_bf16_store_passes_the_front_end(tmp_path, monkeypatch, convert):
+    """The bf16 state store's lines (rounding to nearest even by integer operations, or
+    by the conversion instruction) compile, in full and masked blocks."""
     from ftopt.lowering import lanes
 
+    monkeypatch.setattr(lanes, "BF16_CONVERT", convert)
     body = ["offs = tl.arange(0, BLOCK)", "x = tl.load(x_ptr + offs)"]
     body += lanes.bf16_store_lines("y_ptr", "m", "x * 2.0", "")
     body += lanes.bf16_store_lines("y_ptr", "v", "x", ", mask=offs < n")

@@ -5,7 +5,11 @@ approximate math of fast-math layouts."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from ftopt.lowering import tiles
 
 __all__ = ["masks", "flag_mask", "load_mask", "bf16_store_lines", "half_load_lines",
            "half_value", "rows", "with_live_rows", "fast_math", "FAST_SQRT"]
@@ -41,26 +45,43 @@ def masks(traced, tail: bool, chunks: bool = False) -> dict[str, str]:
     return {"GMASK": "", "LMASK": "", "SMASK": ""}
 
 
+# A bf16 state's store rounds by the conversion instruction (an H200's converts two
+# values) where kernels compile for a device, by integer operations under the
+# interpreter, whose cast truncates. Both round to nearest even; a NaN is written by a
+# select either way. The integer lines cost ~6 instructions a value: static SASS, sm_90,
+# Adam with bf16 states 546 -> 494 instructions a thread, with skip_zeros' select body
+# 600 -> 545. As fast between the step's own launches with dense gradients (H200, GPT-2:
+# 0.465 ms, 0.469 with the instruction), but a loop's step runs at the lower clock of a
+# device at its power limit, where these kernels are bound by their instructions: the
+# watch against no skip_zeros, dense / 90% of the embedding's rows zero, between
+# launches +3.7% / 1.252x -> +1.3% / 1.276x, in a loop's position (skip_in_loop_gpu.py)
+# +6.8% / 1.200x -> +2.7% / 1.257x; stochastic rounding +15.7% / 1.144x -> +0.7% /
+# 1.310x and +12.9% / 1.158x -> +5.2% / 1.236x (benchmarks/RESULTS.md, 2026-12-04).
+# FTOPT_BF16_CONVERT=0 (or 1) takes the integer lines (or the instruction) everywhere.
+BF16_CONVERT = os.environ.get("FTOPT_BF16_CONVERT", "0" if tiles.INTERPRETING else "1") == "1"
+
+
 def bf16_store_lines(role: str, slot: str, value: str, mask: str,
                      old: str | None = None) -> list[str]:
     """Stores fp32 ``value`` as bf16 bits, rounded to nearest even (NaN: 0x7FC0), as
-    torch's ``.to(torch.bfloat16)`` rounds, with integer operations: exact on every
-    backend (Triton's interpreter converts by truncation), and as fast as the conversion
-    instruction on the H200 (bf16 params and states, GPT-2: 0.465 ms with these lines,
-    0.469 with the instruction). ``old``: the slot's loaded value (fp32, widened
-    exactly), whose bits a NaN that stays a NaN keeps (``ftopt.numerics.keep_nan_bits``)."""
+    torch's ``.to(torch.bfloat16)`` rounds: by the conversion instruction
+    (:data:`BF16_CONVERT`) or by integer operations, exact on every backend (Triton's
+    interpreter converts by truncation). ``old``: the slot's loaded value (fp32, widened
+    exactly), whose bits a NaN that stays a NaN keeps (``ftopt.numerics.keep_nan_bits``).
+    """
     b = f"b_{slot}"
     nan = "32704" if old is None else (
         f"tl.where({old} != {old}, {old}.to(tl.uint32, bitcast=True) >> 16, 32704)")
-    return [
-        # (* 1.0: a broadcast that keeps every value, -0.0 included; a sum with a -0.0
-        # literal becomes +0.0 in Triton 3.6 on an H200)
-        f"{b}_x = {value} * tl.full([BLOCK], 1.0, tl.float32)",
-        f"{b}_u = {b}_x.to(tl.uint32, bitcast=True)",
-        f"{b}_u = ({b}_u + 32767 + (({b}_u >> 16) & 1)) >> 16",
-        f"{b}_u = tl.where({b}_x == {b}_x, {b}_u, {nan})",
-        f"tl.store({role} + offs, {b}_u.to(tl.uint16){mask})",
-    ]
+    # (* 1.0: a broadcast that keeps every value, -0.0 included; a sum with a -0.0
+    # literal becomes +0.0 in Triton 3.6 on an H200)
+    lines = [f"{b}_x = {value} * tl.full([BLOCK], 1.0, tl.float32)"]
+    if BF16_CONVERT:
+        lines.append(f"{b}_u = {b}_x.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)")
+    else:
+        lines += [f"{b}_u = {b}_x.to(tl.uint32, bitcast=True)",
+                  f"{b}_u = ({b}_u + 32767 + (({b}_u >> 16) & 1)) >> 16"]
+    return lines + [f"{b}_u = tl.where({b}_x == {b}_x, {b}_u, {nan})",
+                    f"tl.store({role} + offs, {b}_u.to(tl.uint16){mask})"]
 
 
 def half_load_lines(name: str, load: str, dtype, as_bits: bool) -> list[str]:
