@@ -230,15 +230,14 @@ def test_the_front_end_refuses_what_the_interpreter_runs(tmp_path):
 
 
 @pytest.mark.parametrize("convert", [False, True])
-def test_the_bf16_store_passes_the_front_end(tmp_path, monkeypatch, convert):
+def test_the_bf16_store_passes_the_front_end(tmp_path, convert):
     """The bf16 state store's lines (rounding to nearest even by integer operations, or
     by the conversion instruction) compile, in full and masked blocks."""
     from ftopt.lowering import lanes
 
-    monkeypatch.setattr(lanes, "BF16_CONVERT", convert)
     body = ["offs = tl.arange(0, BLOCK)", "x = tl.load(x_ptr + offs)"]
-    body += lanes.bf16_store_lines("y_ptr", "m", "x * 2.0", "")
-    body += lanes.bf16_store_lines("y_ptr", "v", "x", ", mask=offs < n")
+    body += lanes.bf16_store_lines("y_ptr", "m", "x * 2.0", "", convert=convert)
+    body += lanes.bf16_store_lines("y_ptr", "v", "x", ", mask=offs < n", "x", convert)
     path = tmp_path / "ftopt_bf16.py"
     path.write_text("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
                     "def ftopt_main(x_ptr, y_ptr, n, BLOCK: tl.constexpr):\n"

@@ -671,3 +671,30 @@ def test_stochastic_rounding_with_a_frozen_none_param_fused_equals_eager():
         for k in "bc":
             assert torch.equal(getattr(out["fused"][0], name)[k],
                                getattr(out["eager"][0], name)[k]), (name, k)
+
+
+@pytest.mark.parametrize("rounding,skip,want", [
+    ("nearest", False, True), ("nearest", True, True),
+    ("stochastic", False, False), ("stochastic", True, True)])
+def test_bf16_stores_take_the_conversion_instruction_where_it_is_faster(
+        monkeypatch, rounding, skip, want):
+    """Compiled for a device (``lanes.BF16_CONVERT``), a bf16 state's store rounds by the
+    conversion instruction, except stochastic rounding's kernels without skip_zeros,
+    whose values are bf16 values already (their integer lines fold into a shift); under
+    the interpreter (its cast truncates) every store takes the integer lines."""
+    from ftopt.lowering import codegen, lanes
+    from ftopt.lowering.plan import plan_chain
+
+    tx = ftopt.adam(1e-3, state_dtype=torch.bfloat16, state_rounding=rounding,
+                    skip_zeros=skip)
+    traced = plan_chain(tx).traced(True)
+    variant = codegen.Variant(torch.bfloat16, torch.bfloat16, True, True, slot_dtypes=(
+        ("st0_mu", torch.bfloat16), ("st0_nu", torch.bfloat16)))
+    instruction = ".to(tl.bfloat16).to(tl.uint16, bitcast=True)"
+    integer = "+ 32767 + ("
+    for convert in (True, False):
+        monkeypatch.setattr(lanes, "BF16_CONVERT", convert)
+        source = codegen.main_source(traced, variant)
+        assert source.count("tl.store(") >= 3
+        assert (instruction in source) == (convert and want), (convert, source)
+        assert (integer in source) == (not (convert and want)), (convert, source)

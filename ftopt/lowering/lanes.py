@@ -11,8 +11,8 @@ import torch
 
 from ftopt.lowering import tiles
 
-__all__ = ["masks", "flag_mask", "load_mask", "bf16_store_lines", "half_load_lines",
-           "half_value", "rows", "with_live_rows", "fast_math", "FAST_SQRT"]
+__all__ = ["masks", "flag_mask", "load_mask", "bf16_store_lines", "bf16_convert",
+           "half_load_lines", "half_value", "rows", "with_live_rows", "fast_math", "FAST_SQRT"]
 
 
 def flag_mask(traced, flag: str, load: bool) -> str:
@@ -55,17 +55,30 @@ def masks(traced, tail: bool, chunks: bool = False) -> dict[str, str]:
 # device at its power limit, where these kernels are bound by their instructions: the
 # watch against no skip_zeros, dense / 90% of the embedding's rows zero, between
 # launches +3.7% / 1.252x -> +1.3% / 1.276x, in a loop's position (skip_in_loop_gpu.py)
-# +6.8% / 1.200x -> +2.7% / 1.257x; stochastic rounding +15.7% / 1.144x -> +0.7% /
-# 1.310x and +12.9% / 1.158x -> +5.2% / 1.236x (benchmarks/RESULTS.md, 2026-12-04).
+# +6.8% / 1.200x -> +2.4% / 1.258x (benchmarks/RESULTS.md, 2026-12-04); stochastic
+# rounding: :func:`bf16_convert`.
 # FTOPT_BF16_CONVERT=0 (or 1) takes the integer lines (or the instruction) everywhere.
 BF16_CONVERT = os.environ.get("FTOPT_BF16_CONVERT", "0" if tiles.INTERPRETING else "1") == "1"
 
 
+def bf16_convert(traced) -> bool:
+    """Whether the bf16 stores of this chain's kernels take the conversion instruction.
+    Stochastic rounding (a rule that reads the element's index) stores values that are
+    bf16 values already, whose low 16 bits the integer lines' compiler knows are zero:
+    without skip_zeros it folds them into a shift, and the instruction is slower (H200,
+    GPT-2 Adam, bf16 states rounded stochastically, no skip_zeros: 0.652-0.660 ms,
+    0.716-0.721 with the instruction); its skip_zeros kernels are faster with it
+    (0.723-0.732 ms against 0.751-0.759). The watch against no skip_zeros, dense, then
+    +10.9% between launches and +9.7% in a loop's position (+15.7% and +12.9% with the
+    integer lines in both kernels)."""
+    return BF16_CONVERT and (any(traced.skips) or not tiles.indexed(traced))
+
+
 def bf16_store_lines(role: str, slot: str, value: str, mask: str,
-                     old: str | None = None) -> list[str]:
+                     old: str | None = None, convert: bool = False) -> list[str]:
     """Stores fp32 ``value`` as bf16 bits, rounded to nearest even (NaN: 0x7FC0), as
-    torch's ``.to(torch.bfloat16)`` rounds: by the conversion instruction
-    (:data:`BF16_CONVERT`) or by integer operations, exact on every backend (Triton's
+    torch's ``.to(torch.bfloat16)`` rounds: by the conversion instruction (``convert``:
+    :func:`bf16_convert`) or by integer operations, exact on every backend (Triton's
     interpreter converts by truncation). ``old``: the slot's loaded value (fp32, widened
     exactly), whose bits a NaN that stays a NaN keeps (``ftopt.numerics.keep_nan_bits``).
     """
@@ -75,7 +88,7 @@ def bf16_store_lines(role: str, slot: str, value: str, mask: str,
     # (* 1.0: a broadcast that keeps every value, -0.0 included; a sum with a -0.0
     # literal becomes +0.0 in Triton 3.6 on an H200)
     lines = [f"{b}_x = {value} * tl.full([BLOCK], 1.0, tl.float32)"]
-    if BF16_CONVERT:
+    if convert:
         lines.append(f"{b}_u = {b}_x.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)")
     else:
         lines += [f"{b}_u = {b}_x.to(tl.uint32, bitcast=True)",

@@ -257,7 +257,7 @@ CARVE_PROGRAMS = _per_layout("FTOPT_CARVE_PROGRAMS", "")
 def split_select_above(traced, kind: str) -> float:
     """The threshold of a "split" group's watch (ftopt.lowering.skip_watch) of this
     layout (``kind``: :func:`layout`) and chain."""
-    if kind == "16-bit states" and not _indexed(traced):
+    if kind == "16-bit states" and not indexed(traced):
         return SPLIT_SELECT_ABOVE_STATES
     return SPLIT_SELECT_ABOVE
 
@@ -268,7 +268,7 @@ def skip_maxnreg(traced, kind: str) -> int | None:
     that selects and reads no element index (None: the compiler's choice)."""
     if traced.in_place:
         return IN_PLACE_MAXNREG.get(kind)
-    return SELECT_MAXNREG.get(kind) if any(traced.skips) and not _indexed(traced) else None
+    return SELECT_MAXNREG.get(kind) if any(traced.skips) and not indexed(traced) else None
 
 
 def quant_maxnreg(traced, defer: int = 0) -> int:
@@ -309,12 +309,12 @@ def tile(traced, quant_block: int = 0, kind: str = "") -> tuple[int, int]:
         return quant_tile(quant_block)
     if traced.in_place:
         return IN_PLACE_TILES.get(kind, IN_PLACE_TILE)
-    if traced.levels or _indexed(traced):
+    if traced.levels or indexed(traced):
         return HEAVY_TILE
     return BLOCK, NUM_WARPS
 
 
-def _indexed(traced) -> bool:
+def indexed(traced) -> bool:
     """A stage's rule reads the element's index (noise keys)."""
     return any(getattr(st, "rule", None) is not None and st.rule.indexed
                for st in traced.stages)
@@ -436,7 +436,7 @@ def chunk_lanes(traced) -> int:
     (whose code is not only per element), or a tile that does not split into rows of
     :data:`CHUNK_LANES`."""
     if (traced.in_place or traced.levels or traced.leaf_slots or traced.running_stores
-            or traced.slot_flags or traced.seeded or _indexed(traced)):
+            or traced.slot_flags or traced.seeded or indexed(traced)):
         return 0
     block = tile(traced)[0]
     return CHUNK_LANES if block % CHUNK_LANES == 0 and block >= CHUNK_LANES else 0
