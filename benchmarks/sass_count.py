@@ -70,6 +70,7 @@ def _cases() -> dict:
             1e-3, state_dtype=__import__("torch").bfloat16, state_rounding="stochastic",
             skip_zeros=True),
         "adam_bf16_params": lambda: ftopt.adam(1e-3),
+        "adam_bf16_params_skip": lambda: ftopt.adam(1e-3, skip_zeros=True),
         "adam8": lambda: ftopt.adam(1e-3, state_bits=8),
         "adam8_skip": lambda: ftopt.adam(1e-3, state_bits=8, skip_zeros=True),
         "ademamix8": lambda: ftopt.ademamix(1e-3, state_bits=8),
@@ -85,13 +86,15 @@ def record(names: list[str]) -> list[dict]:
     interpreter)."""
     os.environ["TRITON_INTERPRET"] = "1"
     import test_frontend as tf
+    import torch
 
     from ftopt.lowering import tiles
 
     cases = _cases()
     jobs = []
     for name in names:
-        kernels = tf._kernels([tf._steps(cases[name](), donate=(True,), zero=False)])
+        dtype = torch.bfloat16 if name.startswith("adam_bf16_params") else torch.float32
+        kernels = tf._kernels([tf._steps(cases[name](), dtype, donate=(True,), zero=False)])
         for (path, kname, _), (arg_names, args, constants) in kernels.items():
             sig, _ = tf._signature(arg_names, args, constants)
             consts = dict(tf._gpu_constants(constants))

@@ -35,18 +35,18 @@ LOADS_FIRST = os.environ.get("FTOPT_LOADS_FIRST", "1") != "0"
 # FTOPT_IN_PLACE_TILE ("BLOCKxWARPS") overrides it.
 IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
     "FTOPT_IN_PLACE_TILE", "2048x4" if INTERPRETING else "512x4").split("x"))
-# Layouts (:func:`layout`) whose in-place tile differs. fp32, "split+in_place", H200,
-# GPT-2 Adam, dense / 90% of the embedding's rows zero against no skip_zeros: 512x4
-# +1.6-2.2% / 1.24x, 1024x4 -0.2..+0.5% / 1.25-1.26x (two runs, benchmarks/RESULTS.md);
-# bf16 params lose 31% at 1024x4, bf16 states 3-5%. bf16/fp16 states run in place only
-# where blocks are all zero (a carved embedding; dense gradients run select): H200, GPT-2's
-# embedding with 90% of its rows zero alone, span 4 (kernel time), 512x4 / 512x8 / 256x4
-# / 256x2: 42.8 / 63.8 / 50.9 / 38.8 us (stochastic rounding 58.0 / 76.0 / 61.8 / 51.3);
-# the GPT-2 step, one group, against no skip_zeros: 1.244x / 1.183x / 1.224x / 1.259x by
-# kernel time (stochastic rounding 1.185x / 0.80x / 0.87x / 1.204x). FTOPT_IN_PLACE_TILE,
-# where set, is every layout's tile.
+# Layouts (:func:`layout`) whose in-place tile differs. H200, GPT-2 Adam, split+in_place,
+# dense / 90% of the embedding's rows zero against no skip_zeros (benchmarks/RESULTS.md):
+# fp32 512x4 +1.6-2.2% / 1.24x, 1024x4 -0.2..+0.5% / 1.25-1.26x (bf16 params +31%); bf16
+# params 512x4 +1.4% / 1.293x, 256x2 +0.0% / 1.329x, in a loop's position +3.8% / 1.27x
+# and +1.5% / 1.30x (2026-12-04). bf16/fp16 states run in place only where blocks are all
+# zero (a carved embedding; dense gradients run select): GPT-2's embedding with 90% of its
+# rows zero alone, span 4 (kernel time), 512x4 / 512x8 / 256x4 / 256x2: 42.8 / 63.8 /
+# 50.9 / 38.8 us (stochastic rounding 58.0 / 76.0 / 61.8 / 51.3); the GPT-2 step against
+# no skip_zeros: 1.244x / 1.183x / 1.224x / 1.259x by kernel time (stochastic rounding
+# 1.185x / 0.80x / 0.87x / 1.204x). FTOPT_IN_PLACE_TILE, where set, is every layout's.
 IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
-                  else {"fp32": (1024, 4), "16-bit states": (256, 2)})
+                  else {"fp32": (1024, 4), "16-bit": (256, 2), "16-bit states": (256, 2)})
 # Register caps (Triton's ``maxnreg``) of in-place kernels on NVIDIA GPUs, per layout
 # (none: the compiler's choice). H200, GPT-2 Adam with skip_zeros, dense / 90% of the
 # embedding's rows zero against no skip_zeros: fp32 at 1024x4 takes 58 registers (8
