@@ -238,6 +238,10 @@ def test_the_bf16_store_passes_the_front_end(tmp_path, convert):
     body = ["offs = tl.arange(0, BLOCK)", "x = tl.load(x_ptr + offs)"]
     body += lanes.bf16_store_lines("y_ptr", "m", "x * 2.0", "", convert=convert)
     body += lanes.bf16_store_lines("y_ptr", "v", "x", ", mask=offs < n", "x", convert)
+    # (the NaN's old bits from the loaded 16-bit word)
+    body += lanes.half_load_lines("z", "tl.load(y_ptr + offs)", torch.bfloat16, True)
+    body += lanes.bf16_store_lines("y_ptr", "w", "z * x", ", mask=offs < n", "z", convert,
+                                   raw=True)
     path = tmp_path / "ftopt_bf16.py"
     path.write_text("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
                     "def ftopt_main(x_ptr, y_ptr, n, BLOCK: tl.constexpr):\n"

@@ -46,7 +46,9 @@ def _bodies(tx, donate: bool = True, quant_block: int = 0, slot_dtypes: tuple = 
 
 
 def _last_state_load_and_first_rounding(body: list[str]) -> tuple[int, int]:
-    loads = [i for i, x in enumerate(body) if "_old = " in x and "tl.load(" in x]
+    # (a 16-bit state's word loads as ``{slot}_old_raw``, widened beside as ``{slot}_old``)
+    loads = [i for i, x in enumerate(body)
+             if ("_old = " in x or "_old_raw = " in x) and "tl.load(" in x]
     math = [i for i, x in enumerate(body) if "tl.div_rn(" in x or "tl.sqrt_rn(" in x]
     assert loads and math, body
     return max(loads), min(math)

@@ -75,16 +75,22 @@ def bf16_convert(traced) -> bool:
 
 
 def bf16_store_lines(role: str, slot: str, value: str, mask: str,
-                     old: str | None = None, convert: bool = False) -> list[str]:
+                     old: str | None = None, convert: bool = False,
+                     raw: bool = False) -> list[str]:
     """Stores fp32 ``value`` as bf16 bits, rounded to nearest even (NaN: 0x7FC0), as
     torch's ``.to(torch.bfloat16)`` rounds: by the conversion instruction (``convert``:
     :func:`bf16_convert`) or by integer operations, exact on every backend (Triton's
     interpreter converts by truncation). ``old``: the slot's loaded value (fp32, widened
-    exactly), whose bits a NaN that stays a NaN keeps (``ftopt.numerics.keep_nan_bits``).
-    """
+    exactly), whose bits a NaN that stays a NaN keeps (``ftopt.numerics.keep_nan_bits``);
+    ``raw``: read them from its loaded 16-bit word (``{old}_raw``), which a kernel holds
+    in half the registers: Adam with bf16 states and no skip_zeros 48 -> 40 registers a
+    thread, H200 GPT-2 0.486 -> 0.461-0.466 ms. Kernels with skip_zeros keep the fp32
+    value (no faster with the word: 0.490 either way), and so do stochastic rounding's
+    (0.647 -> 1.01 ms with it) (benchmarks/RESULTS.md, 2026-12-04 12:05 UTC)."""
     b = f"b_{slot}"
     nan = "32704" if old is None else (
-        f"tl.where({old} != {old}, {old}.to(tl.uint32, bitcast=True) >> 16, 32704)")
+        f"tl.where(({old}_raw & 32767) > 32640, {old}_raw.to(tl.uint32), 32704)" if raw
+        else f"tl.where({old} != {old}, {old}.to(tl.uint32, bitcast=True) >> 16, 32704)")
     # (* 1.0: a broadcast that keeps every value, -0.0 included; a sum with a -0.0
     # literal becomes +0.0 in Triton 3.6 on an H200)
     lines = [f"{b}_x = {value} * tl.full([BLOCK], 1.0, tl.float32)"]
@@ -102,8 +108,11 @@ def half_load_lines(name: str, load: str, dtype, as_bits: bool) -> list[str]:
     widened by a shift (``as_bits``: loaded as its bits, uint16); fp16 converted, its
     bits kept beside as ``{name}_raw`` (the GPU's conversion of a NaN gives the
     canonical one), for :func:`half_value`."""
+    if dtype == torch.bfloat16 and as_bits:
+        return [f"{name}_raw = {load}",
+                f"{name} = ({name}_raw.to(tl.uint32) << 16).to(tl.float32, bitcast=True)"]
     if dtype == torch.bfloat16:
-        bits = load if as_bits else f"{load}.to(tl.uint16, bitcast=True)"
+        bits = f"{load}.to(tl.uint16, bitcast=True)"
         return [f"{name} = ({bits}.to(tl.uint32) << 16).to(tl.float32, bitcast=True)"]
     return [f"{name}_raw = {load}", f"{name} = {name}_raw.to(tl.float32)"]
 
