@@ -69,6 +69,9 @@ def _cases() -> dict:
         "adam_bf16_states_sr_skip": lambda: ftopt.adam(
             1e-3, state_dtype=__import__("torch").bfloat16, state_rounding="stochastic",
             skip_zeros=True),
+        "adam_fp16_states": lambda: ftopt.adam(1e-3, state_dtype=__import__("torch").float16),
+        "adam_fp16_states_skip": lambda: ftopt.adam(
+            1e-3, state_dtype=__import__("torch").float16, skip_zeros=True),
         "adam_bf16_params": lambda: ftopt.adam(1e-3),
         "adam_bf16_params_skip": lambda: ftopt.adam(1e-3, skip_zeros=True),
         "adam8": lambda: ftopt.adam(1e-3, state_bits=8),
