@@ -10,12 +10,20 @@ not measured). ``--ab``: ``skip_watch_ab_gpu.py``'s (the watch against off betwe
 step's own launches: where skip_zeros' targets are read); ``--loop``:
 ``skip_in_loop_gpu.py``'s (each step in a training loop's position, reported beside).
 Prints the table and writes ``OUT.md`` and ``OUT.json``.
+
+``--run DIR`` (on the GPU) runs the three first, one after another in one session, into
+``DIR/step``, ``DIR/ab`` and ``DIR/loop``, then writes ``DIR/targets.{md,json}`` (about
+five minutes on an H200); ``--dry-run`` prints their commands.
+
+    python3 benchmarks/compact_targets.py --run DIR
 """
 from __future__ import annotations
 
 import argparse
 import json
 import pathlib
+import subprocess
+import sys
 
 # gpu_step.LAYOUTS names of the layouts the skip_zeros targets cover.
 SKIP_LAYOUTS = ("fp32", "bf16 params, fp32 states", "bf16 params, bf16 states",
@@ -105,13 +113,45 @@ def skip_targets(ab: list | None, loop: list | None) -> list[dict]:
     return out
 
 
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def run_commands(folder: pathlib.Path) -> list[list[str]]:
+    """The benchmark runs behind every target, into ``folder``'s ``step``, ``ab`` and
+    ``loop``: the step's sections (no torch.compile peers: none is a target), the watch
+    A/B and the loop's position, four rounds each."""
+    py = sys.executable
+    return [[py, str(HERE / "gpu_step.py"), "--sections",
+             "copy,single,gpt2_fp32,eight_bit,layouts", "--compile", "off",
+             "--out", str(folder / "step")],
+            [py, str(HERE / "skip_watch_ab_gpu.py"), str(folder / "ab"), "--rounds=4",
+             "--kinds=dense,sparse"],
+            [py, str(HERE / "skip_in_loop_gpu.py"), str(folder / "loop"), "--rounds=4"]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--step", required=True)
+    parser.add_argument("--step")
     parser.add_argument("--ab")
     parser.add_argument("--loop")
     parser.add_argument("--out")
+    parser.add_argument("--run", help="run the benchmarks into this folder first")
+    parser.add_argument("--dry-run", action="store_true", help="with --run: print them")
     args = parser.parse_args()
+    if args.run:
+        folder = pathlib.Path(args.run)
+        for cmd in run_commands(folder):
+            print(" ".join(cmd), flush=True)
+            if not args.dry_run:
+                subprocess.run(cmd, check=True)
+        if args.dry_run:
+            return
+        args.step = str(folder / "step" / "gpu_results.json")
+        args.ab = str(folder / "ab" / "watch_ab.json")
+        args.loop = str(folder / "loop" / "in_loop.json")
+        args.out = args.out or str(folder / "targets")
+    if not args.step:
+        parser.error("--step (or --run) is required")
 
     def load(path):
         return json.loads(pathlib.Path(path).read_text()) if path else None

@@ -51,3 +51,40 @@ def test_skip_rows_from_the_ab_and_the_loop():
     assert met["skip_zeros, fp32: 90% zero rows, x off (A/B)"] is True  # 1.28x
     assert met["skip_zeros, fp32: dense, % over off (loop)"] is False  # +4%
     assert met["skip_zeros, fp32: 90% zero rows, x off (loop)"] is True  # 1.30x
+
+
+def test_run_writes_the_targets_of_the_files_its_benchmarks_write(tmp_path, monkeypatch,
+                                                                    capsys):
+    """``--run DIR`` runs the three benchmarks into DIR and reads the files they write
+    (each stood in for by the file name its script writes) into DIR/targets."""
+    written = {"gpu_step.py": "gpu_results.json", "skip_watch_ab_gpu.py": "watch_ab.json",
+               "skip_in_loop_gpu.py": "in_loop.json"}
+    ab = [dict(layout=lay, grads=g, variant="watch", vs_off=1.01 if g == "dense" else 0.7)
+          for lay in ct.SKIP_LAYOUTS for g in ("dense", "sparse")]
+    loop = [dict(layout=lay, grads=g, median=1 / 1.05 if g == "dense" else 1.3)
+            for lay in ct.SKIP_LAYOUTS for g in ("dense", "sparse")]
+    contents = {"gpu_results.json": _results(0.8, 1.5, 0.95, 2.5, 1.0, 1.3),
+                "watch_ab.json": ab, "in_loop.json": loop}
+    ran = []
+
+    def fake_run(cmd, check):
+        script = pathlib.Path(cmd[1]).name
+        assert (pathlib.Path(ct.HERE) / script).exists() and check
+        name = written[script]
+        assert name in (pathlib.Path(ct.HERE) / script).read_text()
+        out = pathlib.Path(cmd[cmd.index("--out") + 1] if "--out" in cmd else cmd[2])
+        out.mkdir(parents=True)
+        (out / name).write_text(ct.json.dumps(contents[name]))
+        ran.append(script)
+
+    monkeypatch.setattr(ct.subprocess, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["compact_targets.py", "--run", str(tmp_path)])
+    ct.main()
+    assert ran == list(written)
+    rows = ct.json.loads((tmp_path / "targets.json").read_text())
+    met = _met(rows)
+    assert met["bf16 params + states, GPT-2: of copy"] is True
+    assert met["skip_zeros, fp32: dense, % over off (A/B)"] is True  # +1%
+    assert met["skip_zeros, fp32: dense, % over off (loop)"] is False  # +5%
+    assert "NOT met" in (tmp_path / "targets.md").read_text()
+    assert "not met: skip_zeros" in capsys.readouterr().out
