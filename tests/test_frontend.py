@@ -252,6 +252,24 @@ def test_the_bf16_store_passes_the_front_end(tmp_path, convert):
     assert not failures, failures
 
 
+def test_the_reduction_sums_pass_the_front_end():
+    """The fixed kernels of the reduction passes (a leaf's partials; a global column over
+    the leaves' rows, in the leaves' order) compile for a GPU."""
+    from ftopt.lowering import reductions
+
+    path = reductions.__file__
+    f32, i64 = torch.zeros(8), torch.zeros(8, dtype=torch.int64)
+    failures = _compile_all({
+        (path, "_global_sums", ()): (
+            ["rows_ptr", "row_of_ptr", "cols_ptr", "out_ptr", "N_LEAVES", "N_RED",
+             "R_BLOCK"], [f32, i64, i64, f32], {"N_LEAVES": 5, "N_RED": 4, "R_BLOCK": 1024}),
+        (path, "_leaf_sums", ()): (
+            ["partials_ptr", "first_block_ptr", "num_blocks_ptr", "cols_ptr", "out_ptr",
+             "N_PART", "OUT_STRIDE", "R_BLOCK"], [f32, i64, i64, i64, f32],
+            {"N_PART": 3, "OUT_STRIDE": 4, "R_BLOCK": 4096})})
+    assert not failures, failures
+
+
 def test_reduction_and_noise_kernels_get_the_heavy_tile(monkeypatch):
     """Kernels with per-program work beyond their elements (a reduction pass and the main
     kernel reading its per-leaf results; noise) run tiles.HEAVY_TILE, the others

@@ -307,6 +307,18 @@ def test_seed94_case516_nan_params_keep_their_bits_where_skipped():
     assert {k: v for k, v in checks.run_all(case).items() if v} == {}
 
 
+@pytest.mark.parametrize("index", [508, 150])
+def test_seed110_a_global_norm_sums_its_leaves_in_the_same_order_with_skip_zeros(index):
+    """Found by the CPU fuzz (seed 110, examples 150 and 508): a global norm's sum over
+    the leaves' rows took the rows where each group's padding put them, and the
+    skip_zeros chain's extra reduction padded them differently, so its params and states
+    differed from the plain chain's by a few ulps off the zeros. The sum now runs in the
+    leaves' order in the tree."""
+    runner = _runner()
+    case = _pinned(runner, 110, index, DEVICE)
+    assert checks.run_all(case)["skip_zeros"] is None
+
+
 # ------------------------------------------------------------------------------------------
 # The GPU runner's bookkeeping (benchmarks/fuzz.py): shards, dtypes per structure, merge
 # ------------------------------------------------------------------------------------------
@@ -364,7 +376,19 @@ PINNED = {
         Part("normalize", ())), skip="marker", skip_at=0, bits=8, quant="wrapper",
         min_size=64, state_dtype="", tensors=False, schedules=False, named=False),
         ("bf16", "fp16")),
+    # A global norm summed over rows whose places moved with the groups' padding: the
+    # skip_zeros chain's extra reduction (DoG's count of non-zero gradients) padded the
+    # 32-bit group's rows differently, so the 8-bit leaf's row sat elsewhere in the sum.
+    (110, 508): (Structure(parts=(
+        Part("normalize_by_update_norm", ()), Part("scale_by_distance_over_gradients", ()),
+        Part("scale_by_stddev", (("eps_in_sqrt", False),)),
+        Part("scale_by_ademamix[warmup]", (("warmup", 1),))),
+        skip="marker", skip_at=4, bits=8, quant="wrapper", min_size=200, state_dtype="",
+        tensors=False, schedules=True, named=False), ("bf16", "fp32")),
 }
+
+
+PINNED[110, 150] = PINNED[110, 508]
 
 
 def _pinned(runner, seed: int, index: int, device: str):

@@ -50,15 +50,18 @@ def _leaf_sums(partials_ptr, first_block_ptr, num_blocks_ptr, cols_ptr, out_ptr,
 
 
 @triton.jit
-def _global_sums(rows_ptr, cols_ptr, out_ptr, ROWS: tl.constexpr, N_RED: tl.constexpr,
-                 R_BLOCK: tl.constexpr):
-    # Sum one column over the rows of every leaf of every group, in a fixed order (rows of
-    # no leaf, the padding between groups, are zeros).
+def _global_sums(rows_ptr, row_of_ptr, cols_ptr, out_ptr, N_LEAVES: tl.constexpr,
+                 N_RED: tl.constexpr, R_BLOCK: tl.constexpr):
+    # Sum one column over the rows of every leaf of every group, in the leaves' order in
+    # the tree (``row_of``: each leaf's row): the same order, so the same sum, however the
+    # leaves are grouped and their rows padded (a chain and its skip_zeros twin, whose
+    # extra reductions pad the groups' rows otherwise).
     col = tl.load(cols_ptr + tl.program_id(0))
     acc = tl.zeros([R_BLOCK], tl.float32)
-    for s in range(0, ROWS, R_BLOCK):
+    for s in range(0, N_LEAVES, R_BLOCK):
         idx = s + tl.arange(0, R_BLOCK)
-        acc += tl.load(rows_ptr + idx * N_RED + col, mask=idx < ROWS, other=0.0)
+        row = tl.load(row_of_ptr + idx, mask=idx < N_LEAVES, other=0)
+        acc += tl.load(rows_ptr + row * N_RED + col, mask=idx < N_LEAVES, other=0.0)
     tl.store(out_ptr + col, tl.sum(acc))
 
 
@@ -72,6 +75,18 @@ def _columns(traced, level: int, scope: str | None, device: torch.device) -> tor
 @lru_cache(maxsize=64)
 def _in_order(n: int, device: torch.device) -> torch.Tensor:
     return launch.to_device(list(range(n)), device)
+
+
+@lru_cache(maxsize=256)
+def _row_of(leaves: tuple, rows: tuple, device: torch.device) -> torch.Tensor:
+    """Each leaf's row in the buffer after the global sums, in the leaves' order in the
+    tree (``leaves``: each group's leaves, ``rows``: each group's rows, padding
+    included)."""
+    at, pairs = 0, []
+    for group, n in zip(leaves, rows):
+        pairs += [(leaf, at + j) for j, leaf in enumerate(group)]
+        at += n
+    return launch.to_device([row for _, row in sorted(pairs)], device)
 
 
 def _rows(num_leaves: int, n_red: int) -> int:
@@ -132,9 +147,11 @@ def run_reductions(traced, groups: list, scalars, device: torch.device):
             _scatter(groups, leaf_bufs, level_sums, reds, n_red)
         global_cols = _columns(traced, level, "global", device)
         if global_cols.numel():
+            row_of = _row_of(tuple(tuple(g.leaves) for g in groups), tuple(rows), device)
             launch._launch(_global_sums, (global_cols.numel(),),
-                           [space[head:], global_cols, global_buf],
-                           (("ROWS", sum(rows)), ("N_RED", n_red), *_GLOBAL_SUMS), device)
+                           [space[head:], row_of, global_cols, global_buf],
+                           (("N_LEAVES", row_of.numel()), ("N_RED", n_red), *_GLOBAL_SUMS),
+                           device)
     return leaf_bufs, global_buf
 
 
