@@ -112,6 +112,7 @@ def run_reductions(traced, groups: list, scalars, device: torch.device):
         leaf_bufs.append(space[at:at + g.work.num_leaves * n_red])
         at += r * n_red
     sharded = shards.in_local_shards()
+    row_of = None  # (the global sums' table, looked up once a call)
     for level in range(1, traced.levels + 1):
         reds = codegen.level_reductions(traced, level)
         cols = _columns(traced, level, None, device)
@@ -147,7 +148,9 @@ def run_reductions(traced, groups: list, scalars, device: torch.device):
             _scatter(groups, leaf_bufs, level_sums, reds, n_red)
         global_cols = _columns(traced, level, "global", device)
         if global_cols.numel():
-            row_of = _row_of(tuple(tuple(g.leaves) for g in groups), tuple(rows), device)
+            if row_of is None:
+                row_of = _row_of(tuple(tuple(g.leaves) for g in groups), tuple(rows),
+                                 device)
             launch._launch(_global_sums, (global_cols.numel(),),
                            [space[head:], row_of, global_cols, global_buf],
                            (("N_LEAVES", row_of.numel()), ("N_RED", n_red), *_GLOBAL_SUMS),
