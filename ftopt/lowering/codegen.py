@@ -370,9 +370,9 @@ def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, varian
         old = "p" if role == "p_out" else f"{slot}_old"
         old = old if old in names else None
         if dict(variant.slot_dtypes).get(slot) == torch.bfloat16:
-            raw = not (any(traced.skips) or tiles.indexed(traced))
             stores += lanes.bf16_store_lines(role, slot, value, store_mask, old,
-                                             lanes.bf16_convert(traced), raw)
+                                             lanes.bf16_convert(traced),
+                                             lanes.nan_from_word(traced))
             continue
         if old is not None and dtypes[role] in ("tl.float16", "tl.bfloat16"):
             value = lanes.half_value(value, old, dtypes[role])

@@ -11,7 +11,7 @@ import torch
 
 from ftopt.lowering import tiles
 
-__all__ = ["masks", "flag_mask", "load_mask", "bf16_store_lines", "bf16_convert",
+__all__ = ["masks", "flag_mask", "load_mask", "bf16_store_lines", "bf16_convert", "nan_from_word",
            "half_load_lines", "half_value", "rows", "with_live_rows", "fast_math", "FAST_SQRT"]
 
 
@@ -74,6 +74,16 @@ def bf16_convert(traced) -> bool:
     return BF16_CONVERT and (any(traced.skips) or not tiles.indexed(traced))
 
 
+def nan_from_word(traced) -> bool:
+    """Whether a bf16 store takes a NaN's old bits from the slot's loaded 16-bit word
+    rather than from its widened fp32 value, which then need not stay in registers to the
+    store: Adam with bf16 states and no skip_zeros 48 -> 40 registers a thread, H200
+    GPT-2 0.486 -> 0.461-0.466 ms. Kernels with skip_zeros keep the fp32 value (their
+    selects read it anyway; 0.490 ms either way), and so do stochastic rounding's (0.647
+    -> 1.01 ms with the word) (benchmarks/RESULTS.md, 2026-12-04 12:05 UTC)."""
+    return not (any(traced.skips) or tiles.indexed(traced))
+
+
 def bf16_store_lines(role: str, slot: str, value: str, mask: str,
                      old: str | None = None, convert: bool = False,
                      raw: bool = False) -> list[str]:
@@ -82,11 +92,8 @@ def bf16_store_lines(role: str, slot: str, value: str, mask: str,
     :func:`bf16_convert`) or by integer operations, exact on every backend (Triton's
     interpreter converts by truncation). ``old``: the slot's loaded value (fp32, widened
     exactly), whose bits a NaN that stays a NaN keeps (``ftopt.numerics.keep_nan_bits``);
-    ``raw``: read them from its loaded 16-bit word (``{old}_raw``), which a kernel holds
-    in half the registers: Adam with bf16 states and no skip_zeros 48 -> 40 registers a
-    thread, H200 GPT-2 0.486 -> 0.461-0.466 ms. Kernels with skip_zeros keep the fp32
-    value (no faster with the word: 0.490 either way), and so do stochastic rounding's
-    (0.647 -> 1.01 ms with it) (benchmarks/RESULTS.md, 2026-12-04 12:05 UTC)."""
+    ``raw``: read them from its loaded 16-bit word (``{old}_raw``; :func:`nan_from_word`).
+    """
     b = f"b_{slot}"
     nan = "32704" if old is None else (
         f"tl.where(({old}_raw & 32767) > 32640, {old}_raw.to(tl.uint32), 32704)" if raw
