@@ -295,6 +295,92 @@ def test_reduction_and_noise_kernels_get_the_heavy_tile(monkeypatch):
             torch.testing.assert_close(fused[k], eager[k], rtol=1e-6, atol=1e-7)
 
 
+def test_plain_kernels_of_a_layout_get_its_plain_tile(monkeypatch):
+    """half_tiles.PLAIN gives the kernels without skip_zeros of a layout their own tile
+    with 16-bit params (16-bit states: 512x2 on a GPU); skip_zeros kernels, fp32 params
+    and other layouts keep theirs (half_tiles.SELECT, where set, the select kernels').
+    At that tile the step equals the step at tiles.BLOCK bit for bit (and eager's within
+    a bf16 rounding), and so does skip_zeros' step off the zeros."""
+    from ftopt.lowering import half_tiles, tiles
+
+    plain = (1024, 2) if tiles.BLOCK != 1024 else (2048, 2)
+    monkeypatch.setattr(half_tiles, "PLAIN", {"16-bit states": (*plain, 0)})
+    monkeypatch.setattr(half_tiles, "SELECT", {})
+    states = {"state_dtype": torch.bfloat16}
+    for tx, dtype, want in ((ftopt.adam(1e-3, **states), torch.bfloat16, {plain[0]}),
+                            (ftopt.adam(1e-3, **states), torch.float32, {tiles.BLOCK}),
+                            (ftopt.adam(1e-3), torch.bfloat16, {tiles.BLOCK}),
+                            (ftopt.adam(1e-3, skip_zeros=True, **states), torch.bfloat16,
+                             None)):
+        kernels = _kernels([_steps(tx, dtype, donate=(True,))])
+        found = {(c["BLOCK"], c.get("num_warps")) for _, _, c in kernels.values()
+                 if "BLOCK" in c}
+        if want is None:
+            assert plain not in found, found
+        else:
+            assert {b for b, _ in found} == want, (tx, found)
+            assert plain in found or want == {tiles.BLOCK}
+    gen = torch.Generator().manual_seed(3)
+    p = {"a": torch.randn(3000, generator=gen).bfloat16(),
+         "b": torch.randn(7, 5, generator=gen).bfloat16()}
+    g = {k: torch.randn(v.shape, generator=gen).bfloat16() for k, v in p.items()}
+    g["a"][::3] = 0.0
+    g["b"][1] = 0.0
+    tx, skip = ftopt.adam(1e-2, **states), ftopt.adam(1e-2, skip_zeros=True, **states)
+    state = tx.init(p)
+    first = {k: v + 1.0 for k, v in g.items()}  # (m, v != 0 where g is zero next)
+    state = ftopt.step(tx, p, first, state)[1]
+    skip_state = ftopt.step(skip, p, first, skip.init(p))[1]
+    fused, fused_state = ftopt.step(tx, p, g, state, backend="fused")
+    eager, _ = ftopt.step(tx, p, g, state, backend="eager")
+    skipped, _ = ftopt.step(skip, p, g, skip_state, backend="fused")
+    monkeypatch.setattr(half_tiles, "PLAIN", {})
+    block, block_state = ftopt.step(tx, p, g, state, backend="fused")
+    for k in p:
+        assert torch.equal(fused[k], block[k]), k
+        torch.testing.assert_close(fused[k].float(), eager[k].float(), rtol=2**-7, atol=0)
+        on = g[k] != 0
+        assert torch.equal(skipped[k][on], fused[k][on]), k
+        assert torch.equal(skipped[k][~on], p[k][~on]), k
+        assert not torch.equal(fused[k][~on], p[k][~on]), k  # the control
+    for a, b in zip(ftopt.tree.leaves(fused_state), ftopt.tree.leaves(block_state)):
+        assert torch.equal(a, b)
+
+
+def test_half_tiles_route_by_kernel_kind_and_param_width(monkeypatch):
+    """tiles.tile and tiles.skip_maxnreg take half_tiles' entries for 16-bit params only:
+    PLAIN's for kernels without skip_zeros, SELECT's for select kernels; in-place, heavy
+    (norms) and indexed (noise) kernels keep their own."""
+    from types import SimpleNamespace
+
+    from ftopt.lowering import half_tiles, tiles
+
+    monkeypatch.setattr(half_tiles, "PLAIN", {"16-bit states": (512, 2, 72)})
+    monkeypatch.setattr(half_tiles, "SELECT", {"16-bit states": (256, 2, 80)})
+    monkeypatch.setattr(tiles, "SELECT_MAXNREG", {"16-bit states": 40})
+
+    def traced(skips, in_place=False, levels=0):
+        return SimpleNamespace(skips=skips, in_place=in_place, levels=levels, stages=[])
+
+    kind = "16-bit states"
+    plain, select = traced([False]), traced([True])
+    assert tiles.tile(plain, 0, kind, 2) == (512, 2)
+    assert tiles.skip_maxnreg(plain, kind, 2) == 72
+    assert tiles.tile(select, 0, kind, 2) == (256, 2)
+    assert tiles.skip_maxnreg(select, kind, 2) == 80
+    # fp32 params: the defaults
+    assert tiles.tile(plain, 0, kind, 4) == (tiles.BLOCK, tiles.NUM_WARPS)
+    assert tiles.skip_maxnreg(plain, kind, 4) is None
+    assert tiles.tile(select, 0, kind, 4) == (tiles.BLOCK, tiles.NUM_WARPS)
+    assert tiles.skip_maxnreg(select, kind, 4) == 40
+    assert tiles.tile(plain, 0, "16-bit", 2) == (tiles.BLOCK, tiles.NUM_WARPS)
+    in_place = traced([True], in_place=True)
+    assert tiles.tile(in_place, 0, kind, 2) == tiles.IN_PLACE_TILES.get(
+        kind, tiles.IN_PLACE_TILE)
+    assert tiles.tile(traced([False], levels=1), 0, kind, 2) == tiles.HEAVY_TILE
+    assert tiles.skip_maxnreg(traced([True], levels=1), kind, 2) == 40
+
+
 def test_fast_math_layouts_take_the_approximate_instructions(monkeypatch):
     """A layout in tiles.FAST_MATH gets approximate sqrt and division in its main kernel
     (which pass the front end), the others keep the correctly rounded ones; an 8-bit

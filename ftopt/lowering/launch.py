@@ -137,7 +137,7 @@ class GroupLaunch:
         out = [(_kernel(self.traced, "main", 0, variant),
                 (min(self.programs, self.spans()) if self.programs else self.spans(),),
                 _constants_cached(self.traced, self.quant_block, not counted, variant.defer,
-                                  self.kind, variant.pdl, self.warps),
+                                  self.kind, variant.pdl, self.warps, self.p_dtype.itemsize),
                 [self.flags] if variant.defer or variant.count_flags else [])]
         if variant.defer:
             deferred = self.variant(scalars, True)
@@ -152,11 +152,12 @@ class GroupLaunch:
 @lru_cache(maxsize=256)
 def _constants_cached(traced, quant_block: int, count: bool | None = None,
                       defer: int = 0, kind: str = "", pdl: bool = False,
-                      warps: int = 0) -> tuple:
+                      warps: int = 0, p_bytes: int = 4) -> tuple:
     """Constexprs and launch options (``count``: the main kernel's ``COUNT``; ``defer``:
     :attr:`codegen.Variant.defer`; ``kind``: the group's layout, :func:`tiles.layout`;
-    ``pdl``: :attr:`codegen.Variant.pdl`; ``warps``: :attr:`GroupLaunch.warps`)."""
-    block, tile_warps = tiles.tile(traced, quant_block, kind)
+    ``pdl``: :attr:`codegen.Variant.pdl`; ``warps``: :attr:`GroupLaunch.warps`;
+    ``p_bytes``: the params' element size)."""
+    block, tile_warps = tiles.tile(traced, quant_block, kind, p_bytes)
     warps = warps or tile_warps
     constants = {
         "N_LEAF_VALUES": max(len(traced.graph.leaf_values), 1),
@@ -172,7 +173,7 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None,
         cap = tiles.quant_maxnreg(traced, defer)
         if cap and not tiles.INTERPRETING and _NVIDIA:
             constants["maxnreg"] = cap
-    elif not tiles.INTERPRETING and _NVIDIA and (cap := tiles.skip_maxnreg(traced, kind)):
+    elif not tiles.INTERPRETING and _NVIDIA and (cap := tiles.skip_maxnreg(traced, kind, p_bytes)):
         constants["maxnreg"] = cap
     if count is not None:
         constants["COUNT"] = count

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from ftopt.lowering import half_tiles
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -18,10 +20,8 @@ def _per_layout(variable: str, default: str) -> dict[str, int]:
         variable, default).split(",") if kv)}
 
 
-# Elements per program and warps per program of every kernel (FTOPT_BLOCK and
-# FTOPT_NUM_WARPS override them, for tuning on new hardware). On an H200, 512/4 is as
-# fast as 1024/4 with fp32 params and 12% faster with bf16 ones (benchmarks/RESULTS.md).
-# Under the Triton interpreter every program costs Python time, so blocks are larger.
+# Elements and warps per program of every kernel (FTOPT_BLOCK, FTOPT_NUM_WARPS override;
+# the interpreter takes larger blocks). H200: 512/4 = 1024/4 with fp32 params, 12% faster with bf16.
 BLOCK = int(os.environ.get("FTOPT_BLOCK", "4096" if INTERPRETING else "512"))
 NUM_WARPS = int(os.environ.get("FTOPT_NUM_WARPS", "4"))
 # fp32 and 16-bit main kernels issue every load before the arithmetic (Graph.loads_first):
@@ -151,11 +151,8 @@ DEFER_FLAGS = int(os.environ.get("FTOPT_DEFER_FLAGS", "32"))
 # Adam with the watch, against off, four A/Bs each (32 for every step / 128 while few):
 # dense +2.2..4.1% (mean 3.3) / +2.1..3.3% (mean 2.6), 90% of the embedding's rows zero
 # 1.19x / 1.20x, every block part zero +12.5..14.8% / +14.4..17.0% (benchmarks/RESULTS.md,
-# 2026-12-02). More a program while few are flagged does not shorten it (the deferred
-# kernel, dense gradients, 128 / 1024 flags: 7.9 / 8.6 us; the step, 128 / 512 / 1024 /
-# 2048, two A/Bs each: dense +3.1, 3.2 / 3.1, 3.1 / 2.5, 2.6 / 4.5, 4.3%, 90% of the
-# embedding's rows zero 1.229x / 1.224x, 1.233x / 1.230x, 1.232x / 1.210x, 1.204x;
-# 2026-12-02).
+# 2026-12-02). More a program while few are flagged does not shorten it (512 to 2048:
+# dense +2.5..4.5%, RESULTS.md 2026-12-02).
 # FTOPT_DEFER_FLAGS_FEW (a power of two) and FTOPT_DEFER_FEW_BELOW override them.
 DEFER_FLAGS_FEW = int(os.environ.get("FTOPT_DEFER_FLAGS_FEW", "128"))
 DEFER_FEW_BELOW = float(os.environ.get("FTOPT_DEFER_FEW_BELOW", "0.01"))
@@ -163,11 +160,8 @@ DEFER_FEW_BELOW = float(os.environ.get("FTOPT_DEFER_FEW_BELOW", "0.01"))
 # program of 128 flags then holds one register of them a thread, not four. H200, GPT-2
 # 8-bit Adam with the watch against off (four A/Bs a setting, three runs, 2026-12-02),
 # bytes / words: dense +2.7% / +2.0..2.2%, 90% of the embedding's rows zero 1.229x /
-# 1.237-1.240x, every block part zero +14.9% (words). More flags a program while few
-# are set (512 / 1024 / 2048 / 4096) or the deferred kernel in 4 or 8 warps without a
-# register cap (no spills) were no faster: where a few blocks are flagged (13 of 334,848,
-# the others' leaves beside the embedding) the kernel is the latency of one flagged
-# block's chain of loads, ~5.5 us at 128 flags, 3.2 at 1,024 in 4 warps, alone.
+# 1.237-1.240x, every block part zero +14.9% (words). More flags a program or 4 or 8
+# warps uncapped were no faster (the latency of one flagged block's loads, ~5.5 us).
 # FTOPT_DEFER_WORDS=0 reads them as bytes.
 DEFER_WORDS = os.environ.get("FTOPT_DEFER_WORDS", "1") == "1"
 # A "split+defer" group runs "split+select" while more than DEFER_SELECT_ABOVE of its
@@ -197,12 +191,10 @@ WATCH_PROBE = int(os.environ.get("FTOPT_WATCH_PROBE", "64"))
 WATCH = os.environ.get("FTOPT_SKIP_WATCH", "1") != "0"
 SPLIT_SELECT_ABOVE = float(os.environ.get("FTOPT_SPLIT_SELECT_ABOVE", "0.2"))
 SPLIT_ZERO_WEIGHT = float(os.environ.get("FTOPT_SPLIT_ZERO_WEIGHT", "7.5"))
-# 16-bit states rounded to nearest: "select" also costs less than split+in_place with
-# dense gradients (H200, three runs, skipmodes_h200_bf16s_select_*.json: +0.8..2.7%
-# against +1.8..3.7%, 0.9 points less on average), so such a group runs select unless
-# about 1% of its blocks are all zero (-0.08: select costs ~0.1 f - 0.64 z - 0.009 less).
-# Stochastic rounding keeps SPLIT_SELECT_ABOVE (select +8.1% against +6.9%).
-# FTOPT_SPLIT_SELECT_ABOVE_STATES overrides it.
+# 16-bit states rounded to nearest run select unless ~1% of the blocks are all zero: with
+# dense gradients it costs less than split+in_place (H200, against no skip_zeros: +5.5%
+# vs +8.7%, 2026-12-04). Stochastic rounding keeps SPLIT_SELECT_ABOVE (select +8.1%
+# against +6.9%). FTOPT_SPLIT_SELECT_ABOVE_STATES overrides it.
 SPLIT_SELECT_ABOVE_STATES = float(os.environ.get("FTOPT_SPLIT_SELECT_ABOVE_STATES", "-0.08"))
 # A "split" group of these layouts whose programs hold one block (not in SPANS) runs
 # programs of that many blocks (its spanned alternate) while more than SPAN_ABOVE of its
@@ -262,13 +254,18 @@ def split_select_above(traced, kind: str) -> float:
     return SPLIT_SELECT_ABOVE
 
 
-def skip_maxnreg(traced, kind: str) -> int | None:
+def skip_maxnreg(traced, kind: str, p_bytes: int = 4) -> int | None:
     """The register cap of ``traced``'s kernels of the fp32 and 16-bit layouts (``kind``:
-    :func:`layout`): IN_PLACE_MAXNREG's in place, SELECT_MAXNREG's for a skip_zeros chain
-    that selects and reads no element index (None: the compiler's choice)."""
+    :func:`layout`; ``p_bytes``: the params' element size): IN_PLACE_MAXNREG's in place,
+    half_tiles' where it sets a tile, SELECT_MAXNREG's for a skip_zeros chain that selects
+    and reads no element index (None: the compiler's choice)."""
     if traced.in_place:
         return IN_PLACE_MAXNREG.get(kind)
-    return SELECT_MAXNREG.get(kind) if any(traced.skips) and not indexed(traced) else None
+    if indexed(traced):
+        return None
+    if p_bytes == 2 and not traced.levels and (half := half_tiles.tile(traced, kind)):
+        return half[2] or None
+    return SELECT_MAXNREG.get(kind) if any(traced.skips) else None
 
 
 def quant_maxnreg(traced, defer: int = 0) -> int:
@@ -302,15 +299,18 @@ HEAVY_TILE = tuple(int(x) for x in os.environ.get(
     else "1024x4").split("x"))
 
 
-def tile(traced, quant_block: int = 0, kind: str = "") -> tuple[int, int]:
+def tile(traced, quant_block: int = 0, kind: str = "", p_bytes: int = 4) -> tuple[int, int]:
     """(elements, warps) per program of ``traced``'s kernels (``quant_block``: the
-    group's 8-bit block size, 0 for fp32 slots; ``kind``: the group's :func:`layout`)."""
+    group's 8-bit block size, 0 for fp32 slots; ``kind``: the group's :func:`layout`;
+    ``p_bytes``: its params' element size)."""
     if quant_block:
         return quant_tile(quant_block)
     if traced.in_place:
         return IN_PLACE_TILES.get(kind, IN_PLACE_TILE)
     if traced.levels or indexed(traced):
         return HEAVY_TILE
+    if p_bytes == 2 and (half := half_tiles.tile(traced, kind)):
+        return half[:2]
     return BLOCK, NUM_WARPS
 
 

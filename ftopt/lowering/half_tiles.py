@@ -1,0 +1,49 @@
+"""Tiles and register caps of the main kernels over 16-bit params, per layout
+(:func:`ftopt.lowering.tiles.layout`) and per kind of kernel: without skip_zeros
+("plain") and skip_zeros' select kernels (not in place). Where a layout has none here
+its kernels take :data:`ftopt.lowering.tiles.BLOCK` and ``NUM_WARPS``.
+
+Eight 16-bit elements a thread fill a 128-bit load; four (512 elements, 4 warps) half
+fill it. H200, GPT-2 tree, bf16 params with bf16 / fp16 states, without skip_zeros, 512x4
+/ 512x2 (ms, ``benchmarks/tile16_gpu.py``, 2026-12-04): Adam 0.461 / 0.438, 0.460 /
+0.433; AdEMAMix 0.591 / 0.572, 0.601 / 0.592; SGD with momentum 0.316 / 0.302, 0.320 /
+0.312; Lion 0.348 / 0.348, 0.321 / 0.327. Not with fp32 params (Adam 0.604 / 0.714), so
+these apply to 16-bit params only. skip_zeros' select kernel at 512x2 holds 103
+registers a thread (0.526 ms against 0.484 at 512x4); under a cap of 72 or 80, 68-72
+and no spills (static SASS, ``benchmarks/sass_count.py --tile 512x2 --maxnreg 80
+--cap-all``).
+
+``FTOPT_PLAIN_TILE`` and ``FTOPT_SELECT_TILE`` override them: ``LAYOUT=BLOCKxWARPS`` or
+``LAYOUT=BLOCKxWARPS/MAXNREG``, comma-separated; "" for none.
+"""
+
+from __future__ import annotations
+
+import os
+
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _tiles(variable: str, default: str) -> dict[str, tuple[int, int, int]]:
+    """``layout -> (block, warps, maxnreg)`` (0: no cap) from ``variable``; none under
+    the interpreter or with ``FTOPT_BLOCK`` set, unless ``variable`` is set."""
+    if variable not in os.environ and (_INTERPRETING or "FTOPT_BLOCK" in os.environ):
+        return {}
+    out = {}
+    for item in filter(None, os.environ.get(variable, default).split(",")):
+        kind, _, spec = item.partition("=")
+        tile, _, cap = spec.partition("/")
+        block, warps = (int(x) for x in tile.split("x"))
+        out[kind] = (block, warps, int(cap or 0))
+    return out
+
+
+PLAIN = _tiles("FTOPT_PLAIN_TILE", "16-bit states=512x2")
+SELECT = _tiles("FTOPT_SELECT_TILE", "")
+
+
+def tile(traced, kind: str) -> tuple[int, int, int] | None:
+    """(block, warps, maxnreg) of ``traced``'s main kernel over 16-bit params of layout
+    ``kind`` where this module sets one (the caller leaves out in-place kernels and
+    those with a heavy tile)."""
+    return (SELECT if any(traced.skips) else PLAIN).get(kind)
