@@ -21,7 +21,8 @@ Hand-edited variants of a kernel, counted as its own (a shape to try before gene
 it): ``--edit DIR`` writes each recorded kernel's source to ``DIR/<case>_<kernel>_<i>.py``;
 ``--sources DIR`` compiles those files (where present) in place of the generated ones,
 with the same signature, constants and options; ``--maxnreg N`` sets the register cap of
-the kernels that have one.
+the kernels that have one (``--cap-all``: of every kernel); ``--tile 512x2`` the tile
+of the kernels without 8-bit slots (512x4 by default, whatever tile the GPU gives them).
 
     python benchmarks/sass_count.py adam8_skip --edit /tmp/k      # then edit /tmp/k/*.py
     python benchmarks/sass_count.py adam8_skip --sources /tmp/k --maxnreg 64 --dump /tmp/s
@@ -84,9 +85,10 @@ def _cases() -> dict:
     }
 
 
-def record(names: list[str]) -> list[dict]:
+def record(names: list[str], tile: tuple[int, int] | None = None) -> list[dict]:
     """The compile jobs of every kernel the cases launch (recorded under the
-    interpreter)."""
+    interpreter); ``tile``: (elements, warps) of the kernels without 8-bit slots, in
+    place of 512x4."""
     os.environ["TRITON_INTERPRET"] = "1"
     import test_frontend as tf
     import torch
@@ -113,8 +115,10 @@ def record(names: list[str]) -> list[dict]:
                     cap = tiles.QUANT_DEFER_MAXNREG  # a "split+defer" main kernel
                 options = {"num_warps": warps, **({"maxnreg": cap} if cap else {})}
             else:
-                block = consts.get("BLOCK", 512)
-                options = {"num_warps": 4}
+                block, warps = tile or (consts.get("BLOCK", 512), 4)
+                if "BLOCK" in consts:
+                    consts["BLOCK"] = block
+                options = {"num_warps": warps}
             jobs.append({"case": name, "path": path, "name": kname, "signature": sig,
                          "constexprs": [(k, v) for k, v in consts.items() if k in arg_names],
                          "options": options, "block": block})
@@ -215,13 +219,18 @@ def main() -> None:
     ap.add_argument("--edit", help="write each kernel's source to this folder")
     ap.add_argument("--sources", help="compile this folder's sources in place of them")
     ap.add_argument("--maxnreg", type=int, help="the register cap of capped kernels")
+    ap.add_argument("--cap-all", action="store_true",
+                    help="--maxnreg caps every kernel, not only those with a cap")
+    ap.add_argument("--tile", help="BLOCKxWARPS of the kernels without 8-bit slots "
+                    "(default 512x4)")
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.compile:
         json.dump(compile_jobs(json.load(sys.stdin)), sys.stdout)
         return
     names = args.cases or list(_cases())
-    jobs = record(names)
+    jobs = record(names, tuple(int(x) for x in args.tile.split("x")) if args.tile
+                  else None)
     for i, job in enumerate(jobs):
         name = f"{job['case']}_{job['name']}_{i}.py"
         if args.edit:
@@ -229,7 +238,7 @@ def main() -> None:
             pathlib.Path(args.edit, name).write_text(pathlib.Path(job["path"]).read_text())
         if args.sources and pathlib.Path(args.sources, name).exists():
             job["path"] = str(pathlib.Path(args.sources, name).resolve())
-        if args.maxnreg and "maxnreg" in job["options"]:
+        if args.maxnreg and ("maxnreg" in job["options"] or args.cap_all):
             job["options"]["maxnreg"] = args.maxnreg
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
