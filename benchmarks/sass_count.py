@@ -75,6 +75,11 @@ def _cases() -> dict:
             1e-3, state_dtype=__import__("torch").float16, skip_zeros=True),
         "adam_bf16_params": lambda: ftopt.adam(1e-3),
         "adam_bf16_params_skip": lambda: ftopt.adam(1e-3, skip_zeros=True),
+        # (the "adam_bf16_states" cases above have fp32 params)
+        "adam_bf16_params_bf16_states": lambda: ftopt.adam(
+            1e-3, state_dtype=__import__("torch").bfloat16),
+        "adam_bf16_params_bf16_states_skip": lambda: ftopt.adam(
+            1e-3, state_dtype=__import__("torch").bfloat16, skip_zeros=True),
         "adam8": lambda: ftopt.adam(1e-3, state_bits=8),
         "adam8_skip": lambda: ftopt.adam(1e-3, state_bits=8, skip_zeros=True),
         "ademamix8": lambda: ftopt.ademamix(1e-3, state_bits=8),
