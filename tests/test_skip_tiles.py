@@ -116,6 +116,42 @@ def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     assert torch.equal(full[0]["w"][tile:2 * tile], params["w"][tile:2 * tile])
 
 
+@pytest.mark.parametrize("mode", ["split+defer", "split+select"])
+def test_a_half_tile_of_select_kernels_reaches_their_deferred_kernel(mode, monkeypatch):
+    """With half_tiles.SELECT giving a 16-bit-params layout's skip_zeros kernels a tile of
+    their own, a "split+defer" step's deferred kernel runs the main kernel's blocks (its
+    flags are per block): the donated step equals the full one, and the deferred blocks
+    (some zero gradients) are written."""
+    from ftopt.lowering import half_tiles
+
+    block = tiles.BLOCK // 4
+    monkeypatch.setitem(tiles.SKIP_MODES, "16-bit states", mode)
+    monkeypatch.setattr(half_tiles, "SELECT", {"16-bit states": (block, 2, 0)})
+    launch._constants_cached.cache_clear()
+    tx = ftopt.adam(1e-2, skip_zeros=True, state_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"w": torch.randn(7 * block + 100, generator=gen).to(DEVICE, torch.bfloat16)}
+    state = tx.init(params)
+    params, state = ftopt.step(tx, params, {"w": torch.randn_like(params["w"])}, state)
+    grads = {"w": torch.randn_like(params["w"])}
+    grads["w"][3:40] = 0.0  # (block 0: some zeros, deferred)
+    grads["w"][2 * block:3 * block] = 0.0  # (block 2: all zero)
+    try:
+        full = ftopt.step(tx, params, grads, state, backend="fused")
+        donated = ftopt.step(tx, cloned(params), grads, cloned(state), backend="fused",
+                             donate=True)
+        groups = plan_chain(tx).prepared.groups
+        assert [g.deferring for g in groups] == [mode == "split+defer"]
+        blocks = {dict(c)["BLOCK"] for g in groups
+                  for _, _, c, _ in g.kernels(torch.zeros(1), True)}
+    finally:
+        launch._constants_cached.cache_clear()
+    assert blocks == {block}, blocks
+    assert same_bits(donated, full)
+    assert not torch.equal(full[0]["w"][40:block], params["w"][40:block])
+    assert torch.equal(full[0]["w"][3:40], params["w"][3:40])
+
+
 def test_8bit_split_kernels_load_their_codes_before_the_zero_check(monkeypatch):
     """A "split" kernel with 8-bit slots loads and decodes them once, before it checks
     its gradients (both branches use them), not once per branch after the check."""

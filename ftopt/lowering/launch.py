@@ -144,7 +144,7 @@ class GroupLaunch:
             out.append((_kernel(self.traced, "main", 0, deferred),
                         (self.flags.numel() // (self.defer_flags or tiles.DEFER_FLAGS),),
                         _constants_cached(self.traced, self.quant_block, False, 2, self.kind,
-                                          deferred.pdl, self.warps),
+                                          deferred.pdl, self.warps, self.p_dtype.itemsize),
                         [self.flags]))
         return out
 
