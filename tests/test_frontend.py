@@ -297,8 +297,9 @@ def test_reduction_and_noise_kernels_get_the_heavy_tile(monkeypatch):
 
 def test_plain_kernels_of_a_layout_get_its_plain_tile(monkeypatch):
     """half_tiles.PLAIN gives the kernels without skip_zeros of a layout their own tile
-    with 16-bit params (16-bit states: 512x2 on a GPU); skip_zeros kernels, fp32 params
-    and other layouts keep theirs (half_tiles.SELECT, where set, the select kernels').
+    with 16-bit params and gradients (16-bit states: 512x2 on a GPU); skip_zeros kernels,
+    fp32 params or gradients and other layouts keep theirs (half_tiles.SELECT, where
+    set, gives the select kernels').
     At that tile the step equals the step at tiles.BLOCK bit for bit (and eager's within
     a bf16 rounding), and so does skip_zeros' step off the zeros."""
     from ftopt.lowering import half_tiles, tiles
@@ -320,6 +321,13 @@ def test_plain_kernels_of_a_layout_get_its_plain_tile(monkeypatch):
         else:
             assert {b for b, _ in found} == want, (tx, found)
             assert plain in found or want == {tiles.BLOCK}
+    # bf16 params with fp32 gradients: the defaults (fp32 loads fill 128 bits at 4 a thread)
+    tx = ftopt.adam(1e-3, **states)
+    p16 = {"a": torch.randn(5000).bfloat16()}
+
+    def mixed():
+        ftopt.step(tx, p16, {"a": torch.randn(5000)}, tx.init(p16), backend="fused")
+    assert {c["BLOCK"] for _, _, _, c in _record(mixed) if "BLOCK" in c} == {tiles.BLOCK}
     gen = torch.Generator().manual_seed(3)
     p = {"a": torch.randn(3000, generator=gen).bfloat16(),
          "b": torch.randn(7, 5, generator=gen).bfloat16()}

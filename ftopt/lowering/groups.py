@@ -40,7 +40,8 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
     group_traced = plan.traced(donate, output, skip_lanes=in_place)
     kind = tiles.layout(p_dtype, quant_block, slot_dtypes)
     table_args = (tuple(roles["p"][j].numel() for j in range(len(leaves))),
-                  tiles.tile(group_traced, quant_block, kind, p_dtype.itemsize)[0],
+                  tiles.tile(group_traced, quant_block, kind,
+                             max(p_dtype.itemsize, g_dtype.itemsize))[0],
                   bool(group_traced.leaf_slots or group_traced.running_stores),
                   tiles.INTERLEAVE)
     group = launch.GroupLaunch(p_dtype, g_dtype, leaves,

@@ -1,5 +1,5 @@
-"""Tiles and register caps of the main kernels over 16-bit params, per layout
-(:func:`ftopt.lowering.tiles.layout`) and per kind of kernel: without skip_zeros
+"""Tiles and register caps of the main kernels over 16-bit params and gradients, per
+layout (:func:`ftopt.lowering.tiles.layout`) and per kind of kernel: without skip_zeros
 ("plain") and skip_zeros' select kernels (not in place). Where a layout has none here
 its kernels take :data:`ftopt.lowering.tiles.BLOCK` and ``NUM_WARPS``.
 
@@ -8,7 +8,7 @@ fill it. H200, GPT-2 tree, bf16 params with bf16 / fp16 states, without skip_zer
 / 512x2 (ms, ``benchmarks/tile16_gpu.py``, 2026-12-04): Adam 0.461 / 0.438, 0.460 /
 0.433; AdEMAMix 0.591 / 0.572, 0.601 / 0.592; SGD with momentum 0.316 / 0.302, 0.320 /
 0.312; Lion 0.348 / 0.348, 0.321 / 0.327. Not with fp32 params (Adam 0.604 / 0.714), so
-these apply to 16-bit params only. skip_zeros' select kernel at 512x2 holds 103
+these apply where params and gradients are both 16-bit. skip_zeros' select kernel at 512x2 holds 103
 registers a thread (0.526 ms against 0.484 at 512x4); under a cap of 72 or 80, 68-72
 and no spills (static SASS, ``benchmarks/sass_count.py --tile 512x2 --maxnreg 80
 --cap-all``).
@@ -43,7 +43,7 @@ SELECT = _tiles("FTOPT_SELECT_TILE", "")
 
 
 def tile(traced, kind: str) -> tuple[int, int, int] | None:
-    """(block, warps, maxnreg) of ``traced``'s main kernel over 16-bit params of layout
-    ``kind`` where this module sets one (the caller leaves out in-place kernels and
-    those with a heavy tile)."""
+    """(block, warps, maxnreg) of ``traced``'s main kernel over 16-bit params and
+    gradients of layout ``kind`` where this module sets one (the caller leaves out
+    in-place kernels and those with a heavy tile)."""
     return (SELECT if any(traced.skips) else PLAIN).get(kind)

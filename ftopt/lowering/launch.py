@@ -108,6 +108,11 @@ class GroupLaunch:
                 *scalar_args, self.leaf_values, reductions, global_reductions, *self.qmaps]
 
     @property
+    def elem_bytes(self) -> int:
+        """The larger element size of the group's params and gradients."""
+        return max(self.p_dtype.itemsize, self.g_dtype.itemsize)
+
+    @property
     def kind(self) -> str:
         """The group's layout (:func:`tiles.layout`)."""
         return tiles.layout(self.p_dtype, self.quant_block, self.slot_dtypes)
@@ -137,14 +142,14 @@ class GroupLaunch:
         out = [(_kernel(self.traced, "main", 0, variant),
                 (min(self.programs, self.spans()) if self.programs else self.spans(),),
                 _constants_cached(self.traced, self.quant_block, not counted, variant.defer,
-                                  self.kind, variant.pdl, self.warps, self.p_dtype.itemsize),
+                                  self.kind, variant.pdl, self.warps, self.elem_bytes),
                 [self.flags] if variant.defer or variant.count_flags else [])]
         if variant.defer:
             deferred = self.variant(scalars, True)
             out.append((_kernel(self.traced, "main", 0, deferred),
                         (self.flags.numel() // (self.defer_flags or tiles.DEFER_FLAGS),),
                         _constants_cached(self.traced, self.quant_block, False, 2, self.kind,
-                                          deferred.pdl, self.warps, self.p_dtype.itemsize),
+                                          deferred.pdl, self.warps, self.elem_bytes),
                         [self.flags]))
         return out
 
@@ -152,12 +157,12 @@ class GroupLaunch:
 @lru_cache(maxsize=256)
 def _constants_cached(traced, quant_block: int, count: bool | None = None,
                       defer: int = 0, kind: str = "", pdl: bool = False,
-                      warps: int = 0, p_bytes: int = 4) -> tuple:
+                      warps: int = 0, elem_bytes: int = 4) -> tuple:
     """Constexprs and launch options (``count``: the main kernel's ``COUNT``; ``defer``:
     :attr:`codegen.Variant.defer`; ``kind``: the group's layout, :func:`tiles.layout`;
     ``pdl``: :attr:`codegen.Variant.pdl`; ``warps``: :attr:`GroupLaunch.warps`;
-    ``p_bytes``: the params' element size)."""
-    block, tile_warps = tiles.tile(traced, quant_block, kind, p_bytes)
+    ``elem_bytes``: :attr:`GroupLaunch.elem_bytes`)."""
+    block, tile_warps = tiles.tile(traced, quant_block, kind, elem_bytes)
     warps = warps or tile_warps
     constants = {
         "N_LEAF_VALUES": max(len(traced.graph.leaf_values), 1),
@@ -173,7 +178,8 @@ def _constants_cached(traced, quant_block: int, count: bool | None = None,
         cap = tiles.quant_maxnreg(traced, defer)
         if cap and not tiles.INTERPRETING and _NVIDIA:
             constants["maxnreg"] = cap
-    elif not tiles.INTERPRETING and _NVIDIA and (cap := tiles.skip_maxnreg(traced, kind, p_bytes)):
+    elif (not tiles.INTERPRETING and _NVIDIA
+          and (cap := tiles.skip_maxnreg(traced, kind, elem_bytes))):
         constants["maxnreg"] = cap
     if count is not None:
         constants["COUNT"] = count

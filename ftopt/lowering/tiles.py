@@ -254,16 +254,16 @@ def split_select_above(traced, kind: str) -> float:
     return SPLIT_SELECT_ABOVE
 
 
-def skip_maxnreg(traced, kind: str, p_bytes: int = 4) -> int | None:
+def skip_maxnreg(traced, kind: str, elem_bytes: int = 4) -> int | None:
     """The register cap of ``traced``'s kernels of the fp32 and 16-bit layouts (``kind``:
-    :func:`layout`; ``p_bytes``: the params' element size): IN_PLACE_MAXNREG's in place,
+    :func:`layout`; ``elem_bytes``: as :func:`tile`'s): IN_PLACE_MAXNREG's in place,
     half_tiles' where it sets a tile, SELECT_MAXNREG's for a skip_zeros chain that selects
     and reads no element index (None: the compiler's choice)."""
     if traced.in_place:
         return IN_PLACE_MAXNREG.get(kind)
     if indexed(traced):
         return None
-    if p_bytes == 2 and not traced.levels and (half := half_tiles.tile(traced, kind)):
+    if elem_bytes == 2 and not traced.levels and (half := half_tiles.tile(traced, kind)):
         return half[2] or None
     return SELECT_MAXNREG.get(kind) if any(traced.skips) else None
 
@@ -299,17 +299,17 @@ HEAVY_TILE = tuple(int(x) for x in os.environ.get(
     else "1024x4").split("x"))
 
 
-def tile(traced, quant_block: int = 0, kind: str = "", p_bytes: int = 4) -> tuple[int, int]:
+def tile(traced, quant_block: int = 0, kind: str = "", elem_bytes: int = 4) -> tuple[int, int]:
     """(elements, warps) per program of ``traced``'s kernels (``quant_block``: the
     group's 8-bit block size, 0 for fp32 slots; ``kind``: the group's :func:`layout`;
-    ``p_bytes``: its params' element size)."""
+    ``elem_bytes``: the larger element size of its params and gradients)."""
     if quant_block:
         return quant_tile(quant_block)
     if traced.in_place:
         return IN_PLACE_TILES.get(kind, IN_PLACE_TILE)
     if traced.levels or indexed(traced):
         return HEAVY_TILE
-    if p_bytes == 2 and (half := half_tiles.tile(traced, kind)):
+    if elem_bytes == 2 and (half := half_tiles.tile(traced, kind)):
         return half[:2]
     return BLOCK, NUM_WARPS
 
