@@ -33,8 +33,13 @@ def _tiles(variable: str, default: str) -> dict[str, tuple[int, int, int]]:
     for item in filter(None, os.environ.get(variable, default).split(",")):
         kind, _, spec = item.partition("=")
         tile, _, cap = spec.partition("/")
-        block, warps = (int(x) for x in tile.split("x"))
-        out[kind] = (block, warps, int(cap or 0))
+        try:
+            block, warps = (int(x) for x in tile.split("x"))
+            out[kind] = (block, warps, int(cap or 0))
+        except ValueError:
+            raise ValueError(f"{variable}: {item!r} is not LAYOUT=BLOCKxWARPS or "
+                             "LAYOUT=BLOCKxWARPS/MAXNREG (\"16-bit states=512x2/64\")"
+                             ) from None
     return out
 
 
