@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ftopt.lowering import checks, launch, quant_tables, streams, tiles, work
+from ftopt.lowering import checks, half_tiles, launch, quant_tables, streams, tiles, work
 from ftopt.lowering import split as split_kernels
 from ftopt.lowering.skip_watch import SkipWatch
 from ftopt.rules import QuantizedSlot
@@ -41,7 +41,7 @@ def build_group(plan, traced, donate: bool, output: str, key: tuple, leaves: lis
     kind = tiles.layout(p_dtype, quant_block, slot_dtypes)
     table_args = (tuple(roles["p"][j].numel() for j in range(len(leaves))),
                   tiles.tile(group_traced, quant_block, kind,
-                             max(p_dtype.itemsize, g_dtype.itemsize))[0],
+                             half_tiles.elem_bytes(p_dtype, g_dtype))[0],
                   bool(group_traced.leaf_slots or group_traced.running_stores),
                   tiles.INTERLEAVE)
     group = launch.GroupLaunch(p_dtype, g_dtype, leaves,

@@ -47,6 +47,12 @@ PLAIN = _tiles("FTOPT_PLAIN_TILE", "16-bit states=512x2")
 SELECT = _tiles("FTOPT_SELECT_TILE", "")
 
 
+def elem_bytes(p_dtype, g_dtype) -> int:
+    """The larger element size of a group's params and gradients: 2 where these tiles
+    apply."""
+    return max(p_dtype.itemsize, g_dtype.itemsize)
+
+
 def tile(traced, kind: str) -> tuple[int, int, int] | None:
     """(block, warps, maxnreg) of ``traced``'s main kernel over 16-bit params and
     gradients of layout ``kind`` where this module sets one (the caller leaves out

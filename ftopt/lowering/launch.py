@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftopt.lowering import codegen, interpreter, quantized, streams, tiles, work
+from ftopt.lowering import codegen, half_tiles, interpreter, quantized, streams, tiles, work
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -110,7 +110,7 @@ class GroupLaunch:
     @property
     def elem_bytes(self) -> int:
         """The larger element size of the group's params and gradients."""
-        return max(self.p_dtype.itemsize, self.g_dtype.itemsize)
+        return half_tiles.elem_bytes(self.p_dtype, self.g_dtype)
 
     @property
     def kind(self) -> str:
