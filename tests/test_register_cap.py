@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fuzz_checks import bits
 
 import ftopt
 from ftopt.lowering import launch, tiles
@@ -71,9 +70,11 @@ def test_an_uncapped_kernel_compiles_once(monkeypatch):
 
 @pytest.mark.parametrize("skip", [False, True])
 def test_a_long_8bit_chain_fused_matches_eager(skip):
-    """The chain that ptxas miscompiled at its cap: each param within 2 ulps of eager's,
-    each code within one step."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    """The chain that ptxas miscompiled at its cap: each param within 2 ulps of eager's
+    (bf16 ulps of the largest of the param before the step, after it, and the step: where
+    a param crosses zero the step is the larger), each code within one step."""
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
     links = [ftopt.scale_by_ademamix(b1=0.999, b2=0.0, b3=0.876, alpha=9.3, eps=1e-3,
                                      eps_root=6.6e-7),
              ftopt.identity(), ftopt.scale_by_adadelta(rho=0.81, eps=1.9e-6),
@@ -87,8 +88,10 @@ def test_a_long_8bit_chain_fused_matches_eager(skip):
     state = tx.init(params)
     pf, sf = ftopt.step(tx, params, grads, state, backend="fused")
     pe, se = ftopt.step(tx, params, grads, state, backend="eager")
-    ulps = (bits(pf["w"]).int() - bits(pe["w"]).int()).abs()
-    assert int(ulps.max()) <= 2, f"{int((ulps > 2).sum())} of 520 elements > 2 ulps apart"
+    before, after, fused = (x["w"].float() for x in (params, pe, pf))
+    largest = torch.stack([before.abs(), after.abs(), (after - before).abs()]).amax(0)
+    far = (fused - after).abs() > 2 * torch.finfo(torch.bfloat16).eps * largest
+    assert not far.any(), f"seed {seed}: {int(far.sum())} of 520 elements > 2 ulps apart"
     codes = [(a, b) for a, b in zip(ftopt.tree.leaves(sf), ftopt.tree.leaves(se))
              if a.dtype == torch.uint8]
     assert len(codes) == 8

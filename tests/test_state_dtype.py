@@ -621,13 +621,15 @@ def test_fast_math_keeps_the_8bit_encoder_exact(monkeypatch):
     """With fast math on the 8-bit layout only the update's square root and division are
     approximate: the encoder keeps its correctly rounded division by the block's absmax,
     so Adam's states (computed without either) get eager's codes, and the params stay
-    within fp32 rounding of eager's (4 ulps of the param before or after the step)."""
+    within fp32 rounding of eager's (4 ulps of the largest of the param before the step,
+    after it, and the step itself: where a param crosses zero the step is the larger)."""
     from ftopt.lowering import codegen, quantized
     from ftopt.lowering.plan import plan_chain
 
     monkeypatch.setattr(tiles, "FAST_MATH", frozenset({"8-bit"}))
     tx = ftopt.adam(1e-2, state_bits=8)
-    gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
+    seed = int(torch.seed() % 2**31)
+    gen = torch.Generator().manual_seed(seed)
     p = {"w": torch.randn(3 * 4096 + 300, generator=gen).to(DEVICE)}
     s = tx.init(p)
     for _ in range(3):
@@ -635,10 +637,11 @@ def test_fast_math_keeps_the_8bit_encoder_exact(monkeypatch):
         (pf, sf), (pe, se) = (ftopt.step(tx, p, g, s, backend=b) for b in ("fused", "eager"))
         assert torch.equal(sf[0].mu["w"].codes, se[0].mu["w"].codes)
         assert torch.equal(sf[0].nu["w"].codes, se[0].nu["w"].codes)
-        # (relative to the larger of the param before and after the step)
-        bound = 4 * torch.finfo(torch.float32).eps * torch.maximum(p["w"].abs(),
-                                                                   pe["w"].abs())
-        assert ((pf["w"] - pe["w"]).abs() <= bound).all()
+        # (relative to the largest of the param before and after the step and the step:
+        # seed 33's second step takes -0.00569 to 0.00429, 3 ulps of the step apart)
+        largest = torch.stack([p["w"].abs(), pe["w"].abs(), (pe["w"] - p["w"]).abs()])
+        bound = 4 * torch.finfo(torch.float32).eps * largest.amax(0)
+        assert ((pf["w"] - pe["w"]).abs() <= bound).all(), seed
         p, s = pe, se
     traced = plan_chain(tx).traced(True)
     variant = codegen.Variant(torch.float32, torch.float32, True, True, quant_block=256,
