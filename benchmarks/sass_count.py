@@ -7,8 +7,11 @@ of each case under the Triton interpreter, records the kernels it launches (as
 90, 32)``, the GPU's tiles, warps and register cap) with Triton's whole pipeline and the
 ``ptxas`` it ships, and counts the SASS instructions by kind: a way to compare two
 versions of a kernel before timing them on the GPU. Counts are static: a kernel's full
-and tail blocks are both counted, loops once. The local Triton may be newer than the
-GPU machine's.
+and tail blocks are both counted, loops once. The kernels are generated with the GPU's
+bf16 conversions (``FTOPT_BF16_CONVERT=1`` unless set). The local Triton may be newer
+than the GPU machine's: for its counts put that version first on the path
+(``pip install --target DIR triton==3.6.0``, then ``PYTHONPATH=DIR``); 3.9 and 3.6 give
+registers up to 8 apart.
 
     python benchmarks/sass_count.py                       # every case
     python benchmarks/sass_count.py adam8 noisy_sgd       # some
@@ -95,6 +98,9 @@ def record(names: list[str], tile: tuple[int, int] | None = None) -> list[dict]:
     interpreter); ``tile``: (elements, warps) of the kernels without 8-bit slots, in
     place of 512x4."""
     os.environ["TRITON_INTERPRET"] = "1"
+    # (the GPU's bf16 conversions, not the interpreter's bit-exact rounding: 100
+    # instructions apart in a bf16 Adam kernel)
+    os.environ.setdefault("FTOPT_BF16_CONVERT", "1")
     import test_frontend as tf
     import torch
 
