@@ -215,6 +215,8 @@ def compile_jobs(jobs: list[dict]) -> list[dict]:
             pathlib.Path(os.environ["SASS_DUMP"], name + ".sass").write_text(sass)
             pathlib.Path(os.environ["SASS_DUMP"], name + ".ttgir").write_text(
                 compiled.asm["ttgir"])
+            pathlib.Path(os.environ["SASS_DUMP"], name + ".ptx").write_text(
+                compiled.asm["ptx"])
         counts = count(sass)
         counts["registers"], counts["spills"] = _resources(compiled.asm["cubin"])
         counts["shared"] = compiled.metadata.shared  # (bytes a program)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -353,6 +354,72 @@ def test_plain_kernels_of_a_layout_get_its_plain_tile(monkeypatch):
         assert not torch.equal(fused[k][~on], p[k][~on]), k  # the control
     for a, b in zip(ftopt.tree.leaves(fused_state), ftopt.tree.leaves(block_state)):
         assert torch.equal(a, b)
+
+
+def test_volatile_loads_of_a_layout_load_its_streams_volatile(monkeypatch):
+    """half_tiles.VOLATILE makes the loads of params, gradients and states volatile in
+    the plain or the select kernels of a layout over 16-bit params and gradients (not
+    the per-leaf tables', nor with fp32 params, nor the other kind's), and the step keeps
+    its bits: off the zeros the same as without, on them skip_zeros' (the control: the
+    step without skip_zeros moves them)."""
+    from ftopt.lowering import half_tiles, lanes
+
+    assert lanes.volatile_loads("x = tl.load(st0_mu_in + offs, mask=in_range, other=0.0)"
+                                ) == ("x = tl.load(st0_mu_in + offs, mask=in_range, "
+                                      "other=0.0, volatile=True)")
+    for kept in ("n = tl.load(numel_ptr + leaf)", "a = tl.load(g_addr_ptr + leaf).to(t)",
+                 "c = tl.load(count0_in_ptr) + 1"):
+        assert lanes.volatile_loads(kept) == kept
+    states = {"state_dtype": torch.bfloat16}
+
+    def volatile(on: dict, tx, dtype) -> list[bool]:
+        """Per kernel the steps launch: all of its stream loads volatile (else none)."""
+        monkeypatch.setattr(half_tiles, "VOLATILE", {k: frozenset(v) for k, v in on.items()})
+        for cache in (launch._kernel, launch._constants_cached):
+            cache.cache_clear()
+        out = []
+        for path, _, _ in _kernels([_steps(tx, dtype, donate=(True,))]):
+            body = open(path).read()
+            streams = len(re.findall(r"tl\.load\((?:g_ptr|p_ptr|st\d+_\w+_in) \+ offs", body))
+            marked = body.count("volatile=True")
+            assert streams >= 4 and marked in (0, streams), (marked, streams)
+            out.append(marked > 0)
+        return out
+
+    plain, skip = ftopt.adam(1e-3, **states), ftopt.adam(1e-3, skip_zeros=True, **states)
+    kinds = {"plain": ["16-bit states"], "select": []}
+    assert volatile(kinds, plain, torch.bfloat16) == [True]
+    assert not any(volatile(kinds, skip, torch.bfloat16))
+    assert not any(volatile(kinds, plain, torch.float32))
+    assert not any(volatile(kinds, ftopt.adam(1e-3), torch.bfloat16))
+    kinds = {"plain": [], "select": ["16-bit states"]}
+    assert all(volatile(kinds, skip, torch.bfloat16))
+    assert volatile(kinds, plain, torch.bfloat16) == [False]
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    p = {"a": torch.randn(3000, generator=gen).bfloat16(),
+         "b": torch.randn(7, 5, generator=gen).bfloat16()}
+    g = {k: torch.randn(v.shape, generator=gen).bfloat16() for k, v in p.items()}
+    g["a"][::3] = 0.0
+    first = {k: v + 1.0 for k, v in g.items()}  # (m, v != 0 where g is zero next)
+    out = {}
+    for on in ("16-bit states", ""):
+        monkeypatch.setattr(half_tiles, "VOLATILE", {"plain": frozenset({on} - {""}),
+                                                     "select": frozenset({on} - {""})})
+        for cache in (launch._kernel, launch._constants_cached):
+            cache.cache_clear()
+        for name, tx in (("plain", ftopt.adam(1e-2, **states)),
+                         ("skip", ftopt.adam(1e-2, skip_zeros=True, **states))):
+            state = ftopt.step(tx, p, first, tx.init(p), backend="fused")[1]
+            out[on, name] = ftopt.step(tx, p, g, state, backend="fused")
+    for name in ("plain", "skip"):
+        for a, b in zip(*(ftopt.tree.leaves(out[on, name]) for on in ("16-bit states", ""))):
+            assert torch.equal(a, b), name
+    (plain_p, _), (skip_p, _) = out["16-bit states", "plain"], out["16-bit states", "skip"]
+    for k in p:
+        on = g[k] != 0
+        assert torch.equal(skip_p[k][on], plain_p[k][on]), k
+        assert torch.equal(skip_p[k][~on], p[k][~on]), k
+        assert not torch.equal(plain_p[k][~on], p[k][~on]) or on.all(), k  # the control
 
 
 def test_half_tiles_route_by_kernel_kind_and_param_width(monkeypatch):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ftopt import program
-from ftopt.lowering import lanes, leaf_slots, quantized, split, tiles
+from ftopt.lowering import half_tiles, lanes, leaf_slots, quantized, split, tiles
 from ftopt.lowering.roles import input_roles, kept_stores, output_roles, role_dtypes, slot_signs
 from ftopt.lowering.sym_algebra import SymbolicAlgebra, as_name
 from ftopt.lowering.symbolic import Graph, Reduction
@@ -302,6 +302,10 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     else:
         body = (split.deferred_blocks if variant.defer == 2 else split.full_or_tail)(*bodies)
     helpers = traced.graph.helpers
+    if half_tiles.volatile(traced, tiles.layout(variant.p_dtype, variant.quant_block,
+                                                variant.slot_dtypes),
+                           half_tiles.elem_bytes(variant.p_dtype, variant.g_dtype)):
+        body = [lanes.volatile_loads(x) for x in body]
     if variant.fast_math:
         body = [lanes.fast_math(x) for x in body]
         helpers = {**helpers, "ftopt_fast_sqrt": lanes.FAST_SQRT}

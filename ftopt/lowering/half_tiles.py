@@ -15,6 +15,18 @@ thread by static SASS, ``benchmarks/sass_count.py --tile 512x2``), and capped at
 
 ``FTOPT_PLAIN_TILE`` and ``FTOPT_SELECT_TILE`` override them: ``LAYOUT=BLOCKxWARPS`` or
 ``LAYOUT=BLOCKxWARPS/MAXNREG``, comma-separated; "" for none.
+
+``FTOPT_PLAIN_VOLATILE`` and ``FTOPT_SELECT_VOLATILE`` (comma-separated layouts, none by
+default) make those kernels' loads of params, gradients and states volatile. At 8
+elements a thread ``ptxas`` issues some of a kernel's four 128-bit loads only after
+computing with the others, to hold fewer registers (static SASS, sm_90, Triton 3.6,
+Adam over bf16 params and states: the plain kernel three loads up front and the fourth
+55 instructions later, the select kernel two, then the others 110 and 300 later; at 4
+elements a thread, 64-bit loads, all four up front), whatever the register cap. Volatile
+loads keep their order in the program, and that kernel issues them up front (three of
+four in the select kernel): the same values, one request each, system-scope strong
+loads (``LDG.E.128.STRONG.SYS``) whose speed against the others is what these settings
+measure.
 """
 
 from __future__ import annotations
@@ -45,6 +57,9 @@ def _tiles(variable: str, default: str) -> dict[str, tuple[int, int, int]]:
 
 PLAIN = _tiles("FTOPT_PLAIN_TILE", "16-bit states=512x2")
 SELECT = _tiles("FTOPT_SELECT_TILE", "")
+VOLATILE = {kind: frozenset(filter(None, os.environ.get(variable, "").split(",")))
+            for kind, variable in (("plain", "FTOPT_PLAIN_VOLATILE"),
+                                   ("select", "FTOPT_SELECT_VOLATILE"))}
 
 
 def elem_bytes(p_dtype, g_dtype) -> int:
@@ -58,3 +73,9 @@ def tile(traced, kind: str) -> tuple[int, int, int] | None:
     gradients of layout ``kind`` where this module sets one (the caller leaves out
     in-place kernels and those with a heavy tile)."""
     return (SELECT if any(traced.skips) else PLAIN).get(kind)
+
+
+def volatile(traced, kind: str, elem_bytes: int) -> bool:
+    """Whether ``traced``'s main kernel over params and gradients ``elem_bytes`` wide, of
+    layout ``kind``, loads its streams volatile (:data:`VOLATILE`)."""
+    return elem_bytes == 2 and kind in VOLATILE["select" if any(traced.skips) else "plain"]

@@ -6,13 +6,15 @@ approximate math of fast-math layouts."""
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
 from ftopt.lowering import tiles
 
 __all__ = ["masks", "flag_mask", "load_mask", "bf16_store_lines", "bf16_convert", "nan_from_word",
-           "half_load_lines", "half_value", "rows", "with_live_rows", "fast_math", "FAST_SQRT"]
+           "half_load_lines", "half_value", "rows", "with_live_rows", "fast_math", "FAST_SQRT",
+           "volatile_loads"]
 
 
 def flag_mask(traced, flag: str, load: bool) -> str:
@@ -161,6 +163,16 @@ def fast_math(line: str) -> str:
     if line.lstrip().startswith("q_"):
         return line
     return line.replace("tl.sqrt_rn(", "ftopt_fast_sqrt(").replace("tl.div_rn(", "tl.fdiv(")
+
+
+_STREAM_LOAD = re.compile(
+    r"tl\.load\(((?:g_ptr|p_ptr|st\w+_in) \+ offs(?:, mask=[^,]+, other=[\w.]+)?)\)")
+
+
+def volatile_loads(line: str) -> str:
+    """``line`` with its loads of params, gradients and states volatile
+    (:data:`ftopt.lowering.half_tiles.VOLATILE`)."""
+    return _STREAM_LOAD.sub(r"tl.load(\1, volatile=True)", line)
 
 
 # The approximate square root flushes denormal inputs to zero (``sqrt.approx.ftz.f32`` on
