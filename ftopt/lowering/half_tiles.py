@@ -17,16 +17,17 @@ thread by static SASS, ``benchmarks/sass_count.py --tile 512x2``), and capped at
 ``LAYOUT=BLOCKxWARPS/MAXNREG``, comma-separated; "" for none.
 
 ``FTOPT_PLAIN_VOLATILE`` and ``FTOPT_SELECT_VOLATILE`` (comma-separated layouts, none by
-default) make those kernels' loads of params, gradients and states volatile. At 8
+default) make the loads of params, gradients and states volatile in those layouts'
+kernels without skip_zeros and with it (every kernel of a skip_zeros chain). At 8
 elements a thread ``ptxas`` issues some of a kernel's four 128-bit loads only after
-computing with the others, to hold fewer registers (static SASS, sm_90, Triton 3.6,
-Adam over bf16 params and states: the plain kernel three loads up front and the fourth
-55 instructions later, the select kernel two, then the others 110 and 300 later; at 4
-elements a thread, 64-bit loads, all four up front), whatever the register cap. Volatile
-loads keep their order in the program, and that kernel issues them up front (three of
-four in the select kernel): the same values, one request each, system-scope strong
-loads (``LDG.E.128.STRONG.SYS``) whose speed against the others is what these settings
-measure.
+computing with the others, presumably to hold fewer registers (static SASS, sm_90,
+Triton 3.6, Adam over bf16 params and states: the plain kernel three loads up front and
+the fourth 55 instructions later, the select kernel two, then the others 110 and 300
+later; at 4 elements a thread, 64-bit loads, all four up front), whatever the cap. Volatile
+loads keep their order in the program: the plain kernel then issues all four up front,
+the select kernel three. The same values, one request each, but system-scope strong
+loads (``LDG.E.128.STRONG.SYS``), whose speed against the others is what these settings
+are for measuring.
 """
 
 from __future__ import annotations
