@@ -29,6 +29,9 @@ of the kernels without 8-bit slots (512x4 by default, whatever tile the GPU give
 
     python benchmarks/sass_count.py adam8_skip --edit /tmp/k      # then edit /tmp/k/*.py
     python benchmarks/sass_count.py adam8_skip --sources /tmp/k --maxnreg 64 --dump /tmp/s
+
+``--loads`` prints where each kernel's 64- and 128-bit loads and stores sit in its SASS
+(the listing's lines, up to the first ``EXIT``): loads far apart wait on memory in turn.
 """
 
 from __future__ import annotations
@@ -162,6 +165,20 @@ def count(sass: str) -> dict:
     return {"total": total, **kinds}
 
 
+def vector_accesses(sass: str) -> str:
+    """Where the first body of a kernel (up to its first ``EXIT``) loads (``L``) and
+    stores (``S``) 64- and 128-bit vectors: the line of each in the SASS listing, as
+    ``--dump`` writes it (``L68 L69 L178 L366 S506``: loads issued apart)."""
+    out = []
+    for number, line in enumerate(sass.splitlines(), 1):
+        op = _opcode(line) or ""
+        if op.startswith("EXIT"):
+            break
+        if op.startswith(("LDG", "STG")) and (".64" in op or ".128" in op):
+            out.append(f"{op[0]}{number}")
+    return " ".join(out)
+
+
 def _resources(cubin: bytes) -> tuple[int | None, int | None]:
     """(registers a thread, bytes of stack and local memory: spills) from ``cuobjdump
     -res-usage`` (Triton's NVIDIA backend ships it)."""
@@ -218,6 +235,7 @@ def compile_jobs(jobs: list[dict]) -> list[dict]:
             pathlib.Path(os.environ["SASS_DUMP"], name + ".ptx").write_text(
                 compiled.asm["ptx"])
         counts = count(sass)
+        counts["vectors"] = vector_accesses(sass)
         counts["registers"], counts["spills"] = _resources(compiled.asm["cubin"])
         counts["shared"] = compiled.metadata.shared  # (bytes a program)
         out.append(counts)
@@ -236,6 +254,8 @@ def main() -> None:
                     help="--maxnreg caps every kernel, not only those with a cap")
     ap.add_argument("--tile", help="BLOCKxWARPS of the kernels without 8-bit slots "
                     "(default 512x4)")
+    ap.add_argument("--loads", action="store_true",
+                    help="print where each kernel's vector loads and stores sit")
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.compile:
@@ -282,6 +302,9 @@ def main() -> None:
                        f"{res.get('spills')} | {res.get('shared')} |")
     table = "\n".join(lines)
     print(table)
+    if args.loads:
+        for row in rows:
+            print(f"{row['case']} {row['kernel']} {row['tile']}: {row['vectors']}")
     if args.out:
         import triton
 
