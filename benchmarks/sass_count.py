@@ -86,6 +86,13 @@ def _cases() -> dict:
             1e-3, state_dtype=__import__("torch").bfloat16),
         "adam_bf16_params_bf16_states_skip": lambda: ftopt.adam(
             1e-3, state_dtype=__import__("torch").bfloat16, skip_zeros=True),
+        **{f"{name}_bf16_params_bf16_states{tail}": (
+            lambda make=make, skip=skip: make(state_dtype=__import__("torch").bfloat16,
+                                              skip_zeros=skip))
+           for name, make in (("lion", lambda **k: ftopt.lion(1e-4, **k)),
+                              ("ademamix", lambda **k: ftopt.ademamix(1e-3, **k)),
+                              ("sgd", lambda **k: ftopt.sgd(1e-2, momentum=0.9, **k)))
+           for tail, skip in (("", False), ("_skip", True))},
         "adam8": lambda: ftopt.adam(1e-3, state_bits=8),
         "adam8_skip": lambda: ftopt.adam(1e-3, state_bits=8, skip_zeros=True),
         "ademamix8": lambda: ftopt.ademamix(1e-3, state_bits=8),
@@ -112,7 +119,7 @@ def record(names: list[str], tile: tuple[int, int] | None = None) -> list[dict]:
     cases = _cases()
     jobs = []
     for name in names:
-        dtype = torch.bfloat16 if name.startswith("adam_bf16_params") else torch.float32
+        dtype = torch.bfloat16 if "_bf16_params" in name else torch.float32
         kernels = tf._kernels([tf._steps(cases[name](), dtype, donate=(True,), zero=False)])
         for (path, kname, _), (arg_names, args, constants) in kernels.items():
             sig, _ = tf._signature(arg_names, args, constants)
