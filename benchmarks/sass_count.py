@@ -30,6 +30,14 @@ of the kernels without 8-bit slots (512x4 by default, whatever tile the GPU give
     python benchmarks/sass_count.py adam8_skip --edit /tmp/k      # then edit /tmp/k/*.py
     python benchmarks/sass_count.py adam8_skip --sources /tmp/k --maxnreg 64 --dump /tmp/s
 
+To time an edited kernel in the real step on a GPU, put it in a folder under the name of
+the generated source it replaces (``ftopt_<key>.py``, the source's hash, which ``--edit``
+prints beside each file) and run with ``FTOPT_KERNEL_SOURCES=FOLDER``: each kernel it
+replaces says so in a warning. The GPU's source can differ from the one recorded here
+(8-bit encoders' helpers, programmatic dependent launches): there, take the name from
+the GPU's own generated files (``ftopt_kernels_*/`` in the temporary folder) and no
+warning means nothing was replaced.
+
 ``--loads`` prints where each kernel's 64- and 128-bit loads and stores sit in its SASS
 (the listing's lines, up to the first ``EXIT``): loads far apart wait on memory in turn.
 """
@@ -276,6 +284,7 @@ def main() -> None:
         if args.edit:
             pathlib.Path(args.edit).mkdir(parents=True, exist_ok=True)
             pathlib.Path(args.edit, name).write_text(pathlib.Path(job["path"]).read_text())
+            print(f"{name}: {pathlib.Path(job['path']).name}")
         if args.sources and pathlib.Path(args.sources, name).exists():
             job["path"] = str(pathlib.Path(args.sources, name).resolve())
         if args.maxnreg and ("maxnreg" in job["options"] or args.cap_all):
