@@ -9,9 +9,10 @@ fill it. H200, GPT-2 tree, bf16 params with bf16 / fp16 states, without skip_zer
 0.433; AdEMAMix 0.591 / 0.572, 0.601 / 0.592; SGD with momentum 0.316 / 0.302, 0.320 /
 0.312; Lion 0.348 / 0.348, 0.321 / 0.327. Not with fp32 params (Adam 0.604 / 0.714), so
 these apply where params and gradients are both 16-bit. skip_zeros' select kernel keeps
-512x4: at 512x2 it ran 0.526 ms against 0.491 (bf16 params and states, 72 registers a
-thread by static SASS, ``benchmarks/sass_count.py --tile 512x2``), and capped at 72 or
-80 (``FTOPT_SELECT_TILE="16-bit states=512x2/80"``) 2% slower than at 512x4.
+512x4: at 512x2 it ran 0.526 ms against 0.491 (bf16 params and states), and under caps
+of 72 or 80 (above its 66 registers: static SASS with the H200's Triton,
+``benchmarks/sass_count.py --tile 512x2``) 2% slower than at 512x4; it issues two of its
+four loads late (below).
 
 ``FTOPT_PLAIN_TILE`` and ``FTOPT_SELECT_TILE`` override them: ``LAYOUT=BLOCKxWARPS`` or
 ``LAYOUT=BLOCKxWARPS/MAXNREG``, comma-separated; "" for none.
