@@ -359,7 +359,8 @@ def test_plain_kernels_of_a_layout_get_its_plain_tile(monkeypatch):
 def test_volatile_loads_of_a_layout_load_its_streams_volatile(monkeypatch):
     """half_tiles.VOLATILE makes the loads of params, gradients and states volatile in
     the plain or the select kernels of a layout over 16-bit params and gradients (not
-    the per-leaf tables', nor with fp32 params, nor the other kind's), and the step keeps
+    the per-leaf tables', nor in-place kernels, nor with fp32 params, nor the other
+    kind's), and the step keeps
     its bits: off the zeros the same as without, on them skip_zeros' (the control: the
     step without skip_zeros moves them)."""
     from ftopt.lowering import half_tiles, lanes
@@ -373,7 +374,8 @@ def test_volatile_loads_of_a_layout_load_its_streams_volatile(monkeypatch):
     states = {"state_dtype": torch.bfloat16}
 
     def volatile(on: dict, tx, dtype) -> list[bool]:
-        """Per kernel the steps launch: all of its stream loads volatile (else none)."""
+        """Per kernel the steps launch: all of its stream loads volatile (else none);
+        in-place kernels (masked on ``keep``) never."""
         monkeypatch.setattr(half_tiles, "VOLATILE", {k: frozenset(v) for k, v in on.items()})
         for cache in (launch._kernel, launch._constants_cached):
             cache.cache_clear()
@@ -383,17 +385,22 @@ def test_volatile_loads_of_a_layout_load_its_streams_volatile(monkeypatch):
             streams = len(re.findall(r"tl\.load\((?:g_ptr|p_ptr|st\d+_\w+_in) \+ offs", body))
             marked = body.count("volatile=True")
             assert streams >= 4 and marked in (0, streams), (marked, streams)
+            assert not (marked and "keep = " in body)
+            in_place.append("keep = " in body)
             out.append(marked > 0)
         return out
 
     plain, skip = ftopt.adam(1e-3, **states), ftopt.adam(1e-3, skip_zeros=True, **states)
+    in_place: list = []
     kinds = {"plain": ["16-bit states"], "select": []}
     assert volatile(kinds, plain, torch.bfloat16) == [True]
     assert not any(volatile(kinds, skip, torch.bfloat16))
     assert not any(volatile(kinds, plain, torch.float32))
     assert not any(volatile(kinds, ftopt.adam(1e-3), torch.bfloat16))
     kinds = {"plain": [], "select": ["16-bit states"]}
-    assert all(volatile(kinds, skip, torch.bfloat16))
+    in_place.clear()
+    assert volatile(kinds, skip, torch.bfloat16) == [not x for x in in_place]
+    assert set(in_place) == {False, True}  # (a select kernel and an in-place one)
     assert volatile(kinds, plain, torch.bfloat16) == [False]
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     p = {"a": torch.randn(3000, generator=gen).bfloat16(),

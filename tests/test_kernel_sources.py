@@ -22,6 +22,11 @@ import raw_select_edit  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _key(source: str) -> str:
+    """The name codegen.compile_source gives a source's file (``ftopt_<key>.py``)."""
+    return hashlib.sha256(source.encode()).hexdigest()[:24]
+
+
 def _clear_launch_caches() -> None:
     for cache in (launch._kernel, launch._constants_cached):
         cache.cache_clear()
@@ -40,7 +45,7 @@ def test_an_edited_kernel_runs_in_place_of_the_generated_one(monkeypatch, tmp_pa
     real = codegen.compile_source
 
     def spy(source: str, name: str):
-        new.add(hashlib.sha256(source.encode()).hexdigest()[:24])
+        new.add(_key(source))
         return real(source, name)
 
     _clear_launch_caches()
@@ -96,7 +101,7 @@ def test_selects_on_the_stored_words_keep_the_generated_kernels_bits(monkeypatch
     real = codegen.compile_source
 
     def spy(source: str, name: str):
-        sources[hashlib.sha256(source.encode()).hexdigest()[:24]] = source
+        sources[_key(source)] = source
         return real(source, name)
 
     def run() -> list:

@@ -126,8 +126,7 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
                       name="x")
     # (In place, zero-gradient lanes are neither loaded nor stored: no selects.)
     u = program.trace_chain([stages[pos[0]] for pos in positions], skips, algebra, first,
-                            selects=not in_place, zero_from=g.sym("g"),
-                            owner_skips=owner_skips)
+                            selects=not in_place, zero_from=g.sym("g"), owner_skips=owner_skips)
     if output == "p":
         traced.stores.append(("p_out", (p + u).name))
     else:
@@ -304,7 +303,8 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
         body = (split.deferred_blocks if variant.defer == 2 else split.full_or_tail)(*bodies)
     helpers = traced.graph.helpers
     kind = tiles.layout(variant.p_dtype, variant.quant_block, variant.slot_dtypes)
-    if half_tiles.volatile(traced, kind, half_tiles.elem_bytes(variant.p_dtype, variant.g_dtype)):
+    if (tiles.half_kernel(traced, half_tiles.elem_bytes(variant.p_dtype, variant.g_dtype))
+            and half_tiles.volatile(traced, kind)):
         body = [lanes.volatile_loads(x) for x in body]
     if variant.fast_math:
         body = [lanes.fast_math(x) for x in body]

@@ -19,7 +19,7 @@ four loads late (below).
 
 ``FTOPT_PLAIN_VOLATILE`` and ``FTOPT_SELECT_VOLATILE`` (comma-separated layouts, none by
 default) make the loads of params, gradients and states volatile in those layouts'
-kernels without skip_zeros and with it (every kernel of a skip_zeros chain). At 8
+plain and select kernels (those these tiles apply to, whether or not one is set). At 8
 elements a thread ``ptxas`` issues some of a kernel's four 128-bit loads only after
 computing with the others, presumably to hold fewer registers (static SASS, sm_90,
 Triton 3.6, Adam over bf16 params and states: the plain kernel three loads up front and
@@ -77,7 +77,8 @@ def tile(traced, kind: str) -> tuple[int, int, int] | None:
     return (SELECT if any(traced.skips) else PLAIN).get(kind)
 
 
-def volatile(traced, kind: str, elem_bytes: int) -> bool:
-    """Whether ``traced``'s main kernel over params and gradients ``elem_bytes`` wide, of
-    layout ``kind``, loads its streams volatile (:data:`VOLATILE`)."""
-    return elem_bytes == 2 and kind in VOLATILE["select" if any(traced.skips) else "plain"]
+def volatile(traced, kind: str) -> bool:
+    """Whether ``traced``'s main kernel of layout ``kind``, one that takes these settings
+    (:func:`ftopt.lowering.tiles.half_kernel`), loads its streams volatile
+    (:data:`VOLATILE`)."""
+    return kind in VOLATILE["select" if any(traced.skips) else "plain"]

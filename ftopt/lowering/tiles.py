@@ -29,22 +29,18 @@ NUM_WARPS = int(os.environ.get("FTOPT_NUM_WARPS", "4"))
 # optimistic_adam_v2 1.78 -> 0.63, none slower (benchmarks/RESULTS.md, 2026-12-03). 8-bit
 # kernels keep their order (quantized.hoisted). FTOPT_LOADS_FIRST=0: the chain's order.
 LOADS_FIRST = os.environ.get("FTOPT_LOADS_FIRST", "1") != "0"
-# In-place skip_zeros kernels load p and the states only after g (their masks depend on
-# it, so those loads are not vectorized): their own tile, tuned apart (H200, dense
-# gradients, 1024/4: +3.0% over no skip_zeros where 512/4 gave -0.3%).
-# FTOPT_IN_PLACE_TILE ("BLOCKxWARPS") overrides it.
+# In-place skip_zeros kernels load p and the states only after g (masked on it: not
+# vectorized): their own tile (H200, dense gradients, 1024/4 +3.0% over no skip_zeros,
+# 512/4 -0.3%). FTOPT_IN_PLACE_TILE ("BLOCKxWARPS") overrides it.
 IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
     "FTOPT_IN_PLACE_TILE", "2048x4" if INTERPRETING else "512x4").split("x"))
 # Layouts (:func:`layout`) whose in-place tile differs. H200, GPT-2 Adam, split+in_place,
 # dense / 90% of the embedding's rows zero against no skip_zeros (benchmarks/RESULTS.md):
-# fp32 512x4 +1.6-2.2% / 1.24x, 1024x4 -0.2..+0.5% / 1.25-1.26x (bf16 params +31%); bf16
-# params 512x4 +1.4% / 1.293x, 256x2 +0.0% / 1.329x, in a loop's position +3.8% / 1.27x
-# and +1.5% / 1.30x (2026-12-04). bf16/fp16 states run in place only where blocks are all
-# zero (a carved embedding; dense gradients run select): GPT-2's embedding with 90% of its
-# rows zero alone, span 4 (kernel time), 512x4 / 512x8 / 256x4 / 256x2: 42.8 / 63.8 /
-# 50.9 / 38.8 us (stochastic rounding 58.0 / 76.0 / 61.8 / 51.3); the GPT-2 step against
-# no skip_zeros: 1.244x / 1.183x / 1.224x / 1.259x by kernel time (stochastic rounding
-# 1.185x / 0.80x / 0.87x / 1.204x). FTOPT_IN_PLACE_TILE, where set, is every layout's.
+# fp32 512x4 +1.6-2.2% / 1.24x, 1024x4 -0.2..+0.5% / 1.25-1.26x; bf16 params 512x4 +1.4%
+# / 1.293x, 256x2 +0.0% / 1.329x (2026-12-04). bf16/fp16 states run in place only where
+# blocks are all zero (a carved embedding), 512x4 / 512x8 / 256x4 / 256x2: GPT-2 step
+# 1.244x / 1.183x / 1.224x / 1.259x by kernel time (stochastic rounding 1.185x / 0.80x /
+# 0.87x / 1.204x). FTOPT_IN_PLACE_TILE, where set, is every layout's.
 IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
                   else {"fp32": (1024, 4), "16-bit": (256, 2), "16-bit states": (256, 2)})
 # Register caps (Triton's ``maxnreg``) of in-place kernels on NVIDIA GPUs, per layout
@@ -263,9 +259,15 @@ def skip_maxnreg(traced, kind: str, elem_bytes: int = 4) -> int | None:
         return IN_PLACE_MAXNREG.get(kind)
     if indexed(traced):
         return None
-    if elem_bytes == 2 and not traced.levels and (half := half_tiles.tile(traced, kind)):
+    if half_kernel(traced, elem_bytes) and (half := half_tiles.tile(traced, kind)):
         return half[2] or None
     return SELECT_MAXNREG.get(kind) if any(traced.skips) else None
+
+
+def half_kernel(traced, elem_bytes: int) -> bool:
+    """Whether ``traced``'s main kernel over params and gradients ``elem_bytes`` wide
+    takes half_tiles' settings: 16-bit, not in place, no norms, no element index."""
+    return elem_bytes == 2 and not (traced.in_place or traced.levels or indexed(traced))
 
 
 def quant_maxnreg(traced, defer: int = 0) -> int:
@@ -288,12 +290,10 @@ def quant_maxnreg(traced, defer: int = 0) -> int:
 INTERLEAVE = int(os.environ.get("FTOPT_INTERLEAVE", "0"))
 
 
-# Kernels with per-program work beyond their elements: a reduction pass and the main
-# kernel that reads its per-leaf results (LARS, LAMB, NovoGrad, Fromage, Prodigy: each
-# program stores partial sums, which a per-leaf pass then adds up, and recomputes its
-# leaf's ratio), and noise (a per-leaf key). Twice the elements halve that work (H200,
-# GPT-2 fp32, FTOPT_BLOCK=1024: Fromage 0.676 -> 0.601 ms, noisy_sgd 0.418 -> 0.367; 1024
-# with 8 warps and 256 with 2 were no faster than 512/4). FTOPT_HEAVY_TILE overrides it.
+# Kernels with per-program work beyond their elements (norms' partial sums and per-leaf
+# ratios: LARS, LAMB, NovoGrad, Fromage, Prodigy; noise's per-leaf key): twice the
+# elements halve it (H200, GPT-2 fp32: Fromage 0.676 -> 0.601 ms, noisy_sgd 0.418 ->
+# 0.367; 1024x8, 256x2 no faster than 512x4). FTOPT_HEAVY_TILE overrides it.
 HEAVY_TILE = tuple(int(x) for x in os.environ.get(
     "FTOPT_HEAVY_TILE", f"{BLOCK}x{NUM_WARPS}" if INTERPRETING or "FTOPT_BLOCK" in os.environ
     else "1024x4").split("x"))
@@ -309,7 +309,7 @@ def tile(traced, quant_block: int = 0, kind: str = "", elem_bytes: int = 4) -> t
         return IN_PLACE_TILES.get(kind, IN_PLACE_TILE)
     if traced.levels or indexed(traced):
         return HEAVY_TILE
-    if elem_bytes == 2 and (half := half_tiles.tile(traced, kind)):
+    if half_kernel(traced, elem_bytes) and (half := half_tiles.tile(traced, kind)):
         return half[:2]
     return BLOCK, NUM_WARPS
 
