@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ftopt import program
-from ftopt.lowering import half_tiles, lanes, leaf_slots, quantized, split, tiles
+from ftopt.lowering import half_tiles, lanes, leaf_slots, quantized, split, tiles, word_selects
 from ftopt.lowering.roles import input_roles, kept_stores, output_roles, role_dtypes, slot_signs
 from ftopt.lowering.sym_algebra import SymbolicAlgebra, as_name
 from ftopt.lowering.symbolic import Graph, Reduction
@@ -95,11 +95,9 @@ def trace_chain(stages: list[RuleTransform], skips: list[bool], donate: bool,
     g.add("tl.load(g_ptr + offs{GMASK}).to(tl.float32)", (), "elem", name="g")
     masking = any(skips)
     zero_node = g.add("g == 0.0", ("g",), "elem", name="zero") if masking else None
-    # -0.0 where g is zero (the skipped update: p + (-0.0) is p for every p, -0.0 too),
-    # a constant from its bits: a -0.0 literal in the source loses its sign in some Triton
-    # versions (unary minus of a constant lowered as 0 - x). (Formerly ``|g| * -1.0``, a
-    # value per element live from g's load to the last select: 8-bit Adam with skip_zeros
-    # needed 144 registers a thread, 116 with the constant; static, sm_90.)
+    # -0.0 where g is zero (p + (-0.0) is p, -0.0 too), from its bits: a -0.0 literal loses
+    # its sign in some Triton versions. (``|g| * -1.0`` before: a value live from g's load
+    # to the last select; 8-bit Adam with skip_zeros 144 -> 116 registers; sm_90.)
     neg_zero = g.add(f"tl.full([BLOCK], {-2**31}, tl.int32).to(tl.float32, bitcast=True)",
                      (), "elem", name="neg_zero") if masking else None
     # (A leaf passed through a branch-own skip_zeros keeps its update where g is zero:
@@ -156,12 +154,10 @@ class Variant:
     # returns at once (its params and 8-bit blocks stay as they are, byte for byte).
     skip_tiles: bool = False
     encoder: str = "arithmetic"  # of 8-bit slots (quantized.ENCODER)
-    # A donated step of a skip_zeros chain: a program whose gradients are all zero writes
-    # nothing (its params and states keep their bytes); 8-bit blocks then need no select
-    # of their old codes when a program is one block.
+    # A donated skip_zeros step: a program whose gradients are all zero writes nothing
+    # (its bytes stay); 8-bit blocks then need no select of old codes (one a program).
     skip_stores: bool = False
-    # Approximate sqrt and division in the body (tiles.FAST_MATH).
-    fast_math: bool = False
+    fast_math: bool = False  # approximate sqrt and division in the body (tiles.FAST_MATH)
     # A donated skip_zeros step of a plain chain (tiles.chunk_lanes): the tile is rows of
     # this many lanes; a row whose gradients are all zero is neither loaded nor stored.
     chunk_lanes: int = 0
@@ -181,8 +177,7 @@ class Variant:
     # A "split" main kernel (not "split+defer") that flags its programs with some zero
     # gradients (1) and with only zeros (2), for ftopt.lowering.skip_watch.
     count_flags: bool = False
-    # The group's blocks are one leaf's, in order: a program computes its start.
-    one_leaf: bool = False
+    one_leaf: bool = False  # the group's blocks are one leaf's, in order
     defer_flags: int = 0  # the deferred kernel's flags a program (tiles.DEFER_FLAGS)
     looped: int = 0  # the spans a program of fewer loops over (split.spanned)
     pdl: bool = False  # a programmatic dependent launch (ftopt.lowering.streams.PDL)
@@ -244,7 +239,7 @@ def _count_lines(traced: TracedChain) -> tuple[list[str], list[str]]:
 
 
 def _body_lines(traced: TracedChain, nodes, masks: dict[str, str],
-                variant: Variant, tail: bool) -> list[str]:
+                variant: Variant, tail: bool, p_word: bool = False) -> list[str]:
     signs = slot_signs(traced) if variant.quant_block else {}
     half = dict(variant.slot_dtypes)
     lines = []
@@ -265,7 +260,7 @@ def _body_lines(traced: TracedChain, nodes, masks: dict[str, str],
         if node.name == "p" and variant.p_dtype in (torch.float16, torch.bfloat16):
             load, _, cast = expr.rpartition(".to(")
             assert cast == "tl.float32)", expr
-            lines += lanes.half_load_lines("p", load, variant.p_dtype, False)
+            lines += lanes.half_load_lines("p", load, variant.p_dtype, False, p_word)
             continue
         if variant.scalar_args and node.name.startswith("s") and expr.startswith(
                 "tl.load(scalars_ptr"):
@@ -278,17 +273,20 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     quant = bool(variant.quant_block)
     roles = input_roles(traced, quant) + output_roles(traced, quant)
     dtypes = role_dtypes(traced, variant)
-    stores = kept_stores(traced, quant)
-    nodes = main_nodes(traced, quant)
+    kind = tiles.layout(variant.p_dtype, variant.quant_block, variant.slot_dtypes)
+    half = tiles.half_kernel(traced, half_tiles.elem_bytes(variant.p_dtype, variant.g_dtype))
+    stores, words = word_selects.moved(traced, kept_stores(traced, quant), variant,
+                                       half and half_tiles.words(traced, kind))
+    nodes = main_nodes(traced, quant, stores, list(words.values()))
     bodies = [_body_and_stores(traced, nodes, stores,
                                lanes.masks(traced, tail, bool(variant.chunk_lanes)), variant,
-                               dtypes, tail) for tail in (False, True)]
+                               dtypes, tail, words) for tail in (False, True)]
     if variant.chunk_lanes:
         bodies = [lanes.with_live_rows(body, variant.chunk_lanes) for body in bodies]
     if variant.split and variant.defer != 2:
         dense = replace(variant, skip_stores=False, split=False, dense=True)
         bodies[0] = split.split_on_zeros(bodies[0], _body_and_stores(
-            traced, nodes, stores, lanes.masks(traced, False), dense, dtypes, False),
+            traced, nodes, stores, lanes.masks(traced, False), dense, dtypes, False, words),
             bool(variant.defer), variant.count_flags)
         if variant.defer:
             bodies[1] = split.deferred_tail()
@@ -302,9 +300,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     else:
         body = (split.deferred_blocks if variant.defer == 2 else split.full_or_tail)(*bodies)
     helpers = traced.graph.helpers
-    kind = tiles.layout(variant.p_dtype, variant.quant_block, variant.slot_dtypes)
-    if (tiles.half_kernel(traced, half_tiles.elem_bytes(variant.p_dtype, variant.g_dtype))
-            and half_tiles.volatile(traced, kind)):
+    if half and half_tiles.volatile(traced, kind):
         body = [lanes.volatile_loads(x) for x in body]
     if variant.fast_math:
         body = [lanes.fast_math(x) for x in body]
@@ -326,10 +322,12 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     return _kernel("ftopt_main", sig, lines, helpers)
 
 
-def main_nodes(traced: TracedChain, quantized: bool) -> list:
-    """The nodes the main kernel computes: what its stores (less the elided ones) and
-    flags need; fp32 and 16-bit state loads first (``tiles.LOADS_FIRST``)."""
-    nodes = traced.graph.closure([node for _, node in kept_stores(traced, quantized)]
+def main_nodes(traced: TracedChain, quantized: bool, kept: list | None = None,
+               loads: list = ()) -> list:
+    """The nodes the main kernel computes: what its stores (``kept``, default all but the
+    elided ones), flags and ``loads`` need; loads first (``tiles.LOADS_FIRST``)."""
+    kept = kept_stores(traced, quantized) if kept is None else kept
+    nodes = traced.graph.closure([node for _, node in kept] + list(loads)
                                  + [node for _, node in traced.running_stores]
                                  + list(traced.slot_flags.values()))
     return traced.graph.loads_first(nodes) if tiles.LOADS_FIRST and not quantized else nodes
@@ -342,9 +340,10 @@ def _broadcast(value: str) -> str:
 
 
 def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, variant: Variant,
-                     dtypes: dict, tail: bool) -> list[str]:
+                     dtypes: dict, tail: bool, words: dict) -> list[str]:
+    # (words: role -> the loaded value whose word it stores where zero, word_selects.moved)
     signs = slot_signs(traced) if variant.quant_block else {}
-    lines = _body_lines(traced, nodes, masks, variant, tail)
+    lines = _body_lines(traced, nodes, masks, variant, tail, "p_out" in words)
     names = {node.name for node in nodes}
     for role, node in traced.running_stores:  # (every group's program 0: the same value)
         lines.append(f"tl.store({role}_ptr + offs * 0, {_broadcast(node)}, "
@@ -373,13 +372,14 @@ def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, varian
         # (a 16-bit NaN that stays a NaN keeps its bits: its old value's, where loaded)
         old = "p" if role == "p_out" else f"{slot}_old"
         old = old if old in names else None
+        keep = f"{words[role]}_raw" if role in words else None
         if dict(variant.slot_dtypes).get(slot) == torch.bfloat16:
             stores += lanes.bf16_store_lines(role, slot, value, store_mask, old,
                                              lanes.bf16_convert(traced),
-                                             lanes.nan_from_word(traced))
+                                             lanes.nan_from_word(traced) or bool(keep), keep)
             continue
         if old is not None and dtypes[role] in ("tl.float16", "tl.bfloat16"):
-            value = lanes.half_value(value, old, dtypes[role])
+            value = lanes.half_value(value, old, dtypes[role], keep)
         stores.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]})"
                       f"{store_mask})")
     if not (variant.skip_stores and traced.skips and all(traced.skips)):

@@ -8,27 +8,34 @@ fill it. H200, GPT-2 tree, bf16 params with bf16 / fp16 states, without skip_zer
 / 512x2 (ms, ``benchmarks/tile16_gpu.py``, 2026-12-04): Adam 0.461 / 0.438, 0.460 /
 0.433; AdEMAMix 0.591 / 0.572, 0.601 / 0.592; SGD with momentum 0.316 / 0.302, 0.320 /
 0.312; Lion 0.348 / 0.348, 0.321 / 0.327. Not with fp32 params (Adam 0.604 / 0.714), so
-these apply where params and gradients are both 16-bit. skip_zeros' select kernel keeps
-512x4: at 512x2 it ran 0.526 ms against 0.491 (bf16 params and states), and under caps
-of 72 or 80 (above its 66 registers: static SASS with the H200's Triton,
-``benchmarks/sass_count.py --tile 512x2``) 2% slower than at 512x4; it issues two of its
-four loads late (below).
+these apply where params and gradients are both 16-bit. skip_zeros' select kernel of
+"16-bit states" takes 512x2 capped at 56 registers with volatile loads and its selects
+on the stored words (:mod:`ftopt.lowering.word_selects`), which keep its four loads up
+front; skip_zeros against none, bf16 params and states, dense / 90% of the embedding's
+rows zero: +10.5% / 1.172x at 512x4 (before); at 512x2/56 +8.9% / 1.190x, with volatile
+loads +5.0% / 1.239x, and with the word selects too +2.0% / 1.253x (2026-12-04 18:46 UTC;
+each alone gained at most 1.5%).
 
 ``FTOPT_PLAIN_TILE`` and ``FTOPT_SELECT_TILE`` override them: ``LAYOUT=BLOCKxWARPS`` or
 ``LAYOUT=BLOCKxWARPS/MAXNREG``, comma-separated; "" for none.
 
-``FTOPT_PLAIN_VOLATILE`` and ``FTOPT_SELECT_VOLATILE`` (comma-separated layouts, none by
-default) make the loads of params, gradients and states volatile in those layouts'
-plain and select kernels (those these tiles apply to, whether or not one is set). At 8
-elements a thread ``ptxas`` issues some of a kernel's four 128-bit loads only after
-computing with the others, presumably to hold fewer registers (static SASS, sm_90,
-Triton 3.6, Adam over bf16 params and states: the plain kernel three loads up front and
-the fourth 55 instructions later, the select kernel two, then the others 110 and 300
-later; at 4 elements a thread, 64-bit loads, all four up front), whatever the cap. Volatile
-loads keep their order in the program: the plain kernel then issues all four up front,
-the select kernel three. The same values, one request each, but system-scope strong
-loads (``LDG.E.128.STRONG.SYS``), whose speed against the others is what these settings
-are for measuring.
+``FTOPT_PLAIN_VOLATILE`` and ``FTOPT_SELECT_VOLATILE`` (comma-separated layouts; by
+default none and "16-bit states") make the loads of params, gradients and states
+volatile in those layouts' plain and select kernels (those these tiles apply to, whether
+or not one is set). At 8 elements a thread ``ptxas`` issues some of a kernel's four
+128-bit loads only after computing with the others, presumably to hold fewer registers
+(static SASS, sm_90, Triton 3.6, Adam over bf16 params and states: the plain kernel
+three loads up front and the fourth 55 instructions later, the select kernel two, then
+the others 110 and 300 later; at 4 elements a thread, 64-bit loads, all four up front),
+whatever the cap. Volatile loads keep their order in the program: the plain kernel then
+issues all four up front, the select kernel three. The same values, one request each,
+but system-scope strong loads (``LDG.E.128.STRONG.SYS``), whose speed against the others
+is what these settings are for measuring: the plain kernels with them, bf16 / fp16
+states (ms at 512x2, without / with): Adam 0.439 / 0.434, 0.432 / 0.437; Lion 0.348 /
+0.327, 0.327 / 0.327; AdEMAMix 0.575 / 0.604, 0.596 / 0.569; SGD 0.302 / 0.301, 0.309 /
+0.304 (as much lost as won).
+``FTOPT_SELECT_WORDS`` (layouts, "16-bit states" by default, under the interpreter too)
+takes the select kernels' word selects.
 """
 
 from __future__ import annotations
@@ -58,10 +65,16 @@ def _tiles(variable: str, default: str) -> dict[str, tuple[int, int, int]]:
 
 
 PLAIN = _tiles("FTOPT_PLAIN_TILE", "16-bit states=512x2")
-SELECT = _tiles("FTOPT_SELECT_TILE", "")
-VOLATILE = {kind: frozenset(filter(None, os.environ.get(variable, "").split(",")))
-            for kind, variable in (("plain", "FTOPT_PLAIN_VOLATILE"),
-                                   ("select", "FTOPT_SELECT_VOLATILE"))}
+SELECT = _tiles("FTOPT_SELECT_TILE", "16-bit states=512x2/56")
+
+
+def _layouts(variable: str, default: str) -> frozenset:
+    return frozenset(filter(None, os.environ.get(variable, default).split(",")))
+
+
+VOLATILE = {"plain": _layouts("FTOPT_PLAIN_VOLATILE", ""),
+            "select": _layouts("FTOPT_SELECT_VOLATILE", "16-bit states")}
+WORDS = _layouts("FTOPT_SELECT_WORDS", "16-bit states")
 
 
 def elem_bytes(p_dtype, g_dtype) -> int:
@@ -82,3 +95,9 @@ def volatile(traced, kind: str) -> bool:
     (:func:`ftopt.lowering.tiles.half_kernel`), loads its streams volatile
     (:data:`VOLATILE`)."""
     return kind in VOLATILE["select" if any(traced.skips) else "plain"]
+
+
+def words(traced, kind: str) -> bool:
+    """Whether ``traced``'s main kernel of layout ``kind``, one that takes these settings,
+    selects skip_zeros' 16-bit stored values on their words (:data:`WORDS`)."""
+    return any(traced.skips) and kind in WORDS

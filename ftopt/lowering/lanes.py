@@ -88,13 +88,14 @@ def nan_from_word(traced) -> bool:
 
 def bf16_store_lines(role: str, slot: str, value: str, mask: str,
                      old: str | None = None, convert: bool = False,
-                     raw: bool = False) -> list[str]:
+                     raw: bool = False, keep: str | None = None) -> list[str]:
     """Stores fp32 ``value`` as bf16 bits, rounded to nearest even (NaN: 0x7FC0), as
     torch's ``.to(torch.bfloat16)`` rounds: by the conversion instruction (``convert``:
     :func:`bf16_convert`) or by integer operations, exact on every backend (Triton's
     interpreter converts by truncation). ``old``: the slot's loaded value (fp32, widened
     exactly), whose bits a NaN that stays a NaN keeps (``ftopt.numerics.keep_nan_bits``);
     ``raw``: read them from its loaded 16-bit word (``{old}_raw``; :func:`nan_from_word`).
+    ``keep``: the word stored where ``zero`` holds (``ftopt.lowering.word_selects``).
     """
     b = f"b_{slot}"
     nan = "32704" if old is None else (
@@ -108,29 +109,40 @@ def bf16_store_lines(role: str, slot: str, value: str, mask: str,
     else:
         lines += [f"{b}_u = {b}_x.to(tl.uint32, bitcast=True)",
                   f"{b}_u = ({b}_u + 32767 + (({b}_u >> 16) & 1)) >> 16"]
+    word = f"{b}_u.to(tl.uint16)"
+    word = f"tl.where(zero, {keep}, {word})" if keep else word
     return lines + [f"{b}_u = tl.where({b}_x == {b}_x, {b}_u, {nan})",
-                    f"tl.store({role} + offs, {b}_u.to(tl.uint16){mask})"]
+                    f"tl.store({role} + offs, {word}{mask})"]
 
 
-def half_load_lines(name: str, load: str, dtype, as_bits: bool) -> list[str]:
+def half_load_lines(name: str, load: str, dtype, as_bits: bool,
+                    raw: bool = False) -> list[str]:
     """``name``, a 16-bit value ``load`` gives, in fp32 with a NaN's bits kept: bf16
-    widened by a shift (``as_bits``: loaded as its bits, uint16); fp16 converted, its
-    bits kept beside as ``{name}_raw`` (the GPU's conversion of a NaN gives the
-    canonical one), for :func:`half_value`."""
+    widened by a shift (``as_bits``: loaded as its bits, uint16; ``raw``: the loaded
+    value kept as ``{name}_raw`` too); fp16 converted, its bits kept beside as
+    ``{name}_raw`` (the GPU's conversion of a NaN gives the canonical one), for
+    :func:`half_value`."""
     if dtype == torch.bfloat16 and as_bits:
         return [f"{name}_raw = {load}",
                 f"{name} = ({name}_raw.to(tl.uint32) << 16).to(tl.float32, bitcast=True)"]
     if dtype == torch.bfloat16:
-        bits = f"{load}.to(tl.uint16, bitcast=True)"
-        return [f"{name} = ({bits}.to(tl.uint32) << 16).to(tl.float32, bitcast=True)"]
+        bits = f"{name}_raw.to(tl.uint16, bitcast=True)" if raw else (
+            f"{load}.to(tl.uint16, bitcast=True)")
+        return [f"{name}_raw = {load}"] * raw + [
+            f"{name} = ({bits}.to(tl.uint32) << 16).to(tl.float32, bitcast=True)"]
     return [f"{name}_raw = {load}", f"{name} = {name}_raw.to(tl.float32)"]
 
 
-def half_value(value: str, old: str, dtype: str) -> str:
+def half_value(value: str, old: str, dtype: str, keep: str | None = None) -> str:
     """fp32 ``value`` converted to the 16-bit ``dtype`` (``"tl.float16"`` or
     ``"tl.bfloat16"``), with the bits of ``old`` (loaded by :func:`half_load_lines`)
     where both are NaN: the GPU's conversions and arithmetic give the canonical NaN, and
-    a skipped element keeps its bytes, a NaN's too (``ftopt.numerics.keep_nan_bits``)."""
+    a skipped element keeps its bytes, a NaN's too (``ftopt.numerics.keep_nan_bits``).
+    ``keep``: ``old``'s loaded word, stored there and where ``zero`` holds
+    (``ftopt.lowering.word_selects``)."""
+    if keep:
+        return (f"tl.where(zero | (({value} != {value}) & ({old} != {old})), {keep}, "
+                f"({value}).to({dtype}))")
     kept = (f"({old}.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to({dtype}, "
             f"bitcast=True)" if dtype == "tl.bfloat16" else f"{old}_raw")
     return (f"tl.where(({value} != {value}) & ({old} != {old}), {kept}, "

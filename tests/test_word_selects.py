@@ -1,0 +1,109 @@
+"""skip_zeros' selects on the stored 16-bit words (``ftopt.lowering.word_selects``): the
+select kernels over 16-bit params and states store the loaded word where the gradient is
+zero, bit for bit what selecting the widened values stored: zeros, NaN params, states
+and gradients, two steps."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import ftopt
+from ftopt.lowering import codegen, half_tiles, lanes, launch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+bf16, fp16 = torch.bfloat16, torch.float16
+
+
+def _clear_launch_caches() -> None:
+    for cache in (launch._kernel, launch._constants_cached):
+        cache.cache_clear()
+
+
+@pytest.mark.parametrize("convert", [True, False])
+@pytest.mark.parametrize("opt", ["adam", "lion"])
+@pytest.mark.parametrize("p_dtype,state_dtype", [(bf16, bf16), (bf16, fp16), (fp16, bf16),
+                                                 (fp16, fp16)])
+def test_word_selects_keep_the_bits_of_value_selects(monkeypatch, p_dtype, state_dtype,
+                                                     opt, convert):
+    monkeypatch.setattr(lanes, "BF16_CONVERT", convert)
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+
+    def tree() -> dict:
+        return {"a": torch.randn(3000, generator=gen).to(DEVICE, p_dtype),
+                "b": torch.randn(4096 + 700, generator=gen).to(DEVICE, p_dtype)}
+
+    params, first, grads = tree(), tree(), tree()
+    grads["a"][::3] = 0.0
+    grads["b"][:1000] = 0.0
+    params["a"][3] = float("nan")  # (a NaN param where the gradient is zero, and not)
+    params["a"][4] = float("nan")
+    first["a"][6] = float("nan")  # (NaN states, kept where the next gradient is zero)
+    grads["a"][7] = float("nan")
+    sources: list = []
+    real = codegen.compile_source
+
+    def spy(source: str, name: str):
+        sources.append(source)
+        return real(source, name)
+
+    def run(words: frozenset) -> list:
+        monkeypatch.setattr(half_tiles, "WORDS", words)
+        _clear_launch_caches()
+        sources.clear()
+        monkeypatch.setattr(codegen, "compile_source", spy)
+        tx = getattr(ftopt, opt)(1e-2, state_dtype=state_dtype, skip_zeros=True)
+        s0 = tx.init(params)
+        p1, s1 = ftopt.step(tx, params, first, s0, backend="fused")
+        p2, s2 = ftopt.step(tx, p1, grads, s1, backend="fused")
+        monkeypatch.setattr(codegen, "compile_source", real)
+        return ftopt.tree.leaves((p1, s1)), ftopt.tree.leaves((p2, s2))
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8)
+
+    before = run(frozenset())
+    assert sources and not any(re.search(r"tl\.where\(zero[^,]*, st0_\w+_old_raw", s)
+                               for s in sources)
+    after = run(frozenset({"16-bit states"}))
+    # (the words took effect, on the states and the param)
+    stored = [s for s in sources if re.search(r"tl\.where\(zero[^,]*, st0_\w+_old_raw", s)]
+    assert stored and any("tl.where(zero | (" in s and "p_raw" in s for s in stored)
+    for step_before, step_after in zip(before, after):
+        for a, b in zip(step_before, step_after):
+            assert a.dtype == b.dtype and torch.equal(bits(a), bits(b)), f"seed {seed}"
+    # skip_zeros: the second step keeps the bytes of the first where the gradient is zero
+    # (the NaN param at 3, the NaN states at 6 included); the control: params move off it.
+    zero = {v.numel(): (v == 0).reshape(-1) for v in grads.values()}
+    for k, (x, y) in enumerate(zip(*after)):
+        if x.numel() not in zero:
+            continue  # (a step count)
+        z = zero[x.numel()]
+        x, y = x.reshape(-1), y.reshape(-1)
+        assert torch.equal(bits(x[z]), bits(y[z])), f"leaf {k}, seed {seed}"
+        if k < 2:
+            assert not torch.equal(x[~z], y[~z])
+    state_a = next(x for x in after[1][2:] if x.numel() == 3000)
+    assert torch.isnan(after[1][0][3]) and torch.isnan(state_a[6])
+
+def test_word_selects_leave_other_kernels_alone(monkeypatch):
+    """fp32 params, no skip_zeros, or fp32 states: no word select."""
+    sources: list = []
+    real = codegen.compile_source
+
+    def spy(source: str, name: str):
+        sources.append(source)
+        return real(source, name)
+
+    monkeypatch.setattr(codegen, "compile_source", spy)
+    _clear_launch_caches()
+    for p_dtype, kw in ((torch.float32, {"state_dtype": bf16, "skip_zeros": True}),
+                        (bf16, {"state_dtype": bf16}), (bf16, {"skip_zeros": True})):
+        p = {"w": torch.randn(3000).to(DEVICE, p_dtype)}
+        tx = ftopt.adam(1e-2, **kw)
+        ftopt.step(tx, p, p, tx.init(p), backend="fused")
+    assert sources and not any("_old_raw, b_st" in s or "), p_raw," in s for s in sources)
+    _clear_launch_caches()
