@@ -12,7 +12,7 @@ import torch
 from step_checks import cloned, same_bits
 
 import ftopt
-from ftopt.lowering import codegen, launch, streams, tiles, work
+from ftopt.lowering import codegen, half_tiles, launch, streams, tiles, work
 from ftopt.lowering.plan import plan_chain
 from ftopt.lowering.skip_watch import SkipWatch
 
@@ -233,11 +233,13 @@ LAYOUTS = {"fp32": (torch.float32, {}, "fp32"),
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """fp32 and 16-bit programs of one 256-element block, no spans, a count every 2 steps
-    and a probe every 4."""
+    """fp32 and 16-bit programs of one 256-element block (half_tiles' tiles of 16-bit
+    kernels set aside), no spans, a count every 2 steps and a probe every 4."""
     for name, value in (("IN_PLACE_TILE", (256, 4)), ("IN_PLACE_TILES", {}), ("BLOCK", 256),
                         ("SPANS", {}), ("WATCH_PERIOD", 2), ("WATCH_PROBE", 4)):
         monkeypatch.setattr(tiles, name, value)
+    for name in ("PLAIN", "SELECT"):
+        monkeypatch.setattr(half_tiles, name, {})
     caches = (launch._constants_cached, launch._kernel, work.work_table)
     for cache in caches:
         cache.cache_clear()
