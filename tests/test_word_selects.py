@@ -23,11 +23,14 @@ def _clear_launch_caches() -> None:
 
 
 @pytest.mark.parametrize("convert", [True, False])
-@pytest.mark.parametrize("opt", ["adam", "lion"])
-@pytest.mark.parametrize("p_dtype,state_dtype", [(bf16, bf16), (bf16, fp16), (fp16, bf16),
-                                                 (fp16, fp16)])
+@pytest.mark.parametrize("opt", ["adam", "lion", "madgrad"])
+@pytest.mark.parametrize("p_dtype,state_dtype,rounding", [
+    (bf16, bf16, "nearest"), (bf16, fp16, "nearest"), (fp16, bf16, "nearest"),
+    (fp16, fp16, "nearest"), (bf16, bf16, "stochastic")])
 def test_word_selects_keep_the_bits_of_value_selects(monkeypatch, p_dtype, state_dtype,
-                                                     opt, convert):
+                                                     rounding, opt, convert):
+    """(Stochastic rounding's kernels, which read the element's index, only with
+    "indexed" in ``FTOPT_SELECT_WORDS``.)"""
     monkeypatch.setattr(lanes, "BF16_CONVERT", convert)
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
@@ -55,7 +58,13 @@ def test_word_selects_keep_the_bits_of_value_selects(monkeypatch, p_dtype, state
         _clear_launch_caches()
         sources.clear()
         monkeypatch.setattr(codegen, "compile_source", spy)
-        tx = getattr(ftopt, opt)(1e-2, state_dtype=state_dtype, skip_zeros=True)
+        if opt == "madgrad":  # (one stage: no select of its own keeps ``zero`` in use)
+            tx = ftopt.quantize_states(
+                ftopt.chain(ftopt.scale_by_madgrad(1e-2), ftopt.skip_zeros()),
+                bits=32, state_dtype=state_dtype, state_rounding=rounding)
+        else:
+            tx = getattr(ftopt, opt)(1e-2, state_dtype=state_dtype, state_rounding=rounding,
+                                     skip_zeros=True)
         s0 = tx.init(params)
         p1, s1 = ftopt.step(tx, params, first, s0, backend="fused")
         p2, s2 = ftopt.step(tx, p1, grads, s1, backend="fused")
@@ -65,12 +74,17 @@ def test_word_selects_keep_the_bits_of_value_selects(monkeypatch, p_dtype, state
     def bits(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1).view(torch.uint8)
 
+    def words_in(sources: list) -> list:
+        return [s for s in sources if re.search(r"tl\.where\(zero[^,]*, st\d+_\w+_old_raw", s)]
+
     before = run(frozenset())
-    assert sources and not any(re.search(r"tl\.where\(zero[^,]*, st0_\w+_old_raw", s)
-                               for s in sources)
-    after = run(frozenset({"16-bit states"}))
+    assert sources and not words_in(sources)
+    if rounding == "stochastic":
+        run(frozenset({"16-bit states"}))
+        assert sources and not words_in(sources)
+    after = run(frozenset({"16-bit states"} | ({"indexed"} if rounding == "stochastic" else set())))
     # (the words took effect, on the states and the param)
-    stored = [s for s in sources if re.search(r"tl\.where\(zero[^,]*, st0_\w+_old_raw", s)]
+    stored = words_in(sources)
     assert stored and any("tl.where(zero | (" in s and "p_raw" in s for s in stored)
     for step_before, step_after in zip(before, after):
         for a, b in zip(step_before, step_after):

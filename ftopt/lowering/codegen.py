@@ -275,9 +275,8 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     dtypes = role_dtypes(traced, variant)
     kind = tiles.layout(variant.p_dtype, variant.quant_block, variant.slot_dtypes)
     half = tiles.half_kernel(traced, half_tiles.elem_bytes(variant.p_dtype, variant.g_dtype))
-    stores, words = word_selects.moved(traced, kept_stores(traced, quant), variant,
-                                       half and half_tiles.words(traced, kind))
-    nodes = main_nodes(traced, quant, stores, list(words.values()))
+    stores, words = word_selects.moved(traced, kept_stores(traced, quant), variant)
+    nodes = main_nodes(traced, quant, stores, [*words.values(), *["zero"] * bool(words)])
     bodies = [_body_and_stores(traced, nodes, stores,
                                lanes.masks(traced, tail, bool(variant.chunk_lanes)), variant,
                                dtypes, tail, words) for tail in (False, True)]

@@ -34,8 +34,9 @@ is what these settings are for measuring: the plain kernels with them, bf16 / fp
 states (ms at 512x2, without / with): Adam 0.439 / 0.434, 0.432 / 0.437; Lion 0.348 /
 0.327, 0.327 / 0.327; AdEMAMix 0.575 / 0.604, 0.596 / 0.569; SGD 0.302 / 0.301, 0.309 /
 0.304 (as much lost as won).
-``FTOPT_SELECT_WORDS`` (layouts, "16-bit states" by default, under the interpreter too)
-takes the select kernels' word selects.
+``FTOPT_SELECT_WORDS`` (layouts, "16-bit states" by default, under the interpreter too;
+"indexed": stochastic rounding's select kernels too) takes the select kernels' word
+selects (:mod:`ftopt.lowering.word_selects`).
 """
 
 from __future__ import annotations
@@ -96,8 +97,3 @@ def volatile(traced, kind: str) -> bool:
     (:data:`VOLATILE`)."""
     return kind in VOLATILE["select" if any(traced.skips) else "plain"]
 
-
-def words(traced, kind: str) -> bool:
-    """Whether ``traced``'s main kernel of layout ``kind``, one that takes these settings,
-    selects skip_zeros' 16-bit stored values on their words (:data:`WORDS`)."""
-    return any(traced.skips) and kind in WORDS

@@ -12,25 +12,43 @@ registers with volatile loads (:mod:`ftopt.lowering.half_tiles`): dense +5.0% ->
 
 The skip semantics stay :func:`ftopt.program.trace_chain`'s: this moves a traced select
 ``where(zero, old, new)`` of a stored value from its fp32 value to the stored word.
+
+Where: the select kernels over 16-bit params and gradients of the layouts in
+``FTOPT_SELECT_WORDS`` (:data:`ftopt.lowering.half_tiles.WORDS`), those half_tiles'
+settings apply to (:func:`ftopt.lowering.tiles.half_kernel`); with "indexed" in it, also
+those of a rule that reads the element's index (stochastic rounding), whose tile stays
+:data:`ftopt.lowering.tiles.BLOCK`'s.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["moved"]
+from ftopt.lowering import half_tiles, tiles
+
+__all__ = ["applies", "moved"]
 
 _SELECT = re.compile(r"tl\.where\(zero, (\w+), (\w+)\)")
 
 
-def moved(traced, kept: list[tuple[str, str]], variant,
-          on: bool = True) -> tuple[list[tuple[str, str]], dict[str, str]]:
+def applies(traced, variant) -> bool:
+    """Whether ``traced``'s main kernel of ``variant`` selects on the stored words."""
+    kind = tiles.layout(variant.p_dtype, variant.quant_block, variant.slot_dtypes)
+    if not (any(traced.skips) and kind in half_tiles.WORDS):
+        return False
+    wide = half_tiles.elem_bytes(variant.p_dtype, variant.g_dtype)
+    return tiles.half_kernel(traced, wide) or ("indexed" in half_tiles.WORDS and wide == 2
+                                               and not (traced.in_place or traced.levels))
+
+
+def moved(traced, kept: list[tuple[str, str]],
+          variant) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """``kept`` stores (role, node) of ``traced``'s main kernel of ``variant``
     (:class:`ftopt.lowering.codegen.Variant`) with each skip select of a 16-bit stored
-    value moved onto its word (where ``on``): the store takes the select's new value,
-    and the returned map gives the role's loaded value (``{name}_raw`` its word) the
-    store keeps where ``zero`` holds."""
-    if not on:
+    value moved onto its word where it :func:`applies`: the store takes the select's new
+    value, and the returned map gives the role's loaded value (``{name}_raw`` its word)
+    the store keeps where ``zero`` holds."""
+    if not applies(traced, variant):
         return kept, {}
     graph, half, p_half = traced.graph, dict(variant.slot_dtypes), variant.p_dtype.itemsize == 2
     out, words = [], {}
