@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import registry
 import torch
 
 import ftopt
@@ -120,4 +121,57 @@ def test_word_selects_leave_other_kernels_alone(monkeypatch):
         tx = ftopt.adam(1e-2, **kw)
         ftopt.step(tx, p, p, tx.init(p), backend="fused")
     assert sources and not any("_old_raw, b_st" in s or "), p_raw," in s for s in sources)
+    _clear_launch_caches()
+
+
+FUSIBLE = registry.names(e for e in registry.eight_bit() if e in registry.fusible())
+
+
+def _one_stage(name: str) -> ftopt.GradientTransformation:
+    """The entry over bf16 states with skip_zeros, as one stage where it is not an alias
+    (no learning-rate stage after it: the moved selects may be the only readers of the
+    zero mask)."""
+    e = registry.BY_NAME[name]
+    if e.kind == "alias":
+        return registry.standalone(name, state_dtype=bf16, skip_zeros=True)
+    hp = e.defaults()
+    if e.kind == "combinator" and "inner" not in hp:
+        hp["inner"] = [registry.BY_NAME[n].make(**registry.BY_NAME[n].defaults())
+                       for n in e.inner]
+    return ftopt.quantize_states(ftopt.chain(e.make(**hp), ftopt.skip_zeros()), bits=32,
+                                 state_dtype=bf16)
+
+
+@pytest.mark.parametrize("name", FUSIBLE)
+def test_every_entry_steps_as_with_value_selects(monkeypatch, name):
+    """Every registry entry with per-element float states, over bf16 params and states
+    with skip_zeros: the same bits with the word selects as without, two steps, and the
+    params where the gradient is zero kept."""
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+
+    def tree() -> dict:
+        return {"a": torch.randn(3000, generator=gen).to(DEVICE, bf16),
+                "b": torch.randn(37, 11, generator=gen).to(DEVICE, bf16)}
+
+    params, first, grads = tree(), tree(), tree()
+    grads["a"][::3] = 0.0
+    grads["b"][:5] = 0.0
+
+    def run(words: frozenset) -> list:
+        monkeypatch.setattr(half_tiles, "WORDS", words)
+        _clear_launch_caches()
+        tx = _one_stage(name)
+        p1, s1 = ftopt.step(tx, params, first, tx.init(params), backend="fused")
+        p2, s2 = ftopt.step(tx, p1, grads, s1, backend="fused")
+        return [p1, *ftopt.tree.leaves((p2, s2))]
+
+    before, after = run(frozenset()), run(frozenset({"16-bit states"}))
+    for a, b in zip(before[1:], after[1:]):
+        assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                  b.reshape(-1).view(torch.uint8)), seed
+    for k, g in grads.items():
+        zero = g == 0
+        assert torch.equal(after[0][k][zero].view(torch.int16),
+                           after[1 + list(grads).index(k)][zero].view(torch.int16)), seed
     _clear_launch_caches()
