@@ -96,4 +96,3 @@ def volatile(traced, kind: str) -> bool:
     (:func:`ftopt.lowering.tiles.half_kernel`), loads its streams volatile
     (:data:`VOLATILE`)."""
     return kind in VOLATILE["select" if any(traced.skips) else "plain"]
-
