@@ -175,3 +175,41 @@ def test_every_entry_steps_as_with_value_selects(monkeypatch, name):
         assert torch.equal(after[0][k][zero].view(torch.int16),
                            after[1 + list(grads).index(k)][zero].view(torch.int16)), seed
     _clear_launch_caches()
+
+
+@pytest.mark.parametrize("on", [("16-bit states",), ("16-bit states", "indexed")])
+def test_indexed_takes_stochastic_roundings_select_kernels(monkeypatch, on):
+    """"indexed" in a layout list (``FTOPT_SELECT_VOLATILE``, ``FTOPT_SELECT_WORDS``)
+    adds the select kernels of stochastic rounding, which read the element's index; the
+    step keeps its bits."""
+    sources: list = []
+    real = codegen.compile_source
+
+    def spy(source: str, name: str):
+        sources.append(source)
+        return real(source, name)
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"w": torch.randn(3000, generator=gen).to(DEVICE, bf16)}
+    grads = {"w": torch.randn(3000, generator=gen).to(DEVICE, bf16)}
+    grads["w"][::4] = 0.0
+    out = []
+    for volatile, words in ((frozenset(), frozenset()), (frozenset(on), frozenset(on))):
+        monkeypatch.setattr(half_tiles, "VOLATILE", {"plain": frozenset(), "select": volatile})
+        monkeypatch.setattr(half_tiles, "WORDS", words)
+        _clear_launch_caches()
+        sources.clear()
+        monkeypatch.setattr(codegen, "compile_source", spy)
+        tx = ftopt.adam(1e-2, state_dtype=bf16, state_rounding="stochastic", skip_zeros=True)
+        p, s = ftopt.step(tx, params, grads, tx.init(params), backend="fused")
+        monkeypatch.setattr(codegen, "compile_source", real)
+        out.append(ftopt.tree.leaves((p, s)))
+    selects = [s for s in sources if "zero = g == 0.0" in s and "keep = " not in s]
+    assert selects
+    indexed = "indexed" in on
+    assert all(("volatile=True" in s) == indexed for s in selects)
+    assert all(bool(re.search(r"tl\.where\(zero, st\d+_\w+_old_raw", s)) == indexed
+               for s in selects)
+    for a, b in zip(*out):
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    _clear_launch_caches()

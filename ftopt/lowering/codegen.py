@@ -273,8 +273,6 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     quant = bool(variant.quant_block)
     roles = input_roles(traced, quant) + output_roles(traced, quant)
     dtypes = role_dtypes(traced, variant)
-    kind = tiles.layout(variant.p_dtype, variant.quant_block, variant.slot_dtypes)
-    half = tiles.half_kernel(traced, half_tiles.elem_bytes(variant.p_dtype, variant.g_dtype))
     stores, words = word_selects.moved(traced, kept_stores(traced, quant), variant)
     nodes = main_nodes(traced, quant, stores, [*words.values(), *["zero"] * bool(words)])
     bodies = [_body_and_stores(traced, nodes, stores,
@@ -299,7 +297,8 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     else:
         body = (split.deferred_blocks if variant.defer == 2 else split.full_or_tail)(*bodies)
     helpers = traced.graph.helpers
-    if half and half_tiles.volatile(traced, kind):
+    if word_selects.takes(traced, variant, half_tiles.VOLATILE[
+            "select" if any(traced.skips) else "plain"]):
         body = [lanes.volatile_loads(x) for x in body]
     if variant.fast_math:
         body = [lanes.fast_math(x) for x in body]

@@ -34,9 +34,10 @@ is what these settings are for measuring: the plain kernels with them, bf16 / fp
 states (ms at 512x2, without / with): Adam 0.439 / 0.434, 0.432 / 0.437; Lion 0.348 /
 0.327, 0.327 / 0.327; AdEMAMix 0.575 / 0.604, 0.596 / 0.569; SGD 0.302 / 0.301, 0.309 /
 0.304 (as much lost as won).
-``FTOPT_SELECT_WORDS`` (layouts, "16-bit states" by default, under the interpreter too;
-"indexed": stochastic rounding's select kernels too) takes the select kernels' word
-selects (:mod:`ftopt.lowering.word_selects`).
+``FTOPT_SELECT_WORDS`` (layouts, "16-bit states" by default, under the interpreter too)
+takes the select kernels' word selects (:mod:`ftopt.lowering.word_selects`). "indexed"
+in any of these three lists adds stochastic rounding's kernels of its layouts
+(:func:`ftopt.lowering.word_selects.takes`), whose tile these tables leave alone.
 """
 
 from __future__ import annotations
@@ -89,10 +90,3 @@ def tile(traced, kind: str) -> tuple[int, int, int] | None:
     gradients of layout ``kind`` where this module sets one (the caller leaves out
     in-place kernels and those with a heavy tile)."""
     return (SELECT if any(traced.skips) else PLAIN).get(kind)
-
-
-def volatile(traced, kind: str) -> bool:
-    """Whether ``traced``'s main kernel of layout ``kind``, one that takes these settings
-    (:func:`ftopt.lowering.tiles.half_kernel`), loads its streams volatile
-    (:data:`VOLATILE`)."""
-    return kind in VOLATILE["select" if any(traced.skips) else "plain"]

@@ -15,9 +15,9 @@ The skip semantics stay :func:`ftopt.program.trace_chain`'s: this moves a traced
 
 Where: the select kernels over 16-bit params and gradients of the layouts in
 ``FTOPT_SELECT_WORDS`` (:data:`ftopt.lowering.half_tiles.WORDS`), those half_tiles'
-settings apply to (:func:`ftopt.lowering.tiles.half_kernel`); with "indexed" in it, also
-those of a rule that reads the element's index (stochastic rounding), whose tile stays
-:data:`ftopt.lowering.tiles.BLOCK`'s.
+settings apply to (:func:`takes`; with "indexed" in it, also those of a rule that reads
+the element's index, stochastic rounding, whose tile stays
+:data:`ftopt.lowering.tiles.BLOCK`'s).
 """
 
 from __future__ import annotations
@@ -26,19 +26,26 @@ import re
 
 from ftopt.lowering import half_tiles, tiles
 
-__all__ = ["applies", "moved"]
+__all__ = ["applies", "moved", "takes"]
 
 _SELECT = re.compile(r"tl\.where\(zero, (\w+), (\w+)\)")
 
 
-def applies(traced, variant) -> bool:
-    """Whether ``traced``'s main kernel of ``variant`` selects on the stored words."""
+def takes(traced, variant, layouts: frozenset) -> bool:
+    """Whether ``traced``'s main kernel of ``variant`` (16-bit params and gradients) is
+    one of ``layouts``' that half_tiles' settings apply to
+    (:func:`ftopt.lowering.tiles.half_kernel`), or, with "indexed" in ``layouts``, one of
+    a rule that reads the element's index (stochastic rounding)."""
     kind = tiles.layout(variant.p_dtype, variant.quant_block, variant.slot_dtypes)
-    if not (any(traced.skips) and kind in half_tiles.WORDS):
-        return False
     wide = half_tiles.elem_bytes(variant.p_dtype, variant.g_dtype)
-    return tiles.half_kernel(traced, wide) or ("indexed" in half_tiles.WORDS and wide == 2
-                                               and not (traced.in_place or traced.levels))
+    return kind in layouts and (tiles.half_kernel(traced, wide) or (
+        "indexed" in layouts and wide == 2 and not (traced.in_place or traced.levels)))
+
+
+def applies(traced, variant) -> bool:
+    """Whether ``traced``'s main kernel of ``variant`` selects on the stored words
+    (:data:`ftopt.lowering.half_tiles.WORDS`)."""
+    return any(traced.skips) and takes(traced, variant, half_tiles.WORDS)
 
 
 def moved(traced, kept: list[tuple[str, str]],
