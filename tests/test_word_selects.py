@@ -87,6 +87,8 @@ def test_word_selects_keep_the_bits_of_value_selects(monkeypatch, p_dtype, state
     # (the words took effect, on the states and the param)
     stored = words_in(sources)
     assert stored and any("tl.where(zero | (" in s and "p_raw" in s for s in stored)
+    # (no store reads the update where zero: its skip selects pass it through)
+    assert not any("tl.where(zero, neg_zero" in s for s in stored)
     for step_before, step_after in zip(before, after):
         for a, b in zip(step_before, step_after):
             assert a.dtype == b.dtype and torch.equal(bits(a), bits(b)), f"seed {seed}"
