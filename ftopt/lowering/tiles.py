@@ -47,14 +47,12 @@ IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
 # (none: the compiler's choice). H200, GPT-2 Adam with skip_zeros, dense / 90% of the
 # embedding's rows zero against no skip_zeros: fp32 at 1024x4 takes 58 registers (8
 # programs a multiprocessor), +0.2% / 1.25-1.27x; capped at 56 (9 programs, no spills)
-# -1.0..+0.5% / 1.27-1.29x in four sweeps (1.26-1.27x in the defaults run). bf16 params
-# at 1024x4 take 108 registers (+31%), and capped at 64 spill (+17%). bf16/fp16 states
-# (512x4): their in-place kernels run where some blocks are all zero (dense gradients run
-# select), and their spanned ones (a carved embedding: split.spanned) hold the span loop;
-# H200, GPT-2's embedding alone with 90% of its rows zero (leaf_split_gpu.py, kernel
-# time) uncapped / 40 / 32: 48.0 / 42.7 / 45.6 us (stochastic rounding 61.1 / 58.0 /
-# 59.2), the rest of the tree's split kernel (stochastic rounding) 477 / 476 / 491 us;
-# GPT-2 steps against no skip_zeros, that embedding sparse: 1.23x / 1.24x (kernel time).
+# -1.0..+0.5% / 1.27-1.29x in four sweeps. bf16 params at 1024x4 take 108 registers
+# (+31%), capped at 64 spill (+17%). bf16/fp16 states' in-place kernels run where blocks
+# are all zero (dense gradients run select), their spanned ones (split.spanned) hold the
+# span loop; H200, GPT-2's embedding alone with 90% of its rows zero (leaf_split_gpu.py,
+# kernel time) uncapped / 40 / 32: 48.0 / 42.7 / 45.6 us (stochastic rounding 61.1 /
+# 58.0 / 59.2); GPT-2 steps against no skip_zeros, that embedding sparse: 1.23x / 1.24x.
 # FTOPT_IN_PLACE_MAXNREG ("fp32=56,16-bit=64") overrides.
 IN_PLACE_MAXNREG = _per_layout("FTOPT_IN_PLACE_MAXNREG", "fp32=56,16-bit states=40")
 # The same for skip_zeros kernels that keep old values by selects (not in place), per
@@ -264,10 +262,12 @@ def skip_maxnreg(traced, kind: str, elem_bytes: int = 4) -> int | None:
     return SELECT_MAXNREG.get(kind) if any(traced.skips) else None
 
 
-def half_kernel(traced, elem_bytes: int) -> bool:
-    """Whether ``traced``'s main kernel over params and gradients ``elem_bytes`` wide
-    takes half_tiles' settings: 16-bit, not in place, no norms, no element index."""
-    return elem_bytes == 2 and not (traced.in_place or traced.levels or indexed(traced))
+def half_kernel(traced, elem_bytes: int, indexed_too: bool = False) -> bool:
+    """Whether ``traced``'s main kernel over params and gradients ``elem_bytes`` wide takes
+    half_tiles' settings: 16-bit, not in place, no norms, no element index (but where
+    ``indexed_too``)."""
+    return elem_bytes == 2 and not (traced.in_place or traced.levels
+                                    or (indexed(traced) and not indexed_too))
 
 
 def quant_maxnreg(traced, defer: int = 0) -> int:

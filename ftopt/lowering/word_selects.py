@@ -47,8 +47,7 @@ def takes(traced, variant, layouts: frozenset) -> bool:
     a rule that reads the element's index (stochastic rounding)."""
     kind = tiles.layout(variant.p_dtype, variant.quant_block, variant.slot_dtypes)
     wide = half_tiles.elem_bytes(variant.p_dtype, variant.g_dtype)
-    return kind in layouts and (tiles.half_kernel(traced, wide) or (
-        "indexed" in layouts and wide == 2 and not (traced.in_place or traced.levels)))
+    return kind in layouts and tiles.half_kernel(traced, wide, "indexed" in layouts)
 
 
 def applies(traced, variant) -> bool:
