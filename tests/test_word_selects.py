@@ -12,7 +12,7 @@ import registry
 import torch
 
 import ftopt
-from ftopt.lowering import codegen, half_tiles, lanes, launch, word_selects
+from ftopt.lowering import codegen, half_tiles, lanes, launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 bf16, fp16 = torch.bfloat16, torch.float16
@@ -87,8 +87,6 @@ def test_word_selects_keep_the_bits_of_value_selects(monkeypatch, p_dtype, state
     # (the words took effect, on the states and the param)
     stored = words_in(sources)
     assert stored and any("tl.where(zero | (" in s and "p_raw" in s for s in stored)
-    # (no store reads the update where zero: its skip selects pass it through)
-    assert not any("tl.where(zero, neg_zero" in s for s in stored)
     for step_before, step_after in zip(before, after):
         for a, b in zip(step_before, step_after):
             assert a.dtype == b.dtype and torch.equal(bits(a), bits(b)), f"seed {seed}"
@@ -212,33 +210,6 @@ def test_indexed_takes_stochastic_roundings_select_kernels(monkeypatch, on):
     assert all(("volatile=True" in s) == indexed for s in selects)
     assert all(bool(re.search(r"tl\.where\(zero, st\d+_\w+_old_raw", s)) == indexed
                for s in selects)
-    for a, b in zip(*out):
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    _clear_launch_caches()
-
-
-def test_through_off_keeps_the_updates_selects(monkeypatch):
-    """``FTOPT_SELECT_THROUGH=0`` (word_selects.THROUGH): the update's intermediate skip
-    selects stay in the word-select kernel; the same bits either way."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    params = {"w": torch.randn(3000, generator=gen).to(DEVICE, bf16)}
-    grads = {"w": torch.randn(3000, generator=gen).to(DEVICE, bf16)}
-    grads["w"][::4] = 0.0
-    real = codegen.compile_source
-    out, seen = [], []
-    for through in (True, False):
-        sources: list = []
-        monkeypatch.setattr(word_selects, "THROUGH", through)
-        monkeypatch.setattr(codegen, "compile_source",
-                            lambda s, n, _l=sources: (_l.append(s), real(s, n))[1])
-        _clear_launch_caches()
-        tx = ftopt.adam(1e-2, state_dtype=bf16, skip_zeros=True)
-        p, s = ftopt.step(tx, params, grads, tx.init(params), backend="fused")
-        out.append(ftopt.tree.leaves((p, s)))
-        seen.append(any("tl.where(zero, neg_zero" in x and "_old_raw, b_st" in x
-                        for x in sources))
-    monkeypatch.setattr(codegen, "compile_source", real)
-    assert seen == [False, True]
     for a, b in zip(*out):
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     _clear_launch_caches()

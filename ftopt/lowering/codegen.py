@@ -239,8 +239,7 @@ def _count_lines(traced: TracedChain) -> tuple[list[str], list[str]]:
 
 
 def _body_lines(traced: TracedChain, nodes, masks: dict[str, str],
-                variant: Variant, tail: bool, p_word: bool = False,
-                through: dict | None = None) -> list[str]:
+                variant: Variant, tail: bool, p_word: bool = False) -> list[str]:
     signs = slot_signs(traced) if variant.quant_block else {}
     half = dict(variant.slot_dtypes)
     lines = []
@@ -266,7 +265,7 @@ def _body_lines(traced: TracedChain, nodes, masks: dict[str, str],
         if variant.scalar_args and node.name.startswith("s") and expr.startswith(
                 "tl.load(scalars_ptr"):
             expr = "sa" + node.name[1:]
-        lines.append(f"{node.name} = {(through or {}).get(node.name, expr)}")
+        lines.append(f"{node.name} = {expr}")
     return lines
 
 
@@ -274,18 +273,17 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     quant = bool(variant.quant_block)
     roles = input_roles(traced, quant) + output_roles(traced, quant)
     dtypes = role_dtypes(traced, variant)
-    stores, words, through = word_selects.moved(traced, kept_stores(traced, quant), variant)
+    stores, words = word_selects.moved(traced, kept_stores(traced, quant), variant)
     nodes = main_nodes(traced, quant, stores, [*words.values(), *["zero"] * bool(words)])
     bodies = [_body_and_stores(traced, nodes, stores,
                                lanes.masks(traced, tail, bool(variant.chunk_lanes)), variant,
-                               dtypes, tail, words, through) for tail in (False, True)]
+                               dtypes, tail, words) for tail in (False, True)]
     if variant.chunk_lanes:
         bodies = [lanes.with_live_rows(body, variant.chunk_lanes) for body in bodies]
     if variant.split and variant.defer != 2:
         dense = replace(variant, skip_stores=False, split=False, dense=True)
         bodies[0] = split.split_on_zeros(bodies[0], _body_and_stores(
-            traced, nodes, stores, lanes.masks(traced, False), dense, dtypes, False, words,
-            through),
+            traced, nodes, stores, lanes.masks(traced, False), dense, dtypes, False, words),
             bool(variant.defer), variant.count_flags)
         if variant.defer:
             bodies[1] = split.deferred_tail()
@@ -340,10 +338,10 @@ def _broadcast(value: str) -> str:
 
 
 def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, variant: Variant,
-                     dtypes: dict, tail: bool, words: dict, through: dict) -> list[str]:
+                     dtypes: dict, tail: bool, words: dict) -> list[str]:
     # (words: role -> the loaded value whose word it stores where zero, word_selects.moved)
     signs = slot_signs(traced) if variant.quant_block else {}
-    lines = _body_lines(traced, nodes, masks, variant, tail, "p_out" in words, through)
+    lines = _body_lines(traced, nodes, masks, variant, tail, "p_out" in words)
     names = {node.name for node in nodes}
     for role, node in traced.running_stores:  # (every group's program 0: the same value)
         lines.append(f"tl.store({role}_ptr + offs * 0, {_broadcast(node)}, "

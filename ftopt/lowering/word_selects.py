@@ -22,20 +22,11 @@ the element's index, stochastic rounding, whose tile stays
 
 from __future__ import annotations
 
-import os
 import re
 
 from ftopt.lowering import half_tiles, tiles
 
-__all__ = ["applies", "moved", "takes", "THROUGH"]
-
-# Where every store keeps its old bytes where the gradient is zero (the param's and the
-# 16-bit states' words, the other states by their selects), nothing the kernel writes
-# there reads the update: its intermediate skip selects ``where(zero, -0.0, u)`` (a stage's
-# output in a chain of several) pass ``u`` through. Static SASS (sm_90, Triton 3.6, Adam
-# over bf16 params and states, 512x2, cap 56): 1,214 -> 1,154 instructions, the same
-# registers and loads; untimed (FTOPT_SELECT_THROUGH=0: the selects).
-THROUGH = os.environ.get("FTOPT_SELECT_THROUGH", "1") == "1"
+__all__ = ["applies", "moved", "takes"]
 
 _SELECT = re.compile(r"tl\.where\(zero, (\w+), (\w+)\)")
 
@@ -57,15 +48,14 @@ def applies(traced, variant) -> bool:
 
 
 def moved(traced, kept: list[tuple[str, str]],
-          variant) -> tuple[list[tuple[str, str]], dict[str, str], dict[str, str]]:
+          variant) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """``kept`` stores (role, node) of ``traced``'s main kernel of ``variant``
     (:class:`ftopt.lowering.codegen.Variant`) with each skip select of a 16-bit stored
     value moved onto its word where it :func:`applies`: the store takes the select's new
     value, and the returned map gives the role's loaded value (``{name}_raw`` its word)
-    the store keeps where ``zero`` holds; then the nodes that pass their value through
-    (:data:`THROUGH`): node -> the node it computes as."""
+    the store keeps where ``zero`` holds."""
     if not applies(traced, variant):
-        return kept, {}, {}
+        return kept, {}
     graph, half, p_half = traced.graph, dict(variant.slot_dtypes), variant.p_dtype.itemsize == 2
     out, words = [], {}
     for role, node in kept:
@@ -83,21 +73,4 @@ def moved(traced, kept: list[tuple[str, str]],
             words[role] = "p"
             continue
         out.append((role, node))
-    return out, words, _through(traced, variant, out, words)
-
-
-def _through(traced, variant, kept: list, words: dict) -> dict[str, str]:
-    """The intermediate skip selects of the update, where nothing stored where ``zero``
-    holds reads them (:data:`THROUGH`): node -> its ``u``."""
-    nodes = traced.graph.nodes
-
-    def guarded(role: str, node: str) -> bool:  # (keeps its old bytes where zero)
-        old, m = f"{role[: -len('_out')]}_old", _SELECT.fullmatch(nodes[node].expr)
-        return role in words or node == old or bool(m and m.group(1) == old)
-
-    if not (THROUGH and "p_out" in words and all(guarded(*x) for x in kept)) or (
-            variant.quant_block or traced.running_stores or traced.leaf_slots
-            or traced.graph.reductions):
-        return {}
-    return {n.name: m.group(2) for n in nodes.values()
-            if (m := _SELECT.fullmatch(n.expr)) and m.group(1) == "neg_zero"}
+    return out, words
