@@ -23,13 +23,14 @@ N = 256 * 40 + 77  # (8-bit states from 4096 elements; a tail block)
 @pytest.fixture
 def small_blocks(monkeypatch):
     """One 8-bit block a program, flags in runs of 4, a count every 2 steps and a probe
-    every 4 (so that a few steps show every switch)."""
+    every 4, the first too (so that a few steps show every switch)."""
     monkeypatch.setitem(tiles.SKIP_MODES, "8-bit", "split+defer")
     monkeypatch.setattr(tiles, "QUANT_TILE", (256, 1))
     monkeypatch.setattr(tiles, "DEFER_FLAGS", 4)
     monkeypatch.setattr(tiles, "DEFER_FLAGS_FEW", 4)
     monkeypatch.setattr(tiles, "WATCH_PERIOD", 2)
     monkeypatch.setattr(tiles, "WATCH_PROBE", 4)
+    monkeypatch.setattr(tiles, "WATCH_FIRST_PROBE", 4)
     for cache in (launch._constants_cached, launch._kernel):
         cache.cache_clear()
     yield
@@ -234,9 +235,11 @@ LAYOUTS = {"fp32": (torch.float32, {}, "fp32"),
 @pytest.fixture
 def small_tiles(monkeypatch):
     """fp32 and 16-bit programs of one 256-element block (half_tiles' tiles of 16-bit
-    kernels set aside), no spans, a count every 2 steps and a probe every 4."""
+    kernels set aside), no spans, a count every 2 steps and a probe every 4 (the first
+    too)."""
     for name, value in (("IN_PLACE_TILE", (256, 4)), ("IN_PLACE_TILES", {}), ("BLOCK", 256),
-                        ("SPANS", {}), ("WATCH_PERIOD", 2), ("WATCH_PROBE", 4)):
+                        ("SPANS", {}), ("WATCH_PERIOD", 2), ("WATCH_PROBE", 4),
+                        ("WATCH_FIRST_PROBE", 4)):
         monkeypatch.setattr(tiles, name, value)
     for name in ("PLAIN", "SELECT"):
         monkeypatch.setattr(half_tiles, name, {})
@@ -682,3 +685,55 @@ def test_a_carves_spanned_group_launches_beside_the_others(layout, carve_warps, 
     source = codegen.main_source(spanned.traced, spanned.variant([0.0]))
     assert spanned.variant([0.0]).looped == (spans if programs else 0)
     assert ("for span_at in range(" in source) == bool(programs)
+
+
+def test_a_carves_probe_kernels_launch_first_in_a_loops_first_steps(small_blocks,
+                                                                   small_tiles,
+                                                                   monkeypatch):
+    """The first probe of a mode comes at a step 1 mod tiles.WATCH_FIRST_PROBE, so that
+    the kernels its probe runs (a carve's, counting) launch first, and compile, in a
+    loop's first steps and not a probe period in. bf16 states, an embedding's rows
+    mostly zero beside dense gradients: the carve runs select beside the spanned leaf,
+    its probe split and counting. With the first probe at step 3 no step after it
+    launches a kernel (and constants) not launched before; the control (the first probe
+    a probe period in, step 9) launches new ones there. The same bytes either way."""
+    dtype, kw = _one_block_layout("bf16 states", monkeypatch)
+    monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
+    monkeypatch.setattr(tiles, "WATCH_PROBE", 8)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    params = {"emb": torch.randn(256 * 40, generator=gen).to(DEVICE, dtype),
+              "w": torch.randn(256 * 30 + 77, generator=gen).to(DEVICE, dtype)}
+    grads = [{k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
+              for k, v in params.items()} for _ in range(12)]
+    for g in grads:
+        g["emb"].view(40, 256)[torch.randperm(40, generator=gen)[:36]] = 0.0
+    real = launch._launch
+    seen: dict = {}
+
+    def launched(kernel, grid, args, constants, device, key=()):
+        seen.setdefault((kernel, constants, key), step[0])
+        return real(kernel, grid, args, constants, device, key)
+
+    monkeypatch.setattr(launch, "_launch", launched)
+    out, firsts, probes = [], [], []
+    for first in (2, 8):
+        monkeypatch.setattr(tiles, "WATCH_FIRST_PROBE", first)
+        seen.clear()
+        tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
+        p, s = cloned(params), tx.init(params)
+        step, sampled = [0], []
+        for k, g in enumerate(grads, 1):
+            step[0] = k
+            p, s = ftopt.step(tx, p, g, s, backend="fused", donate=True)
+            _counted()
+            (group,) = plan_chain(tx).prepared.groups
+            if group.watch.now == 3 and group.watch.carve_now != group.watch.carve:
+                sampled.append(k)  # (a probe: the carve, the others split)
+        out.append((p, s))
+        firsts.append(sorted(set(seen.values())))
+        probes.append(sampled)
+        assert group.watch.carve[1]  # (the others ran select: the probe is another carve)
+    assert probes[0][:2] == [3, 9] and probes[1][:1] == [9]
+    assert max(firsts[0]) <= 3
+    assert 9 in firsts[1]  # (the control: the kernels of the probe launched first there)
+    assert same_bits(*out)

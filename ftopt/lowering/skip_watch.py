@@ -26,7 +26,12 @@ deferred (split+defer), or while ``f - SPLIT_ZERO_WEIGHT * z`` exceeds
 :data:`tiles.SPLIT_SELECT_ABOVE` (the others; ``f``, ``z``: the fractions of blocks with
 some and with only zeros; bf16/fp16 states rounded to nearest, for which select is the
 cheaper mode with dense gradients too: :data:`tiles.SPLIT_SELECT_ABOVE_STATES`); then
-one step in :data:`tiles.WATCH_PROBE` runs the split mode again to count. (A deferring
+one step in :data:`tiles.WATCH_PROBE` runs the split mode again to count, the first at a
+step 1 mod :data:`tiles.WATCH_FIRST_PROBE` (16: step 17, not 65), so that the kernels
+the mode's probe runs compile in a loop's first steps (H200, GPT-2 Adam, bf16 states,
+90% of the embedding's rows zero: with the first probe at step 65, 50 back-to-back steps
+past the 60th took 0.72-1.69 ms a step, 16.7 in one run, against a median of 0.35-0.39
+ms a step by events). (A deferring
 group's flags mark its all-zero blocks too, 2, which its deferred kernel passes over;
 the zeros do not weigh in its choice, since split+select skips them as well.)
 
@@ -104,6 +109,7 @@ class SkipWatch:
         self.fraction: float | None = None
         self.zero_fraction: float | None = None
         self.steps = 0
+        self.probed = False  # a step of a mode other than 0 has counted
         self.sampling = False  # this step's flags are counted after its launches
         self.pending: tuple | None = None  # (event or None, counts) not yet read
         self._host: torch.Tensor | None = None
@@ -123,8 +129,10 @@ class SkipWatch:
                 self.pending = None
                 self._decide(*counts.tolist())
         self.steps += 1
-        period = tiles.WATCH_PROBE if self.other else tiles.WATCH_PERIOD
+        period = (tiles.WATCH_PERIOD if not self.other
+                  else tiles.WATCH_PROBE if self.probed else tiles.WATCH_FIRST_PROBE)
         self.sampling = self.pending is None and self.steps % period == 1 % period
+        self.probed |= self.sampling and self.other != 0
         # (a carving group's probe: its carve with the others in the group's own mode)
         probe_carve = self.sampling and self.other == 3
         self.now = 3 if probe_carve else 0 if self.sampling else self.other

@@ -155,8 +155,7 @@ DEFER_FEW_BELOW = float(os.environ.get("FTOPT_DEFER_FEW_BELOW", "0.01"))
 # 8-bit Adam with the watch against off (four A/Bs a setting, three runs, 2026-12-02),
 # bytes / words: dense +2.7% / +2.0..2.2%, 90% of the embedding's rows zero 1.229x /
 # 1.237-1.240x, every block part zero +14.9% (words). More flags a program or 4 or 8
-# warps uncapped were no faster (the latency of one flagged block's loads, ~5.5 us).
-# FTOPT_DEFER_WORDS=0 reads them as bytes.
+# warps uncapped were no faster (one flagged block's loads, ~5.5 us). FTOPT_DEFER_WORDS=0.
 DEFER_WORDS = os.environ.get("FTOPT_DEFER_WORDS", "1") == "1"
 # A "split+defer" group runs "split+select" while more than DEFER_SELECT_ABOVE of its
 # blocks were deferred when last counted (ftopt.lowering.skip_watch): counted every
@@ -165,11 +164,12 @@ DEFER_WORDS = os.environ.get("FTOPT_DEFER_WORDS", "1") == "1"
 # f = 0 / 0.02 / 0.05 / 0.1 / 0.2 / 1: split+defer 0.625-0.629 / 0.640-0.645 /
 # 0.654-0.664 / 0.681-0.683 / 0.722-0.724 / 1.011-1.035, split+select 0.642-0.648 /
 # 0.645-0.655 / 0.646-0.654 / 0.653-0.662 / 0.664-0.666 / 0.692-0.700 (two rounds).
-# FTOPT_DEFER_SELECT_ABOVE (1 or more: never), FTOPT_WATCH_PERIOD and FTOPT_WATCH_PROBE
-# override them.
+# The first probe at a step 1 mod WATCH_FIRST_PROBE (its counting kernels compile in a
+# loop's first steps). FTOPT_<NAME> overrides each (DEFER_SELECT_ABOVE 1 or more: never).
 DEFER_SELECT_ABOVE = float(os.environ.get("FTOPT_DEFER_SELECT_ABOVE", "0.04"))
 WATCH_PERIOD = int(os.environ.get("FTOPT_WATCH_PERIOD", "16"))
 WATCH_PROBE = int(os.environ.get("FTOPT_WATCH_PROBE", "64"))
+WATCH_FIRST_PROBE = int(os.environ.get("FTOPT_WATCH_FIRST_PROBE", "16"))
 # Another "split" group (fp32 and 16-bit layouts: "split+in_place") runs "select" while
 # f - SPLIT_ZERO_WEIGHT * z > SPLIT_SELECT_ABOVE, f the fraction of its blocks with some
 # zero gradients and z of those with only zeros, counted as above. H200, GPT-2 Adam
