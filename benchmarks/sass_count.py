@@ -94,6 +94,8 @@ def _cases() -> dict:
             1e-3, state_dtype=__import__("torch").bfloat16),
         "adam_bf16_params_bf16_states_skip": lambda: ftopt.adam(
             1e-3, state_dtype=__import__("torch").bfloat16, skip_zeros=True),
+        "adam_bf16_params_bf16_states_sr": lambda: ftopt.adam(
+            1e-3, state_dtype=__import__("torch").bfloat16, state_rounding="stochastic"),
         "adam_bf16_params_bf16_states_sr_skip": lambda: ftopt.adam(
             1e-3, state_dtype=__import__("torch").bfloat16, state_rounding="stochastic",
             skip_zeros=True),
