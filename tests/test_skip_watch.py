@@ -361,6 +361,17 @@ def _one_block_layout(layout: str, monkeypatch) -> tuple:
     return dtype, kw
 
 
+def _embedding_tree(gen: torch.Generator, dtype: torch.dtype, steps: int,
+                    **extra: int) -> tuple:
+    """Params: an embedding of 40 one-block rows ("emb") and a leaf with a tail block
+    ("w"), after ``extra`` (name -> elements); ``steps`` fresh gradients of each."""
+    sizes = {**extra, "emb": 256 * 40, "w": 256 * 30 + 77}
+    params = {k: torch.randn(n, generator=gen).to(DEVICE, dtype) for k, n in sizes.items()}
+    grads = [{k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
+              for k, v in params.items()} for _ in range(steps)]
+    return params, grads
+
+
 @pytest.mark.parametrize("layout", ["8-bit", "bf16 states"])
 def test_mostly_zero_gradients_run_the_spanned_alternate(layout, small_blocks, small_tiles,
                                                          bound_calls, monkeypatch):
@@ -420,10 +431,7 @@ def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, rest_part
     monkeypatch.setattr(tiles, "CARVE_SPANS", {"8-bit": 2})  # (else the alternate's 4)
     span = 2 if layout == "8-bit" else 4
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    params = {"emb": torch.randn(256 * 40, generator=gen).to(DEVICE, dtype),
-              "w": torch.randn(256 * 30 + 77, generator=gen).to(DEVICE, dtype)}
-    grads = [{k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
-              for k, v in params.items()} for _ in range(12)]
+    params, grads = _embedding_tree(gen, dtype, 12)
     rows = torch.randperm(40, generator=gen)[:36]
     for g in grads[:6]:  # 36 of its 40 blocks zero, other ones each step
         g["emb"].view(40, 256)[rows[torch.randperm(36, generator=gen)]] = 0.0
@@ -478,11 +486,7 @@ def test_a_carves_probe_counts_what_the_whole_group_would(layout, small_blocks, 
     dtype, kw = _one_block_layout(layout, monkeypatch)
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    params = {"a": torch.randn(256 * 20, generator=gen).to(DEVICE, dtype),
-              "emb": torch.randn(256 * 40, generator=gen).to(DEVICE, dtype),
-              "w": torch.randn(256 * 30 + 77, generator=gen).to(DEVICE, dtype)}
-    grads = [{k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
-              for k, v in params.items()} for _ in range(12)]
+    params, grads = _embedding_tree(gen, dtype, 12, a=256 * 20)
     for k, g in enumerate(grads):  # 34-36 of its 40 blocks zero, others each step
         g["emb"].view(40, 256)[torch.randperm(40, generator=gen)[:34 + k % 3]] = 0.0
         g["a"][256 * k:256 * (k + 1)] = 0.0  # (one all-zero block)
@@ -585,10 +589,7 @@ def test_a_carves_spanned_group_launches_beside_the_others(layout, carve_warps, 
     key = "8-bit" if layout == "8-bit" else "16-bit states"
     monkeypatch.setattr(tiles, "CARVE_WARPS", {key: carve_warps} if carve_warps else {})
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    params = {"emb": torch.randn(256 * 40, generator=gen).to(DEVICE, dtype),
-              "w": torch.randn(256 * 30 + 77, generator=gen).to(DEVICE, dtype)}
-    grads = [{k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
-              for k, v in params.items()} for _ in range(8)]
+    params, grads = _embedding_tree(gen, dtype, 8)
     for g in grads:
         g["emb"].view(40, 256)[torch.randperm(40, generator=gen)[:36]] = 0.0
     real = (streams.fork, streams.on, streams.join, streams.handle)
@@ -701,10 +702,7 @@ def test_a_carves_probe_kernels_launch_first_in_a_loops_first_steps(small_blocks
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
     monkeypatch.setattr(tiles, "WATCH_PROBE", 8)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    params = {"emb": torch.randn(256 * 40, generator=gen).to(DEVICE, dtype),
-              "w": torch.randn(256 * 30 + 77, generator=gen).to(DEVICE, dtype)}
-    grads = [{k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
-              for k, v in params.items()} for _ in range(12)]
+    params, grads = _embedding_tree(gen, dtype, 12)
     for g in grads:
         g["emb"].view(40, 256)[torch.randperm(40, generator=gen)[:36]] = 0.0
     real = launch._launch
