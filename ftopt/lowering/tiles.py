@@ -167,9 +167,9 @@ DEFER_WORDS = os.environ.get("FTOPT_DEFER_WORDS", "1") == "1"
 # The first probe at a step 1 mod WATCH_FIRST_PROBE (its counting kernels compile in a
 # loop's first steps). FTOPT_<NAME> overrides each (DEFER_SELECT_ABOVE 1 or more: never).
 DEFER_SELECT_ABOVE = float(os.environ.get("FTOPT_DEFER_SELECT_ABOVE", "0.04"))
-WATCH_PERIOD = int(os.environ.get("FTOPT_WATCH_PERIOD", "16"))
-WATCH_PROBE = int(os.environ.get("FTOPT_WATCH_PROBE", "64"))
-WATCH_FIRST_PROBE = int(os.environ.get("FTOPT_WATCH_FIRST_PROBE", "16"))
+WATCH_PERIOD = max(1, int(os.environ.get("FTOPT_WATCH_PERIOD", "16")))
+WATCH_PROBE = max(1, int(os.environ.get("FTOPT_WATCH_PROBE", "64")))
+WATCH_FIRST_PROBE = max(1, int(os.environ.get("FTOPT_WATCH_FIRST_PROBE", "16")))
 # Another "split" group (fp32 and 16-bit layouts: "split+in_place") runs "select" while
 # f - SPLIT_ZERO_WEIGHT * z > SPLIT_SELECT_ABOVE, f the fraction of its blocks with some
 # zero gradients and z of those with only zeros, counted as above. H200, GPT-2 Adam
