@@ -735,3 +735,27 @@ def test_a_carves_probe_kernels_launch_first_in_a_loops_first_steps(small_blocks
     assert max(firsts[0]) <= 3
     assert 9 in firsts[1]  # (the control: the kernels of the probe launched first there)
     assert same_bits(*out)
+
+
+def test_the_default_schedule_counts_at_1_and_17_then_every_64(monkeypatch):
+    """With the default periods (tiles.WATCH_PERIOD 16, WATCH_FIRST_PROBE 16,
+    WATCH_PROBE 64), a group whose blocks are all part zero counts at step 1, runs its
+    alternate from step 2, probes first at step 17 and then at 65, 129, 193; a group that
+    stays in its own mode counts every 16 steps."""
+    for name, value in (("WATCH_PERIOD", 16), ("WATCH_FIRST_PROBE", 16), ("WATCH_PROBE", 64)):
+        monkeypatch.setattr(tiles, name, value)
+    for values, other, expected in (([1] * 8, 1, [1, 17, 65, 129, 193]),
+                                    ([0] * 8, 0, list(range(1, 200, 16)))):
+        flags = torch.zeros(8, dtype=torch.uint8)
+        watch = SkipWatch(flags, 8, False, 0.2)
+        counted, modes = [], []
+        for step in range(1, 200):
+            watch.plan()
+            modes.append(watch.now)
+            if watch.sampling:
+                counted.append(step)
+                flags[:] = torch.tensor(values, dtype=torch.uint8)
+            watch.after()  # (on the CPU the count is read at the next step)
+        assert counted == expected
+        assert set(modes[1:]) - {0} == ({other} if other else set())
+        assert all(modes[k - 1] == 0 for k in counted)
