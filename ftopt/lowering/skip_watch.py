@@ -31,9 +31,9 @@ step 1 mod :data:`tiles.WATCH_FIRST_PROBE` (16: step 17, not 65), so that the ke
 the mode's probe runs compile in a loop's first steps (H200, GPT-2 Adam, bf16 states,
 90% of the embedding's rows zero: with the first probe at step 65, 50 back-to-back steps
 past the 60th took 0.72-1.69 ms a step, 16.7 in one run, against a median of 0.35-0.39
-ms a step by events). (A deferring
-group's flags mark its all-zero blocks too, 2, which its deferred kernel passes over;
-the zeros do not weigh in its choice, since split+select skips them as well.)
+ms a step by events). (A deferring group's flags mark its all-zero blocks too, 2, which
+its deferred kernel passes over; the zeros do not weigh in its choice, since
+split+select skips them as well.)
 
 A group of one block a program, of a layout of :data:`tiles.SPAN_ALTERNATES`, also has a
 spanned alternate (programs of several blocks: an all-zero stretch waits on memory once
