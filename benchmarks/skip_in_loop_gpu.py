@@ -27,9 +27,16 @@ back), so kernels with many instructions per byte (16-bit states, stochastic rou
 skip_zeros' selects) take longer than between their own launches
 (``benchmarks/RESULTS.md``, 2026-12-03).
 
+``--kernels``: the timed steps also run under ``torch.profiler``, and each case prints
+the device time a step of each kernel but the burst's (CUPTI: the kernels alone, without
+the gaps between them), so that a step's time in this position can be told apart into
+its kernels' (written to ``in_loop.json`` as ``kernels_us``).
+
     python3 benchmarks/skip_in_loop_gpu.py OUT [--layouts=...] [--rounds=4] [--steps=128]
-        [--burst=8192]
+        [--burst=8192] [--kernels]
 """
+import collections
+import contextlib
 import json
 import pathlib
 import statistics
@@ -39,6 +46,7 @@ sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent)]
 import gpu_step  # noqa: E402
 import timing  # noqa: E402
 import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import native  # noqa: E402
@@ -53,24 +61,42 @@ ONLY = [x for x in _option("layouts", "").split(",") if x]
 ROUNDS = int(_option("rounds", "4"))
 STEPS = int(_option("steps", "128"))
 BURST = int(_option("burst", "8192"))
+KERNELS = "--kernels" in sys.argv[2:]
 KINDS = ("dense", "sparse")
 
 
-def in_loop_us(step, burst) -> list[float]:
-    """Each of :data:`STEPS` steps' device us, each queued behind ``burst()``."""
+def in_loop_us(step, burst, burst_names: frozenset = frozenset()) -> tuple[list, dict]:
+    """Each of :data:`STEPS` steps' device us, each queued behind ``burst()``; with
+    :data:`KERNELS`, the device us a step of each kernel not named in ``burst_names``."""
     for _ in range(70):
         burst()
         step()
     torch.cuda.synchronize()
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
              for _ in range(STEPS)]
-    for a, b in pairs:
-        burst()
-        a.record()
-        step()
-        b.record()
+    with profile(activities=[ProfilerActivity.CUDA]) if KERNELS else (
+            contextlib.nullcontext()) as prof:
+        for a, b in pairs:
+            burst()
+            a.record()
+            step()
+            b.record()
+        torch.cuda.synchronize()
+    kernels: dict = collections.defaultdict(float)
+    for e in (prof.events() if KERNELS else ()):
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in burst_names:
+            kernels[e.name[:40]] += e.device_time / STEPS
+    return [a.elapsed_time(b) * 1e3 for a, b in pairs], dict(kernels)
+
+
+def kernel_names(fn) -> frozenset:
+    """The names of the kernels ``fn`` launches (torch.profiler)."""
     torch.cuda.synchronize()
-    return [a.elapsed_time(b) * 1e3 for a, b in pairs]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return frozenset(e.name for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def main() -> None:
@@ -85,22 +111,28 @@ def main() -> None:
             torch.mm(x, x, out=y)
 
     burst_ms = statistics.median(timing.event_ms(burst, 10, 3))
+    burst_names = kernel_names(burst) if KERNELS else frozenset()
     print(f"burst: {BURST}^2 bf16 product, {burst_ms:.3f} ms", flush=True)
     cfg = gpu_step.gpt2_tree_config(dev)
     rows = []
     for name, kw, _, params, grads in gpu_step.layout_trees(cfg, ONLY):
         sparse, _ = gpu_step._sparse_wte(grads, cfg)
         seen: dict = {}  # (variant, kind) -> each round's per-step us
+        per_kernel: dict = {}  # (variant, kind) -> each round's us a step by kernel
         for rnd in range(ROUNDS):
             order = (("off", False), ("watch", True))
             for variant, skip in (order if rnd % 2 == 0 else order[::-1]):
                 tx = ftopt.adam(1e-3, skip_zeros=skip, **kw)
                 for kind, g in (("dense", grads), ("sparse", sparse)):
-                    us = in_loop_us(timing.donated_stepper(tx, params, g), burst)
+                    us, kernels = in_loop_us(timing.donated_stepper(tx, params, g), burst,
+                                             burst_names)
                     seen.setdefault((variant, kind), []).append(us)
+                    per_kernel.setdefault((variant, kind), []).append(kernels)
                     print(f"{rnd} {name:46s} {variant:5s} {kind:6s} mean "
                           f"{statistics.fmean(us):7.1f} us, median "
                           f"{statistics.median(us):7.1f}, max {max(us):7.1f}", flush=True)
+                    for kernel, k_us in sorted(kernels.items(), key=lambda kv: -kv[1]):
+                        print(f"      {kernel:40s} {k_us:7.1f} us a step", flush=True)
         for kind in KINDS:
             off = [statistics.fmean(u) for u in seen[("off", kind)]]
             watch = [statistics.fmean(u) for u in seen[("watch", kind)]]
@@ -114,7 +146,9 @@ def main() -> None:
                   f"{statistics.median(watch):.1f})", flush=True)
             rows.append(dict(layout=name, grads=kind, off_mean_us=off, watch_mean_us=watch,
                              off_over_watch=ratios, median=med, burst_ms=burst_ms,
-                             steps=STEPS, native_check=native.status()))
+                             steps=STEPS, native_check=native.status(),
+                             kernels_us={v: per_kernel[(v, kind)] for v in ("off", "watch")}
+                             if KERNELS else {}))
         del params, grads, sparse
         torch.cuda.empty_cache()
     out = pathlib.Path(sys.argv[1])

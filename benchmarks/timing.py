@@ -160,15 +160,15 @@ def cuda_events(step: Callable[[], None], steps: int) -> list:
     """The CUDA events (torch.profiler) of ``steps`` calls of ``step``, by start time.
     The skip_zeros watch does not count in them: the steps launch the same kernels each."""
     torch.cuda.synchronize()
-    period = (tiles.WATCH_PERIOD, tiles.WATCH_PROBE)
-    tiles.WATCH_PERIOD = tiles.WATCH_PROBE = 10**9
+    period = (tiles.WATCH_PERIOD, tiles.WATCH_PROBE, tiles.WATCH_FIRST_PROBE)
+    tiles.WATCH_PERIOD = tiles.WATCH_PROBE = tiles.WATCH_FIRST_PROBE = 10**9
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 step()
             torch.cuda.synchronize()
     finally:
-        tiles.WATCH_PERIOD, tiles.WATCH_PROBE = period
+        tiles.WATCH_PERIOD, tiles.WATCH_PROBE, tiles.WATCH_FIRST_PROBE = period
     return sorted([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA],
                   key=lambda e: e.time_range.start)
 
@@ -179,7 +179,7 @@ def kernel_us(tx, params: dict, grads: dict, steps: int = 20) -> dict:
     counts in the warm-up steps alone: the profiled steps launch the same kernels each,
     so the kernels of one name are told apart by their place in a step."""
     step = donated_stepper(tx, params, grads)
-    for _ in range(17):  # (the watch's first count, read, and its mode taken)
+    for _ in range(17):  # (the watch's first count, read, its mode taken, its first probe)
         step()
     events = cuda_events(step, steps)
     per_step = max(len(events) // steps, 1)
