@@ -37,10 +37,10 @@ IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
 # Layouts (:func:`layout`) whose in-place tile differs. H200, GPT-2 Adam, split+in_place,
 # dense / 90% of the embedding's rows zero against no skip_zeros (benchmarks/RESULTS.md):
 # fp32 512x4 +1.6-2.2% / 1.24x, 1024x4 -0.2..+0.5% / 1.25-1.26x; bf16 params 512x4 +1.4%
-# / 1.293x, 256x2 +0.0% / 1.329x (2026-12-04). bf16/fp16 states run in place only where
-# blocks are all zero (a carved embedding), 512x4 / 512x8 / 256x4 / 256x2: GPT-2 step
-# 1.244x / 1.183x / 1.224x / 1.259x by kernel time (stochastic rounding 1.185x / 0.80x /
-# 0.87x / 1.204x). FTOPT_IN_PLACE_TILE, where set, is every layout's.
+# / 1.293x, 256x2 +0.0% / 1.329x (2026-12-04). bf16/fp16 states run in place where blocks
+# are all zero (a carved embedding; stochastic rounding's dense steps too), 512x4 / 512x8
+# / 256x4 / 256x2: GPT-2 step 1.244x / 1.183x / 1.224x / 1.259x by kernel time (stochastic
+# rounding 1.185x / 0.80x / 0.87x / 1.204x). FTOPT_IN_PLACE_TILE: every layout's.
 IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
                   else {"fp32": (1024, 4), "16-bit": (256, 2), "16-bit states": (256, 2)})
 # Register caps (Triton's ``maxnreg``) of in-place kernels on NVIDIA GPUs, per layout
@@ -49,7 +49,7 @@ IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
 # programs a multiprocessor), +0.2% / 1.25-1.27x; capped at 56 (9 programs, no spills)
 # -1.0..+0.5% / 1.27-1.29x in four sweeps. bf16 params at 1024x4 take 108 registers
 # (+31%), capped at 64 spill (+17%). bf16/fp16 states' in-place kernels run where blocks
-# are all zero (dense gradients run select), their spanned ones (split.spanned) hold the
+# are all zero (rounded to nearest, dense gradients run select), spanned ones hold the
 # span loop; H200, GPT-2's embedding alone with 90% of its rows zero (leaf_split_gpu.py,
 # kernel time) uncapped / 40 / 32: 48.0 / 42.7 / 45.6 us (stochastic rounding 61.1 /
 # 58.0 / 59.2); GPT-2 steps against no skip_zeros, that embedding sparse: 1.23x / 1.24x.
