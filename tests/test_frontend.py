@@ -463,21 +463,6 @@ def test_half_tiles_route_by_kernel_kind_and_param_width(monkeypatch):
     assert tiles.skip_maxnreg(traced([True], levels=1), kind, 2) == 40
 
 
-def test_a_malformed_half_tile_setting_names_its_variable():
-    """FTOPT_PLAIN_TILE / FTOPT_SELECT_TILE that do not parse fail at import with the
-    variable's name and the expected form; well-formed ones are read."""
-    code = "import ftopt.lowering.half_tiles as h; print(h.PLAIN, h.SELECT)"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**env, "FTOPT_SELECT_TILE": "16-bit states=512by2"})
-    assert bad.returncode != 0
-    assert "FTOPT_SELECT_TILE: '16-bit states=512by2' is not LAYOUT=BLOCKxWARPS" in bad.stderr
-    good = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**env, "FTOPT_SELECT_TILE": "16-bit states=512x2/64"},
-                          check=True)
-    assert good.stdout.split("} ", 1)[1].strip() == "{'16-bit states': (512, 2, 64)}"
-
-
 def test_fast_math_layouts_take_the_approximate_instructions(monkeypatch):
     """A layout in tiles.FAST_MATH gets approximate sqrt and division in its main kernel
     (which pass the front end), the others keep the correctly rounded ones; an 8-bit

@@ -21,6 +21,7 @@ import torch
 
 from ftopt import program
 from ftopt.lowering import half_tiles, lanes, leaf_slots, quantized, split, tiles, word_selects
+from ftopt.lowering.knobs import text as knob_text
 from ftopt.lowering.roles import input_roles, kept_stores, output_roles, role_dtypes, slot_signs
 from ftopt.lowering.sym_algebra import SymbolicAlgebra, as_name
 from ftopt.lowering.symbolic import Graph, Reduction
@@ -422,8 +423,8 @@ def _kernel(name: str, signature: str, lines: list[str], helpers: dict | None = 
 
 _MODULES: dict[str, object] = {}
 _CACHE_DIR: str | None = None
-# Hand-edited kernels to time in the step, named as the ones they replace (sass_count.py)
-_SOURCES = os.environ.get("FTOPT_KERNEL_SOURCES", "")
+# Named as the generated kernels they replace (sass_count.py --dump)
+_SOURCES = knob_text("FTOPT_KERNEL_SOURCES", "", "a folder of hand-edited kernels to time")
 
 
 def compile_source(source: str, name: str):

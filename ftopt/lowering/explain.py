@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, check_transform
 from ftopt.combine import Masked, Partition, owner
-from ftopt.lowering import branches, runs, tiles
+from ftopt.lowering import branches, knobs, runs, tiles
 from ftopt.lowering.codegen import level_reductions, main_nodes
 from ftopt.lowering.explain_skip import skip_line, skip_used
 from ftopt.lowering.plan import (
@@ -181,6 +181,9 @@ def explain(tx: GradientTransformation, params: Any, grads: Any = None, *,
                          "tensors and a stack of the kernel's scalars (no host read)")
     if not groups:
         lines.append("no leaf has a gradient: nothing to do")
+    if settings := knobs.set_here():
+        lines.append("fused backend settings from the environment (python -m ftopt.lowering): "
+                     + ", ".join(f"{k}={v!r}" for k, v in settings.items()))
     text = "\n".join(lines)
     print(text, file=file)
     return text

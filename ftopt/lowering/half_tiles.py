@@ -44,39 +44,28 @@ from __future__ import annotations
 
 import os
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from ftopt.lowering import knobs
 
 
-def _tiles(variable: str, default: str) -> dict[str, tuple[int, int, int]]:
+def _tiles(variable: str, default: str, help: str) -> dict[str, tuple[int, int, int]]:
     """``layout -> (block, warps, maxnreg)`` (0: no cap) from ``variable``; none under
     the interpreter or with ``FTOPT_BLOCK`` set, unless ``variable`` is set."""
-    if variable not in os.environ and (_INTERPRETING or "FTOPT_BLOCK" in os.environ):
+    out = knobs.layout_tiles(variable, default, help)
+    if variable not in os.environ and (knobs.INTERPRETING or "FTOPT_BLOCK" in os.environ):
         return {}
-    out = {}
-    for item in filter(None, os.environ.get(variable, default).split(",")):
-        kind, _, spec = item.partition("=")
-        tile, _, cap = spec.partition("/")
-        try:
-            block, warps = (int(x) for x in tile.split("x"))
-            out[kind] = (block, warps, int(cap or 0))
-        except ValueError:
-            raise ValueError(f"{variable}: {item!r} is not LAYOUT=BLOCKxWARPS or "
-                             "LAYOUT=BLOCKxWARPS/MAXNREG (\"16-bit states=512x2/64\")"
-                             ) from None
     return out
 
 
-PLAIN = _tiles("FTOPT_PLAIN_TILE", "16-bit states=512x2")
-SELECT = _tiles("FTOPT_SELECT_TILE", "16-bit states=512x2/56")
-
-
-def _layouts(variable: str, default: str) -> frozenset:
-    return frozenset(filter(None, os.environ.get(variable, default).split(",")))
-
-
-VOLATILE = {"plain": _layouts("FTOPT_PLAIN_VOLATILE", ""),
-            "select": _layouts("FTOPT_SELECT_VOLATILE", "16-bit states")}
-WORDS = _layouts("FTOPT_SELECT_WORDS", "16-bit states")
+PLAIN = _tiles("FTOPT_PLAIN_TILE", "16-bit states=512x2", "16-bit main kernels' tiles "
+               "without skip_zeros (none under the interpreter)")
+SELECT = _tiles("FTOPT_SELECT_TILE", "16-bit states=512x2/56", "16-bit main kernels' "
+                "tiles with skip_zeros, select mode")
+VOLATILE = {"plain": knobs.layout_set("FTOPT_PLAIN_VOLATILE", "", "layouts whose plain "
+                                      "16-bit kernels load volatile", extra=("indexed",)),
+            "select": knobs.layout_set("FTOPT_SELECT_VOLATILE", "16-bit states", "layouts whose "
+                                       "select 16-bit kernels load volatile", extra=("indexed",))}
+WORDS = knobs.layout_set("FTOPT_SELECT_WORDS", "16-bit states", "layouts whose select "
+                         "kernels select stored words", extra=("indexed",))
 
 
 def elem_bytes(p_dtype, g_dtype) -> int:

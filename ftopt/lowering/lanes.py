@@ -5,12 +5,11 @@ approximate math of fast-math layouts."""
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
 
-from ftopt.lowering import tiles
+from ftopt.lowering import knobs, tiles
 
 __all__ = ["masks", "flag_mask", "load_mask", "bf16_store_lines", "bf16_convert", "nan_from_word",
            "half_load_lines", "half_value", "rows", "with_live_rows", "fast_math", "FAST_SQRT",
@@ -59,8 +58,8 @@ def masks(traced, tail: bool, chunks: bool = False) -> dict[str, str]:
 # launches +3.7% / 1.252x -> +1.3% / 1.276x, in a loop's position (skip_in_loop_gpu.py)
 # +6.8% / 1.200x -> +2.4% / 1.258x (benchmarks/RESULTS.md, 2026-12-04); stochastic
 # rounding: :func:`bf16_convert`.
-# FTOPT_BF16_CONVERT=0 (or 1) takes the integer lines (or the instruction) everywhere.
-BF16_CONVERT = os.environ.get("FTOPT_BF16_CONVERT", "0" if tiles.INTERPRETING else "1") == "1"
+BF16_CONVERT = knobs.switch("FTOPT_BF16_CONVERT", not tiles.INTERPRETING, "fp32 -> bf16 "
+                            "by the GPU's instruction (0: by integer operations)")
 
 
 def bf16_convert(traced) -> bool:

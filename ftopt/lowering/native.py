@@ -32,6 +32,8 @@ from types import ModuleType
 
 import torch
 
+from ftopt.lowering import knobs
+
 SOURCE = r"""
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -256,8 +258,14 @@ _state = "not started"  # or "building", "loaded", "off", "failed: ..."
 _thread: threading.Thread | None = None
 
 
+ON = knobs.switch("FTOPT_NATIVE", True, "the host's per-step checks in a C++ extension "
+                  "built on first use (0: in Python)")
+CACHE_ROOT = knobs.text("FTOPT_CACHE_DIR", "", "where the host checks' extension is "
+                        "built (\"\": ~/.cache/ftopt)")
+
+
 def enabled() -> bool:
-    return os.environ.get("FTOPT_NATIVE", "1") != "0"
+    return ON
 
 
 def _key() -> str:
@@ -267,8 +275,7 @@ def _key() -> str:
 
 
 def cache_dir() -> str:
-    root = os.environ.get("FTOPT_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "ftopt")
+    root = CACHE_ROOT or os.path.join(os.path.expanduser("~"), ".cache", "ftopt")
     return os.path.join(root, "native")
 
 

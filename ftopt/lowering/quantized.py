@@ -49,12 +49,11 @@ Gathers per element and quantized slot (all from the 2 KiB table, so L1 hits):
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
 
-from ftopt.lowering import tiles
+from ftopt.lowering import knobs, tiles
 from ftopt.lowering.quant_tables import LOG10_2, POLY_LOG2, guess_constants
 
 # The encoder of the kernels launched from now on (part of their variant, so switching it
@@ -67,12 +66,12 @@ from ftopt.lowering.quant_tables import LOG10_2, POLY_LOG2, guess_constants
 # search (kept to time one against the others). H200, 8-bit Adam, one 64M tensor / GPT-2
 # tree, 256 x 1 tile: arithmetic 0.606 / 0.977 ms, log2 0.548 / 0.990, log2-rcp 0.514 /
 # 0.949; later, at fast math and a 64-register cap, poly-rcp 0.412 / 0.780, lg2-rcp 0.351 /
-# 0.670 (benchmarks/RESULTS.md). FTOPT_QUANT_ENCODER overrides it.
+# 0.670 (benchmarks/RESULTS.md).
 _NVIDIA_OR_INTERPRETED = tiles.INTERPRETING or (
     torch.version.cuda is not None and torch.version.hip is None)
-ENCODER = os.environ.get("FTOPT_QUANT_ENCODER",
-                         "lg2-rcp" if _NVIDIA_OR_INTERPRETED else "poly-rcp")
 ENCODERS = ("arithmetic", "log2", "log2-rcp", "poly", "poly-rcp", "lg2", "lg2-rcp", "search")
+ENCODER = knobs.choice("FTOPT_QUANT_ENCODER", "lg2-rcp" if _NVIDIA_OR_INTERPRETED
+                       else "poly-rcp", ENCODERS, "8-bit kernels' encoder (same codes)")
 
 # The "lg2" decade: the GPU's approximate log2 (``lg2.approx``, one instruction; within
 # 1e-7 decades), under the interpreter numpy's log2.

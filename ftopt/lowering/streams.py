@@ -33,14 +33,13 @@ While a CUDA graph is being captured the launches run in turn on the capturing s
 from __future__ import annotations
 
 import contextlib
-import os
 from functools import lru_cache
 
 import torch
 
-from ftopt.lowering import tiles
+from ftopt.lowering import knobs, tiles
 
-ON = os.environ.get("FTOPT_CARVE_STREAM", "1") != "0"
+ON = knobs.switch("FTOPT_CARVE_STREAM", True, "a carve's kernels run on a second stream")
 
 # Programmatic dependent launch (NVIDIA, compute capability 9.0 and later): a kernel so
 # launched is started while the kernel before it on its stream runs its last programs,
@@ -53,8 +52,9 @@ ON = os.environ.get("FTOPT_CARVE_STREAM", "1") != "0"
 # -0.1) but still runs ~8 us; against no skip_zeros, six A/Bs each, "defer" / "0":
 # dense mean +2.4% / +2.7%, 90% of the embedding's rows zero 1.222-1.237x /
 # 1.220-1.227x; "all" 1.154x, 1.145x (the carve's kernels then queue behind one
-# another). FTOPT_PDL overrides it.
-PDL = os.environ.get("FTOPT_PDL", "defer")
+# another).
+PDL = knobs.choice("FTOPT_PDL", "defer", ("defer", "all", "0"),
+                   "kernels launched as programmatic dependent launches")
 
 # device (with its index), and that stream -> its second stream and two events
 _SIDE: dict = {}

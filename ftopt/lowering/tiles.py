@@ -9,38 +9,32 @@ from __future__ import annotations
 
 import os
 
-from ftopt.lowering import half_tiles
+from ftopt.lowering import half_tiles, knobs
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _per_layout(variable: str, default: str) -> dict[str, int]:
-    """A setting per layout from ``variable`` ("fp32=56,16-bit=64"; "": none)."""
-    return {k: int(v) for k, v in (kv.split("=") for kv in os.environ.get(
-        variable, default).split(",") if kv)}
+INTERPRETING = knobs.INTERPRETING
 
 
-# Elements and warps per program of every kernel (FTOPT_BLOCK, FTOPT_NUM_WARPS override;
-# the interpreter takes larger blocks). H200: 512/4 = 1024/4 with fp32 params, 12% faster with bf16.
-BLOCK = int(os.environ.get("FTOPT_BLOCK", "4096" if INTERPRETING else "512"))
-NUM_WARPS = int(os.environ.get("FTOPT_NUM_WARPS", "4"))
+# Every kernel's tile (larger under the interpreter); H200: 512/4 = 1024/4 fp32, 12% faster bf16.
+BLOCK = knobs.power_of_two("FTOPT_BLOCK", 4096 if INTERPRETING else 512, "elements a program")
+NUM_WARPS = knobs.power_of_two("FTOPT_NUM_WARPS", 4, "warps a program of the fused kernels")
 # fp32 and 16-bit main kernels issue every load before the arithmetic (Graph.loads_first):
 # a load after a correctly rounded division or sqrt waits on its branches. H200, ms:
 # optimistic_adam_v2 1.78 -> 0.63, none slower (benchmarks/RESULTS.md, 2026-12-03). 8-bit
-# kernels keep their order (quantized.hoisted). FTOPT_LOADS_FIRST=0: the chain's order.
-LOADS_FIRST = os.environ.get("FTOPT_LOADS_FIRST", "1") != "0"
+# kernels keep their order (quantized.hoisted).
+LOADS_FIRST = knobs.switch("FTOPT_LOADS_FIRST", True, "fp32 and 16-bit kernels issue "
+                           "every load before the arithmetic (0: in the chain's order)")
 # In-place skip_zeros kernels load p and the states only after g (masked on it: not
 # vectorized): their own tile (H200, dense gradients, 1024/4 +3.0% over no skip_zeros,
-# 512/4 -0.3%). FTOPT_IN_PLACE_TILE ("BLOCKxWARPS") overrides it.
-IN_PLACE_TILE = tuple(int(x) for x in os.environ.get(
-    "FTOPT_IN_PLACE_TILE", "2048x4" if INTERPRETING else "512x4").split("x"))
+# 512/4 -0.3%).
+IN_PLACE_TILE = knobs.tile("FTOPT_IN_PLACE_TILE", "2048x4" if INTERPRETING else "512x4",
+                           "in-place skip_zeros kernels' tile, every layout's when set")
 # Layouts (:func:`layout`) whose in-place tile differs. H200, GPT-2 Adam, split+in_place,
 # dense / 90% of the embedding's rows zero against no skip_zeros (benchmarks/RESULTS.md):
 # fp32 512x4 +1.6-2.2% / 1.24x, 1024x4 -0.2..+0.5% / 1.25-1.26x; bf16 params 512x4 +1.4%
 # / 1.293x, 256x2 +0.0% / 1.329x (2026-12-04). bf16/fp16 states run in place where blocks
 # are all zero (a carved embedding; stochastic rounding's dense steps too), 512x4 / 512x8
 # / 256x4 / 256x2: GPT-2 step 1.244x / 1.183x / 1.224x / 1.259x by kernel time (stochastic
-# rounding 1.185x / 0.80x / 0.87x / 1.204x). FTOPT_IN_PLACE_TILE: every layout's.
+# rounding 1.185x / 0.80x / 0.87x / 1.204x).
 IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
                   else {"fp32": (1024, 4), "16-bit": (256, 2), "16-bit states": (256, 2)})
 # Register caps (Triton's ``maxnreg``) of in-place kernels on NVIDIA GPUs, per layout
@@ -53,8 +47,8 @@ IN_PLACE_TILES = ({} if INTERPRETING or "FTOPT_IN_PLACE_TILE" in os.environ
 # span loop; H200, GPT-2's embedding alone with 90% of its rows zero (leaf_split_gpu.py,
 # kernel time) uncapped / 40 / 32: 48.0 / 42.7 / 45.6 us (stochastic rounding 61.1 /
 # 58.0 / 59.2); GPT-2 steps against no skip_zeros, that embedding sparse: 1.23x / 1.24x.
-# FTOPT_IN_PLACE_MAXNREG ("fp32=56,16-bit=64") overrides.
-IN_PLACE_MAXNREG = _per_layout("FTOPT_IN_PLACE_MAXNREG", "fp32=56,16-bit states=40")
+IN_PLACE_MAXNREG = knobs.per_layout("FTOPT_IN_PLACE_MAXNREG", "fp32=56,16-bit states=40",
+                                    "register caps of in-place skip_zeros kernels (NVIDIA)")
 # The same for skip_zeros kernels that keep old values by selects (not in place), per
 # layout. Static SASS (sm_90, Triton 3.9, benchmarks/sass_count.py), Adam with bf16
 # states: the select kernel takes 44 registers, the kernel without skip_zeros 40 (11
@@ -64,8 +58,8 @@ IN_PLACE_MAXNREG = _per_layout("FTOPT_IN_PLACE_MAXNREG", "fp32=56,16-bit states=
 # no cap by default (benchmarks/RESULTS.md, 2026-12-02).
 # Not those whose rules read the element's index (stochastic rounding: capped at 40 on the
 # H200, GPT-2 with every block part zero ran 1.144 ms against 0.687 uncapped).
-# FTOPT_SELECT_MAXNREG ("16-bit states=40") sets them.
-SELECT_MAXNREG = _per_layout("FTOPT_SELECT_MAXNREG", "")
+SELECT_MAXNREG = knobs.per_layout("FTOPT_SELECT_MAXNREG", "", "register caps of "
+                                  "skip_zeros kernels that select (no element index)")
 # Blocks a program of a "split" main kernel runs, per layout (a power of two;
 # :func:`ftopt.lowering.split.spanned`): it loads the gradients of all of them, returns
 # where every one is zero, else runs them one after another. A program whose gradients
@@ -81,17 +75,17 @@ SELECT_MAXNREG = _per_layout("FTOPT_SELECT_MAXNREG", "")
 # 1024x4 tile. 8-bit "split+defer", against off (ms, dense / sparse / all zero): 1 block
 # 0.615 / 0.526 / 0.319 (off 0.603), 2 0.694 / 0.551 / 0.171, 4 0.674-0.681 / 0.536 /
 # 0.133-0.182: its check becomes a trip to memory of its own (with one block it loads
-# the gradients with the codes). FTOPT_SPAN ("16-bit=4,fp32=2") overrides.
-SPANS = ({} if INTERPRETING and "FTOPT_SPAN" not in os.environ
-         else _per_layout("FTOPT_SPAN", "16-bit=4"))
+# the gradients with the codes).
+SPANS = knobs.per_layout("FTOPT_SPAN", "16-bit=4", "blocks a program of a \"split\" "
+                         "main kernel (a power of two; none under the interpreter)")
+SPANS = {} if INTERPRETING and "FTOPT_SPAN" not in os.environ else SPANS
 # Kernels with 8-bit slots are not bound by memory: one 256-element block per program
 # with one warp is the fastest tile (H200, Adam, log2-rcp encoder, one 64M tensor / GPT-2
 # tree: 256/1 0.514 / 0.949 ms, 256/2 0.572 / 1.056, 512/1 0.743 / 1.329, 1024/1 0.718 /
 # 1.343); a block's absmax is then one reduction within a warp, and its scale one load.
-# Larger 8-bit blocks get one block per program (quant_tile). FTOPT_QUANT_TILE overrides
-# it.
-QUANT_TILE = tuple(int(x) for x in os.environ.get(
-    "FTOPT_QUANT_TILE", "4096x4" if INTERPRETING else "256x1").split("x"))
+# Larger 8-bit blocks get one block per program (quant_tile).
+QUANT_TILE = knobs.tile("FTOPT_QUANT_TILE", "4096x4" if INTERPRETING else "256x1",
+                        "8-bit kernels' tile")
 # The most registers a thread of an 8-bit kernel may use (Triton's ``maxnreg``; 0: the
 # compiler's choice). These kernels are bound by latency at the occupancy their registers
 # allow: H200, GPT-2 8-bit Adam, 256x1 tile (benchmarks/quant_regs_gpu.py), the compiler's
@@ -99,17 +93,15 @@ QUANT_TILE = tuple(int(x) for x in os.environ.get(
 # ("stores") its 120 registers 1.371 ms, 72 0.983. With FAST_MATH (fewer registers
 # live), 64 is fastest (eight_bit_ablation.py, 64M tensor / GPT-2: 56 0.422 / 0.789 ms,
 # 64 0.412 / 0.757, 72 0.423 / 0.776, 80 0.446 / 0.810, none 0.483 / 0.800); with the
-# "lg2" encoder, GPT-2 64 0.605-0.609 ms, 72 0.627, 80 0.665. FTOPT_QUANT_MAXNREG
-# overrides it.
-QUANT_MAXNREG = int(os.environ.get("FTOPT_QUANT_MAXNREG", "64"))
+# "lg2" encoder, GPT-2 64 0.605-0.609 ms, 72 0.627, 80 0.665.
+QUANT_MAXNREG = knobs.integer("FTOPT_QUANT_MAXNREG", 64, "8-bit kernels' register cap (0: none)")
 # The same for 8-bit kernels with skip_zeros (their "split" body holds the update twice);
 # H200, GPT-2, split+select under FAST_MATH, dense / sparse (quant_regs_gpu.py): 64
 # 0.839 / 0.678 ms (38 registers spilled; 24 since the skipped update's -0.0 is a
 # constant), 72 0.861 / 0.697, 80 0.877 / 0.706, 96 0.934 / 0.764 (none spilled), none
 # (142) 1.264 / 1.048. With the "lg2" encoder and the all-finite absmax (two runs): 64
 # 0.695 / 0.588-0.591 ms (44 spilled), 72 0.676 / 0.570-0.577 (28), 80 0.723 / 0.614.
-# FTOPT_QUANT_SKIP_MAXNREG overrides it.
-QUANT_SKIP_MAXNREG = int(os.environ.get("FTOPT_QUANT_SKIP_MAXNREG", "72"))
+QUANT_SKIP_MAXNREG = knobs.integer("FTOPT_QUANT_SKIP_MAXNREG", 72, "with skip_zeros, the same")
 
 
 # The same for the main kernel of a "split+defer" step (ftopt.lowering.split: it holds
@@ -119,16 +111,18 @@ QUANT_SKIP_MAXNREG = int(os.environ.get("FTOPT_QUANT_SKIP_MAXNREG", "72"))
 # (on the H200 too, at caps 64 and 72; at 64 it takes 59). H200, GPT-2 8-bit Adam, 64
 # against 72, three runs: 90% of the embedding's rows zero 1.249x vs 1.234x, 1.250x vs
 # 1.242x, primed 1.251x vs 1.239x; dense +2.3% vs +2.3%, +1.9% vs +2.3%, +1.3% vs +2.0%
-# (benchmarks/RESULTS.md, 2026-12-02). FTOPT_QUANT_DEFER_MAXNREG overrides it.
-QUANT_DEFER_MAXNREG = int(os.environ.get("FTOPT_QUANT_DEFER_MAXNREG", "64"))
+# (benchmarks/RESULTS.md, 2026-12-02).
+QUANT_DEFER_MAXNREG = knobs.integer("FTOPT_QUANT_DEFER_MAXNREG", 64, "register cap of "
+                                    "8-bit \"split+defer\" main kernels")
 # A capped kernel whose compile spills more registers than this (Triton's ``n_spills``)
 # runs at the compiler's choice. Far past its cap ptxas (Triton 3.6, sm_90) miscompiled a
 # long 8-bit chain, AdEMAMix -> Adadelta -> AMSGrad: at 64 registers, 174 spilled, 84 of
 # 520 elements of a moment wrong (each thread's 7th and 8th); uncapped, none spilled, all
 # right. H200, 8-bit Adam, AdamW, AdEMAMix, Lion and LAMB, with and without skip_zeros:
 # capped, 0-98 spilled, but one AdEMAMix skip_zeros kernel (154 at 72; 168 registers
-# uncapped). benchmarks/RESULTS.md, 2026-12-03. FTOPT_CAP_SPILLS overrides it.
-CAP_SPILLS = int(os.environ.get("FTOPT_CAP_SPILLS", "128"))
+# uncapped). benchmarks/RESULTS.md, 2026-12-03.
+CAP_SPILLS = knobs.integer("FTOPT_CAP_SPILLS", 128, "a capped kernel spilling more "
+                           "registers than this compiles uncapped")
 # Flags (main programs) a program of the deferred kernel reads at once; where one is set
 # it runs their bodies in turn. H200, GPT-2 8-bit Adam, dense / 90% of the embedding's
 # rows zero / every block part zero (ms; off 0.607-0.613): 8 0.644 / 0.550 / 1.002, 16
@@ -136,8 +130,8 @@ CAP_SPILLS = int(os.environ.get("FTOPT_CAP_SPILLS", "128"))
 # / 0.539 / 1.339 (fewer programs, each running more flagged blocks in turn). With the
 # flagged programs taken from the loaded flags (split.deferred), 32 / 128: dense +4.1..4.2%
 # / +2.6..3.2%, every block part zero without the watch 0.98-1.00 / 1.44-1.45 ms (off
-# 0.60). FTOPT_DEFER_FLAGS overrides it (a power of two).
-DEFER_FLAGS = int(os.environ.get("FTOPT_DEFER_FLAGS", "32"))
+# 0.60).
+DEFER_FLAGS = knobs.power_of_two("FTOPT_DEFER_FLAGS", 32, "flags a deferred program reads")
 # The deferred kernel's flags a program while the group's last count
 # (ftopt.lowering.skip_watch) found fewer than DEFER_FEW_BELOW of its blocks deferred:
 # fewer programs where few run a body. 128 for every step measured dense +2.6..3.2%
@@ -147,16 +141,16 @@ DEFER_FLAGS = int(os.environ.get("FTOPT_DEFER_FLAGS", "32"))
 # 1.19x / 1.20x, every block part zero +12.5..14.8% / +14.4..17.0% (benchmarks/RESULTS.md,
 # 2026-12-02). More a program while few are flagged does not shorten it (512 to 2048:
 # dense +2.5..4.5%, RESULTS.md 2026-12-02).
-# FTOPT_DEFER_FLAGS_FEW (a power of two) and FTOPT_DEFER_FEW_BELOW override them.
-DEFER_FLAGS_FEW = int(os.environ.get("FTOPT_DEFER_FLAGS_FEW", "128"))
-DEFER_FEW_BELOW = float(os.environ.get("FTOPT_DEFER_FEW_BELOW", "0.01"))
+DEFER_FLAGS_FEW = knobs.power_of_two("FTOPT_DEFER_FLAGS_FEW", 128, "flags a deferred "
+                                     "program reads while few were (FTOPT_DEFER_FEW_BELOW)")
+DEFER_FEW_BELOW = knobs.real("FTOPT_DEFER_FEW_BELOW", 0.01, "what fraction deferred is few")
 # The deferred kernel reads its flags four to an int32 word (split._deferred_words): a
 # program of 128 flags then holds one register of them a thread, not four. H200, GPT-2
 # 8-bit Adam with the watch against off (four A/Bs a setting, three runs, 2026-12-02),
 # bytes / words: dense +2.7% / +2.0..2.2%, 90% of the embedding's rows zero 1.229x /
 # 1.237-1.240x, every block part zero +14.9% (words). More flags a program or 4 or 8
-# warps uncapped were no faster (one flagged block's loads, ~5.5 us). FTOPT_DEFER_WORDS=0.
-DEFER_WORDS = os.environ.get("FTOPT_DEFER_WORDS", "1") == "1"
+# warps uncapped were no faster (one flagged block's loads, ~5.5 us).
+DEFER_WORDS = knobs.switch("FTOPT_DEFER_WORDS", True, "deferred flags four to a word")
 # A "split+defer" group runs "split+select" while more than DEFER_SELECT_ABOVE of its
 # blocks were deferred when last counted (ftopt.lowering.skip_watch): counted every
 # WATCH_PERIOD steps, and every WATCH_PROBE steps while it runs "split+select". H200,
@@ -165,11 +159,15 @@ DEFER_WORDS = os.environ.get("FTOPT_DEFER_WORDS", "1") == "1"
 # 0.654-0.664 / 0.681-0.683 / 0.722-0.724 / 1.011-1.035, split+select 0.642-0.648 /
 # 0.645-0.655 / 0.646-0.654 / 0.653-0.662 / 0.664-0.666 / 0.692-0.700 (two rounds).
 # The first probe at a step 1 mod WATCH_FIRST_PROBE (its counting kernels compile in a
-# loop's first steps). FTOPT_<NAME> overrides each (DEFER_SELECT_ABOVE 1 or more: never).
-DEFER_SELECT_ABOVE = float(os.environ.get("FTOPT_DEFER_SELECT_ABOVE", "0.04"))
-WATCH_PERIOD = max(1, int(os.environ.get("FTOPT_WATCH_PERIOD", "16")))
-WATCH_PROBE = max(1, int(os.environ.get("FTOPT_WATCH_PROBE", "64")))
-WATCH_FIRST_PROBE = max(1, int(os.environ.get("FTOPT_WATCH_FIRST_PROBE", "16")))
+# loop's first steps).
+DEFER_SELECT_ABOVE = knobs.real("FTOPT_DEFER_SELECT_ABOVE", 0.04, "\"split+defer\" runs "
+                                "\"split+select\" above this fraction deferred (1: never)")
+WATCH_PERIOD = knobs.integer("FTOPT_WATCH_PERIOD", 16, "steps between the skip watch's "
+                             "counts", minimum=1)
+WATCH_PROBE = knobs.integer("FTOPT_WATCH_PROBE", 64, "the same while a group runs its "
+                            "alternate", minimum=1)
+WATCH_FIRST_PROBE = knobs.integer("FTOPT_WATCH_FIRST_PROBE", 16, "the skip watch's first "
+                                  "probe of a mode, at a step 1 mod this", minimum=1)
 # Another "split" group (fp32 and 16-bit layouts: "split+in_place") runs "select" while
 # f - SPLIT_ZERO_WEIGHT * z > SPLIT_SELECT_ABOVE, f the fraction of its blocks with some
 # zero gradients and z of those with only zeros, counted as above. H200, GPT-2 Adam
@@ -179,17 +177,18 @@ WATCH_FIRST_PROBE = max(1, int(os.environ.get("FTOPT_WATCH_FIRST_PROBE", "16")))
 # states +3.3% / 1.17x / +13.6%, stochastic rounding +6.9% / 1.15x / +17.6%; select
 # +1.1% / +2.4% / +2.9%, +3.8% / +3.8% / +4.0%, +1.8% / +1.9% / +2.5%, +8.1% / +8.2% /
 # +8.1%: select costs split+in_place ~0.1 f - 0.75 z + ~0.02 less (the weight 7.5 and
-# threshold 0.2). FTOPT_SPLIT_SELECT_ABOVE (large: never) and FTOPT_SPLIT_ZERO_WEIGHT
-# override them.
-# FTOPT_SKIP_WATCH=0: no watch (every "split" group keeps its mode, counts nothing).
-WATCH = os.environ.get("FTOPT_SKIP_WATCH", "1") != "0"
-SPLIT_SELECT_ABOVE = float(os.environ.get("FTOPT_SPLIT_SELECT_ABOVE", "0.2"))
-SPLIT_ZERO_WEIGHT = float(os.environ.get("FTOPT_SPLIT_ZERO_WEIGHT", "7.5"))
+# threshold 0.2).
+WATCH = knobs.switch("FTOPT_SKIP_WATCH", True, "the skip watch (0: every \"split\" "
+                     "group keeps its mode and counts nothing)")
+SPLIT_SELECT_ABOVE = knobs.real("FTOPT_SPLIT_SELECT_ABOVE", 0.2, "a \"split\" group runs "
+                                "select while f - weight * z > this (blocks: f some zero, z all)")
+SPLIT_ZERO_WEIGHT = knobs.real("FTOPT_SPLIT_ZERO_WEIGHT", 7.5, "z's weight in that")
 # 16-bit states rounded to nearest run select unless ~1% of the blocks are all zero: with
 # dense gradients it costs less than split+in_place (H200, against no skip_zeros: +5.5%
 # vs +8.7%, 2026-12-04). Stochastic rounding keeps SPLIT_SELECT_ABOVE (select +8.1%
-# against +6.9%). FTOPT_SPLIT_SELECT_ABOVE_STATES overrides it.
-SPLIT_SELECT_ABOVE_STATES = float(os.environ.get("FTOPT_SPLIT_SELECT_ABOVE_STATES", "-0.08"))
+# against +6.9%).
+SPLIT_SELECT_ABOVE_STATES = knobs.real("FTOPT_SPLIT_SELECT_ABOVE_STATES", -0.08, "FTOPT_SPLIT_"
+                                       "SELECT_ABOVE of 16-bit states rounded to nearest")
 # A "split" group of these layouts whose programs hold one block (not in SPANS) runs
 # programs of that many blocks (its spanned alternate) while more than SPAN_ABOVE of its
 # blocks were all zero when last counted: an all-zero stretch then waits on memory once
@@ -199,23 +198,25 @@ SPLIT_SELECT_ABOVE_STATES = float(os.environ.get("FTOPT_SPLIT_SELECT_ABOVE_STATE
 # blocks all zero): bf16 states z 0 0.968x / 0.904x, 0.26 1.193x / 1.114x, 0.44 1.407x /
 # 1.341x, 0.88 2.20x / 2.96x; stochastic rounding 0.44 1.334x / 1.265x, 0.88 2.34x /
 # 3.28x; 8-bit 0.30 1.134x / 1.079x, 0.50 1.298x / 1.302x, 0.90 1.81x / 2.49x: they
-# cross at z ~ 0.55 and ~ 0.5. FTOPT_SPAN_ALTERNATE ("16-bit states=4,8-bit=4"; "" for
-# none) and FTOPT_SPAN_ABOVE override them.
-SPAN_ALTERNATES = _per_layout("FTOPT_SPAN_ALTERNATE", "16-bit states=4,8-bit=4")
-SPAN_ABOVE = float(os.environ.get("FTOPT_SPAN_ABOVE", "0.6"))
+# cross at z ~ 0.55 and ~ 0.5.
+SPAN_ALTERNATES = knobs.per_layout("FTOPT_SPAN_ALTERNATE", "16-bit states=4,8-bit=4",
+                                   "the span of a \"split\" group's spanned alternate")
+SPAN_ABOVE = knobs.real("FTOPT_SPAN_ABOVE", 0.6, "a group runs its spanned alternate "
+                        "above this fraction of blocks all zero")
 # Below that, the leaves of such a group that are each over SPAN_ABOVE all zero (an
 # embedding's unused rows) run in a spanned group of their own, the others as before
 # (two launches), where those leaves hold at least CARVE_MIN_BLOCKS all-zero blocks (what
 # saves more than the second launch costs: ~0.35 ns an all-zero block, H200).
 # H200, GPT-2 Adam with 90% of the embedding's rows zero, by the profiler's kernel times
 # (benchmarks/leaf_split_gpu.py): bf16 states 1.171x -> 1.207x, 8-bit 1.126x -> 1.179x
-# against no skip_zeros. FTOPT_CARVE_MIN_BLOCKS overrides it.
-CARVE_MIN_BLOCKS = int(os.environ.get("FTOPT_CARVE_MIN_BLOCKS", "16384"))
+# against no skip_zeros.
+CARVE_MIN_BLOCKS = knobs.integer("FTOPT_CARVE_MIN_BLOCKS", 16384, "all-zero blocks of "
+                                 "mostly-zero leaves that make a carve")
 # Blocks a program of a carved group runs, per layout (else its SPAN_ALTERNATES span).
 # H200, GPT-2's embedding alone, 90% of its rows zero, kernel time (us; leaf_split_gpu.py,
 # its blocks of one leaf: split.spanned), span 2 / 4 / 8: bf16 states 52 / 48 / 61,
-# stochastic rounding 67 / 61 / 74, 8-bit 64 / 71 / 84. FTOPT_CARVE_SPAN overrides it.
-CARVE_SPANS = _per_layout("FTOPT_CARVE_SPAN", "8-bit=2")
+# stochastic rounding 67 / 61 / 74, 8-bit 64 / 71 / 84.
+CARVE_SPANS = knobs.per_layout("FTOPT_CARVE_SPAN", "8-bit=2", "blocks a program of a carve")
 # Warps a program of a carved group runs, per layout (none: the layout's tile). An 8-bit
 # program of one warp holds a span's gradients in its registers for the zero check (64 a
 # thread at span 8), which slowed spans over 2 (above); with more warps a thread holds
@@ -223,8 +224,8 @@ CARVE_SPANS = _per_layout("FTOPT_CARVE_SPAN", "8-bit=2")
 # 90% of the embedding's rows zero, against off, two rounds (benchmarks/carve_sweep_gpu.py,
 # 2026-12-02), warps 1 (the tile) / 2 / 4 / 8: span 2 1.226x / 1.174x / 1.144x / 0.963x,
 # span 4 1.226x / 1.198x / 1.168x / 1.032x, span 8 1.19x / 1.19x / 1.18x / 1.04x.
-# FTOPT_CARVE_WARPS ("8-bit=2") sets them.
-CARVE_WARPS = _per_layout("FTOPT_CARVE_WARPS", "")
+CARVE_WARPS = knobs.per_layout("FTOPT_CARVE_WARPS", "", "warps a program of a carved "
+                               "group (none: the layout's tile)")
 # Programs a multiprocessor of a carve's spanned group, per layout (none: a program a
 # span): each then loops over spans (split.spanned's ``looped``). Launched first, its few
 # programs stay resident beside the other leaves' kernel, which fills the rest of each
@@ -236,8 +237,8 @@ CARVE_WARPS = _per_layout("FTOPT_CARVE_WARPS", "")
 # 1.211x / 0.654x / 0.980x / 1.193x / 1.195x; bf16 states, span 4, none / 2 / 4: 1.241x
 # / 0.996x / 1.129x. At 2 the others' kernel runs 467 us instead of 411 beside a spanned
 # kernel of 581 us: the two share ~3.3 TB/s, as each alone runs (step_timeline_gpu.py).
-# FTOPT_CARVE_PROGRAMS ("8-bit=2") sets them.
-CARVE_PROGRAMS = _per_layout("FTOPT_CARVE_PROGRAMS", "")
+CARVE_PROGRAMS = knobs.per_layout("FTOPT_CARVE_PROGRAMS", "", "programs a "
+                                  "multiprocessor of a carve (none: a program a span)")
 
 
 def split_select_above(traced, kind: str) -> float:
@@ -286,17 +287,18 @@ def quant_maxnreg(traced, defer: int = 0) -> int:
 # memory bus mostly idle (H200, GPT-2 Adam, every gradient zero: 1.9-3.5x the time of
 # reading them). Interleaved block by block they hid under the other blocks' transfers,
 # but the dense step lost as much (fp32 +4%: benchmarks/RESULTS.md). Runs of 4 to 256
-# blocks lost too (fp32 dense +4.7-6.6%, sparse no faster). FTOPT_INTERLEAVE overrides it.
-INTERLEAVE = int(os.environ.get("FTOPT_INTERLEAVE", "0"))
+# blocks lost too (fp32 dense +4.7-6.6%, sparse no faster).
+INTERLEAVE = knobs.integer("FTOPT_INTERLEAVE", 0, "interleave all-zero leaves' blocks "
+                           "with the others' (0: no)")
 
 
 # Kernels with per-program work beyond their elements (norms' partial sums and per-leaf
 # ratios: LARS, LAMB, NovoGrad, Fromage, Prodigy; noise's per-leaf key): twice the
 # elements halve it (H200, GPT-2 fp32: Fromage 0.676 -> 0.601 ms, noisy_sgd 0.418 ->
-# 0.367; 1024x8, 256x2 no faster than 512x4). FTOPT_HEAVY_TILE overrides it.
-HEAVY_TILE = tuple(int(x) for x in os.environ.get(
-    "FTOPT_HEAVY_TILE", f"{BLOCK}x{NUM_WARPS}" if INTERPRETING or "FTOPT_BLOCK" in os.environ
-    else "1024x4").split("x"))
+# 0.367; 1024x8, 256x2 no faster than 512x4).
+HEAVY_TILE = knobs.tile("FTOPT_HEAVY_TILE", f"{BLOCK}x{NUM_WARPS}" if INTERPRETING or
+                        "FTOPT_BLOCK" in os.environ else "1024x4", "the tile of kernels "
+                        "with per-program work (norms, noise keys)")
 
 
 def tile(traced, quant_block: int = 0, kind: str = "", elem_bytes: int = 4) -> tuple[int, int]:
@@ -376,12 +378,11 @@ def quant_tile(quant_block: int) -> tuple[int, int]:
 #   block part zero (one gradient in 97) 1.01-1.03 ms (split+select 0.689): pruned
 #   weights with scattered zeros may want "8-bit=split+select".
 # "16-bit" covers 16-bit params with fp32 states; "16-bit states" any 16-bit state slot.
-# A "chunks" row: 32 threads of 4 elements (16-byte fp32 loads; FTOPT_CHUNK_LANES).
-CHUNK_LANES = int(os.environ.get("FTOPT_CHUNK_LANES", "128"))
+# A "chunks" row: 32 threads of 4 elements (16-byte fp32 loads).
+CHUNK_LANES = knobs.power_of_two("FTOPT_CHUNK_LANES", 128, "lanes of a \"chunks\" row")
 SKIP_MODES = {"fp32": "split+in_place", "16-bit": "split+in_place",
               "16-bit states": "split+in_place", "8-bit": "split+defer"}
-SKIP_MODES.update(dict(kv.split("=") for kv in os.environ.get(
-    "FTOPT_SKIP_MODES", "").split(",") if kv))
+SKIP_MODES.update(knobs.skip_modes("FTOPT_SKIP_MODES", "", "skip_zeros' mode per layout"))
 
 
 # Layouts whose main kernels take square roots and quotients with the GPU's approximate
@@ -397,10 +398,9 @@ SKIP_MODES.update(dict(kv.split("=") for kv in os.environ.get(
 # 2686 instructions, 198 -> 42 of them control; H200, 64M tensor 0.464 -> 0.420 ms,
 # GPT-2 0.842 -> 0.761, with skip_zeros 0.851 -> 0.857: its kernels gained nothing, and
 # 0.816 since their 8-bit loads come before the zero check; the fuzz at these defaults,
-# seeds 24 and 25: 6,778 examples, no failure). FTOPT_FAST_MATH
-# overrides: "" for none, "16-bit,16-bit states,8-bit" for every layout.
-FAST_MATH = frozenset(x for x in os.environ.get(
-    "FTOPT_FAST_MATH", "16-bit states,8-bit").split(",") if x)
+# seeds 24 and 25: 6,778 examples, no failure).
+FAST_MATH = knobs.layout_set("FTOPT_FAST_MATH", "16-bit states,8-bit", "layouts whose "
+                             "kernels take approximate sqrt and division")
 
 
 def layout(p_dtype, quant_block: int, slot_dtypes: tuple) -> str:
