@@ -16,7 +16,9 @@ is its timed steps, ``--burst=N`` its burst's size), the watch against off.
 ``--set NAME=a,b`` gives the values ``a`` and ``b``; a value with commas of its own
 writes them as ``;`` (``FTOPT_SPAN=16-bit=4;fp32=2``); an empty value leaves the
 variable unset.
-``--dry-run`` prints the commands only.
+``--dry-run`` prints the commands only, after checking each combination's values
+(``python -m ftopt.lowering`` under it: a malformed value fails here, not on the GPU) and
+noting names no ftopt module reads (a copy patched for an A/B may read them).
 """
 from __future__ import annotations
 
@@ -30,6 +32,17 @@ import subprocess
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
+
+
+def check(update: dict, env: dict) -> None:
+    """Fail on a value ftopt's backend would refuse; note names it does not read."""
+    result = subprocess.run([sys.executable, "-m", "ftopt.lowering"], env={
+        **env, "PYTHONPATH": str(HERE.parent)}, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(result.stderr.strip().splitlines()[-1])
+    for name in update:
+        if f"\n{name}  (default" not in "\n" + result.stdout:
+            print(f"   note: no ftopt module reads {name}")
 
 
 def settings(specs: list[str]) -> list[dict]:
@@ -100,6 +113,8 @@ def main() -> None:
             cmd += [f"--burst={args.burst}"] if args.burst and loop else []
             print(f"== {label(update)} (repeat {rep}): {' '.join(cmd)}", flush=True)
             if args.dry_run:
+                if rep == 0:
+                    check(update, env)
                 continue
             subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
             rows = json.loads((where / ("in_loop.json" if loop else "watch_ab.json"))
