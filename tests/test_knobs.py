@@ -50,6 +50,8 @@ BAD = [
     ("FTOPT_QUANT_TILE", "256x3", "3 is not a power of two"),
     ("FTOPT_IN_PLACE_MAXNREG", "fp32:56", "'fp32:56' is not LAYOUT=VALUE"),
     ("FTOPT_SPAN", "16bit=4", "'16bit' is not a layout"),
+    ("FTOPT_SPAN", "16-bit=3", "N a power of two, comma-separated"),
+    ("FTOPT_CARVE_WARPS", "8-bit=6", "6 is not a power of two"),
     ("FTOPT_SKIP_MODES", "fp32=selekt", "'selekt' not among"),
     ("FTOPT_SKIP_MODES", "16-bit states=split+in-place", "'in-place' not among"),
     ("FTOPT_FAST_MATH", "8bit", "'8bit' is not a layout"),

@@ -134,10 +134,13 @@ def tile(name: str, default: str, help: str) -> tuple[int, int]:
     return read(name, default, '"BLOCKxWARPS", powers of two ("512x4")', help, _tile)
 
 
-def per_layout(name: str, default: str, help: str) -> dict[str, int]:
-    """An integer per layout: ``LAYOUT=N``, comma-separated ("" for none)."""
-    return read(name, default, 'LAYOUT=N, comma-separated ("fp32=56,16-bit=64")', help,
-                lambda text: {k: _at_least(0)(v) for k, v in _pairs(text)})
+def per_layout(name: str, default: str, help: str, powers: bool = False) -> dict[str, int]:
+    """An integer per layout (a power of two where ``powers``): ``LAYOUT=N``,
+    comma-separated ("" for none)."""
+    value = _power_of_two if powers else _at_least(0)
+    form = "LAYOUT=N" + (", N a power of two" if powers else "")
+    return read(name, default, f'{form}, comma-separated ("fp32=56,16-bit=64")', help,
+                lambda text: {k: value(v) for k, v in _pairs(text)})
 
 
 def layout_set(name: str, default: str, help: str, extra: tuple[str, ...] = ()) -> frozenset:

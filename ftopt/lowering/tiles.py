@@ -77,7 +77,7 @@ SELECT_MAXNREG = knobs.per_layout("FTOPT_SELECT_MAXNREG", "", "register caps of 
 # 0.133-0.182: its check becomes a trip to memory of its own (with one block it loads
 # the gradients with the codes).
 SPANS = knobs.per_layout("FTOPT_SPAN", "16-bit=4", "blocks a program of a \"split\" "
-                         "main kernel (a power of two; none under the interpreter)")
+                         "main kernel (none under the interpreter)", powers=True)
 SPANS = {} if INTERPRETING and "FTOPT_SPAN" not in os.environ else SPANS
 # Kernels with 8-bit slots are not bound by memory: one 256-element block per program
 # with one warp is the fastest tile (H200, Adam, log2-rcp encoder, one 64M tensor / GPT-2
@@ -200,7 +200,7 @@ SPLIT_SELECT_ABOVE_STATES = knobs.real("FTOPT_SPLIT_SELECT_ABOVE_STATES", -0.08,
 # 3.28x; 8-bit 0.30 1.134x / 1.079x, 0.50 1.298x / 1.302x, 0.90 1.81x / 2.49x: they
 # cross at z ~ 0.55 and ~ 0.5.
 SPAN_ALTERNATES = knobs.per_layout("FTOPT_SPAN_ALTERNATE", "16-bit states=4,8-bit=4",
-                                   "the span of a \"split\" group's spanned alternate")
+                                   "the span of a \"split\" group's spanned alternate", True)
 SPAN_ABOVE = knobs.real("FTOPT_SPAN_ABOVE", 0.6, "a group runs its spanned alternate "
                         "above this fraction of blocks all zero")
 # Below that, the leaves of such a group that are each over SPAN_ABOVE all zero (an
@@ -216,7 +216,7 @@ CARVE_MIN_BLOCKS = knobs.integer("FTOPT_CARVE_MIN_BLOCKS", 16384, "all-zero bloc
 # H200, GPT-2's embedding alone, 90% of its rows zero, kernel time (us; leaf_split_gpu.py,
 # its blocks of one leaf: split.spanned), span 2 / 4 / 8: bf16 states 52 / 48 / 61,
 # stochastic rounding 67 / 61 / 74, 8-bit 64 / 71 / 84.
-CARVE_SPANS = knobs.per_layout("FTOPT_CARVE_SPAN", "8-bit=2", "blocks a program of a carve")
+CARVE_SPANS = knobs.per_layout("FTOPT_CARVE_SPAN", "8-bit=2", "blocks a program of a carve", True)
 # Warps a program of a carved group runs, per layout (none: the layout's tile). An 8-bit
 # program of one warp holds a span's gradients in its registers for the zero check (64 a
 # thread at span 8), which slowed spans over 2 (above); with more warps a thread holds
@@ -225,7 +225,7 @@ CARVE_SPANS = knobs.per_layout("FTOPT_CARVE_SPAN", "8-bit=2", "blocks a program 
 # 2026-12-02), warps 1 (the tile) / 2 / 4 / 8: span 2 1.226x / 1.174x / 1.144x / 0.963x,
 # span 4 1.226x / 1.198x / 1.168x / 1.032x, span 8 1.19x / 1.19x / 1.18x / 1.04x.
 CARVE_WARPS = knobs.per_layout("FTOPT_CARVE_WARPS", "", "warps a program of a carved "
-                               "group (none: the layout's tile)")
+                               "group (none: the layout's tile)", powers=True)
 # Programs a multiprocessor of a carve's spanned group, per layout (none: a program a
 # span): each then loops over spans (split.spanned's ``looped``). Launched first, its few
 # programs stay resident beside the other leaves' kernel, which fills the rest of each
