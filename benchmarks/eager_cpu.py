@@ -6,7 +6,8 @@ vectors to 1M-element embedding and MLP matrices), on the CPU:
 
 * ``ftopt.step(tx, params, grads, state, backend="eager")`` with ``donate=False`` (new
   params and state every step) and ``donate=True`` (written in place);
-* ``torch.optim.Adam(foreach=True)`` (the baseline) and ``foreach=False``.
+* ``torch.optim.Adam(foreach=True)`` (the baseline), ``foreach=False`` and ``fused=True``
+  (torch's fused CPU kernel: one pass that reads and writes each tensor once).
 
 Each variant keeps its own params and state and is stepped in a training-like loop (the
 outputs of one step are the inputs of the next). After ``--warmup`` rounds, ``--iters``
@@ -168,6 +169,8 @@ def make_variants(params, grads, which: str, lr: float = 1e-3, wd: float = 1e-2)
                                                           foreach=True, **ref),
         f"torch.optim.{name}(foreach=False)": TorchRunner(params=params, grads=grads,
                                                            foreach=False, **ref),
+        f"torch.optim.{name}(fused=True)": TorchRunner(params=params, grads=grads,
+                                                        fused=True, **ref),
         f"ftopt.step({which}, eager, donate=False)": FtoptRunner(tx, params, grads, False),
         f"ftopt.step({which}, eager, donate=True)": FtoptRunner(tx, params, grads, True),
     }
