@@ -4,9 +4,10 @@ The 8-bit and noise kernels are bound by their instructions, not by memory
 (``benchmarks/RESULTS.md``), and GPU time is scarce. This script runs a donated fused step
 of each case under the Triton interpreter, records the kernels it launches (as
 ``tests/test_frontend.py`` does), compiles each for an H100/H200 (``GPUTarget("cuda",
-90, 32)``, the GPU's tiles, warps and register cap) with Triton's whole pipeline and the
-``ptxas`` it ships, and counts the SASS instructions by kind: a way to compare two
-versions of a kernel before timing them on the GPU. Counts are static: a kernel's full
+90, 32)``, the GPU's tiles, warps and register cap, no fma contraction as launched)
+with Triton's whole pipeline and the ``ptxas`` it ships, and counts the SASS
+instructions by kind: a way to compare two versions of a kernel before timing them on
+the GPU. Counts are static: a kernel's full
 and tail blocks are both counted, loops once. The kernels are generated with the GPU's
 bf16 conversions (``FTOPT_BF16_CONVERT=1`` unless set). The local Triton may be newer
 than the GPU machine's: for its counts put that version first on the path
@@ -153,6 +154,8 @@ def record(names: list[str], tile: tuple[int, int] | None = None) -> list[dict]:
                 if "BLOCK" in consts:
                     consts["BLOCK"] = block
                 options = {"num_warps": warps}
+            # (as launch._constants_cached: no a*b+c -> fma contraction in any kernel)
+            options["enable_fp_fusion"] = False
             jobs.append({"case": name, "path": path, "name": kname, "signature": sig,
                          "constexprs": [(k, v) for k, v in consts.items() if k in arg_names],
                          "options": options, "block": block})
@@ -295,7 +298,6 @@ def main() -> None:
         if args.maxnreg and ("maxnreg" in job["options"] or args.cap_all):
             job["options"]["maxnreg"] = args.maxnreg
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     if args.dump:
         pathlib.Path(args.dump).mkdir(parents=True, exist_ok=True)
         env["SASS_DUMP"] = str(pathlib.Path(args.dump).resolve())
