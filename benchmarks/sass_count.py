@@ -1,18 +1,17 @@
 """Static instruction counts of the generated kernels, compiled for sm_90 on a CPU.
 
 The 8-bit and noise kernels are bound by their instructions, not by memory
-(``benchmarks/RESULTS.md``), and GPU time is scarce. This script runs a donated fused step
-of each case under the Triton interpreter, records the kernels it launches (as
+(``benchmarks/RESULTS.md``), and GPU time is scarce. This script runs a donated fused
+step of each case under the Triton interpreter, records the kernels it launches (as
 ``tests/test_frontend.py`` does), compiles each for an H100/H200 (``GPUTarget("cuda",
-90, 32)``, the GPU's tiles, warps and register cap, no fma contraction as launched)
-with Triton's whole pipeline and the ``ptxas`` it ships, and counts the SASS
-instructions by kind: a way to compare two versions of a kernel before timing them on
-the GPU. Counts are static: a kernel's full
-and tail blocks are both counted, loops once. The kernels are generated with the GPU's
-bf16 conversions (``FTOPT_BF16_CONVERT=1`` unless set). The local Triton may be newer
-than the GPU machine's: for its counts put that version first on the path
-(``pip install --target DIR triton==3.6.0``, then ``PYTHONPATH=DIR``); 3.9 and 3.6 give
-registers up to 8 apart.
+90, 32)``, the GPU's tiles, warps and register cap, no fma contraction as launched) with
+Triton's whole pipeline and the ``ptxas`` it ships, and counts the SASS instructions by
+kind: a way to compare two versions of a kernel before timing them on the GPU. Counts
+are static: a kernel's full and tail blocks are both counted, loops once. The kernels
+are generated with the GPU's bf16 conversions (``FTOPT_BF16_CONVERT=1`` unless set). The
+local Triton may be newer than the GPU machine's: for its counts put that version first
+on the path (``pip install --target DIR triton==3.6.0``, then ``PYTHONPATH=DIR``); 3.9
+and 3.6 give registers up to 8 apart.
 
     python benchmarks/sass_count.py                       # every case
     python benchmarks/sass_count.py adam8 noisy_sgd       # some
