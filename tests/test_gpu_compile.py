@@ -3,17 +3,18 @@
 ``benchmarks/sass_count.py`` (which records the kernels a donated step launches under the
 interpreter and compiles them in a process of its own).
 
-``test_frontend.py`` takes every kernel through Triton's front end; this takes a few the
-rest of the way to machine code: those whose code differs most on a GPU (fp32 -> bf16 by
-the conversion instruction, the word selects and volatile loads of 16-bit states,
-stochastic rounding, the 8-bit encoder's ``lg2`` and its register caps, noise keys). And
-it guards what a bandwidth-bound kernel needs and only its machine code shows: each
-element stream loaded and stored 16 bytes a thread (``LDG.E.128`` / ``STG.E.128``). A
-kernel that lost them (an alignment hint that did not survive a cast, found once in the
-SASS) computes the same values at a fraction of the bandwidth. The control: the same
-kernel without its alignment hints has no 128-bit access. Likewise the 16-bit states'
-select kernel issues its four loads together (its volatile loads' purpose; the control
-without them spreads them).
+``test_frontend.py`` takes every kernel through Triton's front end, and
+``test_vectorized.py`` checks hand-built Adam variants' PTX for vector accesses; this
+takes the kernels a step launches the rest of the way to machine code: those whose code
+differs most on a GPU (fp32 -> bf16 by the conversion instruction, the word selects and
+volatile loads of 16-bit states, stochastic rounding, the 8-bit encoder's ``lg2`` and
+its register caps, noise keys). And it guards what a bandwidth-bound kernel needs and
+only its machine code shows: each element stream loaded and stored 16 bytes a thread
+(``LDG.E.128`` / ``STG.E.128``). A kernel that lost them (an alignment hint that did not
+survive a cast, found once in the SASS) computes the same values at a fraction of the
+bandwidth. The control: the same kernel without its alignment hints has no 128-bit
+access. Likewise the 16-bit states' select kernel issues its four loads together (its
+volatile loads' purpose; the control without them spreads them).
 """
 
 from __future__ import annotations
