@@ -52,7 +52,9 @@ def _compile(tmp_path: pathlib.Path, cases: list[str], *extra: str,
     tmp_path.mkdir(parents=True, exist_ok=True)
     out, dump = tmp_path / "counts", tmp_path / "sass"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTOPT_")}
-    env.update(TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), **(settings or {}))
+    # (a Triton cache of its own: compiled as on a new machine, apart from the others')
+    env.update(TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), **(settings or {}),
+               TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
     done = subprocess.run([sys.executable, str(SCRIPT), *cases, "--out", str(out), "--dump",
                            str(dump), *extra], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=900)
@@ -98,7 +100,8 @@ def test_the_vector_check_sees_a_kernel_without_alignment_hints(tmp_path):
     edit = tmp_path / "edit"
     done = subprocess.run([sys.executable, str(SCRIPT), "adam", "--edit", str(edit)],
                           capture_output=True, text=True, cwd=ROOT, timeout=900,
-                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT),
+                               "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")})
     assert done.returncode == 0, done.stderr[-3000:]
     (source,) = edit.glob("*.py")
     text = source.read_text()
