@@ -50,10 +50,8 @@ from ftopt.lowering import knobs
 def _tiles(variable: str, default: str, help: str) -> dict[str, tuple[int, int, int]]:
     """``layout -> (block, warps, maxnreg)`` (0: no cap) from ``variable``; none under
     the interpreter or with ``FTOPT_BLOCK`` set, unless ``variable`` is set."""
-    out = knobs.layout_tiles(variable, default, help)
-    if variable not in os.environ and (knobs.INTERPRETING or "FTOPT_BLOCK" in os.environ):
-        return {}
-    return out
+    return knobs.unless_set(variable, knobs.layout_tiles(variable, default, help),
+                            knobs.INTERPRETING or "FTOPT_BLOCK" in os.environ)
 
 
 PLAIN = _tiles("FTOPT_PLAIN_TILE", "16-bit states=512x2", "16-bit main kernels' tiles "

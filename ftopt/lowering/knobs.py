@@ -170,14 +170,21 @@ def skip_modes(name: str, default: str, help: str) -> dict[str, str]:
     """A skip_zeros mode per layout: ``LAYOUT=MODE``, a mode being words of
     :data:`MODE_WORDS` joined by "+"."""
     def parse(text: str) -> dict[str, str]:
-        for key, mode in _pairs(text):
+        modes = dict(_pairs(text))
+        for key, mode in modes.items():
             bad = [w for w in mode.split("+") if w not in MODE_WORDS]
             if bad:
                 raise ValueError(f"{key}'s mode {mode!r}: {', '.join(map(repr, bad))} not "
                                  f"among {', '.join(MODE_WORDS)}")
-        return dict(_pairs(text))
+        return modes
     return read(name, default, 'LAYOUT=MODE, comma-separated ("16-bit states=select")',
                 help, parse)
+
+
+def unless_set(name: str, value: T, drop: bool) -> T:
+    """``value`` (read from ``name``), or its type's empty value where ``drop`` holds and
+    ``name`` is unset: a table of GPU settings the interpreter's larger tiles leave out."""
+    return value if not drop or name in os.environ else type(value)()
 
 
 def set_here() -> dict[str, str]:

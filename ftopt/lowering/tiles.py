@@ -76,9 +76,9 @@ SELECT_MAXNREG = knobs.per_layout("FTOPT_SELECT_MAXNREG", "", "register caps of 
 # 0.615 / 0.526 / 0.319 (off 0.603), 2 0.694 / 0.551 / 0.171, 4 0.674-0.681 / 0.536 /
 # 0.133-0.182: its check becomes a trip to memory of its own (with one block it loads
 # the gradients with the codes).
-SPANS = knobs.per_layout("FTOPT_SPAN", "16-bit=4", "blocks a program of a \"split\" "
-                         "main kernel (none under the interpreter)", powers=True)
-SPANS = {} if INTERPRETING and "FTOPT_SPAN" not in os.environ else SPANS
+SPANS = knobs.unless_set("FTOPT_SPAN", knobs.per_layout("FTOPT_SPAN", "16-bit=4", "blocks a "
+                         "program of a \"split\" main kernel (none under the interpreter)",
+                         powers=True), INTERPRETING)
 # Kernels with 8-bit slots are not bound by memory: one 256-element block per program
 # with one warp is the fastest tile (H200, Adam, log2-rcp encoder, one 64M tensor / GPT-2
 # tree: 256/1 0.514 / 0.949 ms, 256/2 0.572 / 1.056, 512/1 0.743 / 1.329, 1024/1 0.718 /
