@@ -28,6 +28,20 @@ def same_bits(a: Any, b: Any) -> bool:
         for x, y in zip(la, lb))
 
 
+def dense_randn(*shape: int, generator: torch.Generator | None = None,
+                dtype: torch.dtype = torch.float32, like: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """Normal draws with no exact zero, in ``dtype`` (or ``like``'s shape, dtype and
+    device): ``torch.randn`` gives an exact 0.0 about once in 12 million elements
+    (a uniform draw of 0 in its Box-Muller pairs; fp16 also rounds |x| < 3e-8 to 0),
+    which a test counting the blocks with zero gradients would take for one it placed."""
+    if like is not None:
+        shape, dtype = tuple(like.shape), like.dtype
+    x = torch.randn(*shape, generator=generator).to(dtype)
+    x[x == 0] = 1.0
+    return x if like is None else x.to(like.device)
+
+
 def cloned(tree: Any) -> Any:
     """A copy of every tensor of ``tree``."""
     return ftopt.tree.map(lambda t: t.clone(), tree)

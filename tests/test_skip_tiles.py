@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from step_checks import bits, cloned, same_bits
+from step_checks import bits, cloned, dense_randn, same_bits
 
 import ftopt
 from ftopt.lowering import codegen, launch, streams, tiles, work
@@ -35,9 +35,9 @@ def test_donated_step_with_zero_tiles_equals_the_full_step(name, monkeypatch):
     params = {"w": torch.randn(n, generator=gen).to(DEVICE),
               "b": torch.randn(5000, generator=gen).to(DEVICE)}
     state = tx.init(params)
-    params, state = ftopt.step(tx, params, {k: torch.randn_like(v) for k, v in
+    params, state = ftopt.step(tx, params, {k: dense_randn(like=v) for k, v in
                                             params.items()}, state, backend="fused")
-    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    grads = {k: dense_randn(like=v) for k, v in params.items()}
     grads["w"][TILE:2 * TILE] = 0.0  # a whole tile
     grads["w"][full_tiles * TILE:] = 0.0  # the partial last tile
     grads["w"][10:700] = 0.0  # part of a tile: it runs
@@ -91,9 +91,9 @@ def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
     params = {"w": torch.randn(n, generator=gen).to(DEVICE, dtype),
               "b": torch.randn(5000, generator=gen).to(DEVICE, dtype)}
     state = tx.init(params)
-    params, state = ftopt.step(tx, params, {k: torch.randn_like(v) for k, v in
+    params, state = ftopt.step(tx, params, {k: dense_randn(like=v) for k, v in
                                             params.items()}, state, backend="fused")
-    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    grads = {k: dense_randn(like=v) for k, v in params.items()}
     grads["w"][tile:2 * tile] = 0.0
     grads["w"][10:700] = 0.0
     grads["b"][:] = 0.0
@@ -132,8 +132,8 @@ def test_a_half_tile_of_select_kernels_reaches_their_deferred_kernel(mode, monke
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     params = {"w": torch.randn(7 * block + 100, generator=gen).to(DEVICE, torch.bfloat16)}
     state = tx.init(params)
-    params, state = ftopt.step(tx, params, {"w": torch.randn_like(params["w"])}, state)
-    grads = {"w": torch.randn_like(params["w"])}
+    params, state = ftopt.step(tx, params, {"w": dense_randn(like=params["w"])}, state)
+    grads = {"w": dense_randn(like=params["w"])}
     grads["w"][3:40] = 0.0  # (block 0: some zeros, deferred)
     grads["w"][2 * block:3 * block] = 0.0  # (block 2: all zero)
     try:
@@ -192,7 +192,7 @@ def test_8bit_split_kernels_hoist_the_leaf_flags_their_loads_read(mode, monkeypa
               "b": torch.randn(2 * tile, generator=gen).to(DEVICE)}
     state = tx.init(params)
     for k in range(3):
-        grads = {n: torch.randn(v.shape, generator=gen).to(DEVICE) for n, v in params.items()}
+        grads = {n: dense_randn(*v.shape, generator=gen).to(DEVICE) for n, v in params.items()}
         grads["w"][0] = 0.0
         full = ftopt.step(tx, params, grads, state, backend="fused")
         donated = ftopt.step(tx, cloned(params), grads, cloned(state), backend="fused",
@@ -226,9 +226,9 @@ def test_8bit_one_block_per_program_equals_the_full_step(name, mode, monkeypatch
         gen = torch.Generator().manual_seed(torch.seed() % 2**31)
         params = {"w": torch.randn(4096 + 256 * 3 + 77, generator=gen).to(DEVICE)}
         state = tx.init(params)
-        params, state = ftopt.step(tx, params, {"w": torch.randn_like(params["w"])}, state,
+        params, state = ftopt.step(tx, params, {"w": dense_randn(like=params["w"])}, state,
                                    backend="fused")
-        g = torch.randn_like(params["w"])
+        g = dense_randn(like=params["w"])
         g[256:768] = 0.0  # two whole blocks
         g[1000:1100] = 0.0  # part of a block
         g[-77:] = 0.0  # the tail block
@@ -289,9 +289,9 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
         n = 256 * 17 + 77  # (8-bit states from 4096 elements)
         params = {"w": torch.randn(n, generator=gen).to(DEVICE, dtype)}
         state = tx.init(params)
-        params, state = ftopt.step(tx, params, {"w": torch.randn_like(params["w"])}, state,
+        params, state = ftopt.step(tx, params, {"w": dense_randn(like=params["w"])}, state,
                                    backend="fused")
-        g = torch.randn(n, generator=gen).to(DEVICE, dtype)
+        g = dense_randn(n, generator=gen, dtype=dtype).to(DEVICE)
         g[256:512] = 0.0  # program 1: all zero
         g[600:700] = 0.0  # program 2: some zero
         g[1800] = 0.0  # program 7: one zero
@@ -363,7 +363,7 @@ def test_in_place_tile_per_layout(monkeypatch):
         params = {"a": torch.randn(5000, generator=gen).to(DEVICE),
                   "b": torch.randn(5000, generator=gen).to(DEVICE, torch.bfloat16)}
         state = tx.init(params)
-        grads = {k: torch.randn_like(v) for k, v in params.items()}
+        grads = {k: dense_randn(like=v) for k, v in params.items()}
         grads["a"][1024:2048] = 0.0
         grads["b"][:2048] = 0.0
         full = ftopt.step(tx, params, grads, state, backend="fused")
@@ -411,7 +411,7 @@ def test_in_place_span_checks_its_tiles_at_once_and_runs_each(dtype, state_dtype
         params = {"a": torch.randn(n, generator=gen).to(DEVICE, dtype),
                   "b": torch.randn(600, generator=gen).to(DEVICE, dtype)}
         state = tx.init(params)
-        grads = {k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
+        grads = {k: dense_randn(*v.shape, generator=gen, dtype=dtype).to(DEVICE)
                  for k, v in params.items()}
         w = grads["a"]  # (the first leaf: its blocks start the table)
         w[:256 * span] = 0.0  # a whole span
@@ -464,7 +464,7 @@ def test_a_span_of_one_leaf_reads_no_work_table(dtype, name, monkeypatch):
         n = 256 * span * 4 + 256 + 100  # 18 blocks: four spans and a padded one
         params = {"a": torch.randn(n, generator=gen).to(DEVICE, dtype)}
         state = tx.init(params)
-        g = torch.randn(n, generator=gen).to(DEVICE, dtype)
+        g = dense_randn(n, generator=gen, dtype=dtype).to(DEVICE)
         g[:256 * span] = 0.0
         g[256 * span + 7: 256 * span + 90] = -0.0
         g[-150:] = 0.0
@@ -495,7 +495,7 @@ def test_select_register_cap_per_layout(monkeypatch):
     not."""
     monkeypatch.setitem(tiles.SKIP_MODES, "fp32", "select")
     params = {"a": torch.randn(3000).to(DEVICE)}
-    grads = {"a": torch.randn(3000).to(DEVICE)}
+    grads = {"a": dense_randn(3000).to(DEVICE)}
     groups = []
     for tx in (ftopt.adam(1e-2, skip_zeros=True), ftopt.adam(1e-2),
                ftopt.chain(ftopt.add_noise(0.1, 0.5, 0), ftopt.adam(1e-2),
@@ -529,7 +529,7 @@ def test_in_place_register_cap_per_layout(monkeypatch):
     tx = ftopt.adam(1e-2, skip_zeros=True)
     params = {"a": torch.randn(3000).to(DEVICE),
               "b": torch.randn(3000).to(DEVICE, torch.bfloat16)}
-    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    grads = {k: dense_randn(like=v) for k, v in params.items()}
     state = tx.init(params)
     ftopt.step(tx, cloned(params), grads, cloned(state), backend="fused", donate=True)
     groups = {g.p_dtype: g for g in plan_chain(tx).prepared.groups}

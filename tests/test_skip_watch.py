@@ -9,7 +9,7 @@ import inspect
 
 import pytest
 import torch
-from step_checks import cloned, same_bits
+from step_checks import cloned, dense_randn, same_bits
 
 import ftopt
 from ftopt.lowering import codegen, half_tiles, launch, streams, tiles, work
@@ -43,7 +43,7 @@ def _grads(gen, steps: int, scattered: range) -> list:
     (every block part zero), in the others two whole blocks zero (no block part zero)."""
     out = []
     for k in range(steps):
-        g = torch.randn(N, generator=gen)
+        g = dense_randn(N, generator=gen)
         if k in scattered:
             g[::97] = 0.0
         else:
@@ -338,7 +338,7 @@ def test_dense_gradients_pick_the_cheaper_mode_of_the_layout(layout, rounding, s
     monkeypatch.setitem(tiles.SKIP_MODES, key, "split+in_place")
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     params = {"w": torch.randn(N, generator=gen).to(DEVICE, dtype)}
-    grads = [{"w": torch.randn(N, generator=gen).to(DEVICE, dtype)} for _ in range(8)]
+    grads = [{"w": dense_randn(N, generator=gen, dtype=dtype).to(DEVICE)} for _ in range(8)]
     for g in grads[4:]:
         g["w"][:512] = 0.0  # two whole blocks of 41 from step 5 on
     tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
@@ -367,7 +367,7 @@ def _embedding_tree(gen: torch.Generator, dtype: torch.dtype, steps: int,
     ("w"), after ``extra`` (name -> elements); ``steps`` fresh gradients of each."""
     sizes = {**extra, "emb": 256 * 40, "w": 256 * 30 + 77}
     params = {k: torch.randn(n, generator=gen).to(DEVICE, dtype) for k, n in sizes.items()}
-    grads = [{k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
+    grads = [{k: dense_randn(*v.shape, generator=gen, dtype=dtype).to(DEVICE)
               for k, v in params.items()} for _ in range(steps)]
     return params, grads
 
