@@ -9,6 +9,21 @@ if not torch.cuda.is_available():
 
 
 import pytest  # noqa: E402
+import step_checks  # noqa: E402
+
+
+def pytest_runtest_setup(item):
+    step_checks.SEEDS.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test that drew fresh random data says how to draw it again."""
+    report = (yield).get_result()
+    if report.failed and step_checks.SEEDS:
+        seeds = ",".join(map(str, step_checks.SEEDS))
+        report.sections.append(("random seeds", f"to draw this data again: "
+                                f"FTOPT_TEST_SEEDS={seeds} pytest '{item.nodeid}'"))
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,8 @@ skip_zeros step (a warm-up, then a step whose gradient has zeros) on any transfo
 
 from __future__ import annotations
 
+import os
+import random
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -12,6 +14,24 @@ import torch
 import ftopt
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# The seeds fresh_generator drew in the running test, which a failing test's report names
+# (conftest.pytest_runtest_makereport); FTOPT_TEST_SEEDS=a,b,... draws them again.
+SEEDS: list[int] = []
+
+
+def fresh_generator() -> torch.Generator:
+    """A generator seeded afresh on every run, and torch's default generator seeded the
+    same: new data each run, and a failure's data drawn again from the seeds its report
+    names (``FTOPT_TEST_SEEDS``, in the order the test drew them)."""
+    given = os.environ.get("FTOPT_TEST_SEEDS", "")
+    if given:
+        seed = int(given.split(",")[len(SEEDS) % len(given.split(","))])
+    else:
+        seed = random.SystemRandom().randrange(2**31)
+    SEEDS.append(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_checks import fresh_generator
 
 import ftopt
 from ftopt.lowering import execute, launch
@@ -28,7 +29,7 @@ def _tree(gen, sizes):
 
 @pytest.mark.parametrize("name,bits", [("adamw", 32), ("lion", 32), ("adam", 8)])
 def test_bound_launches_equal_fresh_launches(name, bits, bound_calls):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     sizes = [3000, 70, 5000] if bits == 8 else [300, 70, 5]
     tx = getattr(ftopt, name)(1e-2, state_bits=bits, skip_zeros=True)
     params = _tree(gen, sizes)
@@ -54,7 +55,7 @@ def test_bound_launches_equal_fresh_launches(name, bits, bound_calls):
 
 
 def test_a_switch_rebinds(bound_calls, monkeypatch):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     tx = ftopt.adam(1e-2, state_bits=8, skip_zeros=True)
     params = _tree(gen, [5000])
     state = tx.init(params)
@@ -76,7 +77,7 @@ def test_a_switch_rebinds(bound_calls, monkeypatch):
 
 
 def test_no_binding_when_a_step_has_reductions(bound_calls):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     tx = ftopt.chain(ftopt.clip_by_global_norm(1.0), ftopt.adam(1e-2))
     params = _tree(gen, [300, 40])
     state = tx.init(params)
@@ -102,7 +103,7 @@ def test_bound_launches_hold_addresses_and_keep_their_tensors(bound_calls, monke
     monkeypatch.setattr(launch.tiles, "INTERPRETING", True)
     assert launch.bound_arg(t) is t
     monkeypatch.setattr(launch.tiles, "INTERPRETING", interpreting)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     sizes = [3000, 70, 5000]
     tx = ftopt.adam(1e-2, state_bits=8, skip_zeros=True)
     params = _tree(gen, sizes)

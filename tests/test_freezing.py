@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from step_checks import fresh_generator
 
 import ftopt
 
@@ -272,7 +273,7 @@ def test_a_fused_update_passes_a_masked_out_leaf_through_in_its_dtype(dtype, ski
     in the gradient's dtype on both paths, with skip_zeros in the chain too (its kernels
     write fp32 updates; the control: the other leaf's update is fp32 on both), bit for
     bit, in the first call and the cached one after it."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = {"b": torch.randn(7, generator=gen).to(DEVICE, dtype),
               "w": torch.randn(3, 5, generator=gen).to(DEVICE, dtype)}
     grads = {k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)

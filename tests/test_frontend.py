@@ -20,6 +20,7 @@ import sys
 import pytest
 import registry
 import torch
+from step_checks import fresh_generator
 from test_fused import CHAINS, _tree
 
 import ftopt
@@ -402,7 +403,7 @@ def test_volatile_loads_of_a_layout_load_its_streams_volatile(monkeypatch):
     assert volatile(kinds, skip, torch.bfloat16) == [not x for x in in_place]
     assert set(in_place) == {False, True}  # (a select kernel and an in-place one)
     assert volatile(kinds, plain, torch.bfloat16) == [False]
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     p = {"a": torch.randn(3000, generator=gen).bfloat16(),
          "b": torch.randn(7, 5, generator=gen).bfloat16()}
     g = {k: torch.randn(v.shape, generator=gen).bfloat16() for k, v in p.items()}

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from step_checks import fresh_generator
 
 import ftopt
 from ftopt.lowering import codegen, launch
@@ -32,7 +33,7 @@ def _step(params, grads) -> tuple:
 
 
 def test_an_edited_kernel_runs_in_place_of_the_generated_one(monkeypatch, tmp_path):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = {"w": torch.randn(3000, generator=gen).to(DEVICE)}
     grads = {"w": torch.randn(3000, generator=gen).to(DEVICE)}
     new: set = set()  # the keys of the step's kernels (compiled now or before)

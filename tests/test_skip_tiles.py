@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from step_checks import bits, cloned, dense_randn, same_bits
+from step_checks import bits, cloned, dense_randn, fresh_generator, same_bits
 
 import ftopt
 from ftopt.lowering import codegen, launch, streams, tiles, work
@@ -27,7 +27,7 @@ def test_donated_step_with_zero_tiles_equals_the_full_step(name, monkeypatch):
     monkeypatch.setitem(tiles.SKIP_MODES, "8-bit", "tiles")
     make = getattr(ftopt, name)
     tx = make(1e-2, state_bits=8, skip_zeros=True)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     # Full tiles and a partial one, and at least quantize_states' min_size (4096), so
     # the leaf's states are 8-bit with the GPU's tile (1024) as with the interpreter's.
     full_tiles = max(3, -(-4096 // TILE))
@@ -85,7 +85,7 @@ def test_every_skip_mode_equals_the_full_step(layout, mode, monkeypatch):
            "8-bit": "8-bit"}[layout]
     monkeypatch.setitem(tiles.SKIP_MODES, key, mode)
     tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     tile = max(tiles.BLOCK, tiles.IN_PLACE_TILE[0], TILE)
     n = max(3, -(-4096 // tile)) * tile + 300  # 8-bit states need 4096 elements
     params = {"w": torch.randn(n, generator=gen).to(DEVICE, dtype),
@@ -129,7 +129,7 @@ def test_a_half_tile_of_select_kernels_reaches_their_deferred_kernel(mode, monke
     monkeypatch.setattr(half_tiles, "SELECT", {"16-bit states": (block, 2, 0)})
     launch._constants_cached.cache_clear()
     tx = ftopt.adam(1e-2, skip_zeros=True, state_dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = {"w": torch.randn(7 * block + 100, generator=gen).to(DEVICE, torch.bfloat16)}
     state = tx.init(params)
     params, state = ftopt.step(tx, params, {"w": dense_randn(like=params["w"])}, state)
@@ -223,7 +223,7 @@ def test_8bit_one_block_per_program_equals_the_full_step(name, mode, monkeypatch
     launch._kernel.cache_clear()
     try:
         tx = getattr(ftopt, name)(1e-2, skip_zeros=True, state_bits=8)
-        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+        gen = fresh_generator()
         params = {"w": torch.randn(4096 + 256 * 3 + 77, generator=gen).to(DEVICE)}
         state = tx.init(params)
         params, state = ftopt.step(tx, params, {"w": dense_randn(like=params["w"])}, state,
@@ -285,7 +285,7 @@ def test_split_defer_runs_programs_with_some_zeros_in_a_second_launch(layout, in
     monkeypatch.setattr(tiles, "INTERLEAVE", interleave)
     try:
         tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
-        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+        gen = fresh_generator()
         n = 256 * 17 + 77  # (8-bit states from 4096 elements)
         params = {"w": torch.randn(n, generator=gen).to(DEVICE, dtype)}
         state = tx.init(params)
@@ -359,7 +359,7 @@ def test_in_place_tile_per_layout(monkeypatch):
         cache.cache_clear()
     try:
         tx = ftopt.adam(1e-2, skip_zeros=True)
-        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+        gen = fresh_generator()
         params = {"a": torch.randn(5000, generator=gen).to(DEVICE),
                   "b": torch.randn(5000, generator=gen).to(DEVICE, torch.bfloat16)}
         state = tx.init(params)
@@ -406,7 +406,7 @@ def test_in_place_span_checks_its_tiles_at_once_and_runs_each(dtype, state_dtype
     try:
         kw = {"state_dtype": state_dtype} if state_dtype else {}
         tx = getattr(ftopt, name)(1e-2, skip_zeros=True, **kw)  # (lamb: a norm pass first)
-        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+        gen = fresh_generator()
         n = 256 * span * 4 + 256 + 100  # four spans, one tile and a partial one
         params = {"a": torch.randn(n, generator=gen).to(DEVICE, dtype),
                   "b": torch.randn(600, generator=gen).to(DEVICE, dtype)}
@@ -460,7 +460,7 @@ def test_a_span_of_one_leaf_reads_no_work_table(dtype, name, monkeypatch):
         cache.cache_clear()
     try:
         tx = getattr(ftopt, name)(1e-2, skip_zeros=True)
-        gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+        gen = fresh_generator()
         n = 256 * span * 4 + 256 + 100  # 18 blocks: four spans and a padded one
         params = {"a": torch.randn(n, generator=gen).to(DEVICE, dtype)}
         state = tx.init(params)

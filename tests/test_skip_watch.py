@@ -9,7 +9,7 @@ import inspect
 
 import pytest
 import torch
-from step_checks import cloned, dense_randn, same_bits
+from step_checks import cloned, dense_randn, fresh_generator, same_bits
 
 import ftopt
 from ftopt.lowering import codegen, half_tiles, launch, streams, tiles, work
@@ -78,7 +78,7 @@ def _run(tx, params, state, grads: list, modes: list | None = None,
 
 @pytest.mark.parametrize("name", ["adam", "lion"])
 def test_many_deferred_blocks_switch_to_select_and_back(name, small_blocks, monkeypatch):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
     grads = _grads(gen, 12, range(0, 6))
     make = getattr(ftopt, name)
@@ -119,7 +119,7 @@ def test_few_deferred_blocks_take_more_flags_a_deferred_program(small_blocks,
     monkeypatch.setattr(tiles, "DEFER_FLAGS_FEW", 16)
     monkeypatch.setattr(tiles, "DEFER_FEW_BELOW", 0.1)
     monkeypatch.setattr(tiles, "DEFER_SELECT_ABOVE", 2.0)  # (split+defer throughout)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
     # steps 1-4: the tail deferred (1 of 41 blocks), steps 5-8: every block
     grads = _grads(gen, 8, range(4, 8))
@@ -147,7 +147,7 @@ def test_few_deferred_blocks_take_more_flags_a_deferred_program(small_blocks,
 
 
 def test_the_select_steps_launch_no_deferred_kernel(small_blocks, monkeypatch):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
     tx = ftopt.adam(1e-2, state_bits=8, skip_zeros=True)
     state = tx.init(params)
@@ -175,7 +175,7 @@ def test_a_count_not_yet_on_the_host_keeps_the_mode(small_blocks):
         def query(self):
             return self.done
 
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
     tx = ftopt.adam(1e-2, state_bits=8, skip_zeros=True)
     state = tx.init(params)
@@ -197,7 +197,7 @@ def test_a_captured_step_keeps_the_mode_of_the_moment(small_blocks):
     """Under CUDA graph capture the watch neither queries its event nor counts: the
     graph holds the launches of the mode the group ran before (here "split+select"), and
     its replays write what uncaptured steps write."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
     (g,) = _grads(gen, 1, range(1))
     lr = torch.tensor(1e-2, device=DEVICE)  # (a captured step reads it from the device)
@@ -260,7 +260,7 @@ def test_split_in_place_runs_select_while_most_blocks_are_part_zero(layout, smal
     what it skips). The same bytes as the group that never switches and as "select"."""
     dtype, kw, key = LAYOUTS[layout]
     monkeypatch.setitem(tiles.SKIP_MODES, key, "split+in_place")
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = {"w": torch.randn(N, generator=gen).to(DEVICE, dtype)}
     grads = [{"w": g["w"].to(dtype)} for g in _grads(gen, 12, range(0, 6))]
     tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
@@ -301,7 +301,7 @@ def test_bound_launches_of_both_modes_follow_moving_gradients(layout, small_bloc
     gradient tensors every step, bound runs in both modes, the bytes of the group that
     never switches."""
     kw = {"state_bits": 8} if layout == "8-bit" else {}
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = {"w": torch.randn(N, generator=gen).to(DEVICE)}
     grads = _grads(gen, 12, range(0, 6))
     tx = ftopt.adam(1e-2, skip_zeros=True, **kw)
@@ -336,7 +336,7 @@ def test_dense_gradients_pick_the_cheaper_mode_of_the_layout(layout, rounding, s
     dtype, kw, key = LAYOUTS[layout]
     kw = {**kw, "state_rounding": rounding} if rounding else kw
     monkeypatch.setitem(tiles.SKIP_MODES, key, "split+in_place")
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = {"w": torch.randn(N, generator=gen).to(DEVICE, dtype)}
     grads = [{"w": dense_randn(N, generator=gen, dtype=dtype).to(DEVICE)} for _ in range(8)]
     for g in grads[4:]:
@@ -380,7 +380,7 @@ def test_mostly_zero_gradients_run_the_spanned_alternate(layout, small_blocks, s
     finds the zeros gone; its bound launches follow new gradient tensors as the
     group's do. The same bytes as the group that never switches, and skip_zeros held."""
     dtype, kw = _one_block_layout(layout, monkeypatch)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = {"w": torch.randn(N, generator=gen).to(DEVICE, dtype)}
     grads = [{"w": g["w"].to(dtype)} for g in _grads(gen, 12, range(0))]
     for g in grads[:6]:
@@ -430,7 +430,7 @@ def test_a_mostly_zero_leaf_runs_spanned_in_a_group_of_its_own(layout, rest_part
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
     monkeypatch.setattr(tiles, "CARVE_SPANS", {"8-bit": 2})  # (else the alternate's 4)
     span = 2 if layout == "8-bit" else 4
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params, grads = _embedding_tree(gen, dtype, 12)
     rows = torch.randperm(40, generator=gen)[:36]
     for g in grads[:6]:  # 36 of its 40 blocks zero, other ones each step
@@ -485,7 +485,7 @@ def test_a_carves_probe_counts_what_the_whole_group_would(layout, small_blocks, 
     bytes, as a probe that runs the whole group (the control: that one runs mode 0)."""
     dtype, kw = _one_block_layout(layout, monkeypatch)
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params, grads = _embedding_tree(gen, dtype, 12, a=256 * 20)
     for k, g in enumerate(grads):  # 34-36 of its 40 blocks zero, others each step
         g["emb"].view(40, 256)[torch.randperm(40, generator=gen)[:34 + k % 3]] = 0.0
@@ -588,7 +588,7 @@ def test_a_carves_spanned_group_launches_beside_the_others(layout, carve_warps, 
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
     key = "8-bit" if layout == "8-bit" else "16-bit states"
     monkeypatch.setattr(tiles, "CARVE_WARPS", {key: carve_warps} if carve_warps else {})
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params, grads = _embedding_tree(gen, dtype, 8)
     for g in grads:
         g["emb"].view(40, 256)[torch.randperm(40, generator=gen)[:36]] = 0.0
@@ -701,7 +701,7 @@ def test_a_carves_probe_kernels_launch_first_in_a_loops_first_steps(small_blocks
     dtype, kw = _one_block_layout("bf16 states", monkeypatch)
     monkeypatch.setattr(tiles, "CARVE_MIN_BLOCKS", 8)
     monkeypatch.setattr(tiles, "WATCH_PROBE", 8)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params, grads = _embedding_tree(gen, dtype, 12)
     for g in grads:
         g["emb"].view(40, 256)[torch.randperm(40, generator=gen)[:36]] = 0.0

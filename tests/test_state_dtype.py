@@ -26,7 +26,7 @@ import pytest
 import registry
 import torch
 from registry import standalone
-from step_checks import with_zero_rows_and_columns
+from step_checks import fresh_generator, with_zero_rows_and_columns
 
 import ftopt
 from ftopt.lowering import tiles
@@ -317,7 +317,7 @@ def test_every_entry_point_agrees(dtype):
     """``tx.update`` (fused: new states written to one buffer per role) and donated steps
     (written in place) store the same 16-bit states as a step on the same backend."""
     tx = ftopt.adamw(1e-2, weight_decay=0.1, state_dtype=DTYPES[dtype], skip_zeros=True)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = _tree(gen)
     state = tx.init(params)
     params, state = ftopt.step(tx, params, _tree(gen), state, backend="eager")
@@ -628,8 +628,8 @@ def test_fast_math_keeps_the_8bit_encoder_exact(monkeypatch):
 
     monkeypatch.setattr(tiles, "FAST_MATH", frozenset({"8-bit"}))
     tx = ftopt.adam(1e-2, state_bits=8)
-    seed = int(torch.seed() % 2**31)
-    gen = torch.Generator().manual_seed(seed)
+    gen = fresh_generator()
+    seed = gen.initial_seed()
     p = {"w": torch.randn(3 * 4096 + 300, generator=gen).to(DEVICE)}
     s = tx.init(p)
     for _ in range(3):

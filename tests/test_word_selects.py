@@ -10,6 +10,7 @@ import re
 import pytest
 import registry
 import torch
+from step_checks import fresh_generator
 
 import ftopt
 from ftopt.lowering import codegen, half_tiles, lanes, launch
@@ -33,8 +34,8 @@ def test_word_selects_keep_the_bits_of_value_selects(monkeypatch, p_dtype, state
     """(Stochastic rounding's kernels, which read the element's index, only with
     "indexed" in ``FTOPT_SELECT_WORDS``.)"""
     monkeypatch.setattr(lanes, "BF16_CONVERT", convert)
-    seed = torch.seed() % 2**31
-    gen = torch.Generator().manual_seed(seed)
+    gen = fresh_generator()
+    seed = gen.initial_seed()
 
     def tree() -> dict:
         return {"a": torch.randn(3000, generator=gen).to(DEVICE, p_dtype),
@@ -147,8 +148,8 @@ def test_every_entry_steps_as_with_value_selects(monkeypatch, name):
     """Every registry entry with per-element float states, over bf16 params and states
     with skip_zeros: the same bits with the word selects as without, two steps, and the
     params where the gradient is zero kept."""
-    seed = torch.seed() % 2**31
-    gen = torch.Generator().manual_seed(seed)
+    gen = fresh_generator()
+    seed = gen.initial_seed()
 
     def tree() -> dict:
         return {"a": torch.randn(3000, generator=gen).to(DEVICE, bf16),
@@ -189,7 +190,7 @@ def test_indexed_takes_stochastic_roundings_select_kernels(monkeypatch, on):
         sources.append(source)
         return real(source, name)
 
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     params = {"w": torch.randn(3000, generator=gen).to(DEVICE, bf16)}
     grads = {"w": torch.randn(3000, generator=gen).to(DEVICE, bf16)}
     grads["w"][::4] = 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_checks import fresh_generator
 
 import ftopt
 from ftopt.lowering import launch, tiles, work
@@ -55,7 +56,7 @@ def test_interleaved_steps_equal_the_in_order_steps(name, monkeypatch):
                                                    state_dtype=torch.bfloat16),
             "lamb": lambda: ftopt.lamb(1e-2, skip_zeros=True),
             "novograd": lambda: ftopt.novograd(1e-2)}[name]
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = fresh_generator()
     block = max(tiles.BLOCK, tiles.IN_PLACE_TILE[0], tiles.QUANT_TILE[0])
     params = {"w": torch.randn(9 * block + 77, generator=gen).to(DEVICE),
               "b": torch.randn(3 * block, generator=gen).to(DEVICE),
