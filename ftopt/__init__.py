@@ -64,6 +64,7 @@ from ftopt.lookahead import LookaheadParams, LookaheadState, lookahead
 from ftopt.lowering.explain import explain
 from ftopt.mechanic import MechanicState, mechanize
 from ftopt.momo import MomoAdamState, MomoState, momo, momo_adam
+from ftopt.monitoring import MonitorState, SnapshotState, measure_with_ema, monitor, snapshot
 from ftopt.numerics import (
     abs_sq,
     init_empty_state,
@@ -290,6 +291,8 @@ __all__ += [
     "zero_nans",
 ]
 
+# Measurements of the updates kept in the state (ftopt.monitoring)
+__all__ += ["MonitorState", "SnapshotState", "measure_with_ema", "monitor", "snapshot"]
 # optax.contrib's SAM and Mechanic wrappers (ftopt.sam, ftopt.mechanic)
 __all__ += ["SAMState", "sam", "MechanicState", "mechanize"]
 # Per-leaf norm optimizers (ftopt.alias_norms)

@@ -333,6 +333,10 @@ def _lars(trust_ratio_mask: str = "all", weight_decay_mask: str = "all", **kw):
 
 _ADAM_FLOATS = {"b1": BETA, "b2": BETA, "eps": EPS, "eps_root": EPS_ROOT}
 
+# What the snapshot entry measures of the updates.
+_MEASURES: dict[str, Callable] = {"norm": ftopt.tree.norm, "max": ftopt.tree.max,
+                                  "sum": ftopt.tree.sum}
+
 TRANSFORMS: list[Entry] = [
     # ---- chain building blocks (SPEC §2)
     Entry("scale", ftopt.scale, floats={"step_size": HP(-2.0, 2.0)}, keeps_zero=True,
@@ -706,6 +710,17 @@ TRANSFORMS += [
     Entry("keep_params_nonnegative", ftopt.keep_params_nonnegative, uses_params=True),
     # A matrix stage (whole-leaf means): the elementwise stages around it fuse.
     Entry("centralize", ftopt.centralize, norms="row"),  # (a mean of each row)
+    # Matrix stages that pass the updates on and keep measurements of them in the state
+    # (ftopt.monitoring): the elementwise stages around them fuse.
+    Entry("snapshot", lambda measure="norm": ftopt.snapshot("measured", _MEASURES[measure]),
+          options={"measure": tuple(_MEASURES)}, keeps_zero=True, bookkeeping=True),
+    Entry("monitor",
+          lambda decay=0.9, debias=True: ftopt.monitor({
+              "norm": ftopt.tree.norm,
+              "large": ftopt.measure_with_ema(lambda u: ftopt.tree.max(u) > 0.5, decay,
+                                              debias)}),
+          floats={"decay": DECAY}, options={"debias": (True, False)}, counted=True,
+          keeps_zero=True, bookkeeping=True, example={"decay": 0.9}),
     # Wrappers (ftopt.wrappers): eager bookkeeping around an inner transform.
     Entry("MultiSteps",
           lambda inner=(), every_k_schedule=2, use_grad_mean=True: ftopt.MultiSteps(
@@ -991,7 +1006,9 @@ PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
                                    "mechanize": "tests/test_mechanize.py",
                                    "sophia": "tests/test_sophia.py",
                                    "scale_by_sophia": "tests/test_sophia.py",
-                                   "hutchinson_estimator_diag_hessian": "tests/test_sophia.py"}
+                                   "hutchinson_estimator_diag_hessian": "tests/test_sophia.py",
+                                   # (its update gives a measurement, not updates)
+                                   "measure_with_ema": "tests/test_monitoring.py"}
 
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({
@@ -1035,6 +1052,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "SAMState", "MechanicState",
     "SophiaState", "HutchinsonState", "GaLoreState", "GaLoreDimensionNumbers",
     "power_iteration", "matrix_inverse_pth_root", "nnls", "multi_normal",
+    "SnapshotState", "MonitorState",
 })
 
 

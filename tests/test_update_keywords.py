@@ -43,6 +43,7 @@ MAKERS = {
     "sophia": lambda: ftopt.sophia(1e-3),
     "scale_by_sophia": lambda: ftopt.scale_by_sophia(),
     "hutchinson_estimator_diag_hessian": lambda: ftopt.hutchinson_estimator_diag_hessian(),
+    "measure_with_ema": lambda: ftopt.measure_with_ema(ftopt.tree.norm, 0.9),
 }
 
 

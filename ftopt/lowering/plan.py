@@ -171,8 +171,8 @@ def describe_segments(plan: ChainPlan) -> str:
             labels = [c.label for c in part[3] if c.label is not None]
             where = f" on {labels[-1]!r} leaves" if labels else (
                 " on masked leaves" if part[3] else "")
-            items.append(f"{part[0].name} (matrix stage{where}: torch, leaves batched by "
-                         "shape)")
+            how = getattr(part[0], "how", "torch, leaves batched by shape")
+            items.append(f"{part[0].name} (matrix stage{where}: {how})")
     return " -> ".join(items)
 
 

@@ -1,0 +1,269 @@
+"""Measurements of the updates kept in the state (optax's ``snapshot``, ``monitor`` and
+``measure_with_ema``): a chain's intermediate values, read back with
+``ftopt.tree.get(state, name)``.
+
+``snapshot(name, measure)`` and ``monitor({name: measure, ...})`` pass the updates through
+and store each measure of them in their state; a measure is a function of the updates
+tree (``ftopt.tree.norm``) or, in ``monitor``, a transform whose update gives the
+measurement from the updates (``measure_with_ema(fn, decay)``: an exponential moving
+average of ``fn``'s value). Both are matrix stages (:mod:`ftopt.matrix`): in a chain that
+otherwise fuses, the fused backend runs the stages before them as one fused segment, the
+measures on its output with torch ops, and the stages after them as another, so
+monitoring a chain does not send it to the eager path.
+
+What a measure sees is what the stage passes on: the incoming updates in their compute
+dtype (fp32 for fp16 and bf16 leaves), and in a ``skip_zeros`` chain ``-0.0`` where the raw
+gradient is zero (SPEC §3: a reduction sees the masked update), on both backends.
+
+The state has one structure from ``init`` on: a function's measurement starts as its
+value on the params (as optax's ``snapshot``), a transform's as zeros of its value's
+shape (optax's ``monitor`` starts with no measurements; a fixed structure lets a state
+be checkpointed, loaded and donated at any step). A measure must keep the structure,
+shapes and dtypes of its measurement from step to step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from ftopt import tree as tree_lib
+from ftopt.base import GradientTransformation, check_transform, register_owner, register_state
+from ftopt.matrix import check_shards, flatten_call
+from ftopt.program import skip_update
+from ftopt.rules import check_param, compute_dtype
+from ftopt.transforms.momentum import ema
+from ftopt.validate import check_leaf
+
+__all__ = ["SnapshotState", "MonitorState", "snapshot", "monitor", "measure_with_ema"]
+
+Measure = Callable[[Any], Any]
+
+
+@register_state
+class SnapshotState(NamedTuple):
+    """``measurement``: ``{name: the measure of the last updates}``."""
+
+    measurement: dict[str, Any]
+
+
+@register_state
+class MonitorState(NamedTuple):
+    """``measurements``: ``{name: measurement}``; ``measure_states``: the state of each
+    measure that is a transform (``EmptyState``-free: ``()`` for a function), in the
+    order of the names."""
+
+    measurements: dict[str, Any]
+    measure_states: tuple
+
+
+def _always(leaf: Any) -> bool:
+    return True
+
+
+def _as_tensors(value: Any, device: torch.device | None) -> Any:
+    """``value`` with each Python number a 0-d tensor (on ``device``)."""
+    return tree_lib.map(lambda x: x if isinstance(x, torch.Tensor)
+                        else torch.as_tensor(x, device=device), value)
+
+
+def _zeros_like(value: Any) -> Any:
+    return tree_lib.map(torch.zeros_like, value)
+
+
+def _signature(value: Any) -> tuple:
+    leaves = tree_lib.leaves(value)
+    return (tree_lib.structure(value),
+            tuple((tuple(t.shape), t.dtype) for t in leaves))
+
+
+class Measuring:
+    """The stage behind :func:`snapshot` (``snapshot=True``: one function, a
+    :class:`SnapshotState`) and :func:`monitor`."""
+
+    matrix_stage = True
+    mask_aware = True
+    uses_params = False
+    how = "torch, the measures on the updates tree"  # (for explain)
+
+    def __init__(self, name: str, measures: Mapping[str, Any], snapshot: bool):
+        if not isinstance(measures, Mapping) or not measures:
+            raise TypeError(f"{name}: expected a non-empty dict of measure names to "
+                            f"measures, got {measures!r}")
+        self.measures: dict[str, Any] = {}
+        for key, measure in measures.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{name}: measure names must be strings, got {key!r}")
+            if isinstance(measure, GradientTransformation) and not snapshot:
+                check_transform(measure, f"{name}: measure {key!r}")
+            elif not callable(measure):
+                raise TypeError(f"{name}: measure {key!r} must be a function of the updates"
+                                + ("" if snapshot else " or a GradientTransformation")
+                                + f", got {type(measure).__name__}")
+            self.measures[key] = measure
+        self.name, self.snapshot = name, snapshot
+        register_owner(self)
+
+    def _measured(self, tree: Any, device: torch.device | None) -> Any:
+        return {k: _as_tensors(m(tree), device) for k, m in self.measures.items()
+                if not isinstance(m, GradientTransformation)}
+
+    # -- init --------------------------------------------------------------------------
+    def init(self, params: Any) -> SnapshotState | MonitorState:
+        paths, flat, spec = tree_lib.flatten_with_paths(params)
+        for path, p in zip(paths, flat):
+            check_param(path, p)
+        device = tree_lib.state_device(flat)
+        tree = tree_lib.unflatten(spec, [p.detach().to(compute_dtype(p)) for p in flat])
+        values = self._measured(tree, device)
+        if self.snapshot:
+            return SnapshotState(values)
+        states = []
+        for key, m in self.measures.items():
+            if isinstance(m, GradientTransformation):
+                s = m.init(params)
+                values[key] = _zeros_like(_as_tensors(m.update(tree, s, params)[0], device))
+                states.append(s)
+        return MonitorState({k: values[k] for k in self.measures}, tuple(states))
+
+    # -- checks ------------------------------------------------------------------------
+    def check_shards(self, paths: Sequence[str], u_flat: Sequence[Any]) -> None:
+        """A measure reads whole leaves: refuse leaves split across ranks (a call on local
+        shards would measure each rank's part)."""
+        check_shards(self.name, "leaf", _always, paths, u_flat)
+
+    def check_state(self, state: Any, u_flat: Sequence[Any] = (), p_flat: Sequence[Any] = (),
+                    spec: Any = None, paths: Sequence[str] = ()) -> None:
+        cls = SnapshotState if self.snapshot else MonitorState
+        if not isinstance(state, cls):
+            raise TypeError(f"{self.name}: expected a {cls.__name__}, got "
+                            f"{type(state).__name__}")
+        got = state[0]
+        if not isinstance(got, dict) or list(got) != list(self.measures):
+            raise ValueError(f"{self.name}: the state's measurements are "
+                             f"{list(got) if isinstance(got, dict) else got!r}, expected "
+                             f"{list(self.measures)}")
+        if not self.snapshot:
+            wanted = sum(isinstance(m, GradientTransformation) for m in self.measures.values())
+            if not isinstance(state.measure_states, tuple) or \
+                    len(state.measure_states) != wanted:
+                raise ValueError(f"{self.name}: expected measure_states, a tuple of {wanted} "
+                                 f"states, got {state.measure_states!r}")
+
+    # -- update ------------------------------------------------------------------------
+    def update(self, updates, state, params=None, **extra):
+        spec, paths, u_flat, p_flat, zero_flat = flatten_call(updates, params, extra)
+        for path, u, p in zip(paths, u_flat, p_flat):
+            if u is not None:
+                check_leaf(path, u, p, params is not None)
+        self.check_state(state)
+        out, new = self.run_flat(u_flat, zero_flat, state, p_flat, spec, paths)
+        return tree_lib.unflatten(spec, out), new
+
+    def run_flat(self, u_flat, zero_flat, state, p_flat, spec, paths):
+        """The updates passed on (masked, in their compute dtype) and the new
+        measurements (see :mod:`ftopt.matrix`)."""
+        del paths
+        out = [None if u is None else u.to(compute_dtype(u)) for u in u_flat]
+        if zero_flat is not None:
+            out = [u if u is None or z is None else skip_update(u, z)
+                   for u, z in zip(out, zero_flat)]
+        tree = tree_lib.unflatten(spec, out)
+        params = (None if any(p is None for p, u in zip(p_flat, out) if u is not None)
+                  else tree_lib.unflatten(spec, p_flat))
+        device = tree_lib.state_device([u for u in out if u is not None])
+        values = self._measured(tree, device)
+        states, old_states = [], iter(() if self.snapshot else state.measure_states)
+        for key, m in self.measures.items():
+            if isinstance(m, GradientTransformation):
+                value, s = m.update(tree, next(old_states), params)
+                values[key] = _as_tensors(value, device)
+                states.append(s)
+        old = state[0]
+        for key in self.measures:
+            if _signature(values[key]) != _signature(old[key]):
+                raise ValueError(
+                    f"{self.name}: measure {key!r} gave a value of another structure, "
+                    f"shape or dtype than before: {_signature(values[key])[1]}, expected "
+                    f"{_signature(old[key])[1]} (a measurement keeps the form it has "
+                    "from init on)")
+        values = {k: values[k] for k in self.measures}
+        new = SnapshotState(values) if self.snapshot else MonitorState(values, tuple(states))
+        return out, new
+
+
+def snapshot(measure_name: str, measure: Measure) -> GradientTransformation:
+    """Stores ``measure(updates)`` in the state under ``measure_name`` and passes the
+    updates on (optax's ``snapshot``), to read a chain's intermediate values:
+    ``chain(sgd(0.1, momentum=0.9), snapshot("norm", ftopt.tree.norm),
+    clip_by_global_norm(1.0))``, then ``ftopt.tree.get(state, "norm")``.
+
+    At ``init`` the measurement is ``measure(params)``. The fused backend runs the stages
+    around it fused (see :mod:`ftopt.monitoring`).
+    """
+    if not isinstance(measure_name, str):
+        raise TypeError(f"snapshot: measure_name must be a string, got {measure_name!r}")
+    obj = Measuring("snapshot", {measure_name: measure}, snapshot=True)
+    return GradientTransformation(obj.init, obj.update)
+
+
+def monitor(measures: Mapping[str, GradientTransformation | Measure]) -> GradientTransformation:
+    """Stores several measurements of the updates, some of them stateful, and passes the
+    updates on (optax's ``monitor``): ``monitor({"norm": ftopt.tree.norm, "clipped":
+    measure_with_ema(lambda u: ftopt.tree.norm(u) > 1.0, decay=0.9)})``.
+
+    A measure is a function of the updates, or a transform whose ``update(updates, state,
+    params)`` gives ``(measurement, state)``. At ``init`` a function's measurement is its
+    value on the params, a transform's zeros of its value's shape. The fused backend runs
+    the stages around it fused (see :mod:`ftopt.monitoring`).
+    """
+    obj = Measuring("monitor", measures, snapshot=False)
+    return GradientTransformation(obj.init, obj.update)
+
+
+class MeasureWithEma:
+    """The transform behind :func:`measure_with_ema`: its update gives the average."""
+
+    def __init__(self, measure: Measure, decay: float | torch.Tensor, debias: bool,
+                 accumulator_dtype: torch.dtype | None):
+        if not callable(measure):
+            raise TypeError(f"measure_with_ema: measure must be a function of the updates, "
+                            f"got {type(measure).__name__}")
+        if accumulator_dtype is not None and not (
+                isinstance(accumulator_dtype, torch.dtype) and accumulator_dtype.is_floating_point):
+            raise TypeError(f"measure_with_ema: accumulator_dtype must be a floating-point "
+                            f"torch.dtype or None, got {accumulator_dtype!r}")
+        self.measure, self.dtype = measure, accumulator_dtype
+        self.average = ema(decay, debias)
+        register_owner(self)
+
+    def _value(self, tree: Any) -> Any:
+        value = _as_tensors(self.measure(tree), None)
+
+        def cast(x: torch.Tensor) -> torch.Tensor:
+            x = x.detach() if not torch.is_grad_enabled() else x
+            if self.dtype is not None:
+                return x.to(self.dtype)
+            return x if x.is_floating_point() else x.to(torch.get_default_dtype())
+        return tree_lib.map(cast, value)
+
+    def init(self, params: Any) -> Any:
+        return self.average.init(self._value(params))
+
+    def update(self, updates, state, params=None, **extra):
+        del params, extra
+        return self.average.update(self._value(updates), state, backend="eager")
+
+
+def measure_with_ema(measure: Measure, decay: float | torch.Tensor, debias: bool = True,
+                     accumulator_dtype: torch.dtype | None = None) -> GradientTransformation:
+    """An exponential moving average of ``measure(updates)`` (optax's
+    ``measure_with_ema``), for :func:`monitor`: its update gives the average (debiased by
+    ``1 − decayᵗ`` with ``debias``), not updates, and its state is :func:`ftopt.ema`'s
+    over the measurement. A measurement that is not floating point (``norm > 1.0``) is
+    averaged in the default float dtype, or in ``accumulator_dtype`` if given.
+    """
+    obj = MeasureWithEma(measure, decay, debias, accumulator_dtype)
+    return GradientTransformation(obj.init, obj.update)
