@@ -191,6 +191,8 @@ from ftopt.transforms import (
     scale_by_trust_ratio,
     scale_by_yogi,
     trace,
+    unitwise_clip,
+    unitwise_norm,
     weight_decay,
 )
 from ftopt.transforms.dadapt import DAdaptAdamWState
@@ -291,6 +293,8 @@ __all__ += [
     "zero_nans",
 ]
 
+# The unit-wise norm and clip of adaptive_grad_clip
+__all__ += ["unitwise_clip", "unitwise_norm"]
 # Measurements of the updates kept in the state (ftopt.monitoring)
 __all__ += ["MonitorState", "SnapshotState", "measure_with_ema", "monitor", "snapshot"]
 # optax.contrib's SAM and Mechanic wrappers (ftopt.sam, ftopt.mechanic)

@@ -1052,7 +1052,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "SAMState", "MechanicState",
     "SophiaState", "HutchinsonState", "GaLoreState", "GaLoreDimensionNumbers",
     "power_iteration", "matrix_inverse_pth_root", "nnls", "multi_normal",
-    "SnapshotState", "MonitorState",
+    "SnapshotState", "MonitorState", "unitwise_norm", "unitwise_clip",
 })
 
 

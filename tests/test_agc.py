@@ -124,3 +124,52 @@ def test_bad_input_is_refused_before_anything_is_written():
         ftopt.adaptive_grad_clip(-1.0)
     with pytest.raises(TypeError, match="axis must be"):
         ftopt.adaptive_grad_clip(0.1, axis=())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unitwise_norm_is_each_units_norm_broadcast(dtype):
+    """Against float64 norms written unit by unit: torch's layouts by default, optax's
+    ``axis`` otherwise; fp32 for bf16 input."""
+    gen = torch.Generator().manual_seed(3)
+    for name, shape in SHAPES.items():
+        x = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+        got = ftopt.unitwise_norm(x)
+        assert got.shape == x.shape and got.dtype == torch.float32, name
+        axes = _units(x)
+        want = (x.double().square().sum(dim=axes, keepdim=True).sqrt() if axes
+                else x.double().abs()).expand(x.shape)
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+    x = torch.randn(4, 3, generator=gen).to(DEVICE)
+    for i in range(3):  # axis=0: one unit a column
+        torch.testing.assert_close(ftopt.unitwise_norm(x, axis=0)[:, i],
+                                   x[:, i].norm().expand(4))
+    assert torch.equal(ftopt.unitwise_norm(x, axis=(0, -1)), x.norm().expand(4, 3))
+    with pytest.raises(ValueError, match="unitwise_norm: axis 2 is out of range"):
+        ftopt.unitwise_norm(x, axis=2)
+    with pytest.raises(TypeError, match="axis must be an int"):
+        ftopt.unitwise_norm(x, axis=1.0)
+    with pytest.raises(TypeError, match="expected a floating-point tensor"):
+        ftopt.unitwise_norm(torch.ones(3, dtype=torch.int64))
+
+
+def test_unitwise_clip_and_norm_compose_to_adaptive_grad_clip():
+    """adaptive_grad_clip's update is unitwise_clip(unitwise_norm(u), clipping ·
+    max(unitwise_norm(p), eps), u), bit for bit; units under their bound keep their bits
+    (the control: the others change), and a zero norm divides by div_eps."""
+    p, u = _draw(11)
+    clipping, eps = 0.05, 1e-3
+    tx = ftopt.adaptive_grad_clip(clipping, eps)
+    got, _ = tx.update(u, tx.init(p), p)
+    kept = changed = 0
+    for k in SHAPES:
+        g_norm = ftopt.unitwise_norm(u[k])
+        max_norm = clipping * ftopt.unitwise_norm(p[k]).clamp_min(eps)
+        want = ftopt.unitwise_clip(g_norm, max_norm, u[k])
+        assert torch.equal(got[k], want), k
+        under = g_norm < max_norm
+        assert torch.equal(want[under], u[k][under])
+        kept, changed = kept + int(under.sum()), changed + int((want != u[k]).sum())
+    assert kept and changed
+    zero = torch.zeros(3)
+    assert torch.equal(ftopt.unitwise_clip(zero, zero, torch.ones(3)), zero)
+    assert torch.equal(ftopt.unitwise_clip(zero, zero, torch.ones(3), div_eps=0.5), zero)

@@ -45,7 +45,12 @@ from ftopt.transforms.dog import (
     scale_by_dowg,
 )
 from ftopt.transforms.madgrad import MadgradState, scale_by_madgrad
-from ftopt.transforms.matrix_stages import adaptive_grad_clip, scale_by_row_norm
+from ftopt.transforms.matrix_stages import (
+    adaptive_grad_clip,
+    scale_by_row_norm,
+    unitwise_clip,
+    unitwise_norm,
+)
 from ftopt.transforms.momentum import (
     ApplyEveryState,
     EmaState,
@@ -131,6 +136,8 @@ __all__ = [
     "scale_by_rms",
     "scale_by_row_norm",
     "adaptive_grad_clip",
+    "unitwise_clip",
+    "unitwise_norm",
     "ScaleBySM3State",
     "scale_by_sm3",
     "DoGState",

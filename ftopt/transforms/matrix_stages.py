@@ -1,5 +1,6 @@
 """Matrix stages (see :mod:`ftopt.matrix`): ``scale_by_row_norm`` and
-``adaptive_grad_clip``."""
+``adaptive_grad_clip``, and the latter's unit-wise helpers ``unitwise_norm`` and
+``unitwise_clip``."""
 
 from __future__ import annotations
 
@@ -38,6 +39,59 @@ def scale_by_row_norm(eps: float = 1e-8) -> GradientTransformation:
     return matrix_transform("scale_by_row_norm", fn, reads="rows")
 
 
+def unit_axes(x: torch.Tensor, axis: Sequence[int] | None, where: str) -> tuple[int, ...]:
+    """The dims of ``x`` a unit spans (those its norm sums over): ``axis`` (each in range,
+    ``where`` names the caller in the error), or by layout: a leaf with at most one dim
+    larger than 1 is one unit, any other has one unit an index of its first dim."""
+    if axis is None:
+        if x.squeeze().ndim <= 1:  # scalars and vectors: the whole leaf
+            return tuple(range(x.ndim))
+        return tuple(range(1, x.ndim))  # torch's (out, in, ...): one unit an output
+    out = []
+    for a in axis:
+        if not -x.ndim <= a < x.ndim:
+            raise ValueError(f"{where}: axis {a} is out of range for a leaf of shape "
+                             f"{tuple(x.shape)}")
+        out.append(a % x.ndim)
+    return tuple(sorted(set(out)))
+
+
+def _axes_argument(name: str, axis: int | Sequence[int] | None) -> tuple[int, ...] | None:
+    if axis is None:
+        return None
+    axes = (axis,) if isinstance(axis, int) else tuple(axis) if isinstance(
+        axis, Sequence) else ()
+    if not axes or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes):
+        raise TypeError(f"{name}: axis must be an int or a non-empty sequence of ints, got "
+                        f"{axis!r}")
+    return axes
+
+
+def unitwise_norm(x: torch.Tensor, axis: int | Sequence[int] | None = None) -> torch.Tensor:
+    """The L2 norm of each unit of ``x``, broadcast to ``x``'s shape (optax's
+    ``unitwise_norm``): a unit is a slice over the dims ``axis`` lists, by default as
+    :func:`adaptive_grad_clip`'s (torch's layouts: the whole of a vector, a row ``x[i,
+    ...]`` of anything else; optax's default reads JAX's ``(in, out)`` kernels, the same
+    units written ``axis=0`` there). Computed in ``x``'s compute dtype (fp32 for 16-bit)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"unitwise_norm: expected a floating-point tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    dims = unit_axes(x, _axes_argument("unitwise_norm", axis), "unitwise_norm")
+    x = x.to(compute_dtype(x))
+    if len(dims) == x.ndim:  # (one unit: as adaptive_grad_clip sums a whole leaf's squares)
+        return x.square().sum().sqrt().expand(x.shape)
+    return torch.linalg.vector_norm(x, dim=dims, keepdim=True).expand(x.shape)
+
+
+def unitwise_clip(g_norm: torch.Tensor, max_norm: torch.Tensor, grad: torch.Tensor,
+                  div_eps: float = 1e-6) -> torch.Tensor:
+    """``grad`` where ``g_norm < max_norm``, else ``grad · max_norm / max(g_norm,
+    div_eps)`` (optax's ``unitwise_clip``; ``div_eps`` only keeps the division finite): the
+    clip of :func:`adaptive_grad_clip`. The norms broadcast against ``grad`` (optax asks
+    for equal shapes: :func:`unitwise_norm`'s are)."""
+    return torch.where(g_norm < max_norm, grad, grad * (max_norm / g_norm.clamp_min(div_eps)))
+
+
 class AdaptiveGradClip(MatrixTransform):
     """The stage behind :func:`adaptive_grad_clip` (a matrix stage that reads the params)."""
 
@@ -49,17 +103,7 @@ class AdaptiveGradClip(MatrixTransform):
 
     def axes(self, path: str, x: torch.Tensor) -> tuple[int, ...]:
         """The dims of ``x`` a unit spans (those its norm sums over)."""
-        if self.axis is None:
-            if x.squeeze().ndim <= 1:  # scalars and vectors: the whole leaf
-                return tuple(range(x.ndim))
-            return tuple(range(1, x.ndim))  # torch's (out, in, ...): one unit an output
-        out = []
-        for a in self.axis:
-            if not -x.ndim <= a < x.ndim:
-                raise ValueError(f"adaptive_grad_clip at {path}: axis {a} is out of range "
-                                 f"for a leaf of shape {tuple(x.shape)}")
-            out.append(a % x.ndim)
-        return tuple(sorted(set(out)))
+        return unit_axes(x, self.axis, f"adaptive_grad_clip at {path}")
 
     def check_shards(self, paths: Sequence[str], u_flat: Sequence[Any]) -> None:
         # A whole-leaf unit takes its norms over the ranks (shards.reduce_squares): any
@@ -128,8 +172,7 @@ class AdaptiveGradClip(MatrixTransform):
 
     def _clip(self, u: torch.Tensor, g_norm: torch.Tensor, p_norm: torch.Tensor
               ) -> torch.Tensor:
-        max_norm = self.clipping * p_norm.clamp_min(self.eps)
-        return torch.where(g_norm < max_norm, u, u * (max_norm / g_norm.clamp_min(1e-6)))
+        return unitwise_clip(g_norm, self.clipping * p_norm.clamp_min(self.eps), u)
 
     def update(self, updates, state, params=None, **extra):
         if params is None:
@@ -177,11 +220,5 @@ def adaptive_grad_clip(clipping: float | torch.Tensor, eps: float | torch.Tensor
     """
     clipping = check_finite("adaptive_grad_clip", "clipping", clipping, NONNEG)
     eps = check_finite("adaptive_grad_clip", "eps", eps, NONNEG)
-    if axis is not None:
-        axes = (axis,) if isinstance(axis, int) else tuple(axis)
-        if not axes or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes):
-            raise TypeError(f"adaptive_grad_clip: axis must be an int or a non-empty "
-                            f"sequence of ints, got {axis!r}")
-        axis = axes
-    stage = AdaptiveGradClip(clipping, eps, axis)
+    stage = AdaptiveGradClip(clipping, eps, _axes_argument("adaptive_grad_clip", axis))
     return GradientTransformation(stage.init, stage.update)
