@@ -52,6 +52,7 @@ from ftopt.conditional import (
 from ftopt.finite import ApplyIfFiniteState, apply_if_finite
 from ftopt.freezing import freeze, multi_transform, selective_transform, set_to_zero
 from ftopt.galore import GaLoreDimensionNumbers, GaLoreState, galore, scale_by_galore
+from ftopt.layouts import flatten
 from ftopt.lbfgs import ScaleByLBFGSState, lbfgs, scale_by_lbfgs
 from ftopt.linear_algebra import matrix_inverse_pth_root, nnls, power_iteration
 from ftopt.linesearch import (
@@ -293,6 +294,8 @@ __all__ += [
     "zero_nans",
 ]
 
+# A transform over all leaves as one vector (ftopt.layouts)
+__all__ += ["flatten"]
 # The unit-wise norm and clip of adaptive_grad_clip
 __all__ += ["unitwise_clip", "unitwise_norm"]
 # Measurements of the updates kept in the state (ftopt.monitoring)

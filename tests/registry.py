@@ -1008,7 +1008,9 @@ PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
                                    "scale_by_sophia": "tests/test_sophia.py",
                                    "hutchinson_estimator_diag_hessian": "tests/test_sophia.py",
                                    # (its update gives a measurement, not updates)
-                                   "measure_with_ema": "tests/test_monitoring.py"}
+                                   "measure_with_ema": "tests/test_monitoring.py",
+                                   # (its inner state is over one flat vector)
+                                   "flatten": "tests/test_layouts.py"}
 
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({

@@ -44,6 +44,7 @@ MAKERS = {
     "scale_by_sophia": lambda: ftopt.scale_by_sophia(),
     "hutchinson_estimator_diag_hessian": lambda: ftopt.hutchinson_estimator_diag_hessian(),
     "measure_with_ema": lambda: ftopt.measure_with_ema(ftopt.tree.norm, 0.9),
+    "flatten": lambda: ftopt.flatten(ftopt.adam(1e-2)),
 }
 
 
