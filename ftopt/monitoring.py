@@ -18,8 +18,9 @@ gradient is zero (SPEC §3: a reduction sees the masked update), on both backend
 The state has one structure from ``init`` on: a function's measurement starts as its
 value on the params (as optax's ``snapshot``), a transform's as zeros of its value's
 shape (optax's ``monitor`` starts with no measurements; a fixed structure lets a state
-be checkpointed, loaded and donated at any step). A measure must keep the structure,
-shapes and dtypes of its measurement from step to step.
+be checkpointed, loaded and donated at any step). A measure must keep the structure
+and shapes of its measurement from step to step; its values are stored in the dtypes of
+the first.
 """
 
 from __future__ import annotations
@@ -73,10 +74,17 @@ def _zeros_like(value: Any) -> Any:
     return tree_lib.map(torch.zeros_like, value)
 
 
-def _signature(value: Any) -> tuple:
-    leaves = tree_lib.leaves(value)
-    return (tree_lib.structure(value),
-            tuple((tuple(t.shape), t.dtype) for t in leaves))
+def _in_form_of(name: str, key: str, value: Any, old: Any) -> Any:
+    """``value`` in the dtypes of ``old``, the measurement it replaces (a sum over no
+    element is an int 0, a bool measure's average follows its hyperparameters' dtype);
+    another structure or shape is refused, naming the measure."""
+    shapes = [tuple(t.shape) for t in tree_lib.leaves(value)]
+    wanted = [tuple(t.shape) for t in tree_lib.leaves(old)]
+    if tree_lib.structure(value) != tree_lib.structure(old) or shapes != wanted:
+        raise ValueError(f"{name}: measure {key!r} gave a value of another structure or "
+                         f"shape than before: shapes {shapes}, expected {wanted} (a "
+                         "measurement keeps the form it has from init on)")
+    return tree_lib.map(lambda x, o: x.to(o.dtype), value, old)
 
 
 class Measuring:
@@ -182,14 +190,7 @@ class Measuring:
                 values[key] = _as_tensors(value, device)
                 states.append(s)
         old = state[0]
-        for key in self.measures:
-            if _signature(values[key]) != _signature(old[key]):
-                raise ValueError(
-                    f"{self.name}: measure {key!r} gave a value of another structure, "
-                    f"shape or dtype than before: {_signature(values[key])[1]}, expected "
-                    f"{_signature(old[key])[1]} (a measurement keeps the form it has "
-                    "from init on)")
-        values = {k: values[k] for k in self.measures}
+        values = {k: _in_form_of(self.name, k, values[k], old[k]) for k in self.measures}
         new = SnapshotState(values) if self.snapshot else MonitorState(values, tuple(states))
         return out, new
 
@@ -246,7 +247,7 @@ class MeasureWithEma:
             x = x.detach() if not torch.is_grad_enabled() else x
             if self.dtype is not None:
                 return x.to(self.dtype)
-            return x if x.is_floating_point() else x.to(torch.get_default_dtype())
+            return x if x.is_floating_point() else x.to(torch.float32)
         return tree_lib.map(cast, value)
 
     def init(self, params: Any) -> Any:
@@ -263,7 +264,7 @@ def measure_with_ema(measure: Measure, decay: float | torch.Tensor, debias: bool
     ``measure_with_ema``), for :func:`monitor`: its update gives the average (debiased by
     ``1 − decayᵗ`` with ``debias``), not updates, and its state is :func:`ftopt.ema`'s
     over the measurement. A measurement that is not floating point (``norm > 1.0``) is
-    averaged in the default float dtype, or in ``accumulator_dtype`` if given.
+    averaged in fp32, or in ``accumulator_dtype`` if given.
     """
     obj = MeasureWithEma(measure, decay, debias, accumulator_dtype)
     return GradientTransformation(obj.init, obj.update)

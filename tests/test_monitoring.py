@@ -162,6 +162,19 @@ def test_a_measure_that_changes_its_form_is_refused_naming_it():
     assert same_bits(before, (params, state))
 
 
+def test_later_values_are_stored_in_the_first_ones_dtype():
+    """A measure that gives an int (a sum over no element) or a wider float later is
+    stored in the dtype of its value at init."""
+    params = {"w": torch.randn(8)}
+    given = iter([torch.tensor(1.5), 7, torch.tensor(2.25, dtype=torch.float64)])
+    tx = ftopt.chain(ftopt.sgd(0.1), ftopt.snapshot("m", lambda u: next(given)))
+    state = tx.init(params)
+    for want in (7.0, 2.25):
+        params, state = ftopt.step(tx, params, {"w": torch.randn(8)}, state, backend="eager")
+        got = ftopt.tree.get(state, "m")
+        assert got.dtype == torch.float32 and float(got) == want
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: ftopt.monitor({}), "non-empty dict"),
     (lambda: ftopt.monitor([ftopt.tree.norm]), "non-empty dict"),
@@ -207,7 +220,7 @@ def test_measure_with_ema_averages_the_measurement():
                                                  else average, rel=1e-12)
     flag = ftopt.measure_with_ema(lambda u: ftopt.tree.max(u) > 0.0, 0.5)
     value, _ = flag.update(us[0], flag.init(us[0]))
-    assert value.dtype == torch.get_default_dtype() and float(value) == 1.0
+    assert value.dtype == torch.float32 and float(value) == 1.0
 
 
 def test_explain_names_the_measuring_segment():
