@@ -52,9 +52,8 @@ class SnapshotState(NamedTuple):
 
 @register_state
 class MonitorState(NamedTuple):
-    """``measurements``: ``{name: measurement}``; ``measure_states``: the state of each
-    measure that is a transform (``EmptyState``-free: ``()`` for a function), in the
-    order of the names."""
+    """``measurements``: ``{name: measurement}``; ``measure_states``: the states of the
+    measures that are transforms, in the order of their names (functions keep none)."""
 
     measurements: dict[str, Any]
     measure_states: tuple
