@@ -11,6 +11,10 @@ otherwise fuses, the fused backend runs the stages before them as one fused segm
 measures on its output with torch ops, and the stages after them as another, so
 monitoring a chain does not send it to the eager path.
 
+On DTensor leaves (:mod:`ftopt.distributed`) a step runs on each rank's shards, where a
+measure would see one rank's part: a leaf split across ranks is refused, naming it
+(replicated leaves are fine).
+
 What a measure sees is what the stage passes on: the incoming updates in their compute
 dtype (fp32 for fp16 and bf16 leaves), and in a ``skip_zeros`` chain ``-0.0`` where the raw
 gradient is zero (SPEC §3: a reduction sees the masked update), on both backends.
@@ -165,6 +169,7 @@ class Measuring:
         for path, u, p in zip(paths, u_flat, p_flat):
             if u is not None:
                 check_leaf(path, u, p, params is not None)
+        self.check_shards(paths, u_flat)
         self.check_state(state)
         out, new = self.run_flat(u_flat, zero_flat, state, p_flat, spec, paths)
         return tree_lib.unflatten(spec, out), new

@@ -229,3 +229,28 @@ def test_explain_names_the_measuring_segment():
     text = ftopt.explain(tx, {"w": torch.randn(4)})
     assert ("[scale_by_adam, scale_by_learning_rate] fused -> monitor (matrix stage: torch, "
             "the measures on the updates tree) -> [clip_by_global_norm] fused") in text
+
+
+@pytest.mark.parametrize("backend", ["eager", FUSED])
+def test_leaves_split_across_ranks_are_refused(backend):
+    """On local shards (FSDP2's Shard(0)) a measure would see each rank's part: refused
+    before anything is written, naming the stage, the leaf and its placements (one
+    process: the call's context says what the shards are); a replicated leaf is fine."""
+    from torch.distributed.tensor import Shard
+
+    gen = fresh_generator()
+    params = {"w": torch.randn(4, 6, generator=gen), "b": torch.randn(6, generator=gen)}
+    grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+    tx = ftopt.chain(ftopt.adam(1e-2), ftopt.monitor({"n": ftopt.tree.norm}))
+    state = tx.init(params)
+    before = cloned((params, state))
+    context = ftopt.shards.LocalShards(splits={"['w']": ((Shard(0),), frozenset({0}))},
+                                       shapes={"['w']": (8, 6)})
+    with ftopt.shards.local_shards(context), pytest.raises(ValueError) as err:
+        ftopt.step(tx, params, grads, state, donate=True, backend=backend)
+    assert "monitor at ['w']: the leaf is sharded with placements (Shard(dim=0),)" in str(
+        err.value)
+    assert same_bits(before, (params, state))
+    context = ftopt.shards.LocalShards(splits={"['w']": ((Shard(0),), frozenset())})
+    with ftopt.shards.local_shards(context):
+        ftopt.step(tx, params, grads, state, backend=backend)
