@@ -218,7 +218,7 @@ def test_measure_with_ema_averages_the_measurement():
             assert value.dtype == torch.float64
             assert float(value) == pytest.approx(average / (1 - 0.8 ** t) if debias
                                                  else average, rel=1e-12)
-    flag = ftopt.measure_with_ema(lambda u: ftopt.tree.max(u) > 0.0, 0.5)
+    flag = ftopt.measure_with_ema(lambda u: ftopt.tree.norm(u) > 0.0, 0.5)
     value, _ = flag.update(us[0], flag.init(us[0]))
     assert value.dtype == torch.float32 and float(value) == 1.0
 
