@@ -129,11 +129,7 @@ class MatrixTransform:
         return out
 
     def update(self, updates, state, params=None, **extra):
-        spec, paths, leaves, p_flat, zero_flat = flatten_call(updates, params, extra)
-        for path, u, p in zip(paths, leaves, p_flat):
-            if u is not None:
-                check_leaf(path, u, p, params is not None)
-        self.check_shards(paths, leaves)
+        spec, paths, leaves, p_flat, zero_flat = checked_call(self, updates, params, extra)
         return tree_lib.unflatten(spec, self.apply_flat(leaves, zero_flat)), state
 
     def run_flat(self, u_flat: Sequence[Any], zero_flat: Sequence[Any] | None, state: Any,
@@ -171,6 +167,17 @@ def flatten_call(updates: Any, params: Any, extra: dict) -> FlatCall:
     zero_flat = (tree_lib.flatten_like(spec, zero, "zero_mask", paths)
                  if zero is not None else None)
     return FlatCall(spec, paths, u_flat, p_flat, zero_flat)
+
+
+def checked_call(stage: Any, updates: Any, params: Any, extra: dict) -> FlatCall:
+    """:func:`flatten_call`, each update checked against its param (naming the path), and
+    ``stage.check_shards`` on the leaves: a stage's ``update`` before its math."""
+    call = flatten_call(updates, params, extra)
+    for path, u, p in zip(call.paths, call.u_flat, call.p_flat):
+        if u is not None:
+            check_leaf(path, u, p, params is not None)
+    stage.check_shards(call.paths, call.u_flat)
+    return call
 
 
 def check_shards(name: str, reads: str, applies: Callable[[Any], bool],

@@ -36,11 +36,10 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, check_transform, register_owner, register_state
-from ftopt.matrix import check_shards, flatten_call
+from ftopt.matrix import check_shards, checked_call
 from ftopt.program import skip_update
 from ftopt.rules import check_param, compute_dtype
 from ftopt.transforms.momentum import ema
-from ftopt.validate import check_leaf
 
 __all__ = ["SnapshotState", "MonitorState", "snapshot", "monitor", "measure_with_ema"]
 
@@ -165,11 +164,7 @@ class Measuring:
 
     # -- update ------------------------------------------------------------------------
     def update(self, updates, state, params=None, **extra):
-        spec, paths, u_flat, p_flat, zero_flat = flatten_call(updates, params, extra)
-        for path, u, p in zip(paths, u_flat, p_flat):
-            if u is not None:
-                check_leaf(path, u, p, params is not None)
-        self.check_shards(paths, u_flat)
+        spec, paths, u_flat, p_flat, zero_flat = checked_call(self, updates, params, extra)
         self.check_state(state)
         out, new = self.run_flat(u_flat, zero_flat, state, p_flat, spec, paths)
         return tree_lib.unflatten(spec, out), new
