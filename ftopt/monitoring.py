@@ -11,9 +11,10 @@ otherwise fuses, the fused backend runs the stages before them as one fused segm
 measures on its output with torch ops, and the stages after them as another, so
 monitoring a chain does not send it to the eager path.
 
-On DTensor leaves (:mod:`ftopt.distributed`) a step runs on each rank's shards, where a
-measure would see one rank's part: a leaf split across ranks is refused, naming it
-(replicated leaves are fine).
+On DTensor leaves (FSDP2 and the like, :mod:`ftopt.distributed`) a step runs on each
+rank's shards; a measure still sees whole leaves, as DTensors (torch's DTensor ops
+communicate where the math reads across shards), and its value is kept in full on every
+rank.
 
 What a measure sees is what the stage passes on: the incoming updates in their compute
 dtype (fp32 for fp16 and bf16 leaves), and in a ``skip_zeros`` chain ``-0.0`` where the raw
@@ -34,6 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ftopt import shards
 from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, check_transform, register_owner, register_state
 from ftopt.matrix import check_shards, checked_call
@@ -67,8 +69,9 @@ def _always(leaf: Any) -> bool:
 
 
 def _as_tensors(value: Any, device: torch.device | None) -> Any:
-    """``value`` with each Python number a 0-d tensor (on ``device``)."""
-    return tree_lib.map(lambda x: x if isinstance(x, torch.Tensor)
+    """``value`` with each Python number a 0-d tensor (on ``device``) and each DTensor
+    its full value (a measure of sharded leaves: the same on every rank)."""
+    return tree_lib.map(lambda x: shards.full_value(x) if isinstance(x, torch.Tensor)
                         else torch.as_tensor(x, device=device), value)
 
 
@@ -140,9 +143,11 @@ class Measuring:
 
     # -- checks ------------------------------------------------------------------------
     def check_shards(self, paths: Sequence[str], u_flat: Sequence[Any]) -> None:
-        """A measure reads whole leaves: refuse leaves split across ranks (a call on local
-        shards would measure each rank's part)."""
-        check_shards(self.name, "leaf", _always, paths, u_flat)
+        """A measure reads whole leaves: on local shards it sees them as DTensors
+        (:func:`ftopt.shards.global_view`); where a call cannot give those, refuse leaves
+        split across ranks (the measure would see each rank's part)."""
+        if not shards.can_view_globally():
+            check_shards(self.name, "leaf", _always, paths, u_flat)
 
     def check_state(self, state: Any, u_flat: Sequence[Any] = (), p_flat: Sequence[Any] = (),
                     spec: Any = None, paths: Sequence[str] = ()) -> None:
@@ -172,12 +177,12 @@ class Measuring:
     def run_flat(self, u_flat, zero_flat, state, p_flat, spec, paths):
         """The updates passed on (masked, in their compute dtype) and the new
         measurements (see :mod:`ftopt.matrix`)."""
-        del paths
         out = [None if u is None else u.to(compute_dtype(u)) for u in u_flat]
         if zero_flat is not None:
             out = [u if u is None or z is None else skip_update(u, z)
                    for u, z in zip(out, zero_flat)]
-        tree = tree_lib.unflatten(spec, out)
+        tree = tree_lib.unflatten(spec, [None if u is None else shards.global_view(path, u)
+                                         for path, u in zip(paths, out)])
         params = (None if any(p is None for p, u in zip(p_flat, out) if u is not None)
                   else tree_lib.unflatten(spec, p_flat))
         device = tree_lib.state_device([u for u in out if u is not None])
@@ -243,7 +248,6 @@ class MeasureWithEma:
         value = _as_tensors(self.measure(tree), None)
 
         def cast(x: torch.Tensor) -> torch.Tensor:
-            x = x.detach() if not torch.is_grad_enabled() else x
             if self.dtype is not None:
                 return x.to(self.dtype)
             return x if x.is_floating_point() else x.to(torch.float32)

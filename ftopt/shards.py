@@ -102,6 +102,9 @@ class LocalShards:
     offset: Callable[[str], int | None] | None = None
     # Pytree path of a param, gradient or update leaf -> the shape of its full tensor.
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # (path, a tensor laid out as that leaf's local shard) -> the DTensor it is a shard of
+    # (no collective), for math that reads whole leaves (see :func:`global_view`).
+    as_global: Callable[[str, torch.Tensor], Any] | None = None
 
     def record(self, local: torch.Tensor, numel: int) -> None:
         self.full_numels[id(local)] = numel
@@ -234,6 +237,30 @@ def element_offset(path: str, who: str) -> int:
             "positions it reads would not be the single-process ones. Shard it on its "
             "first dim (Shard(0)) or replicate it")
     return start
+
+
+def can_view_globally() -> bool:
+    """Whether :func:`global_view` gives DTensors here (outside a call on local shards
+    every tensor is whole already)."""
+    context = _CURRENT.get()
+    return context is None or context.as_global is not None
+
+
+def global_view(path: str, t: torch.Tensor) -> Any:
+    """``t``, laid out as the local shard of the leaf at ``path``, as the DTensor it is
+    a shard of in a call on local shards (torch's DTensor ops then compute over the whole
+    leaf, communicating where they must); ``t`` itself elsewhere, or for a leaf that is
+    not a DTensor."""
+    context = _CURRENT.get()
+    if context is None or context.as_global is None or path not in context.splits:
+        return t
+    return context.as_global(path, t)
+
+
+def full_value(x: Any) -> Any:
+    """A DTensor's full value on every rank (a collective where it is sharded or a
+    partial sum); anything else as it is."""
+    return x.full_tensor() if is_dtensor(x) else x
 
 
 def in_local_shards() -> bool:

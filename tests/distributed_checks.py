@@ -694,6 +694,34 @@ def check_matrix_stages(mesh, rank, device):
     return out
 
 
+def check_monitor(mesh, rank, device):
+    """snapshot and monitor on FSDP2's Shard(0) leaves measure the whole tree, as one
+    process does (eager and fused): a norm of every leaf, a per-element copy of the
+    embedding's update, an average of whether the norm exceeds the clip; the params step
+    as there."""
+    out = {}
+
+    def make():
+        return ftopt.chain(
+            ftopt.adamw(3e-3, weight_decay=0.1),
+            ftopt.monitor({"norm": ftopt.tree.norm, "large": ftopt.measure_with_ema(
+                lambda u: ftopt.tree.norm(u) > 0.02, 0.9)}),
+            ftopt.snapshot("emb", lambda u: u["emb.weight"].clone()),
+            ftopt.clip_by_global_norm(0.02))
+    data = batches(3)
+    for backend in ("eager",) + (("fused",) if device is not None else ()):
+        model, ref = make_models(mesh)
+        params, state = train(model, make(), data, backend=backend)
+        ref_params, ref_state = train(ref, make(), data, backend=backend)
+        out[f"{backend}_params_diff"] = max_diff(params, ref_params)
+        for name in ("norm", "large", "emb"):
+            got, want = ftopt.tree.get(state, name), ftopt.tree.get(ref_state, name)
+            out[f"{backend}_{name}_diff"] = float((full(got).double() - want.double())
+                                                  .abs().max())
+        out[f"{backend}_norm"] = float(full(ftopt.tree.get(ref_state, "norm")))
+    return out
+
+
 def check_call_cache(mesh, rank, device):
     """Non-donated steps and ``tx.update`` over the same DTensor trees unwrap and rewrap
     through the cache after the first call: new DTensors on the given leaves' specs, the
@@ -857,6 +885,7 @@ def run(rank: int, world: int, directory: str, port: int) -> None:
         "dcp": lambda: check_dcp(mesh, rank, directory),
         "optimizer": lambda: check_optimizer(mesh, rank, directory),
         "matrix_stages": lambda: check_matrix_stages(mesh, rank, fused_device),
+        "monitor": lambda: check_monitor(mesh, rank, fused_device),
         "noise": lambda: check_noise(rank, fused_device),
         "stochastic_rounding": lambda: check_noise(rank, fused_device, lambda: ftopt.adamw(
             0.1, state_dtype=torch.bfloat16, state_rounding="stochastic")),

@@ -209,6 +209,21 @@ def test_matrix_stages_on_shards(results):
             assert "Replicate only" in got[key], got[key]
 
 
+def test_monitoring_on_shards_measures_whole_leaves(results):
+    """snapshot and monitor over FSDP2's Shard(0) leaves: the norm of the whole tree, a
+    per-element copy of a sharded leaf's update and an average of a bool measure equal
+    one process' (eager and fused), and the params step as there."""
+    got = _check(results, "monitor")
+    keys = [k for k in got if k.endswith("_params_diff")]
+    assert {k.split("_")[0] for k in keys} >= {"eager"}, got
+    for key in keys:
+        assert got[key] <= TOL, (key, got)
+        stem = key[:-len("_params_diff")]
+        assert got[f"{stem}_norm"] > 0.02, got  # (the clip acts: "large" is not all 0)
+        for name in ("norm", "large", "emb"):
+            assert got[f"{stem}_{name}_diff"] <= TOL, (stem, name, got)
+
+
 def test_dcp_scalar_states_across_ranks(results):
     """States with 0-d tensors (a step count, Schedule-Free's running scalars, NovoGrad's
     per-leaf second moments): a one-process checkpoint loads on two ranks bit for bit and

@@ -232,10 +232,12 @@ def test_explain_names_the_measuring_segment():
 
 
 @pytest.mark.parametrize("backend", ["eager", FUSED])
-def test_leaves_split_across_ranks_are_refused(backend):
-    """On local shards (FSDP2's Shard(0)) a measure would see each rank's part: refused
-    before anything is written, naming the stage, the leaf and its placements (one
-    process: the call's context says what the shards are); a replicated leaf is fine."""
+def test_leaves_split_across_ranks_are_refused_where_no_dtensor_view(backend):
+    """On local shards (FSDP2's Shard(0)) a measure sees whole leaves as DTensors
+    (tests/test_distributed.py); a call whose context cannot give those (one process: the
+    context here says what the shards are, no more) refuses a split leaf before anything
+    is written, naming the stage, the leaf and its placements, rather than measure each
+    rank's part; a replicated leaf is fine."""
     from torch.distributed.tensor import Shard
 
     gen = fresh_generator()
