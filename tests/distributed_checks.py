@@ -79,6 +79,14 @@ def train(model, tx, data, donate=True, backend="auto", state=None, params=None)
     return params, state
 
 
+def sharded_and_one_process(mesh, make, data, backend: str) -> tuple:
+    """``train`` of the FSDP2 model and of its one-process copy, a fresh ``make()`` each:
+    ``((params, state), (reference params, reference state))``."""
+    model, ref = make_models(mesh)
+    return (train(model, make(), data, backend=backend),
+            train(ref, make(), data, backend=backend))
+
+
 def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -652,9 +660,8 @@ def check_matrix_stages(mesh, rank, device):
         ftopt.adamw(3e-3, weight_decay=0.1))
     data = batches(3)
     for backend in ("eager",) + (("fused",) if device is not None else ()):
-        model, ref = make_models(mesh)
-        params, _ = train(model, row_chain(), data, backend=backend)
-        ref_params, _ = train(ref, row_chain(), data, backend=backend)
+        (params, _), (ref_params, _) = sharded_and_one_process(mesh, row_chain, data,
+                                                               backend)
         out[f"rows_{backend}_diff"] = max_diff(params, ref_params)
     torch.manual_seed(4)
     w, g = torch.randn(6, 10), torch.randn(6, 10)
@@ -710,9 +717,8 @@ def check_monitor(mesh, rank, device):
             ftopt.clip_by_global_norm(0.02))
     data = batches(3)
     for backend in ("eager",) + (("fused",) if device is not None else ()):
-        model, ref = make_models(mesh)
-        params, state = train(model, make(), data, backend=backend)
-        ref_params, ref_state = train(ref, make(), data, backend=backend)
+        (params, state), (ref_params, ref_state) = sharded_and_one_process(mesh, make, data,
+                                                                           backend)
         out[f"{backend}_params_diff"] = max_diff(params, ref_params)
         for name in ("norm", "large", "emb"):
             got, want = ftopt.tree.get(state, name), ftopt.tree.get(ref_state, name)
