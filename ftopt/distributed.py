@@ -54,7 +54,7 @@ from ftopt import dtensor_cache, shards
 from ftopt import tree as tree_lib
 from ftopt import update as update_lib
 from ftopt.combine import owner
-from ftopt.dtensor_cache import as_dtensor
+from ftopt.dtensor_cache import as_dtensor, dtensor_of_spec
 from ftopt.quant import absmax_layout, quantize_blockwise
 from ftopt.rules import QuantizedSlot
 
@@ -156,7 +156,6 @@ class _Call:
         self.local_shards = shards.LocalShards()
         self.norm_leaves: list[tuple[str, Any]] = []  # (path, leaf) deciding the norms
         self.specs: dict[str, Any] = {}  # path -> DTensorSpec of a param, grad or update
-        self.likes: dict[str, DTensor] = {}  # path -> the grad or update DTensor there
 
     def unwrap(self, tree: Any, what: str, *, record: bool = False) -> Any:
         paths, leaves, spec = _flatten(tree)
@@ -171,8 +170,6 @@ class _Call:
                     self.local_shards.splits[where] = (tuple(leaf.placements),
                                                        shards.split_dims(leaf))
                     self.specs[where] = leaf._spec
-                    if record:
-                        self.likes[where] = leaf
                     self.local_shards.shapes[where] = tuple(leaf.shape)
                 given.append((leaf, mine))
                 local.append(mine)
@@ -211,8 +208,8 @@ class _Call:
         context.reduce = _reducer(layouts, context.splits)
         context.agree = _agreement(layouts)
         context.offset = shard_offsets(self.specs)
-        likes = self.likes
-        context.as_global = lambda path, t: as_dtensor(t, likes[path])
+        specs = dict(self.specs)  # (specs, not tensors: a cached context keeps them)
+        context.as_global = lambda path, t: dtensor_of_spec(t, specs[path])
         return context
 
 

@@ -46,7 +46,7 @@ from ftopt.combine import owner
 from ftopt.rules import QuantizedSlot
 
 __all__ = ["StepCache", "CallCache", "cached_step", "remember", "cached_call",
-           "remember_call", "as_dtensor"]
+           "remember_call", "as_dtensor", "dtensor_of_spec"]
 
 _spec_of = operator.attrgetter("_spec")
 _local_of = operator.attrgetter("_local_tensor")
@@ -107,7 +107,7 @@ class _TreesCache:
                      if dicts and len(trees[0]) == len(first) else None)
         self.context = shards.LocalShards(reduce=context.reduce, agree=context.agree,
                                           splits=context.splits, offset=context.offset,
-                                          shapes=context.shapes)
+                                          shapes=context.shapes, as_global=context.as_global)
         return True
 
     def _leaves(self, tree: Any) -> list | None:
@@ -257,6 +257,13 @@ def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
         return DTensor.__new__(DTensor, local, like._spec, requires_grad=False)
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
+
+
+def dtensor_of_spec(local: torch.Tensor, spec: Any) -> DTensor:
+    """``local`` as a shard of a DTensor laid out as ``spec`` (a ``DTensorSpec``: mesh,
+    placements, global shape and stride; no collective), in ``local``'s dtype."""
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
+                              shape=spec.shape, stride=spec.stride)
 
 
 def _absmax_positions(state: Any) -> list[int] | None:

@@ -725,6 +725,24 @@ def check_monitor(mesh, rank, device):
             out[f"{backend}_{name}_diff"] = float((full(got).double() - want.double())
                                                   .abs().max())
         out[f"{backend}_norm"] = float(full(ftopt.tree.get(ref_state, "norm")))
+        # Non-donated steps (the params kept): from the second on through the call cache.
+        model, ref = make_models(mesh)
+        states = []
+        for net in (model, ref):
+            tx, params = make(), dict(net.named_parameters())
+            state = tx.init(params)
+            for batch in data:
+                loss_of(net, batch).backward()
+                grads = {k: v.grad for k, v in params.items()}
+                with torch.no_grad():  # (params that require grad: else a differentiable step)
+                    _, state = ftopt.step(tx, params, grads, state, donate=False,
+                                          backend=backend)
+                net.zero_grad(set_to_none=True)
+            states.append(state)
+        for name in ("norm", "large", "emb"):
+            got, want = (ftopt.tree.get(st, name) for st in states)
+            out[f"{backend}_kept_{name}_diff"] = float((full(got).double() - want.double())
+                                                       .abs().max())
     return out
 
 

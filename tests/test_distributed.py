@@ -212,7 +212,8 @@ def test_matrix_stages_on_shards(results):
 def test_monitoring_on_shards_measures_whole_leaves(results):
     """snapshot and monitor over FSDP2's Shard(0) leaves: the norm of the whole tree, a
     per-element copy of a sharded leaf's update and an average of a bool measure equal
-    one process' (eager and fused), and the params step as there."""
+    one process' (eager and fused; donated, and not donated through the call cache), and
+    the params step as there."""
     got = _check(results, "monitor")
     keys = [k for k in got if k.endswith("_params_diff")]
     assert {k.split("_")[0] for k in keys} >= {"eager"}, got
@@ -222,6 +223,7 @@ def test_monitoring_on_shards_measures_whole_leaves(results):
         assert got[f"{stem}_norm"] > 0.02, got  # (the clip acts: "large" is not all 0)
         for name in ("norm", "large", "emb"):
             assert got[f"{stem}_{name}_diff"] <= TOL, (stem, name, got)
+            assert got[f"{stem}_kept_{name}_diff"] <= TOL, (stem, name, got)
 
 
 def test_dcp_scalar_states_across_ranks(results):
