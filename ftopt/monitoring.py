@@ -80,16 +80,17 @@ def _zeros_like(value: Any) -> Any:
 
 
 def _in_form_of(name: str, key: str, value: Any, old: Any) -> Any:
-    """``value`` in the dtypes of ``old``, the measurement it replaces (a sum over no
-    element is an int 0, a bool measure's average follows its hyperparameters' dtype);
-    another structure or shape is refused, naming the measure."""
+    """``value`` in the dtypes and on the devices of ``old``, the measurement it replaces
+    (a sum over no element is an int 0 on the default device, a bool measure's average
+    follows its hyperparameters' dtype); another structure or shape is refused, naming
+    the measure."""
     shapes = [tuple(t.shape) for t in tree_lib.leaves(value)]
     wanted = [tuple(t.shape) for t in tree_lib.leaves(old)]
     if tree_lib.structure(value) != tree_lib.structure(old) or shapes != wanted:
         raise ValueError(f"{name}: measure {key!r} gave a value of another structure or "
                          f"shape than before: shapes {shapes}, expected {wanted} (a "
                          "measurement keeps the form it has from init on)")
-    return tree_lib.map(lambda x, o: x.to(o.dtype), value, old)
+    return tree_lib.map(lambda x, o: x.to(o.device, o.dtype), value, old)
 
 
 class Measuring:
@@ -258,7 +259,12 @@ class MeasureWithEma:
 
     def update(self, updates, state, params=None, **extra):
         del params, extra
-        return self.average.update(self._value(updates), state, backend="eager")
+        value = self._value(updates)
+        average = getattr(state, "ema", None)
+        if tree_lib.structure(average) == tree_lib.structure(value):
+            # (a measure of no element, all updates None, is on the default device)
+            value = tree_lib.map(lambda x, e: x.to(e.device), value, average)
+        return self.average.update(value, state, backend="eager")
 
 
 def measure_with_ema(measure: Measure, decay: float | torch.Tensor, debias: bool = True,

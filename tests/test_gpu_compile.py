@@ -29,6 +29,11 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _path() -> str:
+    """PYTHONPATH for a subprocess: the repo first, then what this process was given."""
+    return os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 SCRIPT = ROOT / "benchmarks" / "sass_count.py"
 
 
@@ -53,7 +58,7 @@ def _compile(tmp_path: pathlib.Path, cases: list[str], *extra: str,
     out, dump = tmp_path / "counts", tmp_path / "sass"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTOPT_")}
     # (a Triton cache of its own: compiled as on a new machine, apart from the others')
-    env.update(TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), **(settings or {}),
+    env.update(TRITON_INTERPRET="1", PYTHONPATH=_path(), **(settings or {}),
                TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
     done = subprocess.run([sys.executable, str(SCRIPT), *cases, "--out", str(out), "--dump",
                            str(dump), *extra], capture_output=True, text=True, env=env,
@@ -100,7 +105,7 @@ def test_the_vector_check_sees_a_kernel_without_alignment_hints(tmp_path):
     edit = tmp_path / "edit"
     done = subprocess.run([sys.executable, str(SCRIPT), "adam", "--edit", str(edit)],
                           capture_output=True, text=True, cwd=ROOT, timeout=900,
-                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT),
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": _path(),
                                "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")})
     assert done.returncode == 0, done.stderr[-3000:]
     (source,) = edit.glob("*.py")

@@ -21,7 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("FTOPT_")}
-    environ.update(env, PYTHONPATH=str(ROOT))
+    environ.update(env, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=environ, cwd=ROOT, timeout=300)
 

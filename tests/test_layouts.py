@@ -10,10 +10,13 @@ from step_checks import bits, cloned, fresh_generator, same_bits
 
 import ftopt
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-def _tree(gen: torch.Generator) -> dict:
-    return {"w": torch.randn(4, 6, generator=gen), "b": torch.randn(5, generator=gen),
-            "s": torch.randn((), generator=gen)}
+
+def _tree(gen: torch.Generator, device: str = "cpu") -> dict:
+    return {"w": torch.randn(4, 6, generator=gen).to(device),
+            "b": torch.randn(5, generator=gen).to(device),
+            "s": torch.randn((), generator=gen).to(device)}
 
 
 def _cat(tree: dict) -> torch.Tensor:
@@ -42,8 +45,9 @@ def test_elementwise_math_is_unchanged_and_the_state_is_flat(backend):
     its state is adam's state of the concatenated leaves (the fused backend: adam's own
     update fuses over the flat vector)."""
     gen = fresh_generator()
-    params = _tree(gen)
-    grads = [_tree(gen) for _ in range(3)]
+    device = DEVICE if backend == "fused" else "cpu"
+    params = _tree(gen, device)
+    grads = [_tree(gen, device) for _ in range(3)]
     flat_tx, tx = ftopt.flatten(ftopt.adam(1e-2)), ftopt.adam(1e-2)
     p1, s1 = params, flat_tx.init(params)
     p2, s2 = params, tx.init(params)

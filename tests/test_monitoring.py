@@ -14,6 +14,7 @@ from step_checks import bits, cloned, fresh_generator, same_bits
 import ftopt
 
 FUSED = "fused"  # (the Triton interpreter on a CPU: conftest sets TRITON_INTERPRET)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _f_grads(p: dict) -> dict:
@@ -21,7 +22,7 @@ def _f_grads(p: dict) -> dict:
 
 
 def _clip_steps(tx, steps: int, backend: str, names: tuple) -> list:
-    params = {"x": torch.tensor([1.0, 2.0, 3.0])}
+    params = {"x": torch.tensor([1.0, 2.0, 3.0], device=DEVICE)}
     state = tx.init(params)
     seen = []
     for _ in range(steps):
@@ -69,7 +70,7 @@ def test_monitor_keeps_a_norm_and_an_average(backend):
                                     "is_clipped_ema": ftopt.measure_with_ema(
                                         lambda u: ftopt.tree.norm(u) > 1.0, decay=0.9)}),
                      ftopt.clip_by_global_norm(1.0))
-    params = {"x": torch.tensor([1.0, 2.0, 3.0])}
+    params = {"x": torch.tensor([1.0, 2.0, 3.0], device=DEVICE)}
     state = tx.init(params)
     # At init: the function's value on the params, zeros for the transform's.
     assert float(ftopt.tree.get(state, "norm_before_clip")) == pytest.approx(math.sqrt(14))
@@ -95,10 +96,10 @@ def test_fused_segments_match_eager_and_see_the_masked_update(dtype, donate):
     it does without the stage, bit for bit. The control: without skip_zeros those elements
     of the measured update are not -0.0."""
     gen = fresh_generator()
-    params = {"w": torch.randn(3, 70, generator=gen).to(dtype),
-              "b": torch.randn(33, generator=gen).to(dtype)}
-    grads = [{k: torch.randn(v.shape, generator=gen).to(dtype) for k, v in params.items()}
-             for _ in range(3)]
+    params = {"w": torch.randn(3, 70, generator=gen).to(DEVICE, dtype),
+              "b": torch.randn(33, generator=gen).to(DEVICE, dtype)}
+    grads = [{k: torch.randn(v.shape, generator=gen).to(DEVICE, dtype)
+              for k, v in params.items()} for _ in range(3)]
     grads[2]["w"][1] = 0.0
     grads[2]["b"][::4] = 0.0
     zero = {k: v == 0 for k, v in grads[2].items()}
@@ -124,7 +125,7 @@ def test_fused_segments_match_eager_and_see_the_masked_update(dtype, donate):
     for backend in ("eager", FUSED):
         for k in params:
             masked, plain = out[True, backend][k], out[False, backend][k]
-            assert (bits(masked)[zero[k]] == bits(torch.tensor(-0.0))).all()
+            assert (bits(masked)[zero[k]] == bits(torch.tensor(-0.0, device=DEVICE))).all()
             assert (plain[zero[k]] != 0).all()  # (Adam's update from its moments)
 
 
@@ -134,15 +135,15 @@ def test_a_first_stage_measures_the_masked_gradient(backend):
     it is zero (SPEC §3: a reduction sees the masked update); the control: without
     skip_zeros it sees the gradient's +0.0."""
     gen = fresh_generator()
-    params = {"w": torch.randn(50, generator=gen)}
-    g = {"w": torch.randn(50, generator=gen)}
+    params = {"w": torch.randn(50, generator=gen).to(DEVICE)}
+    g = {"w": torch.randn(50, generator=gen).to(DEVICE)}
     g["w"][::3] = 0.0
     for skip, want in ((True, -0.0), (False, 0.0)):
         tx = ftopt.chain(ftopt.snapshot("g", lambda u: ftopt.tree.map(torch.clone, u)),
                          ftopt.adam(1e-2), *([ftopt.skip_zeros()] if skip else []))
         _, state = ftopt.step(tx, params, g, tx.init(params), backend=backend)
         seen = ftopt.tree.get(state, "g")["w"]
-        assert (bits(seen[::3]) == bits(torch.tensor(want))).all(), skip
+        assert (bits(seen[::3]) == bits(torch.tensor(want, device=DEVICE))).all(), skip
         assert torch.equal(seen[1::3], g["w"][1::3])
 
 
@@ -241,8 +242,9 @@ def test_leaves_split_across_ranks_are_refused_where_no_dtensor_view(backend):
     from torch.distributed.tensor import Shard
 
     gen = fresh_generator()
-    params = {"w": torch.randn(4, 6, generator=gen), "b": torch.randn(6, generator=gen)}
-    grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+    params = {"w": torch.randn(4, 6, generator=gen).to(DEVICE),
+              "b": torch.randn(6, generator=gen).to(DEVICE)}
+    grads = {k: torch.randn(v.shape, generator=gen).to(DEVICE) for k, v in params.items()}
     tx = ftopt.chain(ftopt.adam(1e-2), ftopt.monitor({"n": ftopt.tree.norm}))
     state = tx.init(params)
     before = cloned((params, state))
