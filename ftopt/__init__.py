@@ -52,6 +52,12 @@ from ftopt.conditional import (
 from ftopt.finite import ApplyIfFiniteState, apply_if_finite
 from ftopt.freezing import freeze, multi_transform, selective_transform, set_to_zero
 from ftopt.galore import GaLoreDimensionNumbers, GaLoreState, galore, scale_by_galore
+from ftopt.inject import (
+    InjectHyperparamsState,
+    InjectStatefulHyperparamsState,
+    inject_hyperparams,
+    inject_stateful_hyperparams,
+)
 from ftopt.layouts import flatten
 from ftopt.lbfgs import ScaleByLBFGSState, lbfgs, scale_by_lbfgs
 from ftopt.linear_algebra import matrix_inverse_pth_root, nnls, power_iteration
@@ -115,6 +121,7 @@ from ftopt.schedules import (
     warmup_cosine_decay_schedule,
     warmup_exponential_decay_schedule,
 )
+from ftopt.schedules.stateful import StatefulSchedule, WrappedSchedule, WrappedScheduleState
 from ftopt.skip_fns import skip_large_updates, skip_not_finite
 from ftopt.sophia import (
     HutchinsonState,
@@ -219,7 +226,7 @@ from ftopt.transforms.utility import (
 )
 from ftopt.tree_updates import global_norm, incremental_update, periodic_update
 from ftopt.update import apply_updates, step
-from ftopt.wrappers import InjectHyperparamsState, MultiSteps, MultiStepsState, inject_hyperparams
+from ftopt.wrappers import MultiSteps, MultiStepsState
 from ftopt.zoom_linesearch import (
     ScaleByZoomLinesearchState,
     ZoomLinesearchInfo,
@@ -282,6 +289,7 @@ __all__ = [
 # optax's everyday utilities and wrappers
 __all__ += [
     "InjectHyperparamsState",
+    "InjectStatefulHyperparamsState",
     "LookaheadParams",
     "LookaheadState",
     "MultiSteps",
@@ -289,11 +297,14 @@ __all__ += [
     "centralize",
     "clip",
     "inject_hyperparams",
+    "inject_stateful_hyperparams",
     "keep_params_nonnegative",
     "lookahead",
     "zero_nans",
 ]
 
+# Stateful schedules for inject_hyperparams (ftopt.schedules.stateful)
+__all__ += ["StatefulSchedule", "WrappedSchedule", "WrappedScheduleState"]
 # A transform over all leaves as one vector (ftopt.layouts)
 __all__ += ["flatten"]
 # The unit-wise norm and clip of adaptive_grad_clip

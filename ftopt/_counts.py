@@ -52,6 +52,13 @@ def remember_count(count: torch.Tensor, value: int) -> None:
     _mirror[key] = (weakref.ref(count, _forget(_mirror, key)), value, count._version)
 
 
+def new_count(value: int, device) -> torch.Tensor:
+    """A 0-d int32 count on ``device`` holding ``value``, its value remembered."""
+    out = torch.full((), value, dtype=torch.int32, device=device)
+    remember_count(out, value)
+    return out
+
+
 def host_count(count: torch.Tensor) -> int | None:
     """The value of ``count`` if known without reading the device, else ``None``."""
     entry = _mirror.get(id(count))

@@ -203,9 +203,9 @@ def _branch_walk(tx, path: tuple, skip: bool, at_input: bool, selects: tuple,
     entered before ``skip`` became true; ``hooks``: see :func:`_injected_inner`."""
     obj = owner(tx)
     inner = _injected_inner(obj, path, hooks)
-    if inner is not None:  # (its inner_state: field 2 of InjectHyperparamsState)
-        return _branch_walk(inner, (*path, 2), skip, at_input, selects, sources, depth,
-                            hooks)
+    if inner is not None:  # (its inner_state: field obj.inner_field of its state)
+        return _branch_walk(inner, (*path, obj.inner_field), skip, at_input, selects,
+                            sources, depth, hooks)
     if isinstance(obj, RuleTransform):
         sources.append((obj, path, skip, selects, depth))
         return [[len(sources) - 1]]
@@ -357,7 +357,8 @@ def _walk(tx, path: tuple, skip: bool, at_input: bool, stages: list, paths: list
     obj = owner(tx)
     inner = _injected_inner(obj, path, hooks)
     if inner is not None:
-        return _walk(inner, (*path, 2), skip, at_input, stages, paths, skips, matrix, hooks)
+        return _walk(inner, (*path, obj.inner_field), skip, at_input, stages, paths, skips,
+                     matrix, hooks)
     if isinstance(obj, RuleTransform):
         stages.append(obj)
         paths.append(path)

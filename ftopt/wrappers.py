@@ -1,38 +1,23 @@
-"""Wrappers of whole optimizers, as optax: ``MultiSteps`` (gradient accumulation) and
-``inject_hyperparams`` (hyperparameters held in the state, changeable between steps).
-
-Both run their own bookkeeping eagerly with torch ops and call the inner transform's
-``update``, which fuses as usual (``backend=`` reaches it). ``ftopt.step`` of an
-``inject_hyperparams`` optimizer runs its inner transform's step: the same fused kernel
-as the plain chain, the state's hyperparameters read as kernel scalars. Inside another
-transform, the fused backend walks into the wrapper (:meth:`_Injected.fused_inner`) and
-calls :meth:`_Injected.load` and :meth:`_Injected.advance` around the whole step.
+"""optax's ``MultiSteps`` (gradient accumulation): its bookkeeping runs eagerly with torch
+ops and calls the inner transform's ``update``, which fuses as usual (``backend=`` reaches
+it). ``inject_hyperparams`` is :mod:`ftopt.inject`'s.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from ftopt import tree as tree_lib
-from ftopt._counts import (
-    host_count,
-    host_value,
-    mark_device_decided,
-    remember_count,
-    remember_value,
-)
+from ftopt._counts import host_count, mark_device_decided, new_count
 from ftopt.base import GradientTransformation, check_transform, register_owner, register_state
-from ftopt.combine import update_keywords
 from ftopt.domains import check_int
 from ftopt.rules import check_param, checked_params
-from ftopt.update import step
-from ftopt.validate import check_count, check_layout, check_leaf
+from ftopt.validate import check_layout, check_leaf
 
-__all__ = ["MultiSteps", "MultiStepsState", "InjectHyperparamsState", "inject_hyperparams"]
+__all__ = ["MultiSteps", "MultiStepsState"]
 
 
 @register_state
@@ -52,21 +37,10 @@ class MultiStepsState(NamedTuple):
     acc_grads: Any
 
 
-def _count(value: int, device) -> torch.Tensor:
-    out = torch.full((), value, dtype=torch.int32, device=device)
-    remember_count(out, value)
-    return out
-
-
 def _read(count: torch.Tensor) -> int:
     """A counter's value: from the host mirror when known (no device read), else read."""
     known = host_count(count)
     return int(count) if known is None else known
-
-
-def _device_of(tree: Any) -> torch.device | None:
-    leaves = [t for t in tree_lib.leaves(tree) if isinstance(t, torch.Tensor)]
-    return leaves[0].device if leaves else None
 
 
 class MultiSteps:
@@ -131,10 +105,10 @@ class MultiSteps:
     def init(self, params) -> MultiStepsState:
         paths, flat, _ = checked_params(params)
         inner_state = self.inner.init(params)
-        device = _device_of(params)
+        device = tree_lib.state_device(tree_lib.leaves(params))
         acc = tree_lib.map(lambda p: torch.zeros_like(p, dtype=torch.promote_types(
             p.dtype, torch.float32)), params)
-        return MultiStepsState(_count(0, device), _count(0, device), inner_state, acc)
+        return MultiStepsState(new_count(0, device), new_count(0, device), inner_state, acc)
 
     def has_updated(self, state: MultiStepsState) -> torch.Tensor:
         """Whether the last call ran the inner step (a 0-d bool tensor, as optax)."""
@@ -190,7 +164,7 @@ class MultiSteps:
         if n < self._k(step):
             out = tree_lib.unflatten(spec, [None if g is None else torch.full_like(
                 g, -0.0, dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads])
-            new = MultiStepsState(_count(n, device), state.gradient_step,
+            new = MultiStepsState(new_count(n, device), state.gradient_step,
                                   state.inner_opt_state, tree_lib.unflatten(spec, new_acc))
         else:
             inner_in = tree_lib.unflatten(spec, [None if g is None else a
@@ -201,7 +175,8 @@ class MultiSteps:
             reset = [a if g is None else (torch.zeros_like(a) if z is None
                                           else torch.where(z, a, torch.zeros_like(a)))
                      for a, g, z in zip(new_acc, grads, zero_flat)]
-            new = MultiStepsState(_count(0, device), _count(step + 1, device), inner_state,
+            new = MultiStepsState(new_count(0, device), new_count(step + 1, device),
+                                  inner_state,
                                   tree_lib.unflatten(spec, reset))
         if self.should_skip_update_fn is not None:
             skip, _ = self.should_skip_update_fn(updates, state.gradient_step, params)
@@ -216,235 +191,3 @@ def _keep(skip: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Ten
     if out.ndim == 0 and not out.is_floating_point():
         mark_device_decided(out)  # a counter chosen on the device: never read on the host
     return out
-
-
-@register_state
-class InjectHyperparamsState(NamedTuple):
-    """The state of :func:`inject_hyperparams` (optax's layout).
-
-    Attributes:
-        count: steps taken (0-d int32; schedules are called with it).
-        hyperparams: name -> 0-d fp32 tensor on the params' device. Change a value between
-            steps and the next step uses it: assign a number
-            (``state.hyperparams["learning_rate"] = 1e-4``: a fused step passes it to the
-            kernel as an argument, no device work), or change a tensor in place
-            (``.fill_(1e-4)``) or put in a new one: read on the device, no host read (the
-            first such fused step compiles the kernel variant that reads its scalars from
-            a buffer, once). No value change compiles anything else.
-        inner_state: the inner transform's state.
-    """
-
-    count: torch.Tensor
-    hyperparams: dict
-    inner_state: Any
-
-
-class _Injected:
-    """The object behind :func:`inject_hyperparams`: the inner transform is built once
-    per device with 0-d tensors ("holders") as its numeric hyperparameters; each step
-    loads the state's values into them (a host number where the value is known on the
-    host, else a copy on the device: never a host read).
-
-    ``ftopt.step`` runs :meth:`wrapper_step`: the holders are loaded, the inner
-    transform's own step runs (fused where it can be: the same kernel as the plain
-    chain, the holders read as kernel scalars) and the count and schedules move on.
-    """
-
-    unfused_reason = ("inject_hyperparams inside another transform fuses once its state "
-                      "is made (init) for params on one device; here it runs eagerly, its "
-                      "inner update fused")
-    step_note = ("inject_hyperparams: the inner transform's step, its hyperparameters read "
-                 "from the state as kernel scalars (host numbers where known, else a device "
-                 "buffer)")
-
-    def __init__(self, factory: Callable[..., GradientTransformation], static: dict,
-                 numeric: dict):
-        self.factory, self.static, self.numeric = factory, static, numeric
-        self.built: dict[Any, tuple[GradientTransformation, dict]] = {}
-        register_owner(self)
-
-    def _inner(self, device) -> tuple[GradientTransformation, dict]:
-        key = str(device)
-        if key not in self.built:
-            holders = {k: torch.zeros((), dtype=torch.float32, device=device)
-                       for k in self.numeric}
-            for k, v in self.numeric.items():
-                holders[k].copy_(torch.as_tensor(v(0) if callable(v) else v))
-            inner = self.factory(**self.static, **holders)
-            check_transform(inner, "inject_hyperparams: the factory's result")
-            self.built[key] = (inner, holders)
-        return self.built[key]
-
-    @property
-    def update_keywords(self) -> tuple[str, ...]:
-        """The inner transform's (once built, found in :attr:`built`; before, one built
-        from the initial values and not kept)."""
-        if self.built:
-            return ()
-        return tuple(update_keywords(self.factory(**self.static, **{
-            k: v(0) if callable(v) else v for k, v in self.numeric.items()})))
-
-    def fused_inner(self) -> GradientTransformation | None:
-        """The inner transform a fused step inside another transform runs
-        (:func:`ftopt.stages.chain_stages` with ``injected=True`` walks into it): the one
-        built by ``init``, if built for one device only, else ``None``."""
-        if len(self.built) != 1:
-            return None
-        return next(iter(self.built.values()))[0]
-
-    def stepped_inner(self, device) -> GradientTransformation:
-        """The transform whose step :meth:`wrapper_step` runs for params on ``device``
-        (``ftopt.explain`` shows its plan)."""
-        return self._inner(device)[0]
-
-    def _scheduled(self, k: str, count, known: int | None) -> float | torch.Tensor:
-        """Hyperparameter ``k`` at step count ``count`` (``known``: its host value): a host
-        number (fp32-rounded) where its value is known on the host, else a 0-d tensor."""
-        v = self.numeric[k]
-        if callable(v):
-            v = v(known if known is not None else count)
-        if isinstance(v, torch.Tensor):
-            return v.reshape(()) if v.requires_grad else v.detach().reshape(())
-        return _fp32(v)
-
-    def init(self, params) -> InjectHyperparamsState:
-        device = _device_of(params)
-        inner, _ = self._inner(device)
-        count = _count(0, device)
-        hyper = {k: _as_tensor(self._scheduled(k, count, 0), device) for k in self.numeric}
-        return InjectHyperparamsState(count, hyper, inner.init(params))
-
-    def load(self, state) -> GradientTransformation:
-        """Checks ``state`` (before anything is written), loads its hyperparameters into
-        the holders and returns the inner transform."""
-        if not isinstance(state, InjectHyperparamsState):
-            raise ValueError(f"inject_hyperparams expects an InjectHyperparamsState, got "
-                             f"{type(state).__name__} (a state made by another transform?)")
-        check_count("inject_hyperparams", state.count)
-        if not isinstance(state.hyperparams, dict):
-            raise ValueError(f"inject_hyperparams: state.hyperparams must be a dict, got "
-                             f"{type(state.hyperparams).__name__}")
-        for k in self.numeric:
-            if k not in state.hyperparams:
-                raise ValueError(f"inject_hyperparams: state.hyperparams has no {k!r}")
-            _check_value(k, state.hyperparams[k])
-        inner, holders = self._inner(state.count.device)
-        capturing = (state.count.device.type == "cuda"
-                     and torch.cuda.is_current_stream_capturing())
-        for k, holder in holders.items():
-            value = state.hyperparams[k]
-            if isinstance(value, torch.Tensor):
-                known = None if capturing else host_value(value)
-                if known is None:
-                    holder.copy_(value)  # on the device; the holder's mirror is forgotten
-                    continue
-            else:
-                known = _fp32(value)
-            if host_value(holder) != known:
-                holder.fill_(known)
-                remember_value(holder, known)
-        return inner
-
-    def advance(self, state, inner_state, donate: bool) -> InjectHyperparamsState:
-        """The state after a step: the count advanced, schedules called with it, numbers
-        the caller put in ``state.hyperparams`` made tensors (donated: in place)."""
-        device = state.count.device
-        known = host_count(state.count)
-        count = state.count.add_(1) if donate else state.count + 1
-        if known is not None:
-            remember_count(count, known + 1)
-        hyper = state.hyperparams if donate else dict(state.hyperparams)
-        for k, v in self.numeric.items():
-            old = hyper[k]
-            if not callable(v):  # plain values stay as the caller left them
-                if not isinstance(old, torch.Tensor):
-                    hyper[k] = _as_tensor(_fp32(old), device)
-                continue
-            value = self._scheduled(k, count, None if known is None else known + 1)
-            if not (donate and isinstance(old, torch.Tensor)):
-                hyper[k] = _as_tensor(value, device)
-            elif isinstance(value, torch.Tensor):
-                old.copy_(value)
-            else:
-                old.fill_(value)
-                remember_value(old, value)
-        return InjectHyperparamsState(count, hyper, inner_state)
-
-    def update(self, updates, state, params=None, **extra):
-        """The inner transform's update with the state's hyperparameters."""
-        inner = self.load(state)
-        out, inner_state = inner.update(updates, state.inner_state, params, **extra)
-        return out, self.advance(state, inner_state, False)
-
-    def wrapper_step(self, params, grads, state, *, donate: bool = False,
-                     backend: str = "auto"):
-        """``ftopt.step`` of the wrapped optimizer: the inner transform's step (fused
-        where it can be) with the state's hyperparameters, then the count and schedules
-        move on. Donated: every tensor of ``state`` is written in place."""
-        inner = self.load(state)
-        new_params, inner_state = step(inner, params, grads, state.inner_state,
-                                       donate=donate, backend=backend)
-        return new_params, self.advance(state, inner_state, donate)
-
-
-def _as_tensor(value: float | torch.Tensor, device) -> torch.Tensor:
-    """A 0-d fp32 tensor on ``device`` holding ``value``; a number's value is mirrored on
-    the host (a fused step passes it to the kernel as an argument)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device=device, dtype=torch.float32).reshape(())
-    out = torch.full((), value, dtype=torch.float32, device=device)
-    remember_value(out, value)
-    return out
-
-
-def _fp32(value) -> float:
-    """``value`` rounded to fp32, as a 0-d fp32 tensor holds it."""
-    return struct.unpack("f", struct.pack("f", float(value)))[0]
-
-
-def _check_value(k: str, value) -> None:
-    """A value of ``state.hyperparams``: a number or a 0-d floating-point tensor."""
-    where = f"inject_hyperparams: state.hyperparams[{k!r}]"
-    if isinstance(value, torch.Tensor):
-        if not value.is_floating_point():
-            raise TypeError(f"{where}: expected a floating-point tensor, got {value.dtype}")
-        if value.ndim != 0:
-            raise ValueError(f"{where}: expected a 0-d tensor, got shape "
-                             f"{tuple(value.shape)}")
-    elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{where}: expected a number or a 0-d floating-point tensor, got "
-                        f"{type(value).__name__}")
-
-
-def inject_hyperparams(
-    inner_factory: Callable[..., GradientTransformation],
-    static_args: str | Sequence[str] = (),
-) -> Callable[..., GradientTransformation]:
-    """Moves an optimizer's numeric hyperparameters into its state (optax's
-    ``inject_hyperparams``): ``inject_hyperparams(ftopt.adam)(learning_rate=1e-3)``.
-
-    Every keyword that is a number, a 0-d tensor or a schedule (a function of the step
-    count) becomes a 0-d fp32 tensor in ``state.hyperparams``; a schedule is evaluated with
-    the count on every step. The inner transform is built once with tensor hyperparameters,
-    so changing a value in the state between steps takes effect at the next step (see
-    :class:`InjectHyperparamsState`). ``ftopt.step`` runs the inner transform's step (the
-    same fused kernel as the plain chain), also inside another transform (a ``chain``
-    after a clip, a ``partition`` branch: the whole chain's kernels).
-    Names in ``static_args`` and non-numeric values (masks, booleans)
-    are passed to ``inner_factory`` as they are.
-    """
-    static_names = {static_args} if isinstance(static_args, str) else set(static_args)
-
-    def build(**hparams) -> GradientTransformation:
-        static, numeric = {}, {}
-        for k, v in hparams.items():
-            is_number = isinstance(v, (int, float)) and not isinstance(v, bool)
-            is_scalar = isinstance(v, torch.Tensor) and v.ndim == 0 and v.is_floating_point()
-            if k in static_names or not (is_number or is_scalar or callable(v)):
-                static[k] = v
-            else:
-                numeric[k] = v
-        obj = _Injected(inner_factory, static, numeric)
-        return GradientTransformation(obj.init, obj.update)
-
-    return build

@@ -734,6 +734,14 @@ TRANSFORMS += [
           floats={"learning_rate": HP(1e-4, 1e-1, log=True, tensor=False), "b1": BETA},
           kind="combinator", fusible=False, states=("mu", "nu"), bookkeeping=True,
           example={"learning_rate": 1e-2, "b1": 0.9}),
+    # A stateful schedule's state beside the hyperparameters (ftopt.inject)
+    Entry("inject_stateful_hyperparams",
+          lambda inner=(), learning_rate=1e-2, b1=0.9: ftopt.inject_stateful_hyperparams(
+              ftopt.adam)(learning_rate=ftopt.WrappedSchedule(ftopt.linear_schedule(
+                  learning_rate, learning_rate / 2, 10)), b1=b1),
+          floats={"learning_rate": HP(1e-4, 1e-1, log=True, tensor=False), "b1": BETA},
+          kind="combinator", fusible=False, states=("mu", "nu"), bookkeeping=True,
+          example={"learning_rate": 1e-2, "b1": 0.9}),
 ]
 
 # ---- more of optax's catalogue (ftopt.alias_more)
@@ -1015,6 +1023,8 @@ PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ApplyIfFiniteState", "InjectHyperparamsState", "LookaheadParams", "LookaheadState",
+    "InjectStatefulHyperparamsState", "StatefulSchedule", "WrappedSchedule",
+    "WrappedScheduleState",
     "MultiStepsState", "EmptyState",
     "GradientTransformation", "MaskedState",
     "PartitionState",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from registry import PARAMS_WRAPPERS, TRANSFORMS, names, standalone
+from test_inject_stateful import HalveOnRise
 
 import ftopt
 from ftopt.combine import update_keywords
@@ -19,9 +20,9 @@ KNOWN = {"polyak_sgd": LOSS, "scale_by_polyak": LOSS, "momo": LOSS, "momo_adam":
          "scale_by_zoom_linesearch": LINE_SEARCH, "lbfgs": LINE_SEARCH,
          "sophia": {"obj_fn"}, "scale_by_sophia": {"obj_fn"},
          "hutchinson_estimator_diag_hessian": {"obj_fn"}}
-# (inject_hyperparams' entry builds adam whatever its inner: tested on its own below)
+# (the inject_ entries build adam whatever their inner: tested on their own below)
 COMBINATORS = [e for e in TRANSFORMS if e.kind == "combinator"
-               and e.name != "inject_hyperparams"]
+               and not e.name.startswith("inject_")]
 # Every transform the registry suites leave to their own files (PARAMS_WRAPPERS).
 MAKERS = {
     "lookahead": lambda: ftopt.lookahead(ftopt.sgd(0.1), 2, 0.5),
@@ -111,7 +112,9 @@ def _model_and_data(seed: int):
     lambda: ftopt.momo(0.5),
     lambda: ftopt.momo_adam(0.05),
     lambda: ftopt.chain(ftopt.adamw(0.05), ftopt.reduce_on_plateau(patience=1, factor=0.5)),
-], ids=["polyak_sgd", "momo", "momo_adam", "adamw+reduce_on_plateau"])
+    lambda: ftopt.inject_hyperparams(ftopt.adamw)(learning_rate=HalveOnRise(0.05)),
+], ids=["polyak_sgd", "momo", "momo_adam", "adamw+reduce_on_plateau",
+        "adamw+stateful_schedule"])
 def test_optimizer_passes_the_closure_s_loss_as_value(make):
     """``ftopt.Optimizer(...).step(closure)`` is, bit for bit, the functional loop that
     passes each step's loss to ``update`` as ``value=``."""
