@@ -28,6 +28,7 @@ from ftopt.alias_variants import (
 )
 from ftopt.base import EmptyState, GradientTransformation, stateless
 from ftopt.bnb_port import from_bnb_state_dict, to_bnb_state_dict
+from ftopt.cautious import CautiousState, cautious
 from ftopt.checkpoint import load_state_dict, state_dict
 from ftopt.combine import (
     MaskedState,
@@ -313,6 +314,8 @@ __all__ += ["unitwise_clip", "unitwise_norm"]
 __all__ += ["MonitorState", "SnapshotState", "measure_with_ema", "monitor", "snapshot"]
 # optax.contrib's SAM and Mechanic wrappers (ftopt.sam, ftopt.mechanic)
 __all__ += ["SAMState", "sam", "MechanicState", "mechanize"]
+# optax.contrib's cautious wrapper (ftopt.cautious)
+__all__ += ["CautiousState", "cautious"]
 # Per-leaf norm optimizers (ftopt.alias_norms)
 __all__ += ["LeafSecondMomentState", "NovogradMomentumState", "fromage", "novograd",
             "scale_by_novograd"]

@@ -530,6 +530,11 @@ TRANSFORMS: list[Entry] = [
               inner[0], max_consecutive_errors),
           options={"max_consecutive_errors": (0, 2)}, kind="combinator", fusible=False,
           inner=("scale_by_adam",), bookkeeping=True),
+    # optax.contrib's cautious: the update kept where it opposes the gradient, each leaf
+    # scaled by n / (kept + eps) (a count over the leaf, as a norm)
+    Entry("cautious", lambda inner=(), eps=1e-8: ftopt.cautious(inner[0], eps),
+          floats={"eps": HP(1e-8, 1.0, log=True, tensor=False)}, kind="combinator",
+          fusible=False, inner=("adam",), example={"eps": 1e-8}),
     Entry("quantize_states",
           lambda inner=(), bits=8, min_size=0, state_dtype=None: ftopt.quantize_states(
               inner[0], bits=bits, min_size=min_size, state_dtype=state_dtype),
@@ -1023,7 +1028,7 @@ PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
 # Exported names that build no GradientTransformation (or only a wrapped one's schedule).
 NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ApplyIfFiniteState", "InjectHyperparamsState", "LookaheadParams", "LookaheadState",
-    "InjectStatefulHyperparamsState", "StatefulSchedule", "WrappedSchedule",
+    "InjectStatefulHyperparamsState", "StatefulSchedule", "WrappedSchedule", "CautiousState",
     "WrappedScheduleState",
     "MultiStepsState", "EmptyState",
     "GradientTransformation", "MaskedState",
