@@ -26,7 +26,16 @@ from ftopt.alias_variants import (
     simplified_ademamix,
     yogi,
 )
-from ftopt.base import EmptyState, GradientTransformation, stateless
+from ftopt.base import (
+    EmptyState,
+    GradientTransformation,
+    OptState,
+    Params,
+    TransformInitFn,
+    TransformUpdateFn,
+    Updates,
+    stateless,
+)
 from ftopt.bnb_port import from_bnb_state_dict, to_bnb_state_dict
 from ftopt.cautious import CautiousState, cautious
 from ftopt.checkpoint import load_state_dict, state_dict
@@ -122,6 +131,7 @@ from ftopt.schedules import (
     warmup_cosine_decay_schedule,
     warmup_exponential_decay_schedule,
 )
+from ftopt.schedules.decays import ScalarOrSchedule, Schedule
 from ftopt.schedules.stateful import StatefulSchedule, WrappedSchedule, WrappedScheduleState
 from ftopt.skip_fns import skip_large_updates, skip_not_finite
 from ftopt.sophia import (
@@ -314,6 +324,21 @@ __all__ += ["unitwise_clip", "unitwise_norm"]
 __all__ += ["MonitorState", "SnapshotState", "measure_with_ema", "monitor", "snapshot"]
 # optax.contrib's SAM and Mechanic wrappers (ftopt.sam, ftopt.mechanic)
 __all__ += ["SAMState", "sam", "MechanicState", "mechanize"]
+# optax's other names of the same things: type aliases for annotations, and the states
+# of its stateless transforms (EmptyState here)
+GradientTransformationExtraArgs = GradientTransformation  # (every update takes **extra)
+TransformUpdateExtraArgsFn = TransformUpdateFn
+MultiTransformState = PartitionState
+ApplyEvery = ApplyEveryState
+AdaptiveGradClipState = AddDecayedWeightsState = ClipByGlobalNormState = ClipState = \
+    NonNegativeParamsState = ScaleByTrustRatioState = ScaleState = EmptyState
+__all__ += [
+    "GradientTransformationExtraArgs", "OptState", "Params", "ScalarOrSchedule", "Schedule",
+    "TransformInitFn", "TransformUpdateExtraArgsFn", "TransformUpdateFn", "Updates",
+    "AdaptiveGradClipState", "AddDecayedWeightsState", "ApplyEvery", "ClipByGlobalNormState",
+    "ClipState", "MultiTransformState", "NonNegativeParamsState", "ScaleByTrustRatioState",
+    "ScaleState",
+]
 # optax.contrib's cautious wrapper (ftopt.cautious)
 __all__ += ["CautiousState", "cautious"]
 # Per-leaf norm optimizers (ftopt.alias_norms)

@@ -1,0 +1,87 @@
+"""optax's top-level names (its optimizers, transforms, wrappers, schedules, types and
+states; not its losses) and optax.contrib's exist in ftopt, and the aliases of states
+and types are what optax makes them."""
+
+from __future__ import annotations
+
+import torch
+
+import ftopt
+
+OPTAX = """
+adabelief adadelta adafactor adagrad adam adamax adamaxw adamw adan adaptive_grad_clip
+AdaptiveGradClipState add_decayed_weights add_noise AddDecayedWeightsState AddNoiseState
+amsgrad apply_every apply_if_finite apply_updates ApplyEvery ApplyIfFiniteState centralize
+chain clip_by_block_rms clip_by_global_norm clip ClipByGlobalNormState ClipState
+conditionally_mask ConditionallyMaskState conditionally_transform
+ConditionallyTransformState constant_schedule cosine_decay_schedule
+cosine_onecycle_schedule ema EmaState EmptyState exponential_decay FactoredState flatten
+fromage global_norm GradientTransformation GradientTransformationExtraArgs identity
+incremental_update inject_hyperparams InjectHyperparamsState join_schedules
+keep_params_nonnegative lamb lars lbfgs lion linear_onecycle_schedule linear_schedule
+lookahead LookaheadParams LookaheadState masked MaskedState matrix_inverse_pth_root
+multi_normal multi_transform MultiSteps MultiStepsState MultiTransformState nadam nadamw
+nnls noisy_sgd novograd NonNegativeParamsState OptState Params partition PartitionState
+periodic_update per_example_global_norm_clip per_example_layer_norm_clip
+piecewise_constant_schedule piecewise_interpolate_schedule polynomial_schedule
+power_iteration polyak_sgd radam rmsprop rprop safe_increment safe_int32_increment
+safe_norm safe_root_mean_squares ScalarOrSchedule scale_by_adadelta scale_by_adam
+scale_by_adamax scale_by_adan scale_by_amsgrad scale_by_backtracking_linesearch
+scale_by_belief scale_by_lbfgs scale_by_lion scale_by_factored_rms scale_by_novograd
+scale_by_param_block_norm scale_by_param_block_rms scale_by_polyak scale_by_radam
+scale_by_rms scale_by_rprop scale_by_rss scale_by_schedule scale_by_sign scale_by_sm3
+scale_by_stddev scale_by_trust_ratio scale_by_yogi scale_by_zoom_linesearch
+scale_by_learning_rate scale_by_distance_over_gradients scale_by_optimistic_gradient
+scale_gradient scale ScaleByAdaDeltaState ScaleByAdamState ScaleByAdanState
+ScaleByAmsgradState ScaleByBeliefState ScaleByLBFGSState ScaleByLionState ScaleByRmsState
+ScaleByRpropState ScaleByRssState ScaleByRStdDevState ScaleByScheduleState ScaleBySM3State
+ScaleByTrustRatioState ScaleByBacktrackingLinesearchState ScaleByZoomLinesearchState
+ScaleState Schedule set_to_zero sgd sgdr_schedule sign_sgd sm3 skip_large_updates
+skip_not_finite snapshot SnapshotState measure_with_ema monitor MonitorState stateless
+stateless_with_tree_map trace TraceState TransformInitFn TransformUpdateFn
+TransformUpdateExtraArgsFn Updates value_and_grad_from_state warmup_constant_schedule
+warmup_cosine_decay_schedule warmup_exponential_decay_schedule yogi zero_nans
+ZoomLinesearchInfo with_extra_args_support inject_stateful_hyperparams
+InjectStatefulHyperparamsState WrappedSchedule optimistic_adam optimistic_adam_v2
+optimistic_gradient_descent init_empty_state selective_transform freeze tree projections
+schedules transforms
+""".split()
+
+CONTRIB = """
+acprop scale_by_acprop ademamix scale_by_ademamix scale_by_simplified_ademamix
+ScaleByAdemamixState ScaleBySimplifiedAdEMAMixState simplified_ademamix adopt
+scale_by_adopt cautious CautiousState cocob COCOBState scale_by_cocob
+split_real_and_imaginary SplitRealAndImaginaryState dadapt_adamw DAdaptAdamWState dog
+DoGState dowg DoWGState galore GaLoreDimensionNumbers GaLoreState scale_by_galore madgrad
+MadgradState scale_by_madgrad MechanicState mechanize momo momo_adam MomoAdamState
+MomoState muon scale_by_muon differentially_private_aggregate
+DifferentiallyPrivateAggregateState dpsgd prodigy ProdigyState reduce_on_plateau
+ReduceLROnPlateauState normalize sam SAMState schedule_free schedule_free_adamw
+schedule_free_eval_params schedule_free_sgd ScheduleFreeState
+hutchinson_estimator_diag_hessian HutchinsonState sophia SophiaState
+""".split()
+
+
+def test_optax_s_names_are_here():
+    missing = [n for n in OPTAX + CONTRIB if not hasattr(ftopt, n)]
+    assert not missing, missing
+    assert set(OPTAX + CONTRIB) <= set(ftopt.__all__) | {"projections", "schedules",
+                                                          "transforms", "tree"}
+
+
+def test_the_stateless_transforms_states_are_optax_s_aliases():
+    params = {"w": torch.ones(3)}
+    for make, state in [(lambda: ftopt.scale(0.5), ftopt.ScaleState),
+                        (lambda: ftopt.clip(1.0), ftopt.ClipState),
+                        (lambda: ftopt.clip_by_global_norm(1.0), ftopt.ClipByGlobalNormState),
+                        (lambda: ftopt.adaptive_grad_clip(0.1), ftopt.AdaptiveGradClipState),
+                        (lambda: ftopt.add_decayed_weights(0.1), ftopt.AddDecayedWeightsState),
+                        (lambda: ftopt.scale_by_trust_ratio(), ftopt.ScaleByTrustRatioState),
+                        (lambda: ftopt.keep_params_nonnegative(),
+                         ftopt.NonNegativeParamsState)]:
+        assert isinstance(make().init(params), state)
+    tx = ftopt.multi_transform({"a": ftopt.sgd(0.1)}, {"w": "a"})
+    assert isinstance(tx.init(params), ftopt.MultiTransformState)
+    assert isinstance(ftopt.apply_every(2).init(params), ftopt.ApplyEvery)
+    built = ftopt.GradientTransformationExtraArgs(*ftopt.sgd(0.1))
+    assert isinstance(built, ftopt.GradientTransformation)
