@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ftopt import tree as tree_lib
-from ftopt._counts import host_count, remember_count
+from ftopt._counts import host_count, new_count, remember_count
 from ftopt.base import GradientTransformation, check_transform, register_owner, register_state
 from ftopt.domains import NONNEG, POSITIVE, check_finite, check_int
 from ftopt.finite import safe_increment
@@ -66,8 +66,7 @@ class Mechanic:
         device = tree_lib.state_device(flat)
         dtype = (torch.float64 if flat and all(p.dtype == torch.float64 for p in flat)
                  else torch.float32)
-        count = torch.zeros((), dtype=torch.int32, device=device)
-        remember_count(count, 0)
+        count = new_count(0, device)
         zeros = lambda: torch.zeros(self.num_betas, dtype=dtype, device=device)  # noqa: E731
         return MechanicState(
             base_optimizer_state=self.base.init(params), count=count, r=zeros(), m=zeros(),

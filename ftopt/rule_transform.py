@@ -19,7 +19,7 @@ import torch
 
 from ftopt import dispatch, eager, program, shards
 from ftopt import tree as tree_lib
-from ftopt._counts import remember_count
+from ftopt._counts import new_count, remember_count
 from ftopt.base import GradientTransformation, register_owner
 from ftopt.domains import check_hparam as _check_hparam
 from ftopt.numerics import keep_nan_bits
@@ -100,8 +100,7 @@ class RuleTransform:
         values = {}
         device = tree_lib.state_device(flat)
         if self.rule.counted:
-            values["count"] = torch.zeros((), dtype=torch.int32, device=device)
-            remember_count(values["count"], 0)  # (the first step reads no device)
+            values["count"] = new_count(0, device)  # (the first step reads no device)
         wide = bool(flat) and all(p.dtype == torch.float64 for p in flat)
         values.update(initial_running(self.rule, device,
                                       torch.float64 if wide else torch.float32))

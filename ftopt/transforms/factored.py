@@ -23,7 +23,7 @@ import torch
 
 from ftopt import eager, shards
 from ftopt import tree as tree_lib
-from ftopt._counts import remember_count
+from ftopt._counts import new_count, remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, POSITIVE, check_finite
 from ftopt.matrix import flatten_call
@@ -136,8 +136,7 @@ class FactoredRms:
             cols.append(stat_zeros(p, d1, dtype, split))
             vs.append(one)
         device = tree_lib.state_device(flat)
-        count = torch.zeros((), dtype=torch.int32, device=device)
-        remember_count(count, 0)
+        count = new_count(0, device)
         return FactoredState(count, *(tree_lib.unflatten(spec, x) for x in (rows, cols, vs)))
 
     def _check_split(self, path: str, shape: tuple, placements: tuple,

@@ -18,7 +18,7 @@ import torch
 
 from ftopt import eager
 from ftopt import tree as tree_lib
-from ftopt._counts import remember_count
+from ftopt._counts import new_count, remember_count
 from ftopt.base import GradientTransformation, register_owner
 from ftopt.matrix import check_shards, flatten_call
 from ftopt.program import skip_update
@@ -129,8 +129,7 @@ class ScaleByProdigy:
         device = tree_lib.state_device(flat)
         wide = torch.float64 if flat and all(p.dtype == torch.float64 for p in flat) \
             else torch.float32
-        count = torch.zeros((), dtype=torch.int32, device=device)
-        remember_count(count, 0)
+        count = new_count(0, device)
         return self.state_class(**slots, estim_lr=torch.full((), float(self.estim_lr0), dtype=wide,
                                                          device=device),
                             numerator_weighted=torch.zeros((), dtype=wide, device=device),
