@@ -223,6 +223,7 @@ from ftopt.transforms.factored import (
     scale_by_param_block_rms,
 )
 from ftopt.transforms.muon import (
+    MuonDimensionNumbers,
     MuonMomentumState,
     scale_by_muon,
     scale_by_shape,
@@ -293,7 +294,8 @@ __all__ = [
     "skip_large_updates", "stateless", "step", "to_bnb_state_dict", "to_torch_state_dict", "trace",
     "tree", "warmup_constant_schedule", "warmup_cosine_decay_schedule",
     "warmup_exponential_decay_schedule", "weight_decay", "yogi", "FactoredState",
-    "MuonMomentumState", "adafactor", "clip_by_block_rms", "muon", "scale_by_factored_rms",
+    "MuonMomentumState", "MuonDimensionNumbers", "adafactor", "clip_by_block_rms", "muon",
+    "scale_by_factored_rms",
     "scale_by_muon", "scale_by_param_block_rms", "scale_by_param_block_norm", "scale_by_shape"
 ]
 

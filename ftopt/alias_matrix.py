@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import optree
 import torch
 
 from ftopt.alias import adamw, chain_alias, check_state_options, finish
 from ftopt.base import GradientTransformation
 from ftopt.combine import partition
+from ftopt.matrix_views import leaf_dims
 from ftopt.quantize import STATE_DTYPES
 from ftopt.schedules import ScalarOrSchedule
 from ftopt.transforms import (
@@ -115,6 +117,16 @@ def _is_matrix(params: Any) -> Any:
                     else "adam", params)
 
 
+def _named_matrices(dims: Any):
+    """Labels of :func:`muon`'s partition from ``muon_weight_dimension_numbers``: "muon"
+    where a leaf has dimension numbers, "adam" where it has ``None``."""
+    def labels(params: Any) -> Any:
+        found = iter(leaf_dims("muon", dims, params))
+        return optree.tree_map(lambda _: "muon" if next(found) is not None else "adam",
+                               params, none_is_leaf=True, namespace="ftopt")
+    return labels
+
+
 def muon(
     learning_rate: ScalarOrSchedule,
     ns_coeffs: Sequence = DEFAULT_NS_COEFFS,
@@ -134,6 +146,7 @@ def muon(
     adam_learning_rate: ScalarOrSchedule | None = None,
     consistent_rms: float | None = None,
     ns_dtype: torch.dtype | None = None,
+    muon_weight_dimension_numbers: Any = None,
     skip_zeros: bool = False,
     state_bits: int = 32,
     state_dtype: torch.dtype | None = None,
@@ -150,12 +163,19 @@ def muon(
     one batched ``bmm`` chain. A ``partition`` runs its parts one after the other: the
     step is eager (foreach) torch ops around the batched matrix stage; the ``"muon"``
     chain alone fuses its elementwise stages (see :func:`ftopt.explain`).
+
+    ``muon_weight_dimension_numbers`` (as optax's; :class:`ftopt.MuonDimensionNumbers`
+    for every leaf, a tree of them and ``None`` like the params or a prefix of them, or a
+    function of the params giving one): the leaves with dimension numbers get Muon, each
+    batch index of them one matrix (a stack of experts ``(E, in, out)`` with
+    ``MuonDimensionNumbers(1, 2)``), and the ``None`` leaves AdamW.
     """
     check_state_options("muon", state_bits, state_dtype, state_rounding)
     matrix_part = finish([
         scale_by_muon(ns_coeffs, ns_steps, beta, eps, nesterov=nesterov, adaptive=adaptive,
-                      preconditioning=preconditioning, ns_dtype=ns_dtype),
-        scale_by_shape(consistent_rms),
+                      preconditioning=preconditioning, ns_dtype=ns_dtype,
+                      weight_dimension_numbers=muon_weight_dimension_numbers),
+        scale_by_shape(consistent_rms, muon_weight_dimension_numbers),
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_learning_rate(learning_rate),
     ], skip_zeros, state_bits, state_dtype, state_rounding)
@@ -163,7 +183,9 @@ def muon(
                       adam_b1, adam_b2, eps, adam_eps_root, adam_weight_decay,
                       nesterov=nesterov, skip_zeros=skip_zeros, state_bits=state_bits,
                       state_dtype=state_dtype, state_rounding=state_rounding)
-    return partition({"muon": matrix_part, "adam": adam_part}, _is_matrix)
+    labels = (_is_matrix if muon_weight_dimension_numbers is None
+              else _named_matrices(muon_weight_dimension_numbers))
+    return partition({"muon": matrix_part, "adam": adam_part}, labels)
 
 
 @chain_alias

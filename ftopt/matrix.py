@@ -36,6 +36,10 @@ the split. A stage declares what it reads, ``reads``:
   leaves whose shards split no dim (``Replicate``) are accepted.
 
 A refused leaf raises before anything is written, naming its path and placements.
+
+A stage given ``dims`` (:mod:`ftopt.matrix_views`) runs on the leaves they name, each
+seen as a ``(b, m, n)`` batch of matrices (its batch, reduction and output axes), and
+passes the others through; on local shards it refuses any split leaf of rank 2 or more.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ftopt import shards
+from ftopt import matrix_views, shards
 from ftopt import tree as tree_lib
 from ftopt.base import EmptyState, GradientTransformation, register_owner
 from ftopt.program import skip_update
@@ -75,6 +79,8 @@ class MatrixTransform:
     shape out. ``reads``: ``"rows"`` or ``"leaf"``, what ``fn`` reads of a leaf (decides
     which ``DTensor`` shards it may run on). ``mask_aware``: the chain's ``skip_zeros``
     mask reaches :meth:`update`, which applies it to this stage's output itself.
+    ``dims``: the leaves as batches of matrices (:mod:`ftopt.matrix_views`; ``fn`` then
+    gets ``(B, m, n)`` batches), instead of ``applies``.
     """
 
     matrix_stage = True
@@ -83,26 +89,35 @@ class MatrixTransform:
 
     def __init__(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor],
                  applies: Callable[[torch.Tensor], bool] = is_matrix_2d,
-                 reads: str = "leaf"):
+                 reads: str = "leaf", dims: Any = None):
         if reads not in READS:
             raise ValueError(f"{name}: reads must be one of {sorted(READS)}, got {reads!r}")
         self.name, self.fn, self.applies, self.reads = name, fn, applies, reads
+        self.dims = dims
         register_owner(self)
 
     def check_shards(self, paths: Sequence[str], u_flat: Sequence[Any]) -> None:
         """Refuse a leaf this stage applies to whose shards (in a call on local shards)
         split a dim its math reads across (see the module docstring)."""
-        check_shards(self.name, self.reads, self.applies, paths, u_flat)
+        applies = self.applies if self.dims is None else (lambda u: u.dim() >= 2)
+        check_shards(self.name, self.reads, applies, paths, u_flat)
+
+    def views(self, spec: Any, paths: Sequence[str], u_flat: Sequence[Any],
+              p_flat: Sequence[Any]) -> list | None:
+        """Each leaf's :class:`ftopt.matrix_views.MatrixView` (``None`` without ``dims``)."""
+        if self.dims is None:
+            return None
+        return matrix_views.views(self.name, self.dims, spec, paths, u_flat, p_flat)
 
     def init(self, params) -> EmptyState:
         del params
         return EmptyState()
 
-    def apply_flat(self, u_flat: Sequence[Any], zero_flat: Sequence[Any] | None = None
-                   ) -> list:
+    def apply_flat(self, u_flat: Sequence[Any], zero_flat: Sequence[Any] | None = None,
+                   views: Sequence[Any] | None = None) -> list:
         """The stage on a list of leaves (``None`` stays ``None``), batched by shape, dtype
         and device; ``zero_flat``: per leaf, where the raw gradient is zero (the update
-        there becomes ``-0.0``)."""
+        there becomes ``-0.0``); ``views``: per leaf, its matrices (:meth:`views`)."""
         out = list(u_flat)
         groups: dict[tuple, list[int]] = {}
         for i, u in enumerate(u_flat):
@@ -111,18 +126,24 @@ class MatrixTransform:
             if not isinstance(u, torch.Tensor):
                 raise TypeError(f"{self.name}: expected tensors, got {type(u).__name__}")
             dtype = compute_dtype(u)
-            if self.applies(u):
+            if views is not None and views[i] is not None:
+                groups.setdefault((views[i].shape[1:], dtype, u.device), []).append(i)
+            elif views is None and self.applies(u):
                 groups.setdefault((tuple(u.shape), dtype, u.device), []).append(i)
             else:
                 out[i] = u.to(dtype)
         for (_, dtype, _), leaves in groups.items():
-            batch = torch.stack([u_flat[i].to(dtype) for i in leaves])
+            if views is None:
+                parts = [u_flat[i].to(dtype).unsqueeze(0) for i in leaves]
+            else:
+                parts = [views[i].to_batch(u_flat[i].to(dtype)) for i in leaves]
+            batch = torch.cat(parts)
             result = self.fn(batch)
             if result.shape != batch.shape:
                 raise ValueError(f"{self.name}: the stage returned shape "
                                  f"{tuple(result.shape)} for a batch of {tuple(batch.shape)}")
-            for j, i in enumerate(leaves):
-                out[i] = result[j]
+            for i, part in zip(leaves, result.split([x.shape[0] for x in parts])):
+                out[i] = part[0] if views is None else views[i].from_batch(part)
         if zero_flat is not None:
             out = [u if u is None or z is None else skip_update(u, z)
                    for u, z in zip(out, zero_flat)]
@@ -130,15 +151,15 @@ class MatrixTransform:
 
     def update(self, updates, state, params=None, **extra):
         spec, paths, leaves, p_flat, zero_flat = checked_call(self, updates, params, extra)
-        return tree_lib.unflatten(spec, self.apply_flat(leaves, zero_flat)), state
+        out = self.apply_flat(leaves, zero_flat, self.views(spec, paths, leaves, p_flat))
+        return tree_lib.unflatten(spec, out), state
 
     def run_flat(self, u_flat: Sequence[Any], zero_flat: Sequence[Any] | None, state: Any,
                  p_flat: Sequence[Any], spec: Any, paths: Sequence[str]) -> tuple[list, Any]:
         """The stage in a segmented fused step (:mod:`ftopt.lowering.segments`): the new
         updates and the stage's new state (``state`` is the stage's own part of the
         chain's state; a stateless stage returns it as it is)."""
-        del p_flat, spec, paths
-        return self.apply_flat(u_flat, zero_flat), state
+        return self.apply_flat(u_flat, zero_flat, self.views(spec, paths, u_flat, p_flat)), state
 
 
 class FlatCall(NamedTuple):
@@ -200,7 +221,7 @@ def check_shards(name: str, reads: str, applies: Callable[[Any], bool],
 
 def matrix_transform(name: str, fn: Callable[[torch.Tensor], torch.Tensor],
                      applies: Callable[[torch.Tensor], bool] = is_matrix_2d,
-                     reads: str = "leaf") -> GradientTransformation:
+                     reads: str = "leaf", dims: Any = None) -> GradientTransformation:
     """A :class:`MatrixTransform` as a ``GradientTransformation``."""
-    obj = MatrixTransform(name, fn, applies, reads)
+    obj = MatrixTransform(name, fn, applies, reads, dims)
     return GradientTransformation(obj.init, obj.update)

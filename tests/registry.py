@@ -331,6 +331,15 @@ def _lars(trust_ratio_mask: str = "all", weight_decay_mask: str = "all", **kw):
                       weight_decay_mask=masks[weight_decay_mask], **kw)
 
 
+def _last_two(params):
+    return ftopt.tree.map(lambda p: ftopt.MuonDimensionNumbers(-2, -1)
+                          if isinstance(p, torch.Tensor) and p.ndim >= 2 else None, params)
+
+
+def _muon_last_two(**kw):
+    return ftopt.muon(muon_weight_dimension_numbers=_last_two, **kw)
+
+
 _ADAM_FLOATS = {"b1": BETA, "b2": BETA, "eps": EPS, "eps_root": EPS_ROOT}
 
 # What the snapshot entry measures of the updates.
@@ -956,6 +965,16 @@ TRANSFORMS += [
           eight_bit=True,
           mixes=True,
           example={"learning_rate": 1e-2, "beta": 0.95, "weight_decay": 0.01}),
+    # Muon over every leaf of rank >= 2, its leading axes batch axes (a stack of matrices
+    # each orthogonalised on its own), the others AdamW (optax's dimension numbers)
+    Entry("muon[dims]", _mask_kw(_muon_last_two, "weight_decay_mask"), export="muon",
+          floats={"learning_rate": LR, "beta": BETA, "eps": EPS, "weight_decay": WD},
+          options={"ns_dtype": (torch.float32,), "nesterov": (True, False),
+                   "adaptive": (False, True), "weight_decay_mask": ("none", "ndim")},
+          kind="alias", states=("mu", "nu"), counted=True, uses_params=True,
+          eight_bit=True,
+          mixes=True,
+          example={"learning_rate": 1e-2, "beta": 0.95, "weight_decay": 0.01}),
     # GaLore: the base optimizer (scale_by_adam) runs on low-rank projections of the 2-D
     # leaves; its states have the projected shapes (tests/test_galore.py).
     Entry("scale_by_galore", ftopt.scale_by_galore, floats={"scale": HP(0.1, 2.0)},
@@ -1029,7 +1048,8 @@ PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
 NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ApplyIfFiniteState", "InjectHyperparamsState", "LookaheadParams", "LookaheadState",
     "InjectStatefulHyperparamsState", "StatefulSchedule", "WrappedSchedule", "CautiousState",
-    "GradientTransformationExtraArgs", "OptState", "Params", "ScalarOrSchedule", "Schedule",
+    "MuonDimensionNumbers", "GradientTransformationExtraArgs", "OptState", "Params",
+    "ScalarOrSchedule", "Schedule",
     "TransformInitFn", "TransformUpdateExtraArgsFn", "TransformUpdateFn", "Updates",
     "AdaptiveGradClipState", "AddDecayedWeightsState", "ApplyEvery", "ClipByGlobalNormState",
     "ClipState", "MultiTransformState", "NonNegativeParamsState", "ScaleByTrustRatioState",

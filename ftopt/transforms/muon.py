@@ -17,11 +17,12 @@ from ftopt.base import GradientTransformation, register_state
 from ftopt.combine import chain
 from ftopt.domains import NONNEG, UNIT_OPEN, check_finite
 from ftopt.matrix import matrix_transform
+from ftopt.matrix_views import MuonDimensionNumbers
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule, Slot
 
-__all__ = ["MuonMomentumState", "scale_by_muon", "scale_by_shape", "newton_schulz",
-           "DEFAULT_NS_COEFFS"]
+__all__ = ["MuonMomentumState", "MuonDimensionNumbers", "scale_by_muon", "scale_by_shape",
+           "newton_schulz", "DEFAULT_NS_COEFFS"]
 
 Float = float | torch.Tensor
 DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -106,7 +107,7 @@ def _ns_dtype(batch: torch.Tensor, ns_dtype: torch.dtype | None) -> torch.dtype:
 
 
 def _orthogonalise(ns_coeffs: Any, ns_steps: int, eps: float, adaptive: bool,
-                   preconditioning: str, ns_dtype: torch.dtype | None
+                   preconditioning: str, ns_dtype: torch.dtype | None, dims: Any
                    ) -> GradientTransformation:
     coeffs = _coefficients(ns_coeffs, ns_steps)
 
@@ -116,7 +117,7 @@ def _orthogonalise(ns_coeffs: Any, ns_steps: int, eps: float, adaptive: bool,
             out = (batch * out).sum(dim=(-2, -1), keepdim=True) * out
         return out
 
-    return matrix_transform("newton_schulz", fn)
+    return matrix_transform("newton_schulz", fn, dims=dims)
 
 
 def scale_by_muon(
@@ -129,6 +130,7 @@ def scale_by_muon(
     adaptive: bool = False,
     preconditioning: str = "frobenius",
     ns_dtype: torch.dtype | None = None,
+    weight_dimension_numbers: Any = None,
 ) -> GradientTransformation:
     """Muon's update (optax.contrib.scale_by_muon): momentum orthogonalised by Newton-Schulz.
 
@@ -155,6 +157,12 @@ def scale_by_muon(
             the reference PyTorch implementation; about 3 significant digits, the
             orthogonalisation tolerates that) and the update's dtype (fp32) elsewhere,
             which is optax's math exactly.
+        weight_dimension_numbers: which leaves are matrices, and how
+            (:class:`MuonDimensionNumbers`: one for every leaf, a tree of them and
+            ``None`` like the params or a prefix of them, or a function of the updates
+            giving one). A leaf's batch axes (those neither reduction nor output axes)
+            index separate matrices, each orthogonalised on its own; a ``None`` leaf gets
+            m̂ as it is. ``None`` (default): every 2-D leaf is one matrix.
     """
     if not isinstance(ns_steps, int) or ns_steps < 1:
         raise ValueError(f"scale_by_muon: ns_steps must be an int >= 1, got {ns_steps!r}")
@@ -168,16 +176,19 @@ def scale_by_muon(
                         f"got {ns_dtype!r}")
     return chain(_momentum(nesterov, beta),
                  _orthogonalise(ns_coeffs, ns_steps, eps, adaptive, preconditioning,
-                                ns_dtype))
+                                ns_dtype, weight_dimension_numbers))
 
 
-def scale_by_shape(consistent_rms: float | None = None) -> GradientTransformation:
+def scale_by_shape(consistent_rms: float | None = None,
+                   weight_dimension_numbers: Any = None) -> GradientTransformation:
     """Scale each 2-D leaf by a factor of its shape ``(fan_in, fan_out)``, as optax.contrib:
     √max(1, fan_out/fan_in), or √max(fan_in, fan_out)·consistent_rms.
 
     optax reads a matrix as ``x @ W`` (rows: fan_in). A ``torch.nn.Linear`` weight is
     ``(out, in)``: the same formula on it gives √max(1, in/out). Leaves that are not 2-D
-    pass through. A matrix stage (a multiply per shape).
+    pass through. With ``weight_dimension_numbers`` (see :func:`scale_by_muon`) the leaves
+    named there are scaled, fan_in the product of their reduction axes and fan_out of
+    their output axes. A matrix stage (a multiply per shape).
     """
     if consistent_rms is not None:
         consistent_rms = check_finite("scale_by_shape", "consistent_rms", consistent_rms,
@@ -189,4 +200,4 @@ def scale_by_shape(consistent_rms: float | None = None) -> GradientTransformatio
             return batch * max(1.0, fan_out / fan_in) ** 0.5
         return batch * (max(fan_in, fan_out) ** 0.5 * consistent_rms)
 
-    return matrix_transform("scale_by_shape", fn)
+    return matrix_transform("scale_by_shape", fn, dims=weight_dimension_numbers)
