@@ -70,13 +70,15 @@ def test_a_stateful_schedule_follows_the_loss(call):
     best, scale = float("inf"), 1.0
     for i, loss in enumerate(losses):
         grads = _tree(gen)
-        r_state.hyperparams["learning_rate"] = _fp32(lr) * scale
+        # (a tensor on the device, as the schedule's value; both steps eager, as a step
+        # with the loss keyword runs: a fused step may round otherwise on a GPU)
+        r_state.hyperparams["learning_rate"] = torch.tensor(_fp32(lr) * scale, device=DEVICE)
         if call == "update":
-            u, state = tx.update(grads, state, params, value=loss)
+            u, state = tx.update(grads, state, params, value=loss, backend="eager")
             params = ftopt.apply_updates(params, u)
         else:
-            params, state = ftopt.step(tx, params, grads, state, value=loss)
-        r_params, r_state = ftopt.step(ref, r_params, grads, r_state)
+            params, state = ftopt.step(tx, params, grads, state, value=loss, backend="eager")
+        r_params, r_state = ftopt.step(ref, r_params, grads, r_state, backend="eager")
         assert _bits_equal(params, r_params), i
         assert float(state.hyperparams["learning_rate"]) == _fp32(lr) * scale, i
         loss32 = _fp32(loss)
