@@ -331,6 +331,14 @@ def _lars(trust_ratio_mask: str = "all", weight_decay_mask: str = "all", **kw):
                       weight_decay_mask=masks[weight_decay_mask], **kw)
 
 
+_MUON_FIELDS = dict(
+    floats={"learning_rate": LR, "beta": BETA, "eps": EPS, "weight_decay": WD},
+    options={"ns_dtype": (torch.float32,), "nesterov": (True, False),
+             "adaptive": (False, True), "weight_decay_mask": ("none", "ndim")},
+    kind="alias", states=("mu", "nu"), counted=True, uses_params=True, eight_bit=True,
+    mixes=True, example={"learning_rate": 1e-2, "beta": 0.95, "weight_decay": 0.01})
+
+
 def _last_two(params):
     return ftopt.tree.map(lambda p: ftopt.MuonDimensionNumbers(-2, -1)
                           if isinstance(p, torch.Tensor) and p.ndim >= 2 else None, params)
@@ -957,24 +965,11 @@ TRANSFORMS += [
           mixes=True,
           example={"learning_rate": 1e-2, "weight_decay_rate": 0.01}),
     # optax's routing: a partition (2-D leaves Muon, others AdamW), fused in segments.
-    Entry("muon", _mask_kw(ftopt.muon, "weight_decay_mask"),
-          floats={"learning_rate": LR, "beta": BETA, "eps": EPS, "weight_decay": WD},
-          options={"ns_dtype": (torch.float32,), "nesterov": (True, False),
-                   "adaptive": (False, True), "weight_decay_mask": ("none", "ndim")},
-          kind="alias", states=("mu", "nu"), counted=True, uses_params=True,
-          eight_bit=True,
-          mixes=True,
-          example={"learning_rate": 1e-2, "beta": 0.95, "weight_decay": 0.01}),
+    Entry("muon", _mask_kw(ftopt.muon, "weight_decay_mask"), **_MUON_FIELDS),
     # Muon over every leaf of rank >= 2, its leading axes batch axes (a stack of matrices
     # each orthogonalised on its own), the others AdamW (optax's dimension numbers)
     Entry("muon[dims]", _mask_kw(_muon_last_two, "weight_decay_mask"), export="muon",
-          floats={"learning_rate": LR, "beta": BETA, "eps": EPS, "weight_decay": WD},
-          options={"ns_dtype": (torch.float32,), "nesterov": (True, False),
-                   "adaptive": (False, True), "weight_decay_mask": ("none", "ndim")},
-          kind="alias", states=("mu", "nu"), counted=True, uses_params=True,
-          eight_bit=True,
-          mixes=True,
-          example={"learning_rate": 1e-2, "beta": 0.95, "weight_decay": 0.01}),
+          **_MUON_FIELDS),
     # GaLore: the base optimizer (scale_by_adam) runs on low-rank projections of the 2-D
     # leaves; its states have the projected shapes (tests/test_galore.py).
     Entry("scale_by_galore", ftopt.scale_by_galore, floats={"scale": HP(0.1, 2.0)},
