@@ -15,6 +15,7 @@ from ftopt.alias_variants import (
     adamaxw,
     adopt,
     amsgrad,
+    ano,
     nadam,
     nadamw,
     optimistic_adam,
@@ -187,6 +188,7 @@ from ftopt.transforms import (
     scale_by_ademamix,
     scale_by_adopt,
     scale_by_amsgrad,
+    scale_by_ano,
     scale_by_belief,
     scale_by_cocob,
     scale_by_distance_over_gradients,
@@ -341,6 +343,8 @@ __all__ += [
     "ClipState", "MultiTransformState", "NonNegativeParamsState", "ScaleByTrustRatioState",
     "ScaleState",
 ]
+# optax.contrib's Ano (ftopt.transforms.sign)
+__all__ += ["ano", "scale_by_ano"]
 # optax.contrib's cautious wrapper (ftopt.cautious)
 __all__ += ["CautiousState", "cautious"]
 # Per-leaf norm optimizers (ftopt.alias_norms)

@@ -29,6 +29,7 @@ from ftopt.transforms import (
     scale_by_adamax,
     scale_by_adopt,
     scale_by_amsgrad,
+    scale_by_ano,
     scale_by_belief,
     scale_by_learning_rate,
     scale_by_optimistic_gradient,
@@ -38,7 +39,8 @@ from ftopt.transforms import (
     scale_by_yogi,
 )
 
-__all__ = ["acprop", "adabelief", "adadelta", "adamax", "adamaxw", "adopt", "amsgrad", "nadam",
+__all__ = ["acprop", "adabelief", "ano", "adadelta", "adamax", "adamaxw", "adopt", "amsgrad",
+           "nadam",
            "nadamw", "optimistic_adam", "optimistic_adam_v2", "optimistic_gradient_descent",
            "radam",
            "sign_sgd", "signum", "simplified_ademamix", "yogi"]
@@ -329,3 +331,21 @@ def simplified_ademamix(
     add_decayed_weights(wd, mask), scale_by_learning_rate(lr))``."""
     return [scale_by_simplified_ademamix(b1, b2, alpha, eps, eps_root),
             add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate)]
+
+
+@chain_alias
+def ano(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.92,
+    b2: Float = 0.99,
+    eps: Float = 1e-8,
+    weight_decay: Float = 0.0,
+    logarithmic_schedule: bool = False,
+) -> list[GradientTransformation]:
+    """Ano (as optax.contrib): ``chain(scale_by_ano(b1, b2, eps, logarithmic_schedule),
+    [add_decayed_weights(weight_decay)], scale_by_learning_rate(lr))``: the momentum's
+    sign for the direction, the gradient's magnitude for the size."""
+    parts = [scale_by_ano(b1, b2, eps, logarithmic_schedule)]
+    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0.0):
+        parts.append(add_decayed_weights(weight_decay))
+    return parts + [scale_by_learning_rate(learning_rate)]

@@ -18,6 +18,9 @@ radam                 ro_inf = 2/(1-b2) - 1, ro = ro_inf - 2 t b2^t/(1-b2^t);
 adabelief             mu; nu <- b2 nu + (1-b2)(g - mu)^2 + eps_root; d = m_hat/(sqrt(nu/(1-b2^t))
                       + eps) [-> + wd p] -> -lr
 yogi                  mu, nu from 1e-6; nu <- nu - (1-b2) sign(nu - g^2) g^2; d as adam -> -lr
+ano                   mu <- b1 mu + (1-b1) g (b1 = 1 - 1/log(max(2, t)) with the logarithmic
+                      schedule); nu <- b2 nu + (1-b2) sign(g^2 - nu) g^2;
+                      d = |g| sign(mu)/sqrt(nu/(1-b2^t) + eps) [-> + wd p] -> -lr
 adadelta              u = g + wd p; e_g <- rho e_g + (1-rho) u^2;
                       d = sqrt(e_x + eps)/sqrt(e_g + eps) u; e_x <- rho e_x + (1-rho) d^2 -> -lr
 sign_sgd / signum     d = sign(g) / sign(m), m <- beta m + (1-beta) g -> -lr
@@ -185,6 +188,25 @@ class RefYogi(RefOptimizer):
         m_hat = st["mu"] / (1 - self.b1**t)
         v_hat = st["nu"] / (1 - self.b2**t)
         return -self.lr * m_hat / (torch.sqrt(v_hat) + self.eps)
+
+
+class RefAno(RefOptimizer):
+    def __init__(self, lr, b1=0.92, b2=0.99, eps=1e-8, weight_decay=0.0,
+                 logarithmic_schedule=False):
+        super().__init__()
+        self.lr, self.b1, self.b2, self.eps, self.wd = lr, b1, b2, eps, weight_decay
+        self.log = logarithmic_schedule
+
+    def init_leaf(self, p):
+        return zeros_state(p, "mu", "nu")
+
+    def leaf_update(self, p, g, st, t):
+        b1 = 1 - 1 / math.log(max(2, t)) if self.log else self.b1
+        st["mu"] = b1 * st["mu"] + (1 - b1) * g
+        g2 = g * g
+        st["nu"] = self.b2 * st["nu"] + (1 - self.b2) * torch.sign(g2 - st["nu"]) * g2
+        d = g.abs() * torch.sign(st["mu"]) / torch.sqrt(st["nu"] / (1 - self.b2**t) + self.eps)
+        return -self.lr * (d + self.wd * p)
 
 
 class RefAdadelta(RefOptimizer):

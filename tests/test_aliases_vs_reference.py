@@ -200,6 +200,14 @@ CASES = {
         lambda: ftopt.yogi(0.01, b1=0.8, b2=0.95, eps=1e-3),
         lambda: RV.RefYogi(0.01, b1=0.8, b2=0.95, eps=1e-3),
     ),
+    "ano": (
+        lambda: ftopt.ano(0.01, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1),
+        lambda: RV.RefAno(0.01, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1),
+    ),
+    "ano_logarithmic": (
+        lambda: ftopt.ano(0.01, b2=0.9, logarithmic_schedule=True),
+        lambda: RV.RefAno(0.01, b2=0.9, logarithmic_schedule=True),
+    ),
     "adadelta": (
         lambda: ftopt.adadelta(1.0, rho=0.8, eps=1e-3, weight_decay=0.1),
         lambda: RV.RefAdadelta(1.0, rho=0.8, eps=1e-3, weight_decay=0.1),
@@ -362,7 +370,7 @@ REGISTRY_CASES = {
     "adagrad": "adagrad", "lamb": "lamb", "lars": "lars", "lars[masked]": "lars_masked",
     "ademamix": "ademamix",
     "adamax": "adamax", "adamaxw": "adamaxw", "amsgrad": "amsgrad", "nadam": "nadam",
-    "nadamw": "nadamw", "radam": "radam", "adabelief": "adabelief", "yogi": "yogi",
+    "nadamw": "nadamw", "radam": "radam", "adabelief": "adabelief", "yogi": "yogi", "ano": "ano",
     "acprop": "acprop",
     "adadelta": "adadelta", "sign_sgd": "sign_sgd", "signum": "signum",
     "optimistic_gradient_descent": "optimistic_gradient_descent", "adopt": "adopt",

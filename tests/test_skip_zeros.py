@@ -275,6 +275,14 @@ CASES = {
         lambda: [T.scale_by_yogi(0.8, 0.95, 1e-3), T.scale_by_learning_rate(1e-2)],
         changes={"params", "mu"},
     ),
+    # (nu ← b2·nu + (1−b2)·sign(−nu)·0 = b2·nu: both moments decay; the params by the
+    # decay alone, lr·WD·p: seen in 16 bits at lr 0.5)
+    "ano": _alias(
+        lambda **kw: T.ano(0.5, b1=0.8, b2=0.95, weight_decay=WD, **kw),
+        lambda: [T.scale_by_ano(0.8, 0.95), T.add_decayed_weights(WD),
+                 T.scale_by_learning_rate(0.5)],
+        changes={"params", "mu", "nu"},
+    ),
     "adadelta": _alias(
         lambda **kw: T.adadelta(1.0, rho=0.8, eps=1e-4, weight_decay=WD, **kw),
         lambda: [T.add_decayed_weights(WD), T.scale_by_adadelta(0.8, 1e-4),

@@ -77,7 +77,7 @@ from ftopt.transforms.scaling import (
     scale_by_schedule,
     weight_decay,
 )
-from ftopt.transforms.sign import ScaleByLionState, scale_by_lion, scale_by_sign
+from ftopt.transforms.sign import ScaleByLionState, scale_by_ano, scale_by_lion, scale_by_sign
 from ftopt.transforms.sm3 import ScaleBySM3State, scale_by_sm3
 from ftopt.transforms.utility import (
     centralize,
@@ -129,6 +129,7 @@ __all__ = [
     "scale_by_learning_rate",
     "scale_by_schedule",
     "scale_by_lion",
+    "scale_by_ano",
     "scale_by_madgrad",
     "scale_by_cocob",
     "scale_by_optimistic_gradient",
