@@ -39,7 +39,7 @@ A refused leaf raises before anything is written, naming its path and placements
 
 A stage given ``dims`` (:mod:`ftopt.matrix_views`) runs on the leaves they name, each
 seen as a ``(b, m, n)`` batch of matrices (its batch, reduction and output axes), and
-passes the others through; on local shards it refuses any split leaf of rank 2 or more.
+passes the others through; on local shards a leaf may be split on its batch axes only.
 """
 
 from __future__ import annotations
@@ -99,8 +99,16 @@ class MatrixTransform:
     def check_shards(self, paths: Sequence[str], u_flat: Sequence[Any]) -> None:
         """Refuse a leaf this stage applies to whose shards (in a call on local shards)
         split a dim its math reads across (see the module docstring)."""
-        applies = self.applies if self.dims is None else (lambda u: u.dim() >= 2)
-        check_shards(self.name, self.reads, applies, paths, u_flat)
+        if self.dims is None:  # (with dims: :meth:`check_state` and :meth:`views`)
+            check_shards(self.name, self.reads, self.applies, paths, u_flat)
+
+    def check_state(self, state: Any, u_flat: Sequence[Any] = (), p_flat: Sequence[Any] = (),
+                    spec: Any = None, paths: Sequence[str] = ()) -> None:
+        """Before a segmented fused step writes anything: with ``dims``, each leaf's
+        matrices, its shards split on batch axes only (:func:`ftopt.matrix_views.views`)."""
+        del state
+        if self.dims is not None and spec is not None:
+            self.views(spec, paths, u_flat, p_flat)
 
     def views(self, spec: Any, paths: Sequence[str], u_flat: Sequence[Any],
               p_flat: Sequence[Any]) -> list | None:

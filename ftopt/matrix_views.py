@@ -7,6 +7,10 @@ and ``None`` shaped like the params or a prefix of them, or a function of the up
 giving such a tree) runs on the leaves it names, each transposed to (batch, reduction,
 output) and reshaped to ``(b, m, n)``; a ``None`` leaf passes through. Leaves whose
 matrices have one ``(m, n)`` are concatenated into one batch.
+
+On local shards (FSDP2) a leaf may be split on its batch axes only (a stack of experts
+sharded on its expert axis: each rank holds whole matrices); a split of a reduction or
+output axis is refused, naming the leaf, before anything is written.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
+
+from ftopt import shards
 
 __all__ = ["MuonDimensionNumbers", "MatrixView", "leaf_dims", "views"]
 
@@ -57,6 +63,7 @@ class MatrixView:
             raise ValueError(f"{who} at {path}: the reduction axes {rows} and output axes "
                              f"{cols} must be distinct")
         batch = tuple(a for a in range(len(shape)) if a not in rows + cols)
+        self.batch_axes = frozenset(batch)
         self.perm = batch + rows + cols
         self.inverse = tuple(sorted(range(len(shape)), key=self.perm.__getitem__))
         self.permuted = tuple(shape[a] for a in self.perm)
@@ -105,7 +112,16 @@ def views(who: str, dims: Any, spec: Any, paths: Sequence[str], u_flat: Sequence
     carrier = optree.tree_unflatten(spec, [u if u is not None else p
                                            for u, p in zip(u_flat, p_flat)])
     found = leaf_dims(who, dims, carrier, spec)
-    return [None if u is None or d is None or u.numel() == 0
-            else MatrixView(who, path, tuple(u.shape), d)
-            for path, u, d in zip(paths, u_flat, found)]
+    out = [None if u is None or d is None or u.numel() == 0
+           else MatrixView(who, path, tuple(u.shape), d)
+           for path, u, d in zip(paths, u_flat, found)]
+    for path, view, d in zip(paths, out, found):
+        split = shards.leaf_split(path) if view is not None else None
+        if split is not None and not split[1] <= view.batch_axes:
+            raise ValueError(
+                f"{who} at {path}: the leaf is sharded with placements {split[0]}, "
+                f"splitting dim {sorted(split[1] - view.batch_axes)[0]}, which is not a "
+                f"batch axis of its matrices ({d}): each rank would see part of a "
+                "matrix. Shard it on a batch axis, or leave it out of the stage")
+    return out
 

@@ -691,6 +691,33 @@ def check_matrix_stages(mesh, rank, device):
                         tx.init(rep))
     want, _ = ftopt.step(tx, {"w": w}, {"w": g}, tx.init({"w": w}))
     out["replicate_diff"] = max_diff(new, want)
+    # Muon over a stack of experts (E, in, out), its expert axis a batch axis: FSDP2's
+    # Shard(0) gives each rank whole matrices (one process's step); Shard(1) splits them.
+    experts = lambda: ftopt.chain(  # noqa: E731
+        ftopt.scale_by_muon(ns_dtype=torch.float32,
+                            weight_dimension_numbers=ftopt.MuonDimensionNumbers(1, 2)),
+        ftopt.scale_by_shape(weight_dimension_numbers=ftopt.MuonDimensionNumbers(1, 2)),
+        ftopt.scale_by_learning_rate(1e-2))
+    e, ge = torch.randn(4, 6, 5), torch.randn(4, 6, 5)
+    for backend in ("eager",) + (("fused",) if device is not None else ()):
+        tx = experts()
+        sh = {"w": distribute_tensor(e, mesh, [Shard(0)])}
+        new, _ = ftopt.step(tx, sh, {"w": distribute_tensor(ge, mesh, [Shard(0)])},
+                            tx.init(sh), backend=backend)
+        want, _ = ftopt.step(tx, {"w": e}, {"w": ge}, tx.init({"w": e}))
+        out[f"experts_{backend}_diff"] = max_diff(new, want)
+        sh = {"w": distribute_tensor(e, mesh, [Shard(1)])}
+        state = tx.init(sh)
+        before = [full(t).clone() for t in ftopt.tree.leaves((sh, state))]
+        try:
+            ftopt.step(tx, sh, {"w": distribute_tensor(ge, mesh, [Shard(1)])}, state,
+                       donate=True, backend=backend)
+            out[f"experts_split_{backend}"] = None
+        except ValueError as err:
+            out[f"experts_split_{backend}"] = str(err)
+        out[f"experts_split_{backend}_untouched"] = all(
+            torch.equal(a, b) for a, b in zip(before, [full(t) for t in ftopt.tree.leaves(
+                (sh, state))]))
     # clip_by_block_rms is element-wise with a per-leaf norm (summed over the mesh): any
     # split is fine.
     tx = ftopt.chain(ftopt.clip_by_block_rms(0.1), ftopt.adam(1e-2))

@@ -199,6 +199,13 @@ def test_matrix_stages_on_shards(results):
     assert got["rows_eager_diff"] <= TOL and got["replicate_diff"] <= TOL, got
     assert got.get("rows_fused_diff", 0.0) <= TOL, got
     assert got["block_rms_sharded_diff"] <= TOL, got
+    for key in [k for k in got if k.startswith("experts_") and k.endswith("_diff")]:
+        assert got[key] <= TOL, (key, got[key])
+    for key in [k for k in got if k.startswith("experts_split_") and "untouched" not in k]:
+        assert got[key] is not None and "at ['w']" in got[key], (key, got[key])
+        assert "splitting dim 1, which is not a batch axis" in got[key], got[key]
+        assert got[key + "_untouched"], key
+    assert "experts_eager_diff" in got, got
     for key in [k for k in got if k.endswith("_error")]:
         assert got[key] is not None, key
         assert "at ['w']" in got[key] and "sharded with placements" in got[key], got[key]
