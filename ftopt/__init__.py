@@ -1,5 +1,7 @@
 """ftopt: functional, optax-style optimizers for PyTorch with fused Triton kernels."""
 
+from typing import Any
+
 from ftopt import dispatch, projections, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
 from ftopt.alias_matrix import adafactor, muon, sm3
@@ -134,7 +136,7 @@ from ftopt.schedules import (
 )
 from ftopt.schedules.decays import ScalarOrSchedule, Schedule
 from ftopt.schedules.stateful import StatefulSchedule, WrappedSchedule, WrappedScheduleState
-from ftopt.skip_fns import skip_large_updates, skip_not_finite
+from ftopt.skip_fns import ShouldSkipUpdateFunction, skip_large_updates, skip_not_finite
 from ftopt.sophia import (
     HutchinsonState,
     SophiaState,
@@ -335,13 +337,14 @@ TransformUpdateExtraArgsFn = TransformUpdateFn
 MultiTransformState = PartitionState
 ApplyEvery = ApplyEveryState
 AdaptiveGradClipState = AddDecayedWeightsState = ClipByGlobalNormState = ClipState = \
-    NonNegativeParamsState = ScaleByTrustRatioState = ScaleState = EmptyState
+    NonNegativeParamsState = NormalizeState = ScaleByTrustRatioState = ScaleState = EmptyState
+MaskOrFn = Any  # (a pytree of bools like the params, a function of them giving one, or None)
 __all__ += [
     "GradientTransformationExtraArgs", "OptState", "Params", "ScalarOrSchedule", "Schedule",
     "TransformInitFn", "TransformUpdateExtraArgsFn", "TransformUpdateFn", "Updates",
     "AdaptiveGradClipState", "AddDecayedWeightsState", "ApplyEvery", "ClipByGlobalNormState",
     "ClipState", "MultiTransformState", "NonNegativeParamsState", "ScaleByTrustRatioState",
-    "ScaleState",
+    "ScaleState", "NormalizeState", "MaskOrFn", "ShouldSkipUpdateFunction",
 ]
 # optax.contrib's Ano (ftopt.transforms.sign)
 __all__ += ["ano", "scale_by_ano"]

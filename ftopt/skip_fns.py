@@ -5,14 +5,22 @@ host read)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ftopt import tree as tree_lib
 from ftopt.domains import check_finite
 
-__all__ = ["skip_not_finite", "skip_large_updates"]
+__all__ = ["ShouldSkipUpdateFunction", "skip_not_finite", "skip_large_updates"]
+
+
+class ShouldSkipUpdateFunction(Protocol):
+    """optax's type of a ``should_skip_update_fn``: ``(updates, gradient_step, params) ->
+    (should_skip, info)``, ``should_skip`` a 0-d bool tensor."""
+
+    def __call__(self, updates: Any, gradient_step: Any,
+                 params: Any) -> tuple[torch.Tensor, Any]: ...
 
 
 def _leaves(updates: Any) -> list[torch.Tensor]:

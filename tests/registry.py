@@ -1059,7 +1059,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "TransformInitFn", "TransformUpdateExtraArgsFn", "TransformUpdateFn", "Updates",
     "AdaptiveGradClipState", "AddDecayedWeightsState", "ApplyEvery", "ClipByGlobalNormState",
     "ClipState", "MultiTransformState", "NonNegativeParamsState", "ScaleByTrustRatioState",
-    "ScaleState",
+    "ScaleState", "NormalizeState", "MaskOrFn", "ShouldSkipUpdateFunction",
     "WrappedScheduleState",
     "MultiStepsState", "EmptyState",
     "GradientTransformation", "MaskedState",

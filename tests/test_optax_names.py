@@ -36,7 +36,8 @@ scale_gradient scale ScaleByAdaDeltaState ScaleByAdamState ScaleByAdanState
 ScaleByAmsgradState ScaleByBeliefState ScaleByLBFGSState ScaleByLionState ScaleByRmsState
 ScaleByRpropState ScaleByRssState ScaleByRStdDevState ScaleByScheduleState ScaleBySM3State
 ScaleByTrustRatioState ScaleByBacktrackingLinesearchState ScaleByZoomLinesearchState
-ScaleState Schedule set_to_zero sgd sgdr_schedule sign_sgd sm3 skip_large_updates
+ScaleState Schedule set_to_zero MaskOrFn ShouldSkipUpdateFunction sgd sgdr_schedule
+sign_sgd sm3 skip_large_updates
 skip_not_finite snapshot SnapshotState measure_with_ema monitor MonitorState stateless
 stateless_with_tree_map trace TraceState TransformInitFn TransformUpdateFn
 TransformUpdateExtraArgsFn Updates value_and_grad_from_state warmup_constant_schedule
@@ -56,7 +57,7 @@ DoGState dowg DoWGState galore GaLoreDimensionNumbers GaLoreState scale_by_galor
 MadgradState scale_by_madgrad MechanicState mechanize momo momo_adam MomoAdamState
 MomoState muon scale_by_muon differentially_private_aggregate
 DifferentiallyPrivateAggregateState dpsgd prodigy ProdigyState reduce_on_plateau
-ReduceLROnPlateauState normalize sam SAMState schedule_free schedule_free_adamw
+ReduceLROnPlateauState normalize NormalizeState sam SAMState schedule_free schedule_free_adamw
 schedule_free_eval_params schedule_free_sgd ScheduleFreeState
 hutchinson_estimator_diag_hessian HutchinsonState sophia SophiaState
 """.split()
@@ -77,6 +78,7 @@ def test_the_stateless_transforms_states_are_optax_s_aliases():
                         (lambda: ftopt.adaptive_grad_clip(0.1), ftopt.AdaptiveGradClipState),
                         (lambda: ftopt.add_decayed_weights(0.1), ftopt.AddDecayedWeightsState),
                         (lambda: ftopt.scale_by_trust_ratio(), ftopt.ScaleByTrustRatioState),
+                        (lambda: ftopt.normalize(), ftopt.NormalizeState),
                         (lambda: ftopt.keep_params_nonnegative(),
                          ftopt.NonNegativeParamsState)]:
         assert isinstance(make().init(params), state)
