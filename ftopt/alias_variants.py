@@ -343,9 +343,7 @@ def ano(
     logarithmic_schedule: bool = False,
 ) -> list[GradientTransformation]:
     """Ano (as optax.contrib): ``chain(scale_by_ano(b1, b2, eps, logarithmic_schedule),
-    [add_decayed_weights(weight_decay)], scale_by_learning_rate(lr))``: the momentum's
+    add_decayed_weights(weight_decay), scale_by_learning_rate(lr))``: the momentum's
     sign for the direction, the gradient's magnitude for the size."""
-    parts = [scale_by_ano(b1, b2, eps, logarithmic_schedule)]
-    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0.0):
-        parts.append(add_decayed_weights(weight_decay))
-    return parts + [scale_by_learning_rate(learning_rate)]
+    return [scale_by_ano(b1, b2, eps, logarithmic_schedule), add_decayed_weights(weight_decay),
+            scale_by_learning_rate(learning_rate)]
