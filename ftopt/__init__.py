@@ -5,7 +5,7 @@ from typing import Any
 from ftopt import dispatch, projections, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
 from ftopt.alias_matrix import adafactor, muon, sm3
-from ftopt.alias_more import adan, cocob, dog, dowg, madgrad, rprop
+from ftopt.alias_more import adan, cocob, dog, dowg, madgrad, mars, rprop
 from ftopt.alias_noise import noisy_sgd
 from ftopt.alias_norms import fromage, novograd
 from ftopt.alias_prodigy import dadapt_adamw, prodigy
@@ -226,6 +226,7 @@ from ftopt.transforms.factored import (
     scale_by_param_block_norm,
     scale_by_param_block_rms,
 )
+from ftopt.transforms.mars import MarsCorrectionState, scale_by_mars
 from ftopt.transforms.muon import (
     MuonDimensionNumbers,
     MuonMomentumState,
@@ -346,8 +347,8 @@ __all__ += [
     "ClipState", "MultiTransformState", "NonNegativeParamsState", "ScaleByTrustRatioState",
     "ScaleState", "NormalizeState", "MaskOrFn", "ShouldSkipUpdateFunction",
 ]
-# optax.contrib's Ano (ftopt.transforms.sign)
-__all__ += ["ano", "scale_by_ano"]
+# optax.contrib's Ano (ftopt.transforms.sign) and MARS (ftopt.transforms.mars)
+__all__ += ["ano", "scale_by_ano", "mars", "scale_by_mars", "MarsCorrectionState"]
 # optax.contrib's cautious wrapper (ftopt.cautious)
 __all__ += ["CautiousState", "cautious"]
 # Per-leaf norm optimizers (ftopt.alias_norms)

@@ -1,6 +1,6 @@
 """More elementwise optimizers of optax's catalogue (optax and optax.contrib names,
 signatures and defaults), each a short chain of transforms: ``adan``, ``madgrad``,
-``cocob``, ``rprop``, ``dog``, ``dowg``.
+``cocob``, ``rprop``, ``dog``, ``dowg``, ``mars``.
 
 As in :mod:`ftopt.alias`, every alias takes keyword-only ``skip_zeros``, ``state_bits`` and
 ``state_dtype``.
@@ -23,8 +23,9 @@ from ftopt.transforms import (
     scale_by_rprop,
 )
 from ftopt.transforms.dog import scale_by_dog, scale_by_dowg
+from ftopt.transforms.mars import scale_by_mars
 
-__all__ = ["adan", "cocob", "dog", "dowg", "madgrad", "rprop"]
+__all__ = ["adan", "cocob", "dog", "dowg", "madgrad", "mars", "rprop"]
 
 
 @chain_alias
@@ -117,3 +118,24 @@ def dowg(
     parts = [] if weight_decay is None else [add_decayed_weights(weight_decay, mask)]
     return parts + [scale_by_dowg(init_estim_sq_dist, eps),
                     scale_by_learning_rate(learning_rate)]
+
+
+@chain_alias
+def mars(
+    learning_rate: ScalarOrSchedule,
+    b1: Float = 0.95,
+    b2: Float = 0.99,
+    eps: Float = 1e-8,
+    gamma: Float = 0.025,
+    clip_threshold: float | None = 1.0,
+    weight_decay: Float = 0.0,
+    weight_decay_mask: Any = None,
+) -> list[GradientTransformation]:
+    """MARS (as optax.contrib): ``chain(scale_by_mars(b1, b2, eps, gamma,
+    clip_threshold), add_decayed_weights(weight_decay, weight_decay_mask),
+    scale_by_learning_rate(lr))``: Adam on the gradient plus γ·b1/(1−b1) times its change
+    since the last step, clipped to a global norm. Fused, the clip's norm is a reduction
+    pass over the corrected gradient, and the rest of the chain one kernel."""
+    return [scale_by_mars(b1, b2, eps, gamma, clip_threshold),
+            add_decayed_weights(weight_decay, weight_decay_mask),
+            scale_by_learning_rate(learning_rate)]

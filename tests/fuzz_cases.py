@@ -133,7 +133,7 @@ class Structure:
                 e = p.entry
                 if e.kind == "combinator":
                     continue
-                if e.norms and (changed or e.kind == "alias"):
+                if e.norms and (changed or e.kind == "alias" or e.norm_after_state):
                     return False
                 if e.mixes and (changed or e.states):
                     return False

@@ -18,6 +18,9 @@ radam                 ro_inf = 2/(1-b2) - 1, ro = ro_inf - 2 t b2^t/(1-b2^t);
 adabelief             mu; nu <- b2 nu + (1-b2)(g - mu)^2 + eps_root; d = m_hat/(sqrt(nu/(1-b2^t))
                       + eps) [-> + wd p] -> -lr
 yogi                  mu, nu from 1e-6; nu <- nu - (1-b2) sign(nu - g^2) g^2; d as adam -> -lr
+mars                  c = g + gamma b1/(1-b1) (g - g_prev) (g_prev = 0 at t = 1); c <- c min(1,
+                      thr/(||c|| + 1e-12)) over the whole tree; adam moments of c,
+                      d = m_hat/(sqrt(v_hat) + eps) -> + wd p -> -lr
 ano                   mu <- b1 mu + (1-b1) g (b1 = 1 - 1/log(max(2, t)) with the logarithmic
                       schedule); nu <- b2 nu + (1-b2) sign(g^2 - nu) g^2;
                       d = |g| sign(mu)/sqrt(nu/(1-b2^t) + eps) [-> + wd p] -> -lr
@@ -188,6 +191,43 @@ class RefYogi(RefOptimizer):
         m_hat = st["mu"] / (1 - self.b1**t)
         v_hat = st["nu"] / (1 - self.b2**t)
         return -self.lr * m_hat / (torch.sqrt(v_hat) + self.eps)
+
+
+class RefMars(RefOptimizer):
+    """MARS: its clip reads the global norm of c over all leaves (``step`` below)."""
+
+    def __init__(self, lr, b1=0.95, b2=0.99, eps=1e-8, gamma=0.025, clip_threshold=1.0,
+                 weight_decay=0.0):
+        super().__init__()
+        self.lr, self.b1, self.b2, self.eps, self.gamma = lr, b1, b2, eps, gamma
+        self.thr, self.wd = clip_threshold, weight_decay
+
+    def init_leaf(self, p):
+        return zeros_state(p, "last_grad", "mu", "nu")
+
+    def step(self, params, grads):
+        self.t += 1
+        for n, p in params.items():
+            if n not in self.state:
+                self.state[n] = self.init_leaf(p.detach().to(F64))
+        k = self.gamma * self.b1 / (1 - self.b1)
+        c = {n: g.detach().to(F64) + k * (g.detach().to(F64) - self.state[n]["last_grad"])
+             for n, g in grads.items()}
+        scale = 1.0
+        if self.thr is not None:
+            norm = math.sqrt(sum(float((x * x).sum()) for x in c.values()))
+            scale = min(1.0, self.thr / (norm + 1e-12))
+        out = {}
+        for n, p in params.items():
+            p, st, cn, t = p.detach().to(F64), self.state[n], c[n] * scale, self.t
+            st["last_grad"] = grads[n].detach().to(F64)
+            st["mu"] = self.b1 * st["mu"] + (1 - self.b1) * cn
+            st["nu"] = self.b2 * st["nu"] + (1 - self.b2) * cn * cn
+            d = (st["mu"] / (1 - self.b1**t)) / (torch.sqrt(st["nu"] / (1 - self.b2**t))
+                                                 + self.eps)
+            self.last_update[n] = -self.lr * (d + self.wd * p)
+            out[n] = p + self.last_update[n]
+        return out
 
 
 class RefAno(RefOptimizer):

@@ -24,6 +24,9 @@ in pytest), and its traits:
   comparison with the plain chain and the per-element state layout the skip_zeros and
   reference suites assume do not hold; ``tests/test_matrix_optimizers.py`` checks these
   entries' float64 references and skip_zeros instead;
+* ``norm_after_state``: its ``norms`` reads the output of its own stateful stage (MARS's
+  clip of the corrected gradient), so with ``skip_zeros`` the elements off the zeros differ
+  from the plain transform's, as after a stateful stage of a chain (SPEC §3);
 * ``kind``: ``"transform"`` (a chain building block), ``"alias"`` (a whole optimizer) or
   ``"combinator"`` (wraps other transforms; ``make`` takes them as keywords);
 * ``bookkeeping``: its state holds 0-d values that are neither step counts nor
@@ -172,6 +175,10 @@ class Entry:
     fusible: bool = True
     eight_bit: bool = False
     mixes: bool = False
+    # Its norm reads the output of its own stateful stage (MARS clips the corrected gradient,
+    # not 0 at a zero gradient): with skip_zeros the norm sees 0 there, so the elements off
+    # the zeros differ from the plain transform's, as after a stateful stage of a chain.
+    norm_after_state: bool = False
     moves: bool = True  # its standalone optimizer changes the params (not set_to_zero)
     # States that stay in the params' compute dtype under state_bits=8 and state_dtype (copies
     # of the params, rules.Slot.from_params: MADGRAD's x0, Prodigy's params0, Schedule-Free's
@@ -456,6 +463,12 @@ TRANSFORMS: list[Entry] = [
           floats={"b1": BETA, "b2": HP(0.5, 0.999), "eps": EPS},
           options={"logarithmic_schedule": (False, True)}, states=("mu", "nu"),
           counted=True, eight_bit=True, example={"b1": 0.92, "b2": 0.99, "eps": 1e-8}),
+    # optax.contrib's MARS: Adam on a variance-reduced gradient clipped to a global norm
+    Entry("scale_by_mars", ftopt.scale_by_mars,
+          floats={"b1": HP(0.0, 0.99), "b2": BETA, "eps": EPS, "gamma": HP(0.0, 0.5)},
+          options={"clip_threshold": (1.0, None)}, states=("last_grad", "mu", "nu"),
+          counted=True, norms="global", norm_after_state=True, eight_bit=True,
+          example={"b1": 0.95, "b2": 0.99, "gamma": 0.025}),
     Entry("trace", ftopt.trace, floats={"decay": DECAY}, options={"nesterov": (False, True)},
           states=("trace",), eight_bit=True,
           example={"decay": 0.9}),
@@ -590,6 +603,13 @@ TRANSFORMS: list[Entry] = [
           options={"logarithmic_schedule": (False, True)}, kind="alias", states=("mu", "nu"),
           counted=True, uses_params=True, eight_bit=True,
           example={"learning_rate": 1e-3, "weight_decay": 0.01}),
+    Entry("mars", _mask_kw(ftopt.mars, "weight_decay_mask"),
+          floats={"learning_rate": LR, "b1": HP(0.0, 0.99), "b2": BETA, "eps": EPS,
+                  "gamma": HP(0.0, 0.5), "weight_decay": WD},
+          options={"clip_threshold": (1.0, None), "weight_decay_mask": ("none", "ndim")},
+          kind="alias", states=("last_grad", "mu", "nu"), counted=True, norms="global",
+          uses_params=True, eight_bit=True,
+          example={"learning_rate": 3e-3, "weight_decay": 0.1}),
     Entry("rmsprop", ftopt.rmsprop,
           floats={"learning_rate": LR, "decay": DECAY, "eps": EPS,
                   "initial_scale": HP(0.0, 1.0, tensor=False)},
@@ -1008,6 +1028,7 @@ TRANSFORMS += [
 SIGNED_STATES: frozenset[str] = frozenset({
     "mu", "trace", "m1", "m2", "m", "ema", "previous_gradient", "v", "g", "s", "x0",
     "prev_updates", "z", "exp_avg", "grad_sum", "params0", "grad_acc", "init_particles",
+    "last_grad",
     "cumulative_gradients"})
 UNSIGNED_STATES: frozenset[str] = frozenset({
     "nu", "sum_of_squares", "nu_max", "n", "e_g", "e_x", "grad_sum_sq", "step_sizes",
@@ -1059,7 +1080,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "TransformInitFn", "TransformUpdateExtraArgsFn", "TransformUpdateFn", "Updates",
     "AdaptiveGradClipState", "AddDecayedWeightsState", "ApplyEvery", "ClipByGlobalNormState",
     "ClipState", "MultiTransformState", "NonNegativeParamsState", "ScaleByTrustRatioState",
-    "ScaleState", "NormalizeState", "MaskOrFn", "ShouldSkipUpdateFunction",
+    "ScaleState", "NormalizeState", "MaskOrFn", "ShouldSkipUpdateFunction", "MarsCorrectionState",
     "WrappedScheduleState",
     "MultiStepsState", "EmptyState",
     "GradientTransformation", "MaskedState",

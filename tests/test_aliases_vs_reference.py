@@ -200,6 +200,14 @@ CASES = {
         lambda: ftopt.yogi(0.01, b1=0.8, b2=0.95, eps=1e-3),
         lambda: RV.RefYogi(0.01, b1=0.8, b2=0.95, eps=1e-3),
     ),
+    "mars": (
+        lambda: ftopt.mars(0.01, b1=0.9, b2=0.95, eps=1e-6, gamma=0.3, weight_decay=0.1),
+        lambda: RV.RefMars(0.01, b1=0.9, b2=0.95, eps=1e-6, gamma=0.3, weight_decay=0.1),
+    ),
+    "mars_unclipped": (
+        lambda: ftopt.mars(0.01, gamma=0.1, clip_threshold=None),
+        lambda: RV.RefMars(0.01, gamma=0.1, clip_threshold=None),
+    ),
     "ano": (
         lambda: ftopt.ano(0.01, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1),
         lambda: RV.RefAno(0.01, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1),
@@ -371,6 +379,7 @@ REGISTRY_CASES = {
     "ademamix": "ademamix",
     "adamax": "adamax", "adamaxw": "adamaxw", "amsgrad": "amsgrad", "nadam": "nadam",
     "nadamw": "nadamw", "radam": "radam", "adabelief": "adabelief", "yogi": "yogi", "ano": "ano",
+    "mars": "mars",
     "acprop": "acprop",
     "adadelta": "adadelta", "sign_sgd": "sign_sgd", "signum": "signum",
     "optimistic_gradient_descent": "optimistic_gradient_descent", "adopt": "adopt",
