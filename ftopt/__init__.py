@@ -172,7 +172,9 @@ from ftopt.transforms import (
     ScaleBySimplifiedAdEMAMixState,
     ScaleBySM3State,
     TraceState,
+    WeightDecaySchedule,
     adaptive_grad_clip,
+    add_cautious_weight_decay,
     add_decayed_weights,
     apply_every,
     clip_by_global_norm,
@@ -349,8 +351,8 @@ __all__ += [
 ]
 # optax.contrib's Ano (ftopt.transforms.sign) and MARS (ftopt.transforms.mars)
 __all__ += ["ano", "scale_by_ano", "mars", "scale_by_mars", "MarsCorrectionState"]
-# optax.contrib's cautious wrapper (ftopt.cautious)
-__all__ += ["CautiousState", "cautious"]
+# optax.contrib's cautious wrapper (ftopt.cautious) and cautious weight decay
+__all__ += ["CautiousState", "cautious", "add_cautious_weight_decay", "WeightDecaySchedule"]
 # Per-leaf norm optimizers (ftopt.alias_norms)
 __all__ += ["LeafSecondMomentState", "NovogradMomentumState", "fromage", "novograd",
             "scale_by_novograd"]

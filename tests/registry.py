@@ -293,15 +293,28 @@ def _halve(updates: Any, params: Any) -> Any:
     return ftopt.tree.map(lambda u: u * 0.5, updates)
 
 
+def _schedule_from(value: float, schedule: str) -> Callable:
+    """A schedule starting at ``value`` (``schedule``: linear, cosine or join)."""
+    s = ftopt.schedules
+    made = {"linear": lambda: s.linear_schedule(value, 0.5 * value, 3),
+            "cosine": lambda: s.cosine_decay_schedule(value, 4, 0.1),
+            "join": lambda: s.join_schedules([s.constant_schedule(value),
+                                              s.linear_schedule(value, 0.1 * value, 2)], [1])}
+    return made[schedule]()
+
+
 def _sched_lr(learning_rate: float, schedule: str = "linear",
               **kw) -> GradientTransformation:
     """A scheduled (so counted) learning rate starting at ``learning_rate``."""
-    s, lr = ftopt.schedules, learning_rate
-    made = {"linear": lambda: s.linear_schedule(lr, 0.5 * lr, 3),
-            "cosine": lambda: s.cosine_decay_schedule(lr, 4, 0.1),
-            "join": lambda: s.join_schedules([s.constant_schedule(lr),
-                                              s.linear_schedule(lr, 0.1 * lr, 2)], [1])}
-    return ftopt.scale_by_learning_rate(made[schedule](), **kw)
+    return ftopt.scale_by_learning_rate(_schedule_from(learning_rate, schedule), **kw)
+
+
+def _sched_decay(fn: Callable) -> Callable:
+    """``fn`` (a weight decay taking ``weight_decay`` and ``mask``) with a scheduled decay
+    starting at ``weight_decay``."""
+    def make(weight_decay: float, schedule: str = "linear", mask: str = "none"):
+        return fn(_schedule_from(weight_decay, schedule), MASKS[mask])
+    return make
 
 
 def _sched_scale(step_size: float, schedule: str = "linear") -> GradientTransformation:
@@ -378,6 +391,19 @@ TRANSFORMS: list[Entry] = [
           floats={"weight_decay": WD}, options={"mask": ("none", "ndim", "odd")},
           uses_params=True,
           example={"weight_decay": 0.1}),
+    Entry("add_decayed_weights[schedule]", _sched_decay(ftopt.add_decayed_weights),
+          export="add_decayed_weights", floats={"weight_decay": HP(0.0, 0.1, tensor=False)},
+          options={"schedule": ("linear", "cosine", "join"), "mask": ("none", "ndim")},
+          counted=True, uses_params=True, example={"weight_decay": 0.1}),
+    # optax.contrib's cautious weight decay: u + wd·p where sign(u)·sign(p) >= 0
+    Entry("add_cautious_weight_decay", _mask_kw(ftopt.add_cautious_weight_decay),
+          floats={"weight_decay": WD}, options={"mask": ("none", "ndim", "odd")},
+          uses_params=True, example={"weight_decay": 0.1}),
+    Entry("add_cautious_weight_decay[schedule]", _sched_decay(ftopt.add_cautious_weight_decay),
+          export="add_cautious_weight_decay",
+          floats={"weight_decay": HP(0.0, 0.1, tensor=False)},
+          options={"schedule": ("linear", "cosine", "join"), "mask": ("none", "ndim")},
+          counted=True, uses_params=True, example={"weight_decay": 0.1}),
     Entry("weight_decay", _mask_kw(ftopt.weight_decay), floats={"weight_decay": WD},
           options={"mask": ("none", "ndim")}, uses_params=True,
           example={"weight_decay": 0.1}),
@@ -1081,6 +1107,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "AdaptiveGradClipState", "AddDecayedWeightsState", "ApplyEvery", "ClipByGlobalNormState",
     "ClipState", "MultiTransformState", "NonNegativeParamsState", "ScaleByTrustRatioState",
     "ScaleState", "NormalizeState", "MaskOrFn", "ShouldSkipUpdateFunction", "MarsCorrectionState",
+    "WeightDecaySchedule",
     "WrappedScheduleState",
     "MultiStepsState", "EmptyState",
     "GradientTransformation", "MaskedState",

@@ -49,7 +49,8 @@ schedules transforms
 """.split()
 
 CONTRIB = """
-acprop scale_by_acprop ano scale_by_ano mars scale_by_mars ademamix scale_by_ademamix
+acprop scale_by_acprop ano scale_by_ano mars scale_by_mars add_cautious_weight_decay ademamix
+scale_by_ademamix
 scale_by_simplified_ademamix
 ScaleByAdemamixState ScaleBySimplifiedAdEMAMixState simplified_ademamix adopt
 scale_by_adopt cautious CautiousState cocob COCOBState scale_by_cocob

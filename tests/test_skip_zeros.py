@@ -393,6 +393,19 @@ CASES = {
                     T.scale_by_learning_rate(5e-2)), 5e-2, 0.9),
         changes={"params", "mu", "nu"},
     ),
+    # ---- scheduled and cautious weight decay (u = Adam's momentum at a zero gradient: the
+    # cautious decay acts where its sign is p's, about half the elements)
+    "adam_cautious_decay": _bnb(
+        lambda: [T.scale_by_adam(0.8, 0.95),
+                 T.add_cautious_weight_decay(ftopt.linear_schedule(0.5, 0.1, 3)),
+                 T.scale_by_learning_rate(1e-2)],
+        changes={"params", "mu", "nu"},
+    ),
+    "sgd_scheduled_decay": _bnb(
+        lambda: [T.add_decayed_weights(ftopt.cosine_decay_schedule(WD, 4)), T.trace(0.8),
+                 T.scale_by_learning_rate(0.1)],
+        changes={"params", "trace"},
+    ),
     # ---- the bitsandbytes table of SPEC §4
     "bnb_sgd": _bnb(
         lambda: [T.add_decayed_weights(WD), T.trace(0.8), T.scale_by_learning_rate(0.1)],

@@ -70,6 +70,8 @@ from ftopt.transforms.novograd import (
 from ftopt.transforms.rprop import ScaleByRpropState, scale_by_rprop
 from ftopt.transforms.scaling import (
     ScaleByScheduleState,
+    WeightDecaySchedule,
+    add_cautious_weight_decay,
     add_decayed_weights,
     identity,
     scale,
@@ -111,6 +113,8 @@ __all__ = [
     "TraceState",
     "ApplyEveryState",
     "add_decayed_weights",
+    "add_cautious_weight_decay",
+    "WeightDecaySchedule",
     "clip_by_global_norm",
     "clip_by_param_norm_ratio",
     "ema",

@@ -1,5 +1,5 @@
 """Scaling transforms: ``scale``, ``scale_by_schedule``, ``scale_by_learning_rate``,
-``add_decayed_weights``."""
+``add_decayed_weights``, ``add_cautious_weight_decay``."""
 
 from __future__ import annotations
 
@@ -83,29 +83,61 @@ def scale_by_learning_rate(
     return rule_transform(rule)
 
 
+@register_state
+class WeightDecaySchedule(NamedTuple):
+    """The step count of a scheduled weight decay (optax's name)."""
+
+    count: torch.Tensor
+
+
 def _decay_body(o, x):
     return x.u + x.weight_decay * x.p, {}
 
 
+def _cautious_decay_body(o, x):
+    # sign(u)·sign(p) >= 0, not u·p >= 0: a product that underflows to 0 decays nothing extra
+    aligned = o.sign(x.u) * o.sign(x.p) >= 0.0
+    return o.where(aligned, x.u + x.weight_decay * x.p, x.u), {}
+
+
+def _decay_rule(name: str, body, weight_decay: ScalarOrSchedule, mask: Any) -> Rule:
+    scheduled = callable(weight_decay)
+    return Rule(name, body, state_class=WeightDecaySchedule if scheduled else EmptyState,
+                hparams={"weight_decay": weight_decay}, domains={"weight_decay": NONNEG},
+                uses_params=True, leaf_mask=mask, counted=scheduled)
+
+
 def add_decayed_weights(
-    weight_decay: float | torch.Tensor = 0.0, mask: Any = None
+    weight_decay: ScalarOrSchedule = 0.0, mask: Any = None
 ) -> GradientTransformation:
     """Adds decayed weights: u ← u + wd·p.
 
     Args:
-        weight_decay: a float >= 0 or 0-d tensor (default: 0.0).
+        weight_decay: a float >= 0, a 0-d tensor, or a schedule called with the step count
+            (0 on the first step; the count is kept in ``WeightDecaySchedule``, as optax)
+            (default: 0.0).
         mask: a pytree of bools like the params (or a function of the params returning
             one); leaves marked False are passed through unchanged (default: all leaves).
     """
-    rule = Rule(
-        "add_decayed_weights",
-        _decay_body,
-        hparams={"weight_decay": weight_decay},
-        domains={"weight_decay": NONNEG},
-        uses_params=True,
-        leaf_mask=mask,
-    )
-    return rule_transform(rule)
+    return rule_transform(_decay_rule("add_decayed_weights", _decay_body, weight_decay, mask))
+
+
+def add_cautious_weight_decay(
+    weight_decay: ScalarOrSchedule = 0.0, mask: Any = None
+) -> GradientTransformation:
+    """Cautious weight decay (optax.contrib's): u ← u + wd·p where u and p do not have
+    opposite signs (sign(u)·sign(p) >= 0, so also where either is 0), u elsewhere.
+
+    Placed after the optimizer's scaling and before the learning rate, the decay only
+    acts where it pulls p the way the update already does (Chen et al., 2025).
+
+    Args:
+        weight_decay: a float >= 0, a 0-d tensor or a schedule of the step count, as
+            :func:`add_decayed_weights` (default: 0.0).
+        mask: as :func:`add_decayed_weights` (default: all leaves).
+    """
+    return rule_transform(_decay_rule("add_cautious_weight_decay", _cautious_decay_body,
+                                      weight_decay, mask))
 
 
 weight_decay = add_decayed_weights
