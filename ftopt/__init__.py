@@ -4,7 +4,7 @@ from typing import Any
 
 from ftopt import dispatch, projections, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
-from ftopt.alias_matrix import adafactor, muon, sm3
+from ftopt.alias_matrix import adafactor, muon, normuon, sm3
 from ftopt.alias_more import adan, cocob, dog, dowg, madgrad, mars, rprop
 from ftopt.alias_noise import noisy_sgd
 from ftopt.alias_norms import fromage, novograd
@@ -236,6 +236,7 @@ from ftopt.transforms.muon import (
     scale_by_shape,
 )
 from ftopt.transforms.noise import AddNoiseState, add_noise
+from ftopt.transforms.normuon import NorMuonState, scale_by_normuon
 from ftopt.transforms.prodigy import ProdigyState
 from ftopt.transforms.utility import (
     centralize,
@@ -349,6 +350,8 @@ __all__ += [
     "ClipState", "MultiTransformState", "NonNegativeParamsState", "ScaleByTrustRatioState",
     "ScaleState", "NormalizeState", "MaskOrFn", "ShouldSkipUpdateFunction",
 ]
+# optax.contrib's NorMuon (ftopt.transforms.normuon)
+__all__ += ["normuon", "scale_by_normuon", "NorMuonState"]
 # optax.contrib's Ano (ftopt.transforms.sign) and MARS (ftopt.transforms.mars)
 __all__ += ["ano", "scale_by_ano", "mars", "scale_by_mars", "MarsCorrectionState"]
 # optax.contrib's cautious wrapper (ftopt.cautious) and cautious weight decay

@@ -1,5 +1,5 @@
-"""Optimizers with matrix stages (:mod:`ftopt.matrix`): ``adafactor``, ``muon`` and
-``sm3``.
+"""Optimizers with matrix stages (:mod:`ftopt.matrix`): ``adafactor``, ``muon``,
+``normuon`` and ``sm3``.
 
 optax signatures and defaults, plus the keyword-only ``skip_zeros``, ``state_bits`` and
 ``state_dtype`` every alias takes (:mod:`ftopt.alias`).
@@ -31,10 +31,11 @@ from ftopt.transforms.factored import (
     scale_by_param_block_rms,
 )
 from ftopt.transforms.muon import DEFAULT_NS_COEFFS, scale_by_muon, scale_by_shape
+from ftopt.transforms.normuon import scale_by_normuon
 from ftopt.transforms.sm3 import scale_by_sm3
 from ftopt.tree import map as tree_map
 
-__all__ = ["adafactor", "muon", "sm3"]
+__all__ = ["adafactor", "muon", "normuon", "sm3"]
 
 Float = float | torch.Tensor
 
@@ -171,21 +172,75 @@ def muon(
     ``MuonDimensionNumbers(1, 2)``), and the ``None`` leaves AdamW.
     """
     check_state_options("muon", state_bits, state_dtype, state_rounding)
+    stage = scale_by_muon(ns_coeffs, ns_steps, beta, eps, nesterov=nesterov,
+                          adaptive=adaptive, preconditioning=preconditioning,
+                          ns_dtype=ns_dtype,
+                          weight_dimension_numbers=muon_weight_dimension_numbers)
+    return _matrices_and_adam(stage, locals())
+
+
+def _matrices_and_adam(stage: GradientTransformation, kw: dict) -> GradientTransformation:
+    """Muon's and NorMuon's partition: the matrix leaves get ``chain(stage,
+    scale_by_shape, add_decayed_weights, scale_by_learning_rate)``, the others AdamW
+    (``kw``: the alias's arguments)."""
+    dims, storage = kw["muon_weight_dimension_numbers"], (
+        kw["skip_zeros"], kw["state_bits"], kw["state_dtype"], kw["state_rounding"])
     matrix_part = finish([
-        scale_by_muon(ns_coeffs, ns_steps, beta, eps, nesterov=nesterov, adaptive=adaptive,
-                      preconditioning=preconditioning, ns_dtype=ns_dtype,
-                      weight_dimension_numbers=muon_weight_dimension_numbers),
-        scale_by_shape(consistent_rms, muon_weight_dimension_numbers),
-        add_decayed_weights(weight_decay, weight_decay_mask),
-        scale_by_learning_rate(learning_rate),
-    ], skip_zeros, state_bits, state_dtype, state_rounding)
-    adam_part = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
-                      adam_b1, adam_b2, eps, adam_eps_root, adam_weight_decay,
-                      nesterov=nesterov, skip_zeros=skip_zeros, state_bits=state_bits,
-                      state_dtype=state_dtype, state_rounding=state_rounding)
-    labels = (_is_matrix if muon_weight_dimension_numbers is None
-              else _named_matrices(muon_weight_dimension_numbers))
+        stage,
+        scale_by_shape(kw["consistent_rms"], dims),
+        add_decayed_weights(kw["weight_decay"], kw["weight_decay_mask"]),
+        scale_by_learning_rate(kw["learning_rate"]),
+    ], *storage)
+    adam_lr = kw["adam_learning_rate"]
+    adam_part = adamw(kw["learning_rate"] if adam_lr is None else adam_lr, kw["adam_b1"],
+                      kw["adam_b2"], kw["eps"], kw["adam_eps_root"], kw["adam_weight_decay"],
+                      nesterov=kw["nesterov"], skip_zeros=storage[0], state_bits=storage[1],
+                      state_dtype=storage[2], state_rounding=storage[3])
+    labels = _is_matrix if dims is None else _named_matrices(dims)
     return partition({"muon": matrix_part, "adam": adam_part}, labels)
+
+
+def normuon(
+    learning_rate: ScalarOrSchedule,
+    ns_coeffs: Sequence | str = DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    beta: Float = 0.95,
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: Float = 0.0,
+    weight_decay_mask: Any = None,
+    *,
+    nesterov: bool = True,
+    preconditioning: str = "frobenius",
+    adam_b1: Float = 0.9,
+    adam_b2: Float = 0.999,
+    adam_eps_root: Float = 0.0,
+    adam_weight_decay: Float = 0.0,
+    adam_learning_rate: ScalarOrSchedule | None = None,
+    muon_weight_dimension_numbers: Any = None,
+    normuon_scale: float = 0.2,
+    consistent_rms: float | None = None,
+    ns_dtype: torch.dtype | None = None,
+    skip_zeros: bool = False,
+    state_bits: int = 32,
+    state_dtype: torch.dtype | None = None,
+    state_rounding: str = "nearest",
+) -> GradientTransformation:
+    """NorMuon, as optax.contrib.normuon: :func:`muon` with
+    :func:`ftopt.scale_by_normuon` (Muon's update, each row normalised by a running
+    mean of its squares, each matrix rescaled to RMS ``normuon_scale``) in place of
+    ``scale_by_muon``; the same partition (matrices, and AdamW for every other leaf) and
+    the same arguments, plus ``beta2`` and ``normuon_scale``.
+
+    The row moments belong to the matrix stage and stay in the params' compute dtype
+    whatever ``state_bits`` and ``state_dtype`` say (they hold one value a row).
+    """
+    check_state_options("normuon", state_bits, state_dtype, state_rounding)
+    stage = scale_by_normuon(ns_coeffs, ns_steps, beta, beta2, eps, nesterov=nesterov,
+                             preconditioning=preconditioning, ns_dtype=ns_dtype,
+                             weight_dimension_numbers=muon_weight_dimension_numbers,
+                             normuon_scale=normuon_scale)
+    return _matrices_and_adam(stage, locals())
 
 
 @chain_alias

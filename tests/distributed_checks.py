@@ -718,6 +718,20 @@ def check_matrix_stages(mesh, rank, device):
         out[f"experts_split_{backend}_untouched"] = all(
             torch.equal(a, b) for a, b in zip(before, [full(t) for t in ftopt.tree.leaves(
                 (sh, state))]))
+    # NorMuon's row moments are not sharded: replicated leaves step as one process does, a
+    # split leaf is refused when the state is made, naming it.
+    normuon = lambda: ftopt.chain(  # noqa: E731
+        ftopt.scale_by_normuon(ns_dtype=torch.float32), ftopt.scale_by_learning_rate(1e-2))
+    tx = normuon()
+    new, _ = ftopt.step(tx, rep, {"w": distribute_tensor(g, mesh, [Replicate()])},
+                        tx.init(rep))
+    want, _ = ftopt.step(tx, {"w": w}, {"w": g}, tx.init({"w": w}))
+    out["normuon_replicate_diff"] = max_diff(new, want)
+    try:
+        tx.init({"w": distribute_tensor(w, mesh, [Shard(0)])})
+        out["normuon_split"] = None
+    except ValueError as err:
+        out["normuon_split"] = str(err)
     # clip_by_block_rms is element-wise with a per-leaf norm (summed over the mesh): any
     # split is fine.
     tx = ftopt.chain(ftopt.clip_by_block_rms(0.1), ftopt.adam(1e-2))

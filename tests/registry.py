@@ -368,6 +368,18 @@ def _muon_last_two(**kw):
     return ftopt.muon(muon_weight_dimension_numbers=_last_two, **kw)
 
 
+def _normuon_last_two(**kw):
+    return ftopt.normuon(muon_weight_dimension_numbers=_last_two, **kw)
+
+
+_NORMUON_FIELDS = dict(
+    floats={"learning_rate": LR, "beta": BETA, "beta2": HP(0.0, 0.99, tensor=False),
+            "eps": EPS, "weight_decay": WD, "normuon_scale": HP(0.05, 1.0, tensor=False)},
+    options={"ns_dtype": (torch.float32,), "nesterov": (True, False),
+             "weight_decay_mask": ("none", "ndim")},
+    kind="alias", states=("mu", "nu"), counted=True, uses_params=True, eight_bit=True,
+    mixes=True, example={"learning_rate": 1e-2, "beta": 0.95, "weight_decay": 0.01})
+
 _ADAM_FLOATS = {"b1": BETA, "b2": BETA, "eps": EPS, "eps_root": EPS_ROOT}
 
 # What the snapshot entry measures of the updates.
@@ -1011,6 +1023,14 @@ TRANSFORMS += [
           states=("mu",), counted=True, eight_bit=True,
           mixes=True,
           example={"beta": 0.95}),
+    # NorMuon: Muon's stages, then a stateful matrix stage (one second moment a row)
+    Entry("scale_by_normuon", ftopt.scale_by_normuon,
+          floats={"beta": BETA, "eps": EPS, "beta2": HP(0.0, 0.99, tensor=False),
+                  "normuon_scale": HP(0.05, 1.0, tensor=False)},
+          options={"ns_dtype": (torch.float32,), "nesterov": (True, False),
+                   "ns_coeffs": (ftopt.transforms.muon.DEFAULT_NS_COEFFS, "dion")},
+          states=("mu",), counted=True, eight_bit=True, mixes=True,
+          example={"beta": 0.95, "beta2": 0.95}),
     Entry("adafactor", _mask_kw(ftopt.adafactor, "weight_decay_mask"),
           floats={"learning_rate": LR, "decay_rate": HP(0.0, 1.0, tensor=False),
                   "weight_decay_rate": WD},
@@ -1027,6 +1047,9 @@ TRANSFORMS += [
     # each orthogonalised on its own), the others AdamW (optax's dimension numbers)
     Entry("muon[dims]", _mask_kw(_muon_last_two, "weight_decay_mask"), export="muon",
           **_MUON_FIELDS),
+    Entry("normuon", _mask_kw(ftopt.normuon, "weight_decay_mask"), **_NORMUON_FIELDS),
+    Entry("normuon[dims]", _mask_kw(_normuon_last_two, "weight_decay_mask"), export="normuon",
+          **_NORMUON_FIELDS),
     # GaLore: the base optimizer (scale_by_adam) runs on low-rank projections of the 2-D
     # leaves; its states have the projected shapes (tests/test_galore.py).
     Entry("scale_by_galore", ftopt.scale_by_galore, floats={"scale": HP(0.1, 2.0)},
@@ -1059,6 +1082,12 @@ SIGNED_STATES: frozenset[str] = frozenset({
 UNSIGNED_STATES: frozenset[str] = frozenset({
     "nu", "sum_of_squares", "nu_max", "n", "e_g", "e_x", "grad_sum_sq", "step_sizes",
     "exp_avg_sq", "scale", "subgradients", "reward"})
+
+# State fields holding one value per row of a matrix leaf (NorMuon's row moments), not
+# per-element slots: 8-bit and 16-bit storage leave them in the compute dtype, skip_zeros
+# lets them advance (a reduction, SPEC §3), and as they are computed from a matrix stage's
+# output, fused and eager agree within its rounding rather than bit for bit.
+ROW_STATES: frozenset[str] = frozenset({"row_nu"})
 
 BY_NAME: dict[str, Entry] = {e.name: e for e in TRANSFORMS}
 assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
@@ -1107,7 +1136,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "AdaptiveGradClipState", "AddDecayedWeightsState", "ApplyEvery", "ClipByGlobalNormState",
     "ClipState", "MultiTransformState", "NonNegativeParamsState", "ScaleByTrustRatioState",
     "ScaleState", "NormalizeState", "MaskOrFn", "ShouldSkipUpdateFunction", "MarsCorrectionState",
-    "WeightDecaySchedule",
+    "WeightDecaySchedule", "NorMuonState",
     "WrappedScheduleState",
     "MultiStepsState", "EmptyState",
     "GradientTransformation", "MaskedState",

@@ -145,3 +145,29 @@ def ftopt_steps(tx: Any, params: dict, state: Any, grads: Iterable[dict]) -> tup
         params, state = ftopt.step(tx, params, g, state)
     return params, state
 
+
+
+def without_fields(state: Any, names: frozenset[str]) -> Any:
+    """``state`` with the fields named in ``names`` (of any NamedTuple state inside it)
+    left out; each NamedTuple becomes a plain tuple of its other fields."""
+    if hasattr(state, "_fields"):
+        return tuple(without_fields(getattr(state, f), names) for f in state._fields
+                     if f not in names)
+    if isinstance(state, (tuple, list)):
+        return tuple(without_fields(x, names) for x in state)
+    if isinstance(state, dict):
+        return {k: without_fields(v, names) for k, v in state.items()}
+    return state
+
+
+def field_leaves(state: Any, names: frozenset[str]) -> list:
+    """The tensor leaves of the fields named in ``names`` (of any NamedTuple state inside
+    ``state``), in order."""
+    if hasattr(state, "_fields"):
+        return [x for f in state._fields for x in (
+            ftopt.tree.leaves(getattr(state, f)) if f in names
+            else field_leaves(getattr(state, f), names))]
+    if isinstance(state, (tuple, list, dict)):
+        values = state.values() if isinstance(state, dict) else state
+        return [x for v in values for x in field_leaves(v, names)]
+    return []

@@ -206,6 +206,9 @@ def test_matrix_stages_on_shards(results):
         assert "splitting dim 1, which is not a batch axis" in got[key], got[key]
         assert got[key + "_untouched"], key
     assert "experts_eager_diff" in got, got
+    assert got["normuon_replicate_diff"] <= TOL, got
+    assert got["normuon_split"] is not None and "at ['w']" in got["normuon_split"], got
+    assert "(Shard(dim=0),)" in got["normuon_split"], got["normuon_split"]
     for key in [k for k in got if k.endswith("_error")]:
         assert got[key] is not None, key
         assert "at ['w']" in got[key] and "sharded with placements" in got[key], got[key]

@@ -26,7 +26,14 @@ import zlib
 import optree
 import pytest
 import torch
-from registry import BY_NAME, SIGNED_STATES, UNSIGNED_STATES, eight_bit, standalone
+from registry import (
+    BY_NAME,
+    ROW_STATES,
+    SIGNED_STATES,
+    UNSIGNED_STATES,
+    eight_bit,
+    standalone,
+)
 
 import ftopt
 from ftopt.quant import create_dynamic_map, dequantize_blockwise
@@ -114,7 +121,7 @@ def map_slots(state, fn, path=()):
         values = {}
         for f in state._fields:
             v = getattr(state, f)
-            if f == "count":
+            if f == "count" or f in ROW_STATES:
                 values[f] = v
             elif _is_slot(v):
                 values[f] = {k: None if x is None else fn((*path, f), f, k, x)

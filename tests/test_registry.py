@@ -125,6 +125,8 @@ def _slot_layouts(state) -> dict[str, set]:
     for st in _states(state):
         for f in st._fields:
             v = getattr(st, f)
+            if f in registry.ROW_STATES:
+                continue
             leaves = [x for x in v.values() if x is not None] if isinstance(v, dict) else []
             if leaves and all(type(x).__name__ == "QuantizedSlot"
                               or (isinstance(x, torch.Tensor) and x.ndim > 0) for x in leaves):

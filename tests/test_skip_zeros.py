@@ -46,6 +46,7 @@ import reference_prodigy as RP
 import torch
 from registry import (
     BY_NAME,
+    ROW_STATES,
     SIGNED_STATES,
     TRANSFORMS,
     UNSIGNED_STATES,
@@ -609,7 +610,7 @@ def map_slots(state, fn, path=()):
         values = {}
         for f in state._fields:
             v = getattr(state, f)
-            if f == "count":
+            if f == "count" or f in ROW_STATES:
                 values[f] = v
             elif _is_slot(v):  # params-like dict; None where a masked() leaf has no state
                 values[f] = {k: None if x is None else fn((*path, f), f, k, x)

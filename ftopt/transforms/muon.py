@@ -26,6 +26,13 @@ __all__ = ["MuonMomentumState", "MuonDimensionNumbers", "scale_by_muon", "scale_
 
 Float = float | torch.Tensor
 DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+# optax's presets (a name in place of ns_coeffs): Dion's per-step rows
+NS_COEFFS_PRESETS: dict[str, Any] = {
+    "standard": DEFAULT_NS_COEFFS,
+    "dion": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377),
+             (3.7418, -5.5913, 2.3037), (2.8769, -3.1427, 1.2046),
+             (2.8366, -3.0525, 1.2012)),
+}
 PRECONDITIONINGS = ("frobenius", "spectral")
 
 
@@ -42,7 +49,7 @@ def _momentum_scalars(t, h):
     return {"one_minus_beta": 1 - beta, "bc": 1 - beta**t, "bc_next": 1 - beta ** (t + 1)}
 
 
-def _momentum(nesterov: bool, beta: Float) -> GradientTransformation:
+def momentum_stage(nesterov: bool, beta: Float) -> GradientTransformation:
     """mu ← β·mu + (1−β)·u; u ← β·mu/(1−β^{t+1}) + (1−β)·u/(1−βᵗ) (Nesterov, as optax)
     or mu/(1−βᵗ)."""
 
@@ -60,7 +67,13 @@ def _momentum(nesterov: bool, beta: Float) -> GradientTransformation:
 
 def _coefficients(ns_coeffs: Any, ns_steps: int) -> list[tuple[float, float, float]]:
     """One ``(a, b, c)`` per iteration: a triple repeated ``ns_steps`` times, or optax's
-    per-step rows (at most ``ns_steps`` of them, the last ``ns_steps`` used)."""
+    per-step rows (at most ``ns_steps`` of them, the last ``ns_steps`` used), or the name
+    of one of optax's presets (:data:`NS_COEFFS_PRESETS`)."""
+    if isinstance(ns_coeffs, str):
+        if ns_coeffs not in NS_COEFFS_PRESETS:
+            raise ValueError(f"scale_by_muon: unknown ns_coeffs preset {ns_coeffs!r}, "
+                             f"expected one of {sorted(NS_COEFFS_PRESETS)}")
+        ns_coeffs = NS_COEFFS_PRESETS[ns_coeffs]
     rows = [tuple(float(c) for c in r) for r in ns_coeffs] if (
         len(ns_coeffs) and isinstance(ns_coeffs[0], Sequence)) else None
     if rows is None:
@@ -106,7 +119,7 @@ def _ns_dtype(batch: torch.Tensor, ns_dtype: torch.dtype | None) -> torch.dtype:
     return torch.bfloat16 if batch.device.type == "cuda" else batch.dtype
 
 
-def _orthogonalise(ns_coeffs: Any, ns_steps: int, eps: float, adaptive: bool,
+def orthogonalise(ns_coeffs: Any, ns_steps: int, eps: float, adaptive: bool,
                    preconditioning: str, ns_dtype: torch.dtype | None, dims: Any
                    ) -> GradientTransformation:
     coeffs = _coefficients(ns_coeffs, ns_steps)
@@ -118,6 +131,19 @@ def _orthogonalise(ns_coeffs: Any, ns_steps: int, eps: float, adaptive: bool,
         return out
 
     return matrix_transform("newton_schulz", fn, dims=dims)
+
+
+def check_muon_options(who: str, ns_steps: Any, preconditioning: Any, ns_dtype: Any) -> None:
+    """Raise (naming ``who``) unless the Newton-Schulz options are valid."""
+    if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or ns_steps < 1:
+        raise ValueError(f"{who}: ns_steps must be an int >= 1, got {ns_steps!r}")
+    if preconditioning not in PRECONDITIONINGS:
+        raise ValueError(f"{who}: preconditioning must be one of {PRECONDITIONINGS}, "
+                         f"got {preconditioning!r}")
+    if ns_dtype is not None and not (isinstance(ns_dtype, torch.dtype)
+                                     and ns_dtype.is_floating_point):
+        raise TypeError(f"{who}: ns_dtype must be a floating torch.dtype or None, "
+                        f"got {ns_dtype!r}")
 
 
 def scale_by_muon(
@@ -145,7 +171,8 @@ def scale_by_muon(
     EmptyState())`` (optax keeps ``ns_coeffs`` in the state too; here they are constants).
 
     Args:
-        ns_coeffs: ``(a, b, c)``, or one such row per iteration (default: optax's).
+        ns_coeffs: ``(a, b, c)``, one such row per iteration, or a preset's name
+            (``"standard"``, ``"dion"``: optax's) (default: optax's standard triple).
         ns_steps: iterations, >= 1 (default: 5).
         beta: momentum decay, in [0, 1) (default: 0.95).
         eps: added to the norm that scales m̂ before the iterations, >= 0 (default: 1e-8).
@@ -164,18 +191,10 @@ def scale_by_muon(
             index separate matrices, each orthogonalised on its own; a ``None`` leaf gets
             m̂ as it is. ``None`` (default): every 2-D leaf is one matrix.
     """
-    if not isinstance(ns_steps, int) or ns_steps < 1:
-        raise ValueError(f"scale_by_muon: ns_steps must be an int >= 1, got {ns_steps!r}")
     eps = check_finite("scale_by_muon", "eps", eps, NONNEG)
-    if preconditioning not in PRECONDITIONINGS:
-        raise ValueError(f"scale_by_muon: preconditioning must be one of {PRECONDITIONINGS}, "
-                         f"got {preconditioning!r}")
-    if ns_dtype is not None and not (isinstance(ns_dtype, torch.dtype)
-                                     and ns_dtype.is_floating_point):
-        raise TypeError(f"scale_by_muon: ns_dtype must be a floating torch.dtype or None, "
-                        f"got {ns_dtype!r}")
-    return chain(_momentum(nesterov, beta),
-                 _orthogonalise(ns_coeffs, ns_steps, eps, adaptive, preconditioning,
+    check_muon_options("scale_by_muon", ns_steps, preconditioning, ns_dtype)
+    return chain(momentum_stage(nesterov, beta),
+                 orthogonalise(ns_coeffs, ns_steps, eps, adaptive, preconditioning,
                                 ns_dtype, weight_dimension_numbers))
 
 
