@@ -4,7 +4,7 @@ from typing import Any
 
 from ftopt import dispatch, projections, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
-from ftopt.alias_matrix import adafactor, muon, normuon, sm3
+from ftopt.alias_matrix import adafactor, muon, normuon, sm3, soap
 from ftopt.alias_more import adan, cocob, dog, dowg, madgrad, mars, rprop
 from ftopt.alias_noise import noisy_sgd
 from ftopt.alias_norms import fromage, novograd
@@ -238,6 +238,7 @@ from ftopt.transforms.muon import (
 from ftopt.transforms.noise import AddNoiseState, add_noise
 from ftopt.transforms.normuon import NorMuonState, scale_by_normuon
 from ftopt.transforms.prodigy import ProdigyState
+from ftopt.transforms.soap import SoapState, scale_by_soap
 from ftopt.transforms.utility import (
     centralize,
     clip,
@@ -350,8 +351,9 @@ __all__ += [
     "ClipState", "MultiTransformState", "NonNegativeParamsState", "ScaleByTrustRatioState",
     "ScaleState", "NormalizeState", "MaskOrFn", "ShouldSkipUpdateFunction",
 ]
-# optax.contrib's NorMuon (ftopt.transforms.normuon)
-__all__ += ["normuon", "scale_by_normuon", "NorMuonState"]
+# optax.contrib's NorMuon (ftopt.transforms.normuon) and SOAP (ftopt.transforms.soap)
+__all__ += ["normuon", "scale_by_normuon", "NorMuonState", "soap", "scale_by_soap",
+            "SoapState"]
 # optax.contrib's Ano (ftopt.transforms.sign) and MARS (ftopt.transforms.mars)
 __all__ += ["ano", "scale_by_ano", "mars", "scale_by_mars", "MarsCorrectionState"]
 # optax.contrib's cautious wrapper (ftopt.cautious) and cautious weight decay

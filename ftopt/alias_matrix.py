@@ -1,5 +1,5 @@
 """Optimizers with matrix stages (:mod:`ftopt.matrix`): ``adafactor``, ``muon``,
-``normuon`` and ``sm3``.
+``normuon``, ``sm3`` and ``soap``.
 
 optax signatures and defaults, plus the keyword-only ``skip_zeros``, ``state_bits`` and
 ``state_dtype`` every alias takes (:mod:`ftopt.alias`).
@@ -33,9 +33,10 @@ from ftopt.transforms.factored import (
 from ftopt.transforms.muon import DEFAULT_NS_COEFFS, scale_by_muon, scale_by_shape
 from ftopt.transforms.normuon import scale_by_normuon
 from ftopt.transforms.sm3 import scale_by_sm3
+from ftopt.transforms.soap import scale_by_soap
 from ftopt.tree import map as tree_map
 
-__all__ = ["adafactor", "muon", "normuon", "sm3"]
+__all__ = ["adafactor", "muon", "normuon", "sm3", "soap"]
 
 Float = float | torch.Tensor
 
@@ -250,3 +251,29 @@ def sm3(learning_rate: ScalarOrSchedule, momentum: Float = 0.9) -> list[Gradient
     Its accumulators and momentum belong to the matrix stage and stay in the params'
     compute dtype whatever ``state_bits`` and ``state_dtype`` say."""
     return [scale_by_sm3(momentum), scale_by_learning_rate(learning_rate)]
+
+
+@chain_alias
+def soap(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.95,
+    b2: float = 0.95,
+    shampoo_beta: float = -1.0,
+    eps: float = 1e-8,
+    weight_decay: Float = 0.0,
+    mask: Any = None,
+    precondition_frequency: int = 10,
+    max_precond_dim: int = 10000,
+    precondition_1d: bool = False,
+    mu_dtype: torch.dtype | None = None,
+) -> list[GradientTransformation]:
+    """SOAP (Vyas et al. 2024), as optax.contrib: ``chain(scale_by_soap(...),
+    add_decayed_weights(weight_decay, mask), scale_by_learning_rate(lr))``: Adam in the
+    eigenbasis of Shampoo's preconditioner (:func:`ftopt.scale_by_soap`). Its moments and
+    factors belong to the matrix stage and stay as ``mu_dtype`` (default: the params'
+    compute dtype) and fp32 whatever ``state_bits`` and ``state_dtype`` say; the decay and
+    the learning rate fuse."""
+    return [scale_by_soap(b1, b2, shampoo_beta, eps, precondition_frequency,
+                          max_precond_dim, precondition_1d, mu_dtype),
+            add_decayed_weights(weight_decay, mask),
+            scale_by_learning_rate(learning_rate)]

@@ -732,6 +732,19 @@ def check_matrix_stages(mesh, rank, device):
         out["normuon_split"] = None
     except ValueError as err:
         out["normuon_split"] = str(err)
+    # SOAP likewise (its factors and rotations read the whole leaf).
+    tx = ftopt.soap(1e-2, precondition_frequency=1)
+    new, state = ftopt.step(tx, rep, {"w": distribute_tensor(g, mesh, [Replicate()])},
+                            tx.init(rep))
+    new, _ = ftopt.step(tx, new, {"w": distribute_tensor(w, mesh, [Replicate()])}, state)
+    want, state = ftopt.step(tx, {"w": w}, {"w": g}, tx.init({"w": w}))
+    want, _ = ftopt.step(tx, want, {"w": w}, state)
+    out["soap_replicate_diff"] = max_diff(new, want)
+    try:
+        tx.init({"w": distribute_tensor(w, mesh, [Shard(0)])})
+        out["soap_split"] = None
+    except ValueError as err:
+        out["soap_split"] = str(err)
     # clip_by_block_rms is element-wise with a per-leaf norm (summed over the mesh): any
     # split is fine.
     tx = ftopt.chain(ftopt.clip_by_block_rms(0.1), ftopt.adam(1e-2))

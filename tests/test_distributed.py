@@ -209,6 +209,8 @@ def test_matrix_stages_on_shards(results):
     assert got["normuon_replicate_diff"] <= TOL, got
     assert got["normuon_split"] is not None and "at ['w']" in got["normuon_split"], got
     assert "(Shard(dim=0),)" in got["normuon_split"], got["normuon_split"]
+    assert got["soap_replicate_diff"] <= TOL, got
+    assert got["soap_split"] is not None and "at ['w']" in got["soap_split"], got
     for key in [k for k in got if k.endswith("_error")]:
         assert got[key] is not None, key
         assert "at ['w']" in got[key] and "sharded with placements" in got[key], got[key]

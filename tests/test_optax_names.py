@@ -50,7 +50,7 @@ schedules transforms
 
 CONTRIB = """
 acprop scale_by_acprop ano scale_by_ano mars scale_by_mars add_cautious_weight_decay ademamix
-normuon scale_by_normuon NorMuonState
+normuon scale_by_normuon NorMuonState soap scale_by_soap
 scale_by_ademamix
 scale_by_simplified_ademamix
 ScaleByAdemamixState ScaleBySimplifiedAdEMAMixState simplified_ademamix adopt
