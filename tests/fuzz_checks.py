@@ -28,7 +28,7 @@ from typing import Any
 import optree
 import torch
 from fuzz_cases import Case, plain_state
-from registry import SIGNED_STATES
+from registry import SIGNED_STATES, leaf_state
 
 import ftopt
 from ftopt.quant import dequantize_blockwise, dynamic_map, encode_with_absmax, expand_absmax
@@ -585,7 +585,8 @@ def _slots(state: Any, params: Any) -> list[tuple[str, list]]:
             return
         if hasattr(node, "_fields"):
             for f in node._fields:
-                walk(getattr(node, f), f)
+                if not leaf_state(node, f):  # (no element of a param's own)
+                    walk(getattr(node, f), f)
         elif isinstance(node, dict):
             for v in node.values():
                 walk(v, name)

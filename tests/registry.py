@@ -1098,11 +1098,19 @@ UNSIGNED_STATES: frozenset[str] = frozenset({
     "nu", "sum_of_squares", "nu_max", "n", "e_g", "e_x", "grad_sum_sq", "step_sizes",
     "exp_avg_sq", "scale", "subgradients", "reward"})
 
-# State fields holding one value per row of a matrix leaf (NorMuon's row moments), not
-# per-element slots: 8-bit and 16-bit storage leave them in the compute dtype, skip_zeros
-# lets them advance (a reduction, SPEC §3), and as they are computed from a matrix stage's
+# State fields that hold no element of a param's own, as (state class, field): NorMuon's
+# row moments (one value a row), SOAP's moments (in a rotated basis) and its factors. They
+# are not per-element slots: 8-bit and 16-bit storage leave them in the compute dtype,
+# skip_zeros lets them advance (SPEC §3), and as they are computed from a matrix stage's
 # output, fused and eager agree within its rounding rather than bit for bit.
-ROW_STATES: frozenset[str] = frozenset({"row_nu"})
+LEAF_STATES: frozenset[tuple[str, str]] = frozenset({
+    ("NorMuonState", "row_nu"), ("SoapState", "exp_avg"), ("SoapState", "exp_avg_sq"),
+    ("SoapState", "gg"), ("SoapState", "q")})
+
+
+def leaf_state(node: Any, field: str) -> bool:
+    """Whether ``field`` of the state ``node`` is one of :data:`LEAF_STATES`."""
+    return (type(node).__name__, field) in LEAF_STATES
 
 BY_NAME: dict[str, Entry] = {e.name: e for e in TRANSFORMS}
 assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"

@@ -147,12 +147,17 @@ def ftopt_steps(tx: Any, params: dict, state: Any, grads: Iterable[dict]) -> tup
 
 
 
-def without_fields(state: Any, names: frozenset[str]) -> Any:
-    """``state`` with the fields named in ``names`` (of any NamedTuple state inside it)
-    left out; each NamedTuple becomes a plain tuple of its other fields."""
+def _named(node: Any, field: str, names: frozenset) -> bool:
+    return field in names or (type(node).__name__, field) in names
+
+
+def without_fields(state: Any, names: frozenset) -> Any:
+    """``state`` with the fields named in ``names`` (field names, or (state class, field)
+    pairs, of any NamedTuple state inside it) left out; each NamedTuple becomes a plain
+    tuple of its other fields."""
     if hasattr(state, "_fields"):
         return tuple(without_fields(getattr(state, f), names) for f in state._fields
-                     if f not in names)
+                     if not _named(state, f, names))
     if isinstance(state, (tuple, list)):
         return tuple(without_fields(x, names) for x in state)
     if isinstance(state, dict):
@@ -160,12 +165,12 @@ def without_fields(state: Any, names: frozenset[str]) -> Any:
     return state
 
 
-def field_leaves(state: Any, names: frozenset[str]) -> list:
-    """The tensor leaves of the fields named in ``names`` (of any NamedTuple state inside
-    ``state``), in order."""
+def field_leaves(state: Any, names: frozenset) -> list:
+    """The tensor leaves of the fields named in ``names`` (as :func:`without_fields`),
+    in order."""
     if hasattr(state, "_fields"):
         return [x for f in state._fields for x in (
-            ftopt.tree.leaves(getattr(state, f)) if f in names
+            ftopt.tree.leaves(getattr(state, f)) if _named(state, f, names)
             else field_leaves(getattr(state, f), names))]
     if isinstance(state, (tuple, list, dict)):
         values = state.values() if isinstance(state, dict) else state

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from registry import BY_NAME, ROW_STATES
+from registry import BY_NAME, LEAF_STATES
 from step_checks import field_leaves, without_fields
 
 import ftopt
@@ -123,13 +123,13 @@ def test_fused_update_without_params(name):
     for k in params:
         if k != "odd":
             assert _rel_err(u_f[k], u_e[k]) <= TOLERANCE.get(name, 1e-6), (name, k)
-    for old, a, b in zip(*(ftopt.tree.leaves(without_fields(s, ROW_STATES))
+    for old, a, b in zip(*(ftopt.tree.leaves(without_fields(s, LEAF_STATES))
                            for s in (state, s_f, s_e))):
         if a.shape == params["odd"].shape and a.is_floating_point():
             assert torch.equal(a, old)  # the None leaf's state is untouched
         if a.is_floating_point():
             assert _rel_err(a, b) <= 1e-6
-    for a, b in zip(*(field_leaves(s, ROW_STATES) for s in (s_f, s_e))):
+    for a, b in zip(*(field_leaves(s, LEAF_STATES) for s in (s_f, s_e))):
         assert _rel_err(a, b) <= TOLERANCE.get(name, 1e-6)  # (from a matrix stage's output)
 
 

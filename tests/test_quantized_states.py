@@ -28,10 +28,10 @@ import pytest
 import torch
 from registry import (
     BY_NAME,
-    ROW_STATES,
     SIGNED_STATES,
     UNSIGNED_STATES,
     eight_bit,
+    leaf_state,
     standalone,
 )
 
@@ -121,7 +121,7 @@ def map_slots(state, fn, path=()):
         values = {}
         for f in state._fields:
             v = getattr(state, f)
-            if f == "count" or f in ROW_STATES:
+            if f == "count" or leaf_state(state, f):
                 values[f] = v
             elif _is_slot(v):
                 values[f] = {k: None if x is None else fn((*path, f), f, k, x)

@@ -125,7 +125,7 @@ def _slot_layouts(state) -> dict[str, set]:
     for st in _states(state):
         for f in st._fields:
             v = getattr(st, f)
-            if f in registry.ROW_STATES:
+            if registry.leaf_state(st, f):
                 continue
             leaves = [x for x in v.values() if x is not None] if isinstance(v, dict) else []
             if leaves and all(type(x).__name__ == "QuantizedSlot"

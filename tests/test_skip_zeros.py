@@ -46,11 +46,11 @@ import reference_prodigy as RP
 import torch
 from registry import (
     BY_NAME,
-    ROW_STATES,
     SIGNED_STATES,
     TRANSFORMS,
     UNSIGNED_STATES,
     by_trait,
+    leaf_state,
     names,
     require,
 )
@@ -610,7 +610,7 @@ def map_slots(state, fn, path=()):
         values = {}
         for f in state._fields:
             v = getattr(state, f)
-            if f == "count" or f in ROW_STATES:
+            if f == "count" or leaf_state(state, f):
                 values[f] = v
             elif _is_slot(v):  # params-like dict; None where a masked() leaf has no state
                 values[f] = {k: None if x is None else fn((*path, f), f, k, x)

@@ -79,8 +79,8 @@ def _leaves(tree) -> list:
 
 def _float_states(state, wide: frozenset[str] = frozenset()) -> list[torch.Tensor]:
     """The per-element float state leaves, but those of the slots named in ``wide`` (and
-    the row states, registry.ROW_STATES)."""
-    kept = {id(x) for x in _leaves(without_fields(state, wide | registry.ROW_STATES))}
+    the states of no element, registry.LEAF_STATES)."""
+    kept = {id(x) for x in _leaves(without_fields(state, wide | registry.LEAF_STATES))}
     return [x for x in _leaves(state) if x.is_floating_point() and x.ndim > 0
             and id(x) in kept]
 
@@ -173,7 +173,7 @@ def _order_spread(tx, params, grads, state, index: int, want: float, draws: int 
             p = perm.get(tuple(x.shape)) if x.ndim else None
             return x if p is None else x.flatten()[p.to(x.device)].view(x.shape)
         trees = (ftopt.tree.map(mix, t) for t in (params, grads, state))
-        new = without_fields(ftopt.step(tx, *trees, backend="eager")[1], registry.ROW_STATES)
+        new = without_fields(ftopt.step(tx, *trees, backend="eager")[1], registry.LEAF_STATES)
         got = float(_leaves(new)[index])
         total += (got - want) ** 2
     return math.sqrt(total / draws)
@@ -250,7 +250,7 @@ def test_fused_matches_eager(name, dtype, skip):
         pe, se = _step(tx, params, grads, state, "eager")
         pf, sf = _step(tx, params, grads, state, "fused", donate=step == 2)
         _check_rows(sf, se)
-        rows = registry.ROW_STATES
+        rows = registry.LEAF_STATES
 
         def reference(tx=tx, params=params, grads=grads, state=state, rows=rows):
             return without_fields(_float64_state(tx, params, grads, state), rows)
@@ -271,9 +271,9 @@ def test_fused_matches_eager(name, dtype, skip):
 
 
 def _check_rows(a, b) -> None:
-    """The row states (registry.ROW_STATES) of two states: fp32, within 1e-5 (they are
+    """The states of no element (registry.LEAF_STATES) of two states: fp32, within 1e-5 (they are
     computed from a matrix stage's output, which amplifies last-bit differences)."""
-    ra, rb = (field_leaves(s, registry.ROW_STATES) for s in (a, b))
+    ra, rb = (field_leaves(s, registry.LEAF_STATES) for s in (a, b))
     assert len(ra) == len(rb)
     for x, y in zip(ra, rb):
         assert x.dtype == y.dtype == torch.float32

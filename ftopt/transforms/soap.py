@@ -212,7 +212,9 @@ class Soap:
         r = _project(g, q, on)
         m32 = torch.lerp(m.to(r.dtype), r, 1.0 - self.b1)
         v32 = torch.lerp(v.to(r.dtype), r * r, 1.0 - self.b2)
-        m_new, v_new = m32.to(dtype), v32.to(dtype)
+        # (every new state row-major, as a donated step's buffers are: a matrix product
+        # reading them rounds otherwise on other strides, so the two would drift apart)
+        m_new, v_new = (x.to(dtype).contiguous() for x in (m32, v32))
         k = t - 1  # (the first step kept no moments)
         scale = (1.0 - self.b2 ** k) ** 0.5 / (1.0 - self.b1 ** k)
         step = _project_back(m_new.to(r.dtype) / (v_new.to(r.dtype).sqrt() + self.eps), q,
@@ -220,8 +222,8 @@ class Soap:
         if k % self.frequency == 0:
             q_new, v32 = _refine(gg, q, v_new.to(r.dtype), on)
             m32 = _project(_project_back(m_new.to(r.dtype), q, on), q_new, on)
-            q, m_new, v_new = q_new, m32.to(dtype), v32.to(dtype)
-        return step, m_new, v_new, gg, q
+            q, m_new, v_new = q_new, m32.to(dtype).contiguous(), v32.to(dtype).contiguous()
+        return step.contiguous(), m_new, v_new, gg, q
 
 
 def _lerp(a: torch.Tensor, b: torch.Tensor, w: float) -> torch.Tensor:
@@ -252,7 +254,8 @@ def _project_back(g: torch.Tensor, q: Sequence[torch.Tensor], on: Sequence[bool]
 def _eigenbasis(f: torch.Tensor) -> torch.Tensor:
     """The eigenvectors of the factor (plus 1e-30·I), largest eigenvalue first."""
     eye = torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
-    return torch.linalg.eigh(f + 1e-30 * eye).eigenvectors.flip(1)
+    # (row-major, as the state's buffers are: LAPACK returns column-major)
+    return torch.linalg.eigh(f + 1e-30 * eye).eigenvectors.flip(1).contiguous()
 
 
 def _refine(gg, q, v, on) -> tuple[list, torch.Tensor]:
@@ -265,7 +268,7 @@ def _refine(gg, q, v, on) -> tuple[list, torch.Tensor]:
         est = torch.diagonal(q[i].T @ gg[i] @ q[i])
         order = torch.argsort(est, stable=True).flip(0)  # (ties as numpy's [::-1])
         v = v.index_select(i, order)
-        new[i] = torch.linalg.qr(gg[i] @ q[i][:, order]).Q
+        new[i] = torch.linalg.qr(gg[i] @ q[i][:, order]).Q.contiguous()
     return new, v
 
 
