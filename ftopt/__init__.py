@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from ftopt import dispatch, projections, schedules, tree
+from ftopt import dispatch, microbatching, projections, schedules, tree
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
 from ftopt.alias_matrix import adafactor, muon, normuon, sm3, soap
 from ftopt.alias_more import adan, cocob, dog, dowg, madgrad, mars, rprop
@@ -379,3 +379,6 @@ __all__ += ["optimistic_adam", "normalize"]
 # Linear-algebra and sampling utilities (ftopt.linear_algebra, ftopt.sampling)
 __all__ += ["power_iteration", "matrix_inverse_pth_root", "nnls", "multi_normal"]
 __all__ += ["projections"]
+# optax's microbatching (ftopt.microbatching): a batch's gradient a slice at a time
+microbatch = microbatching.microbatch
+__all__ += ["microbatching", "microbatch"]
