@@ -60,6 +60,7 @@ class Soap:
     mask_aware = True
     uses_params = False
     name = "scale_by_soap"
+    how = "torch, leaf by leaf: eigh and QR of each factor"
 
     def __init__(self, b1: float, b2: float, shampoo_beta: float, eps: float,
                  frequency: int, max_dim: int, precondition_1d: bool,
