@@ -344,8 +344,10 @@ ApplyEvery = ApplyEveryState
 AdaptiveGradClipState = AddDecayedWeightsState = ClipByGlobalNormState = ClipState = \
     NonNegativeParamsState = NormalizeState = ScaleByTrustRatioState = ScaleState = EmptyState
 MaskOrFn = Any  # (a pytree of bools like the params, a function of them giving one, or None)
+ArrayTree = Any  # (a pytree of tensors: optax's name for what Params and OptState are)
 __all__ += [
-    "GradientTransformationExtraArgs", "OptState", "Params", "ScalarOrSchedule", "Schedule",
+    "ArrayTree", "GradientTransformationExtraArgs", "OptState", "Params", "ScalarOrSchedule",
+    "Schedule",
     "TransformInitFn", "TransformUpdateExtraArgsFn", "TransformUpdateFn", "Updates",
     "AdaptiveGradClipState", "AddDecayedWeightsState", "ApplyEvery", "ClipByGlobalNormState",
     "ClipState", "MultiTransformState", "NonNegativeParamsState", "ScaleByTrustRatioState",

@@ -1153,7 +1153,7 @@ PARAMS_WRAPPERS: dict[str, str] = {"lookahead": "tests/test_lookahead.py",
 NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ApplyIfFiniteState", "InjectHyperparamsState", "LookaheadParams", "LookaheadState",
     "InjectStatefulHyperparamsState", "StatefulSchedule", "WrappedSchedule", "CautiousState",
-    "MuonDimensionNumbers", "GradientTransformationExtraArgs", "OptState", "Params",
+    "MuonDimensionNumbers", "GradientTransformationExtraArgs", "OptState", "Params", "ArrayTree",
     "ScalarOrSchedule", "Schedule",
     "TransformInitFn", "TransformUpdateExtraArgsFn", "TransformUpdateFn", "Updates",
     "AdaptiveGradClipState", "AddDecayedWeightsState", "ApplyEvery", "ClipByGlobalNormState",
