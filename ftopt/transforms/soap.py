@@ -60,7 +60,7 @@ class Soap:
     mask_aware = True
     uses_params = False
     name = "scale_by_soap"
-    how = "torch, leaf by leaf: eigh and QR of each factor"
+    how = "torch, leaves batched by shape: eigh and QR of each factor"
 
     def __init__(self, b1: float, b2: float, shampoo_beta: float, eps: float,
                  frequency: int, max_dim: int, precondition_1d: bool,
@@ -182,17 +182,27 @@ class Soap:
         gg_flat, q_flat = factors[:rank], factors[rank:]
         out = list(u_flat)
         new = [list(x) for x in (m_flat, v_flat, *gg_flat, *q_flat)]
+        groups: dict[tuple, list[int]] = {}
         for i, u in enumerate(u_flat):
-            if u is None:
-                continue
-            g = u.to(compute_dtype(u))
-            gg = [gg_flat[k][i] for k in range(rank)]
-            q = [q_flat[k][i] for k in range(rank)]
-            step, m, v, gg, q = self._leaf(g, m_flat[i], v_flat[i], gg, q, t)
-            out[i] = step
-            new[0][i], new[1][i] = m, v
-            for k in range(rank):
-                new[2 + k][i], new[2 + rank + k][i] = gg[k], q[k]
+            if u is not None:  # (leaves of one shape and layout: one batch)
+                key = (tuple(u.shape), compute_dtype(u), u.device, m_flat[i].dtype,
+                       tuple(gg_flat[k][i].numel() > 0 for k in range(rank)))
+                groups.setdefault(key, []).append(i)
+        for (shape, dtype, _, _, flags), idx in groups.items():
+            g = torch.stack([u_flat[i].to(dtype) for i in idx])
+            m, v = (torch.stack([x[i] for i in idx]) for x in (m_flat, v_flat))
+            on = list(flags[:len(shape)])
+            gg = [torch.stack([gg_flat[k][i] for i in idx]) if k < len(on) and on[k] else None
+                  for k in range(rank)]
+            q = [torch.stack([q_flat[k][i] for i in idx]) if k < len(on) and on[k] else None
+                 for k in range(rank)]
+            step, m, v, gg, q = self._batch(g, m, v, gg, q, on, t)
+            for j, i in enumerate(idx):
+                out[i] = step[j]
+                new[0][i], new[1][i] = m[j], v[j]
+                for k in range(rank):
+                    if gg[k] is not None:
+                        new[2 + k][i], new[2 + rank + k][i] = gg[k][j], q[k][j]
         if zero_flat is not None:
             out = [x if x is None or z is None else skip_update(x, z)
                    for x, z in zip(out, zero_flat)]
@@ -200,15 +210,15 @@ class Soap:
         return out, SoapState(count, trees[0], trees[1], tuple(trees[2:2 + rank]),
                               tuple(trees[2 + rank:]))
 
-    def _leaf(self, g, m, v, gg, q, t):
-        """One leaf's step ``t`` (1 the first): the update and its new states."""
-        on = [f.numel() > 0 for f in gg[:g.dim()]]
-        gg = [_lerp(f, _outer(g, k), 1.0 - self.beta) if k < g.dim() and on[k] else f
+    def _batch(self, g, m, v, gg, q, on, t):
+        """Step ``t`` (1 the first) of a batch of equal leaves ``g`` ``(B, *shape)``: the
+        updates and the new states (``on``: the preconditioned axes; ``gg``, ``q``: per
+        axis a ``(B, n, n)`` stack, ``None`` where an axis is not preconditioned)."""
+        gg = [None if f is None else _lerp(f, _outer(g, k), 1.0 - self.beta)
               for k, f in enumerate(gg)]
         if t == 1:  # the factors' eigenbases, no update
-            q = [_eigenbasis(f) if k < g.dim() and on[k] else b
-                 for k, (f, b) in enumerate(zip(gg, q))]
-            return torch.zeros_like(g), m, v, gg, q
+            return torch.zeros_like(g), m, v, gg, [None if f is None else _eigenbasis(f)
+                                                   for f in gg]
         dtype = m.dtype
         r = _project(g, q, on)
         m32 = torch.lerp(m.to(r.dtype), r, 1.0 - self.b1)
@@ -232,31 +242,37 @@ def _lerp(a: torch.Tensor, b: torch.Tensor, w: float) -> torch.Tensor:
 
 
 def _outer(g: torch.Tensor, axis: int) -> torch.Tensor:
-    """g contracted with itself over every axis but ``axis``: ``(n, n)``."""
-    x = g.movedim(axis, 0).reshape(g.shape[axis], -1)
-    return x @ x.T
+    """Each leaf of the batch ``g`` contracted with itself over every axis but ``axis``:
+    ``(B, n, n)``."""
+    x = g.movedim(axis + 1, 1).reshape(g.shape[0], g.shape[axis + 1], -1)
+    return x @ x.transpose(1, 2)
 
 
-def _project(g: torch.Tensor, q: Sequence[torch.Tensor], on: Sequence[bool]) -> torch.Tensor:
-    """Each preconditioned axis ``i`` of ``g`` multiplied by ``Q_iᵀ`` (into the basis)."""
+def _rotate(g: torch.Tensor, q: Sequence[Any], on: Sequence[bool], back: bool
+            ) -> torch.Tensor:
+    """Each preconditioned axis ``i`` of the batch ``g`` multiplied by ``Q_iᵀ`` (into the
+    basis) or ``Q_i`` (``back``); each axis in turn moves last, so the order is kept."""
     for i, flag in enumerate(on):
-        g = torch.tensordot(g, q[i], dims=([0], [0])) if flag else g.movedim(0, -1)
+        g = g.movedim(1, -1)
+        if flag:
+            b = q[i].transpose(1, 2) if back else q[i]
+            g = (g.reshape(g.shape[0], -1, g.shape[-1]) @ b).reshape(g.shape)
     return g
 
 
-def _project_back(g: torch.Tensor, q: Sequence[torch.Tensor], on: Sequence[bool]
-                  ) -> torch.Tensor:
-    """Each preconditioned axis ``i`` multiplied by ``Q_i`` (back from the basis)."""
-    for i, flag in enumerate(on):
-        g = torch.tensordot(g, q[i], dims=([0], [1])) if flag else g.movedim(0, -1)
-    return g
+def _project(g, q, on) -> torch.Tensor:
+    return _rotate(g, q, on, back=False)
+
+
+def _project_back(g, q, on) -> torch.Tensor:
+    return _rotate(g, q, on, back=True)
 
 
 def _eigenbasis(f: torch.Tensor) -> torch.Tensor:
-    """The eigenvectors of the factor (plus 1e-30·I), largest eigenvalue first."""
-    eye = torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
+    """The eigenvectors of each factor (plus 1e-30·I), largest eigenvalue first."""
+    eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
     # (row-major, as the state's buffers are: LAPACK returns column-major)
-    return torch.linalg.eigh(f + 1e-30 * eye).eigenvectors.flip(1).contiguous()
+    return torch.linalg.eigh(f + 1e-30 * eye).eigenvectors.flip(-1).contiguous()
 
 
 def _refine(gg, q, v, on) -> tuple[list, torch.Tensor]:
@@ -266,10 +282,13 @@ def _refine(gg, q, v, on) -> tuple[list, torch.Tensor]:
     for i, flag in enumerate(on):
         if not flag:
             continue
-        est = torch.diagonal(q[i].T @ gg[i] @ q[i])
-        order = torch.argsort(est, stable=True).flip(0)  # (ties as numpy's [::-1])
-        v = v.index_select(i, order)
-        new[i] = torch.linalg.qr(gg[i] @ q[i][:, order]).Q.contiguous()
+        est = torch.diagonal(q[i].transpose(1, 2) @ gg[i] @ q[i], dim1=1, dim2=2)
+        order = torch.argsort(est, dim=1, stable=True).flip(1)  # (ties as numpy's [::-1])
+        shape = [v.shape[0]] + [1] * (v.dim() - 1)
+        shape[i + 1] = order.shape[1]
+        v = torch.take_along_dim(v, order.reshape(shape), dim=i + 1)
+        ordered = torch.take_along_dim(q[i], order[:, None, :], dim=2)
+        new[i] = torch.linalg.qr(gg[i] @ ordered).Q.contiguous()
     return new, v
 
 
