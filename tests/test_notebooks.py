@@ -27,6 +27,8 @@ PRINTS = {
     "torch_func.ipynb": ["finite difference", "member 0, vmapped vs alone"],
     "eight_bit_and_memory.ipynb": ["8-bit states", "per parameter"],
     "porting.ipynb": ["ported step count: 30", "back in torch: step 70"],
+    "matrix_optimizers.ipynb": ["final loss of each below half its first",
+                                "normuon row moments"],
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")
