@@ -2,7 +2,15 @@
 
 from typing import Any
 
-from ftopt import dispatch, microbatching, perturbations, projections, schedules, tree
+from ftopt import (
+    assignment,
+    dispatch,
+    microbatching,
+    perturbations,
+    projections,
+    schedules,
+    tree,
+)
 from ftopt.alias import adagrad, adam, adamw, ademamix, lamb, lars, lion, rmsprop, sgd
 from ftopt.alias_matrix import adafactor, muon, normuon, sm3, soap
 from ftopt.alias_more import adan, cocob, dog, dowg, madgrad, mars, rprop
@@ -384,5 +392,5 @@ __all__ += ["projections"]
 # optax's microbatching (ftopt.microbatching): a batch's gradient a slice at a time
 microbatch = microbatching.microbatch
 __all__ += ["microbatching", "microbatch"]
-# optax's perturbations (ftopt.perturbations): smoothing a function by noise
-__all__ += ["perturbations"]
+# optax's perturbations (ftopt.perturbations) and assignment (the Hungarian algorithm)
+__all__ += ["perturbations", "assignment"]

@@ -1172,7 +1172,7 @@ NOT_TRANSFORMS: frozenset[str] = frozenset({
     "ScheduleFreeState", "schedule_free_eval_params", "ProdigyState",
     "LeafSecondMomentState", "NovogradMomentumState",
     "apply_updates", "step", "explain", "schedules", "tree", "projections", "microbatching",
-    "microbatch", "perturbations",
+    "microbatch", "perturbations", "assignment",
     "Optimizer", "from_torch_state_dict", "to_torch_state_dict", "state_dict",
     "from_bnb_state_dict", "to_bnb_state_dict",
     "load_state_dict",

@@ -45,7 +45,7 @@ warmup_cosine_decay_schedule warmup_exponential_decay_schedule yogi zero_nans
 ZoomLinesearchInfo with_extra_args_support inject_stateful_hyperparams
 InjectStatefulHyperparamsState WrappedSchedule optimistic_adam optimistic_adam_v2
 optimistic_gradient_descent init_empty_state selective_transform freeze tree projections
-schedules transforms microbatch microbatching ArrayTree perturbations
+schedules transforms microbatch microbatching ArrayTree perturbations assignment
 """.split()
 
 CONTRIB = """
