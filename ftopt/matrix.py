@@ -55,7 +55,7 @@ from ftopt import tree as tree_lib
 from ftopt.base import EmptyState, GradientTransformation, register_owner
 from ftopt.program import skip_update
 from ftopt.rule_transform import flatten_params_like
-from ftopt.rules import compute_dtype
+from ftopt.rules import check_param, compute_dtype
 from ftopt.validate import check_leaf
 
 __all__ = ["MatrixTransform", "matrix_transform", "is_matrix_2d", "READS"]
@@ -207,6 +207,27 @@ def checked_call(stage: Any, updates: Any, params: Any, extra: dict) -> FlatCall
             check_leaf(path, u, p, params is not None)
     stage.check_shards(call.paths, call.u_flat)
     return call
+
+
+def flat_params(params: Any) -> tuple[Any, list[str], list]:
+    """A stateful stage's ``init``: the params' structure (``None`` a leaf), paths and
+    leaves, each param checked (naming its path)."""
+    spec = optree.tree_structure(params, none_is_leaf=True, namespace="ftopt")
+    paths = [tree_lib.path_str(p) for p in optree.tree_paths(
+        params, none_is_leaf=True, namespace="ftopt")]
+    flat = spec.flatten_up_to(params)
+    for path, p in zip(paths, flat):
+        if p is not None:
+            check_param(path, p)
+    return spec, paths, flat
+
+
+def refuse_split(name: str, path: str, placements: Any, reads: str) -> None:
+    """Raise for a leaf split over ranks that a stage keeps whole state of (``reads``:
+    what of it the stage's state reads)."""
+    raise ValueError(f"{name} at {path}: the leaf is sharded with placements {placements}; "
+                     f"{reads}, which are not sharded: replicate this leaf, or leave it "
+                     "out (partition)")
 
 
 def check_shards(name: str, reads: str, applies: Callable[[Any], bool],

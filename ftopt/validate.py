@@ -35,6 +35,22 @@ def check_layout(what: str, path: str, t: torch.Tensor) -> None:
                         f"({hint})")
 
 
+def check_stage_state(name: str, path: str, s: Any, shape: tuple, device: Any) -> None:
+    """One leaf of a matrix stage's state field ``name``: a dense floating-point tensor of
+    ``shape`` on ``device`` (errors name the field and the leaf's path)."""
+    where = f"state {name} at {path}"
+    if not isinstance(s, torch.Tensor):
+        raise TypeError(f"{where}: expected a tensor, got {type(s).__name__}")
+    check_layout(f"state {name}", path, s)
+    if not s.is_floating_point():
+        raise TypeError(f"{where}: expected a floating-point tensor, got {s.dtype}")
+    if tuple(s.shape) != tuple(shape):
+        raise ValueError(f"{where}: shape {tuple(s.shape)} does not match the update's: "
+                         f"expected {tuple(shape)}")
+    if s.device != device:
+        raise ValueError(f"{where}: on {s.device}, expected {device}")
+
+
 def check_leaf(path: str, u: Any, p: Any, params_given: bool = True) -> None:
     """One leaf's update (gradient) and param: a dense floating-point tensor each, of one
     shape, on one device (``params_given=False``: an update called without params)."""

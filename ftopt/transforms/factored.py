@@ -37,7 +37,7 @@ from ftopt.transforms.factored_batch import (
     stat_zeros,
     sum_over_ranks,
 )
-from ftopt.validate import check_count, check_layout, check_leaf
+from ftopt.validate import check_count, check_leaf, check_stage_state
 
 __all__ = ["FactoredState", "scale_by_factored_rms", "clip_by_block_rms",
            "scale_by_param_block_rms", "factored_dims"]
@@ -174,18 +174,7 @@ class FactoredRms:
             want = ((_without(u.shape, dims[1]), _without(u.shape, dims[0]), (1,))
                     if dims is not None else ((1,), (1,), tuple(u.shape)))
             for name, leaves, shape in zip(("v_row", "v_col", "v"), flat, want):
-                s, where = leaves[i], f"state {name} at {paths[i]}"
-                if not isinstance(s, torch.Tensor):
-                    raise TypeError(f"{where}: expected a tensor, got {type(s).__name__}")
-                check_layout(f"state {name}", paths[i], s)
-                if not s.is_floating_point():
-                    raise TypeError(f"{where}: expected a floating-point tensor, got "
-                                    f"{s.dtype}")
-                if tuple(s.shape) != tuple(shape):
-                    raise ValueError(f"{where}: shape {tuple(s.shape)} does not match the "
-                                     f"update's: expected {tuple(shape)}")
-                if s.device != u.device:
-                    raise ValueError(f"{where}: on {s.device}, expected {u.device}")
+                check_stage_state(name, paths[i], leaves[i], shape, u.device)
 
     # -- update ----------------------------------------------------------------------------
     def update(self, updates, state, params=None, **extra):

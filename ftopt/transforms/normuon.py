@@ -21,20 +21,21 @@ from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.combine import chain
 from ftopt.domains import NONNEG, UNIT_OPEN, check_finite
-from ftopt.matrix import flatten_call, is_matrix_2d
+from ftopt.matrix import flat_params, flatten_call, is_matrix_2d, refuse_split
 from ftopt.program import skip_update
-from ftopt.rules import check_param, compute_dtype, state_dtype
+from ftopt.rules import compute_dtype, state_dtype
 from ftopt.transforms.muon import (
     DEFAULT_NS_COEFFS,
     check_muon_options,
     momentum_stage,
     orthogonalise,
 )
-from ftopt.validate import check_layout, check_leaf
+from ftopt.validate import check_leaf, check_stage_state
 
 __all__ = ["NorMuonState", "scale_by_normuon"]
 
 Float = float | torch.Tensor
+_READS = "NorMuon's row moments and norms read whole matrices"
 
 
 @register_state
@@ -77,28 +78,15 @@ class RowNormalize:
         for path, view in zip(paths, views):
             split = shards.leaf_split(path) if view is not None else None
             if split is not None and split[1]:
-                raise ValueError(
-                    f"{self.name} at {path}: the leaf is sharded with placements "
-                    f"{split[0]}; NorMuon's row moments and norms read whole matrices and "
-                    "are not sharded: replicate this leaf, or leave it out (partition)")
+                refuse_split(self.name, path, split[0], _READS)
 
     # -- init ------------------------------------------------------------------------------
     def init(self, params) -> NorMuonState:
-        spec = optree.tree_structure(params, none_is_leaf=True, namespace="ftopt")
-        paths = [tree_lib.path_str(p) for p in optree.tree_paths(
-            params, none_is_leaf=True, namespace="ftopt")]
-        flat = spec.flatten_up_to(params)
-        for path, p in zip(paths, flat):
-            if p is not None:
-                check_param(path, p)
+        spec, paths, flat = flat_params(params)
         views = self._views(spec, paths, flat, flat)
         for path, p, view in zip(paths, flat, views):
             if view is not None and shards.is_dtensor(p) and shards.split_dims(p):
-                raise ValueError(
-                    f"{self.name} at {path}: the leaf is sharded with placements "
-                    f"{tuple(p.placements)}; NorMuon's row moments and norms read whole "
-                    "matrices and are not sharded: replicate this leaf, or leave it out "
-                    "(partition)")
+                refuse_split(self.name, path, tuple(p.placements), _READS)
         nu = [None if p is None else torch.zeros(
             _nu_shape(p, v), dtype=state_dtype(p), device=p.device)
             for p, v in zip(flat, views)]
@@ -119,18 +107,7 @@ class RowNormalize:
             if u is None:
                 continue
             check_leaf(path, u, p, p is not None)
-            where = f"state row_nu at {path}"
-            if not isinstance(s, torch.Tensor):
-                raise TypeError(f"{where}: expected a tensor, got {type(s).__name__}")
-            check_layout("state row_nu", path, s)
-            if not s.is_floating_point():
-                raise TypeError(f"{where}: expected a floating-point tensor, got {s.dtype}")
-            want = _nu_shape(u, v)
-            if tuple(s.shape) != want:
-                raise ValueError(f"{where}: shape {tuple(s.shape)} does not match the "
-                                 f"update's: expected {want}")
-            if s.device != u.device:
-                raise ValueError(f"{where}: on {s.device}, expected {u.device}")
+            check_stage_state("row_nu", path, s, _nu_shape(u, v), u.device)
         return views
 
     # -- update ----------------------------------------------------------------------------

@@ -28,14 +28,15 @@ from ftopt import tree as tree_lib
 from ftopt._counts import new_count, remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, UNIT_OPEN, check_finite
-from ftopt.matrix import flatten_call
+from ftopt.matrix import flat_params, flatten_call, refuse_split
 from ftopt.program import skip_update
-from ftopt.rules import check_param, compute_dtype, state_dtype
-from ftopt.validate import check_count, check_layout, check_leaf
+from ftopt.rules import compute_dtype, state_dtype
+from ftopt.validate import check_count, check_leaf, check_stage_state
 
 __all__ = ["SoapState", "scale_by_soap"]
 
 _PLACEHOLDER = (0, 0)  # the factor of an axis that is not preconditioned
+_READS = "SOAP's factors and rotations read the whole leaf"
 
 
 @register_state
@@ -83,20 +84,10 @@ class Soap:
 
     # -- init ------------------------------------------------------------------------------
     def init(self, params) -> SoapState:
-        spec = optree.tree_structure(params, none_is_leaf=True, namespace="ftopt")
-        paths = [tree_lib.path_str(p) for p in optree.tree_paths(
-            params, none_is_leaf=True, namespace="ftopt")]
-        flat = spec.flatten_up_to(params)
+        spec, paths, flat = flat_params(params)
         for path, p in zip(paths, flat):
-            if p is None:
-                continue
-            check_param(path, p)
-            if shards.is_dtensor(p) and shards.split_dims(p):
-                raise ValueError(
-                    f"{self.name} at {path}: the leaf is sharded with placements "
-                    f"{tuple(p.placements)}; SOAP's factors and rotations read the whole "
-                    "leaf and are not sharded: replicate this leaf, or leave it out "
-                    "(partition)")
+            if p is not None and shards.is_dtensor(p) and shards.split_dims(p):
+                refuse_split(self.name, path, tuple(p.placements), _READS)
         rank = max((p.dim() for p in flat if p is not None), default=0)
         moments = [None if p is None else torch.zeros(
             p.shape, dtype=self.mu_dtype or state_dtype(p), device=p.device) for p in flat]
@@ -120,10 +111,7 @@ class Soap:
         for path, u in zip(paths, u_flat):
             split = shards.leaf_split(path) if u is not None else None
             if split is not None and split[1]:
-                raise ValueError(
-                    f"{self.name} at {path}: the leaf is sharded with placements "
-                    f"{split[0]}; SOAP reads the whole leaf: replicate it, or leave it out "
-                    "(partition)")
+                refuse_split(self.name, path, split[0], _READS)
 
     def check_state(self, state: Any, u_flat: Sequence[Any], p_flat: Sequence[Any],
                     spec: Any, paths: Sequence[str]) -> None:
@@ -150,18 +138,7 @@ class Soap:
             names = (["exp_avg", "exp_avg_sq"] + [f"gg[{k}]" for k in range(rank)]
                      + [f"q[{k}]" for k in range(rank)])
             for name, leaves, shape in zip(names, flat, want):
-                s, where = leaves[i], f"state {name} at {paths[i]}"
-                if not isinstance(s, torch.Tensor):
-                    raise TypeError(f"{where}: expected a tensor, got {type(s).__name__}")
-                check_layout(f"state {name}", paths[i], s)
-                if not s.is_floating_point():
-                    raise TypeError(f"{where}: expected a floating-point tensor, got "
-                                    f"{s.dtype}")
-                if tuple(s.shape) != tuple(shape):
-                    raise ValueError(f"{where}: shape {tuple(s.shape)} does not match the "
-                                     f"update's: expected {tuple(shape)}")
-                if s.device != u.device:
-                    raise ValueError(f"{where}: on {s.device}, expected {u.device}")
+                check_stage_state(name, paths[i], leaves[i], shape, u.device)
 
     # -- update ----------------------------------------------------------------------------
     def update(self, updates, state, params=None, **extra):
