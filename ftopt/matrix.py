@@ -58,7 +58,7 @@ from ftopt.rule_transform import flatten_params_like
 from ftopt.rules import check_param, compute_dtype
 from ftopt.validate import check_leaf
 
-__all__ = ["MatrixTransform", "matrix_transform", "is_matrix_2d", "READS"]
+__all__ = ["MatrixTransform", "StatefulStage", "matrix_transform", "is_matrix_2d", "READS"]
 
 # What a stage's math reads -> the tensor dims a leaf's shards may split.
 READS = {"rows": frozenset({0}), "leaf": frozenset()}
@@ -168,6 +168,20 @@ class MatrixTransform:
         updates and the stage's new state (``state`` is the stage's own part of the
         chain's state; a stateless stage returns it as it is)."""
         return self.apply_flat(u_flat, zero_flat, self.views(spec, paths, u_flat, p_flat)), state
+
+
+class StatefulStage:
+    """The ``update`` of a stateful matrix stage, from its ``check_state`` and
+    ``run_flat`` (see the module docstring)."""
+
+    matrix_stage = True
+    mask_aware = True
+
+    def update(self, updates, state, params=None, **extra):
+        spec, paths, u_flat, p_flat, zero_flat = flatten_call(updates, params, extra)
+        self.check_state(state, u_flat, p_flat, spec, paths)
+        out, new = self.run_flat(u_flat, zero_flat, state, p_flat, spec, paths)
+        return tree_lib.unflatten(spec, out), new
 
 
 class FlatCall(NamedTuple):

@@ -26,7 +26,7 @@ from ftopt import tree as tree_lib
 from ftopt._counts import new_count, remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, POSITIVE, check_finite
-from ftopt.matrix import flatten_call
+from ftopt.matrix import StatefulStage
 from ftopt.program import skip_update
 from ftopt.rule_transform import rule_transform
 from ftopt.rules import Rule, check_param, compute_dtype, state_dtype
@@ -74,11 +74,9 @@ def _decay_rate_pow(step: Any, exponent: float) -> Any:
     return 1.0 - (step + 1) ** (-exponent)
 
 
-class FactoredRms:
+class FactoredRms(StatefulStage):
     """The stage behind :func:`scale_by_factored_rms` (a stateful matrix stage)."""
 
-    matrix_stage = True
-    mask_aware = True
     name = "scale_by_factored_rms"
 
     def __init__(self, factored: bool, decay_rate: float, step_offset: int,
@@ -176,13 +174,7 @@ class FactoredRms:
             for name, leaves, shape in zip(("v_row", "v_col", "v"), flat, want):
                 check_stage_state(name, paths[i], leaves[i], shape, u.device)
 
-    # -- update ----------------------------------------------------------------------------
-    def update(self, updates, state, params=None, **extra):
-        spec, paths, u_flat, p_flat, zero_flat = flatten_call(updates, params, extra)
-        self.check_state(state, u_flat, p_flat, spec, paths)
-        out, new = self.run_flat(u_flat, zero_flat, state, p_flat, spec, paths)
-        return tree_lib.unflatten(spec, out), new
-
+    # -- update (StatefulStage's) ------------------------------------------------------------
     def run_flat(self, u_flat, zero_flat, state, p_flat, spec, paths):
         """The new updates and state for flat leaves (see :mod:`ftopt.matrix`)."""
         del p_flat

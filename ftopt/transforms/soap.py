@@ -28,7 +28,7 @@ from ftopt import tree as tree_lib
 from ftopt._counts import new_count, remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, UNIT_OPEN, check_finite
-from ftopt.matrix import flat_params, flatten_call, refuse_split
+from ftopt.matrix import StatefulStage, flat_params, refuse_split
 from ftopt.program import skip_update
 from ftopt.rules import compute_dtype, state_dtype
 from ftopt.validate import check_count, check_leaf, check_stage_state
@@ -54,11 +54,9 @@ class SoapState(NamedTuple):
     q: tuple
 
 
-class Soap:
+class Soap(StatefulStage):
     """The stage behind :func:`scale_by_soap`."""
 
-    matrix_stage = True
-    mask_aware = True
     uses_params = False
     name = "scale_by_soap"
     how = "torch, leaves batched by shape: eigh and QR of each factor"
@@ -140,13 +138,7 @@ class Soap:
             for name, leaves, shape in zip(names, flat, want):
                 check_stage_state(name, paths[i], leaves[i], shape, u.device)
 
-    # -- update ----------------------------------------------------------------------------
-    def update(self, updates, state, params=None, **extra):
-        spec, paths, u_flat, p_flat, zero_flat = flatten_call(updates, params, extra)
-        self.check_state(state, u_flat, p_flat, spec, paths)
-        out, new = self.run_flat(u_flat, zero_flat, state, p_flat, spec, paths)
-        return tree_lib.unflatten(spec, out), new
-
+    # -- update (StatefulStage's) ------------------------------------------------------------
     def run_flat(self, u_flat, zero_flat, state, p_flat, spec, paths):
         """The new updates and state for flat leaves (see :mod:`ftopt.matrix`)."""
         del p_flat
