@@ -8,8 +8,10 @@ so the dicts stay current without copies.
 Slot names come from where a slot lives in the state tree: the path of field names,
 indices and keys, shortened to the shortest dotted suffix that is still unique in the
 group (``adamw``: ``mu``, ``nu``; a ``named_chain``: ``adam.mu``). An 8-bit slot is two
-entries, ``<slot>.codes`` (uint8) and ``<slot>.absmax`` (fp32). A tensor shared by all
-params (a step count) is in every param's dict, under ``step`` when it is the only one.
+entries, ``<slot>.codes`` (uint8) and ``<slot>.absmax`` (fp32); a slot holding a list
+of tensors per param (SM3's accumulators, one per dim) is one entry each,
+``<slot>.0``, ``<slot>.1``, ... A tensor shared by all params (a step count) is in every
+param's dict, under ``step`` when it is the only one.
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ def param_views(state: Any, params: Any) -> tuple[list[dict[str, torch.Tensor]],
                 views[i][f"{name}.absmax"] = leaf.absmax
             elif isinstance(leaf, torch.Tensor):
                 views[i][name] = leaf
+            elif isinstance(leaf, (list, tuple)) and all(
+                    isinstance(x, torch.Tensor) for x in leaf):  # (SM3's: one per dim)
+                for k, x in enumerate(leaf):
+                    views[i][f"{name}.{k}"] = x
             else:
                 raise TypeError(f"state at {'.'.join(path)}[{i}]: a {type(leaf).__name__} "
                                 "cannot be kept in a torch state_dict")
@@ -108,6 +114,9 @@ def _check_value(where: str, dst: torch.Tensor, src: Any) -> None:
         if src.dtype != torch.uint8:
             raise TypeError(f"{where}: expected uint8 codes of an 8-bit state, got "
                             f"{src.dtype}")
+    elif dst.dtype == torch.bool:  # (apply_if_finite's last_finite)
+        if src.dtype != torch.bool:
+            raise TypeError(f"{where}: expected a bool flag, got {src.dtype}")
     else:  # a step count: torch keeps it as a float tensor
         if src.is_complex() or src.dtype == torch.bool:
             raise TypeError(f"{where}: expected a number, got {src.dtype}")
