@@ -1112,6 +1112,22 @@ def leaf_state(node: Any, field: str) -> bool:
     """Whether ``field`` of the state ``node`` is one of :data:`LEAF_STATES`."""
     return (type(node).__name__, field) in LEAF_STATES
 
+# Entries that do not run under ``torch.func.vmap`` (an ensemble of models in one call),
+# and why; every other entry's vmapped step equals a loop over the members
+# (tests/test_vmap_catalogue.py, which also checks that these still fail).
+_NONE_IN_STATE = "its state holds None for the leaves a branch leaves out"
+_HOST_COUNT = "it reads its step count on the host to choose a branch"
+_LIVE = "it copies the state's hyperparameters into the inner transform's tensors"
+NOT_UNDER_VMAP: dict[str, str] = {
+    "masked": _NONE_IN_STATE, "partition": _NONE_IN_STATE,
+    "multi_transform": _NONE_IN_STATE, "muon": _NONE_IN_STATE,
+    "muon[dims]": _NONE_IN_STATE, "normuon": _NONE_IN_STATE,
+    "normuon[dims]": _NONE_IN_STATE, "MultiSteps": _HOST_COUNT,
+    "scale_by_soap": _HOST_COUNT, "soap": _HOST_COUNT, "scale_by_galore": _HOST_COUNT,
+    "galore": _HOST_COUNT, "inject_hyperparams": _LIVE,
+    "inject_stateful_hyperparams": _LIVE,
+}
+
 BY_NAME: dict[str, Entry] = {e.name: e for e in TRANSFORMS}
 assert len(BY_NAME) == len(TRANSFORMS), "registry names must be unique"
 
