@@ -1114,7 +1114,7 @@ def leaf_state(node: Any, field: str) -> bool:
 
 # Entries that do not run under ``torch.func.vmap`` (an ensemble of models in one call),
 # and why; every other entry's vmapped step equals a loop over the members
-# (tests/test_vmap_catalogue.py, which also checks that these still fail).
+# (tests/test_func_catalogue.py, which also checks that these still fail).
 _NONE_IN_STATE = "its state holds None for the leaves a branch leaves out"
 _HOST_COUNT = "it reads its step count on the host to choose a branch"
 _LIVE = "it copies the state's hyperparameters into the inner transform's tensors"
@@ -1126,6 +1126,14 @@ NOT_UNDER_VMAP: dict[str, str] = {
     "scale_by_soap": _HOST_COUNT, "soap": _HOST_COUNT, "scale_by_galore": _HOST_COUNT,
     "galore": _HOST_COUNT, "inject_hyperparams": _LIVE,
     "inject_stateful_hyperparams": _LIVE,
+}
+
+# Entries whose update is not differentiated through by the registry suite
+# (tests/test_func_catalogue.py), and why.
+NOT_DIFFERENTIATED: dict[str, str] = {
+    "scale_by_soap": "eigh's derivative is infinite where a factor has repeated "
+                     "eigenvalues, as the rank-deficient factors of the first steps do",
+    "soap": "as scale_by_soap",
 }
 
 BY_NAME: dict[str, Entry] = {e.name: e for e in TRANSFORMS}

@@ -1,14 +1,17 @@
 """Every registry entry (``tests/registry.py``, as a standalone optimizer) under
-``torch.func.vmap``: an ensemble of three models stepped in one vmapped call equals a
-loop over the members, params and state, within fp32 rounding. The entries that cannot
-run under vmap are listed in the registry (``NOT_UNDER_VMAP``, with the reason), and each
-of them is checked to fail still, so that the list stays true."""
+``torch.func``: an ensemble of three models stepped in one vmapped call equals a loop
+over the members, params and state, within fp32 rounding; and the gradient of a loss
+after two steps with respect to the initial params (differentiating through the
+updates, float64) is finite and the same through ``torch.func.grad`` and plain autograd.
+The entries that cannot run under vmap are listed in the registry (``NOT_UNDER_VMAP``,
+with the reason), and each of them is checked to fail still, so that the list stays
+true; those not differentiated through are in ``NOT_DIFFERENTIATED``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from registry import NOT_UNDER_VMAP, TRANSFORMS, names, standalone
+from registry import NOT_DIFFERENTIATED, NOT_UNDER_VMAP, TRANSFORMS, names, standalone
 
 import ftopt
 from ftopt.combine import update_keywords
@@ -70,3 +73,36 @@ def test_the_listed_entries_still_fail_under_vmap(name):
     params, grads_seq = _data()
     with pytest.raises((RuntimeError, ValueError), match="vmap"):
         _vmapped(standalone(name), params, grads_seq)
+
+
+@pytest.mark.parametrize("name", names(e for e in ENTRIES
+                                       if e.name not in NOT_DIFFERENTIATED))
+def test_gradient_through_two_updates(name):
+    tx = standalone(name)
+    gen = torch.Generator().manual_seed(6)
+    params = {"w": torch.randn(4, 5, generator=gen, dtype=torch.float64),
+              "b": torch.randn(5, generator=gen, dtype=torch.float64)}
+    x = torch.randn(8, 4, generator=gen, dtype=torch.float64)
+
+    def loss(p):
+        return (torch.tanh(x @ p["w"] + p["b"]) ** 2).sum()
+
+    def after(p, inner_grad):
+        s = tx.init(p)
+        for _ in range(2):
+            u, s = tx.update(inner_grad(p), s, p)
+            p = ftopt.apply_updates(p, u)
+        return loss(p)
+
+    by_func = torch.func.grad(lambda p: after(p, torch.func.grad(loss)))(params)
+    leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+
+    def autograd_grad(p):
+        return dict(zip(p, torch.autograd.grad(loss(p), list(p.values()),
+                                               create_graph=True)))
+
+    by_autograd = dict(zip(leaves, torch.autograd.grad(after(leaves, autograd_grad),
+                                                       list(leaves.values()))))
+    for k in params:
+        assert bool(torch.isfinite(by_func[k]).all()), k
+        torch.testing.assert_close(by_func[k], by_autograd[k], rtol=1e-9, atol=1e-12)
