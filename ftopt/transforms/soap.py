@@ -288,7 +288,10 @@ def scale_by_soap(
     ``√(1−b2ᵏ)/(1−b1ᵏ)``; then ``GG_i`` updated with g, and when ``k`` is a multiple of
     ``precondition_frequency`` each ``Q_i`` refined (power iteration, QR), ``v`` permuted
     and ``m`` carried into the new basis. Matrix products in fp32 (optax's ``precision``
-    is JAX's; ``qr_dtype`` is fp32 here).
+    is JAX's; ``qr_dtype`` is fp32 here). The step count is read on the host (which
+    branch to run), so the step does not run under ``torch.func.vmap``; and
+    differentiating through it is ill-defined where a factor has repeated eigenvalues
+    (``eigh``'s derivative), as the rank-deficient factors of the first steps do.
 
     Args:
         b1: the momentum's decay, in [0, 1) (default: 0.95).
