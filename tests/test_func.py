@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_checks import assert_vmap_matches_loop
 
 import ftopt
 
@@ -246,37 +247,8 @@ def _ensemble(seed):
 
 @pytest.mark.parametrize("name", sorted(VMAP))
 def test_vmap_ensemble_equals_loop(name):
-    tx = VMAP[name]()
     params, grads_seq = _ensemble(SEED + 10)
-
-    def one(p, g, s):
-        u, s = tx.update(g, s, p)
-        return ftopt.apply_updates(p, u), s
-
-    state = torch.func.vmap(tx.init)(params)
-    p = params
-    for g in grads_seq:
-        p, state = torch.func.vmap(one)(p, g, state)
-
-    for m in range(M):
-        pm = {k: v[m] for k, v in params.items()}
-        sm = tx.init(pm)
-        for g in grads_seq:
-            u, sm = tx.update({k: v[m] for k, v in g.items()}, sm, pm)
-            pm = ftopt.apply_updates(pm, u)
-        for k in pm:
-            torch.testing.assert_close(p[k][m], pm[k], rtol=1e-6, atol=1e-7 * float(
-                pm[k].abs().max().clamp_min(1.0)), msg=f"member {m} leaf {k}")
-        loop_leaves = ftopt.tree.leaves(sm)
-        vmap_leaves = ftopt.tree.leaves(state)
-        assert len(loop_leaves) == len(vmap_leaves)
-        for a, b in zip(vmap_leaves, loop_leaves):
-            assert a.shape[0] == M and a[m].shape == b.shape
-            if a.is_floating_point():
-                torch.testing.assert_close(a[m], b, rtol=1e-6, atol=1e-7 * float(
-                    b.abs().max().clamp_min(1.0)))
-            else:
-                assert torch.equal(a[m], b)
+    p = assert_vmap_matches_loop(VMAP[name](), params, grads_seq, 1e-6, 1e-7)
     # The params really moved (the test can fail by doing nothing).
     assert not torch.equal(p["b"], params["b"])
 

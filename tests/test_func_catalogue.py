@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from registry import NOT_DIFFERENTIATED, NOT_UNDER_VMAP, TRANSFORMS, names, standalone
+from step_checks import assert_vmap_matches_loop, vmapped_steps
 
 import ftopt
 from ftopt.combine import update_keywords
@@ -30,40 +31,11 @@ def _data():
     return params, grads
 
 
-def _vmapped(tx, params, grads_seq):
-    def one(p, g, s):
-        u, s = tx.update(g, s, p)
-        return ftopt.apply_updates(p, u), s
-
-    state = torch.func.vmap(tx.init)(params)
-    p = params
-    for g in grads_seq:
-        p, state = torch.func.vmap(one)(p, g, state)
-    return p, state
-
-
 @pytest.mark.parametrize("name", names(e for e in ENTRIES if e.name not in NOT_UNDER_VMAP))
 def test_vmapped_ensemble_equals_a_loop(name):
-    e = next(x for x in ENTRIES if x.name == name)
-    tx = standalone(e)
     params, grads_seq = _data()
-    p, state = _vmapped(tx, params, grads_seq)
-    for m in range(M):
-        pm = {k: v[m] for k, v in params.items()}
-        sm = tx.init(pm)
-        for g in grads_seq:
-            u, sm = tx.update({k: v[m] for k, v in g.items()}, sm, pm)
-            pm = ftopt.apply_updates(pm, u)
-        for k in pm:
-            torch.testing.assert_close(p[k][m], pm[k], rtol=1e-5, atol=1e-6 * float(
-                pm[k].abs().max().clamp_min(1.0)), msg=f"member {m} leaf {k}")
-        for a, b in zip(ftopt.tree.leaves(state), ftopt.tree.leaves(sm), strict=True):
-            if a.is_floating_point():
-                torch.testing.assert_close(a[m], b, rtol=1e-5, atol=1e-6 * float(
-                    b.abs().max().clamp_min(1.0)) if b.numel() else 0.0)
-            else:
-                assert torch.equal(a[m], b)
-    if e.moves:
+    p = assert_vmap_matches_loop(standalone(name), params, grads_seq, 1e-5, 1e-6)
+    if next(e for e in ENTRIES if e.name == name).moves:
         assert not torch.equal(p["b"], params["b"])
 
 
@@ -72,7 +44,7 @@ def test_the_listed_entries_still_fail_under_vmap(name):
     """A fix that makes one of them run should take it off the registry's list."""
     params, grads_seq = _data()
     with pytest.raises((RuntimeError, ValueError), match="vmap"):
-        _vmapped(standalone(name), params, grads_seq)
+        vmapped_steps(standalone(name), params, grads_seq)
 
 
 @pytest.mark.parametrize("name", names(e for e in ENTRIES
