@@ -111,28 +111,35 @@ class MuonRef:
 
     def step(self, params, grads):
         self.t += 1
-        t, out = self.t, {}
+        out = {}
         for k, p in params.items():
             g, p = grads[k].double(), p.double()
             if g.dim() == 2:
-                bt = self.beta
+                bt, t = self.beta, self.t
                 mu = bt * self.mu.get(k, 0.0) + (1 - bt) * g
                 self.mu[k] = mu
                 m_hat = bt * mu / (1 - bt ** (t + 1)) + (1 - bt) * g / (1 - bt**t)
-                o = _ns64(m_hat)
-                if self.adaptive:
-                    o = (m_hat * o).sum() * o
-                o = o * math.sqrt(max(1.0, g.shape[1] / g.shape[0]))
-                u = o + self.wd * p
+                u = self.matrix(k, m_hat) + self.wd * p
             else:
-                b1, b2 = self.b1, self.b2
-                mu = b1 * self.mu.get(k, 0.0) + (1 - b1) * g
-                nu = b2 * self.nu.get(k, 0.0) + (1 - b2) * g * g
-                self.mu[k], self.nu[k] = mu, nu
-                m_hat = b1 * mu / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1**t)
-                u = m_hat / ((nu / (1 - b2**t)).sqrt() + self.eps) + self.adam_wd * p
+                u = self.adam(k, g) + self.adam_wd * p
             out[k] = p - self.lr * u
         return out
+
+    def matrix(self, k, m_hat):
+        """Muon's update of the matrix leaf ``k`` from its momentum ``m_hat``."""
+        o = _ns64(m_hat)
+        if self.adaptive:
+            o = (m_hat * o).sum() * o
+        return o * math.sqrt(max(1.0, m_hat.shape[1] / m_hat.shape[0]))
+
+    def adam(self, k, g):
+        """AdamW's update (nesterov, no decay) of the leaf ``k``."""
+        b1, b2, t = self.b1, self.b2, self.t
+        mu = b1 * self.mu.get(k, 0.0) + (1 - b1) * g
+        nu = b2 * self.nu.get(k, 0.0) + (1 - b2) * g * g
+        self.mu[k], self.nu[k] = mu, nu
+        m_hat = b1 * mu / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1**t)
+        return m_hat / ((nu / (1 - b2**t)).sqrt() + self.eps)
 
 
 def _adafactor_pair(**kw):

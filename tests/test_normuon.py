@@ -12,6 +12,7 @@ import torch
 from step_checks import fresh_generator
 
 import ftopt
+from tests.test_matrix_optimizers import MuonRef
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D = ftopt.MuonDimensionNumbers
@@ -34,43 +35,24 @@ def _ns64(x: torch.Tensor, coeffs=(COEFFS,) * 5, eps: float = 1e-8) -> torch.Ten
     return y.T if tall else y
 
 
-class NorMuonRef:
+class NorMuonRef(MuonRef):
     """optax.contrib.normuon(lr, beta, beta2, eps, weight_decay, normuon_scale=s) in
     float64: 2-D leaves NorMuon then scale_by_shape, the others AdamW (nesterov, as optax
-    passes it)."""
+    passes it): Muon's reference with the matrix update replaced."""
 
     def __init__(self, lr, beta=0.95, beta2=0.95, eps=1e-8, wd=0.0, scale=0.2,
                  coeffs=(COEFFS,) * 5):
-        self.lr, self.beta, self.beta2, self.eps, self.wd = lr, beta, beta2, eps, wd
-        self.scale, self.coeffs = scale, coeffs
-        self.t, self.mu, self.nu = 0, {}, {}
+        super().__init__(lr, beta=beta, wd=wd, eps=eps)
+        self.beta2, self.scale, self.coeffs, self.row_nu = beta2, scale, coeffs, {}
 
-    def step(self, params, grads):
-        self.t += 1
-        t, out = self.t, {}
-        for k, p in params.items():
-            g, p = grads[k].double(), p.double()
-            if g.dim() == 2:
-                bt = self.beta
-                mu = bt * self.mu.get(k, 0.0) + (1 - bt) * g
-                self.mu[k] = mu
-                m_hat = bt * mu / (1 - bt ** (t + 1)) + (1 - bt) * g / (1 - bt**t)
-                o = _ns64(m_hat, self.coeffs, self.eps)
-                nu = self.beta2 * self.nu.get(k, 0.0) + (1 - self.beta2) * (o * o).mean(-1)
-                self.nu[k] = nu
-                o_hat = o / (nu.sqrt()[:, None] + self.eps)
-                m, n = g.shape
-                u = o_hat * self.scale * math.sqrt(m * n) / (o_hat.norm() + self.eps)
-                u = u * math.sqrt(max(1.0, n / m)) + self.wd * p
-            else:
-                b1, b2 = 0.9, 0.999
-                mu = b1 * self.mu.get(k, 0.0) + (1 - b1) * g
-                nu = b2 * self.nu.get(k, 0.0) + (1 - b2) * g * g
-                self.mu[k], self.nu[k] = mu, nu
-                m_hat = b1 * mu / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1**t)
-                u = m_hat / ((nu / (1 - b2**t)).sqrt() + self.eps)
-            out[k] = p - self.lr * u
-        return out
+    def matrix(self, k, m_hat):
+        o = _ns64(m_hat, self.coeffs, self.eps)
+        nu = self.beta2 * self.row_nu.get(k, 0.0) + (1 - self.beta2) * (o * o).mean(-1)
+        self.row_nu[k] = nu
+        o_hat = o / (nu.sqrt()[:, None] + self.eps)
+        m, n = m_hat.shape
+        u = o_hat * self.scale * math.sqrt(m * n) / (o_hat.norm() + self.eps)
+        return u * math.sqrt(max(1.0, n / m))
 
 
 @pytest.mark.parametrize("case", [{}, {"beta2": 0.5, "normuon_scale": 0.7,
