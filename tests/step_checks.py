@@ -216,3 +216,21 @@ def assert_vmap_matches_loop(tx: Any, params: dict, grads_seq: list, rtol: float
             else:
                 assert torch.equal(a[m], b)
     return p
+
+
+def assert_state_dict_resumes(tx: Any, params: dict, grads: list, split: int,
+                              backend: str) -> None:
+    """``split`` steps, ``ftopt.state_dict`` (copied), the remaining steps; then the same
+    remaining steps from a fresh ``init`` loaded with the copy: the same params, bit for
+    bit."""
+    state = tx.init(params)
+    for g in grads[:split]:
+        params, state = ftopt.step(tx, params, g, state, backend=backend)
+    saved = ftopt.tree.map(torch.clone, ftopt.state_dict(state, tx, params))
+    resumed = ftopt.tree.map(torch.clone, params)
+    for g in grads[split:]:
+        params, state = ftopt.step(tx, params, g, state, backend=backend)
+    loaded = ftopt.load_state_dict(tx.init(resumed), tx, resumed, saved)
+    for g in grads[split:]:
+        resumed, loaded = ftopt.step(tx, resumed, g, loaded, backend=backend)
+    assert all(torch.equal(resumed[k], params[k]) for k in params)

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from step_checks import fresh_generator
+from step_checks import assert_state_dict_resumes, fresh_generator
 
 import ftopt
 from tests.test_matrix_optimizers import MuonRef
@@ -190,15 +190,5 @@ def test_checkpoint_continues_bit_for_bit(backend):
     gen = fresh_generator()
     tx = ftopt.normuon(1e-2, ns_dtype=torch.float32, weight_decay=0.1)
     params = _tree(gen)
-    state = tx.init(params)
     grads = [_tree(gen) for _ in range(4)]
-    for g in grads[:2]:
-        params, state = ftopt.step(tx, params, g, state, backend=backend)
-    saved = ftopt.tree.map(torch.clone, ftopt.state_dict(state, tx, params))
-    resumed_p = ftopt.tree.map(torch.clone, params)
-    for g in grads[2:]:
-        params, state = ftopt.step(tx, params, g, state, backend=backend)
-    loaded = ftopt.load_state_dict(tx.init(resumed_p), tx, resumed_p, saved)
-    for g in grads[2:]:
-        resumed_p, loaded = ftopt.step(tx, resumed_p, g, loaded, backend=backend)
-    assert all(torch.equal(resumed_p[k], params[k]) for k in params)
+    assert_state_dict_resumes(tx, params, grads, 2, backend)

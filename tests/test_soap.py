@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from step_checks import fresh_generator
+from step_checks import assert_state_dict_resumes, fresh_generator
 
 import ftopt
 
@@ -187,18 +187,8 @@ def test_checkpoint_continues_bit_for_bit(backend):
     gen = fresh_generator()
     tx = ftopt.soap(1e-2, max_precond_dim=8, precondition_frequency=2, weight_decay=0.1)
     params = _tree(gen)
-    state = tx.init(params)
     grads = [_tree(gen) for _ in range(6)]
-    for g in grads[:3]:
-        params, state = ftopt.step(tx, params, g, state, backend=backend)
-    saved = ftopt.tree.map(torch.clone, ftopt.state_dict(state, tx, params))
-    resumed = ftopt.tree.map(torch.clone, params)
-    for g in grads[3:]:
-        params, state = ftopt.step(tx, params, g, state, backend=backend)
-    loaded = ftopt.load_state_dict(tx.init(resumed), tx, resumed, saved)
-    for g in grads[3:]:
-        resumed, loaded = ftopt.step(tx, resumed, g, loaded, backend=backend)
-    assert all(torch.equal(resumed[k], params[k]) for k in params)
+    assert_state_dict_resumes(tx, params, grads, 3, backend)
 
 
 @pytest.mark.parametrize("backend", ["eager", "fused"])
