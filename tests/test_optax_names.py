@@ -46,6 +46,8 @@ ZoomLinesearchInfo with_extra_args_support inject_stateful_hyperparams
 InjectStatefulHyperparamsState WrappedSchedule optimistic_adam optimistic_adam_v2
 optimistic_gradient_descent init_empty_state selective_transform freeze tree projections
 schedules transforms microbatch microbatching ArrayTree perturbations assignment
+contrib tree_utils tree_map_params bias_correction update_moment update_infinity_moment
+update_moment_per_elem_norm
 """.split()
 
 CONTRIB = """
@@ -63,6 +65,18 @@ DifferentiallyPrivateAggregateState dpsgd prodigy ProdigyState reduce_on_plateau
 ReduceLROnPlateauState normalize NormalizeState sam SAMState schedule_free schedule_free_adamw
 schedule_free_eval_params schedule_free_sgd ScheduleFreeState
 hutchinson_estimator_diag_hessian HutchinsonState sophia SophiaState
+""".split()
+
+
+# optax.tree_utils, less JAX's PRNG-key helpers (tree_split_key_like,
+# tree_unwrap_random_key_data)
+TREE_UTILS = """
+NamedTupleKey tree_add tree_add_scale tree_allclose tree_batch_shape tree_bias_correction
+tree_cast tree_cast_like tree_clip tree_conj tree_div tree_dtype tree_full_like tree_get
+tree_get_all_with_path tree_map_params tree_max tree_min tree_mul tree_norm tree_ones_like
+tree_random_like tree_real tree_scale tree_set tree_size tree_sub tree_sum
+tree_update_infinity_moment tree_update_moment tree_update_moment_per_elem_norm tree_vdot
+tree_where tree_zeros_like
 """.split()
 
 
@@ -90,3 +104,21 @@ def test_the_stateless_transforms_states_are_optax_s_aliases():
     assert isinstance(ftopt.apply_every(2).init(params), ftopt.ApplyEvery)
     built = ftopt.GradientTransformationExtraArgs(*ftopt.sgd(0.1))
     assert isinstance(built, ftopt.GradientTransformation)
+
+
+def test_contrib_holds_optax_contrib_s_names_as_the_top_level_s_objects():
+    names = set(CONTRIB) | {"MuonDimensionNumbers"}
+    assert set(ftopt.contrib.__all__) == names
+    differ = [n for n in names if getattr(ftopt.contrib, n) is not getattr(ftopt, n)]
+    assert not differ, differ
+
+
+def test_tree_utils_holds_ftopt_tree_s_functions_under_optax_s_older_names():
+    assert set(ftopt.tree_utils.__all__) == set(TREE_UTILS)
+    for name in TREE_UTILS:
+        plain = name.removeprefix("tree_")
+        assert getattr(ftopt.tree_utils, name) is getattr(ftopt.tree, plain), name
+    for name in ["bias_correction", "update_moment", "update_infinity_moment",
+                 "update_moment_per_elem_norm"]:
+        assert getattr(ftopt, name) is getattr(ftopt.tree, name), name
+    assert ftopt.tree_map_params is ftopt.tree.map_params
