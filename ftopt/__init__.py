@@ -6,6 +6,7 @@ from ftopt import (
     assignment,
     contrib,
     dispatch,
+    experimental,
     microbatching,
     perturbations,
     projections,
@@ -396,12 +397,13 @@ microbatch = microbatching.microbatch
 __all__ += ["microbatching", "microbatch"]
 # optax's perturbations (ftopt.perturbations) and assignment (the Hungarian algorithm)
 __all__ += ["perturbations", "assignment"]
-# optax's namespaces ``optax.contrib`` and ``optax.tree_utils`` (``tree_``-prefixed names),
+# optax's namespaces ``optax.contrib``, ``optax.experimental`` (per-example aggregators)
+# and ``optax.tree_utils`` (``tree_``-prefixed names),
 # and its top-level names for tree helpers
 tree_map_params = tree.map_params
 bias_correction = tree.bias_correction
 update_moment = tree.update_moment
 update_infinity_moment = tree.update_infinity_moment
 update_moment_per_elem_norm = tree.update_moment_per_elem_norm
-__all__ += ["contrib", "tree_utils", "tree_map_params", "bias_correction", "update_moment",
-            "update_infinity_moment", "update_moment_per_elem_norm"]
+__all__ += ["contrib", "experimental", "tree_utils", "tree_map_params", "bias_correction",
+            "update_moment", "update_infinity_moment", "update_moment_per_elem_norm"]

@@ -46,7 +46,7 @@ ZoomLinesearchInfo with_extra_args_support inject_stateful_hyperparams
 InjectStatefulHyperparamsState WrappedSchedule optimistic_adam optimistic_adam_v2
 optimistic_gradient_descent init_empty_state selective_transform freeze tree projections
 schedules transforms microbatch microbatching ArrayTree perturbations assignment
-contrib tree_utils tree_map_params bias_correction update_moment update_infinity_moment
+contrib experimental tree_utils tree_map_params bias_correction update_moment update_infinity_moment
 update_moment_per_elem_norm
 """.split()
 
