@@ -7,6 +7,7 @@ from ftopt import (
     contrib,
     dispatch,
     experimental,
+    losses,
     microbatching,
     perturbations,
     projections,
@@ -407,3 +408,31 @@ update_infinity_moment = tree.update_infinity_moment
 update_moment_per_elem_norm = tree.update_moment_per_elem_norm
 __all__ += ["contrib", "experimental", "tree_utils", "tree_map_params", "bias_correction",
             "update_moment", "update_infinity_moment", "update_moment_per_elem_norm"]
+# optax's losses (ftopt.losses), and the ones optax also names at its top level
+convex_kl_divergence = losses.convex_kl_divergence
+cosine_distance = losses.cosine_distance
+cosine_similarity = losses.cosine_similarity
+ctc_loss = losses.ctc_loss
+ctc_loss_with_forward_probs = losses.ctc_loss_with_forward_probs
+generalized_kl_divergence = losses.generalized_kl_divergence
+hinge_loss = losses.hinge_loss
+huber_loss = losses.huber_loss
+kl_divergence = losses.kl_divergence
+l2_loss = losses.l2_loss
+log_cosh = losses.log_cosh
+ntxent = losses.ntxent
+safe_softmax_cross_entropy = losses.safe_softmax_cross_entropy
+sigmoid_binary_cross_entropy = losses.sigmoid_binary_cross_entropy
+sigmoid_focal_loss = losses.sigmoid_focal_loss
+smooth_labels = losses.smooth_labels
+softmax_cross_entropy = losses.softmax_cross_entropy
+softmax_cross_entropy_with_integer_labels = losses.softmax_cross_entropy_with_integer_labels
+squared_error = losses.squared_error
+_TOP_LEVEL_LOSSES = [
+    "convex_kl_divergence", "cosine_distance", "cosine_similarity", "ctc_loss",
+    "ctc_loss_with_forward_probs", "generalized_kl_divergence", "hinge_loss", "huber_loss",
+    "kl_divergence", "l2_loss", "log_cosh", "ntxent", "safe_softmax_cross_entropy",
+    "sigmoid_binary_cross_entropy", "sigmoid_focal_loss", "smooth_labels",
+    "softmax_cross_entropy", "softmax_cross_entropy_with_integer_labels", "squared_error",
+]
+__all__ += ["losses", *_TOP_LEVEL_LOSSES]

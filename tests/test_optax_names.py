@@ -1,6 +1,6 @@
-"""optax's top-level names (its optimizers, transforms, wrappers, schedules, types and
-states; not its losses) and optax.contrib's exist in ftopt, and the aliases of states
-and types are what optax makes them."""
+"""optax's top-level names (its optimizers, transforms, wrappers, schedules, types, states
+and losses) and optax.contrib's and optax.losses' exist in ftopt, and the aliases of
+states and types are what optax makes them."""
 
 from __future__ import annotations
 
@@ -47,7 +47,11 @@ InjectStatefulHyperparamsState WrappedSchedule optimistic_adam optimistic_adam_v
 optimistic_gradient_descent init_empty_state selective_transform freeze tree projections
 schedules transforms microbatch microbatching ArrayTree perturbations assignment
 contrib experimental tree_utils tree_map_params bias_correction update_moment update_infinity_moment
-update_moment_per_elem_norm
+update_moment_per_elem_norm losses
+convex_kl_divergence cosine_distance cosine_similarity ctc_loss ctc_loss_with_forward_probs
+generalized_kl_divergence hinge_loss huber_loss kl_divergence l2_loss log_cosh ntxent
+safe_softmax_cross_entropy sigmoid_binary_cross_entropy sigmoid_focal_loss smooth_labels
+softmax_cross_entropy softmax_cross_entropy_with_integer_labels squared_error
 """.split()
 
 CONTRIB = """
@@ -67,6 +71,17 @@ schedule_free_eval_params schedule_free_sgd ScheduleFreeState
 hutchinson_estimator_diag_hessian HutchinsonState sophia SophiaState
 """.split()
 
+
+LOSSES = """
+convex_kl_divergence ctc_loss ctc_loss_with_forward_probs generalized_kl_divergence
+hinge_loss kl_divergence kl_divergence_with_log_targets multiclass_hinge_loss
+multiclass_perceptron_loss multiclass_sparsemax_loss perceptron_loss poly_loss_cross_entropy
+safe_softmax_cross_entropy sigmoid_binary_cross_entropy sigmoid_focal_loss
+softmax_cross_entropy softmax_cross_entropy_with_integer_labels sparsemax_loss
+make_fenchel_young_loss ranking_softmax_loss cosine_distance cosine_similarity huber_loss
+l2_loss log_cosh squared_error binary_dice_loss dice_loss multiclass_generalized_dice_loss
+ntxent triplet_margin_loss smooth_labels
+""".split()
 
 # optax.tree_utils, less JAX's PRNG-key helpers (tree_split_key_like,
 # tree_unwrap_random_key_data)
@@ -122,3 +137,11 @@ def test_tree_utils_holds_ftopt_tree_s_functions_under_optax_s_older_names():
                  "update_moment_per_elem_norm"]:
         assert getattr(ftopt, name) is getattr(ftopt.tree, name), name
     assert ftopt.tree_map_params is ftopt.tree.map_params
+
+
+def test_losses_holds_optax_losses_names_and_the_top_level_names_them_too():
+    assert set(ftopt.losses.__all__) == set(LOSSES)
+    top = [n for n in OPTAX if n in LOSSES]
+    assert len(top) == 19
+    differ = [n for n in top if getattr(ftopt, n) is not getattr(ftopt.losses, n)]
+    assert not differ, differ
