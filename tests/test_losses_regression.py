@@ -72,13 +72,15 @@ def test_squared_error_and_l2_loss_match_the_formula_and_mse_loss():
 
 def test_squared_error_errors():
     p = torch.ones(4)
-    with pytest.raises(ValueError, match=r"targets must have predictions' shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"squared_error: targets must have predictions' "
+                                         r"shape \(4,\), got \(4, 1\)"):
         squared_error(p, torch.ones(4, 1))
-    with pytest.raises(ValueError, match="targets must have predictions' shape"):
+    with pytest.raises(ValueError, match="l2_loss: targets must have predictions' shape"):
         l2_loss(p, torch.ones(1))  # broadcastable, but optax asks for equal shapes
-    with pytest.raises(TypeError, match="predictions must have a real floating-point"):
+    with pytest.raises(TypeError, match="squared_error: predictions must be a real "
+                                        "floating-point tensor, got torch.int64"):
         squared_error(torch.ones(4, dtype=torch.int64))
-    with pytest.raises(TypeError, match="targets must be a torch.Tensor, got list"):
+    with pytest.raises(TypeError, match="l2_loss: targets must be a torch.Tensor, got list"):
         l2_loss(p, [1.0] * 4)
 
 
@@ -118,12 +120,13 @@ def test_huber_loss_optax_values_and_tensor_delta():
 
 
 def test_huber_loss_errors():
-    with pytest.raises(ValueError, match="delta must be > 0, got 0"):
+    with pytest.raises(ValueError, match="huber_loss: delta must be > 0, got 0"):
         huber_loss(torch.ones(3), delta=0)
-    with pytest.raises(TypeError, match="delta must be a real number or a tensor"):
+    with pytest.raises(TypeError, match="huber_loss: delta must be a real number or a tensor"):
         huber_loss(torch.ones(3), delta="1")
-    with pytest.raises(ValueError, match=r"shapes do not broadcast: predictions \(3,\), "
-                                         r"targets \(4,\)"):
+    with pytest.raises(ValueError, match=r"huber_loss: predictions and targets must have "
+                                         r"shapes that broadcast together, got \(3,\) and "
+                                         r"\(4,\)"):
         huber_loss(torch.ones(3), torch.ones(4))
 
 
@@ -267,22 +270,30 @@ def test_cosine_gradients_and_vmap():
 
 def test_cosine_errors():
     p = torch.ones(3, 4)
-    with pytest.raises(ValueError, match=r"shapes do not broadcast: predictions \(3, 4\), "
-                                         r"targets \(3, 5\)"):
+    with pytest.raises(ValueError, match=r"cosine_similarity: predictions and targets must "
+                                         r"have shapes that broadcast together, got "
+                                         r"\(3, 4\) and \(3, 5\)"):
         cosine_similarity(p, torch.ones(3, 5))
-    with pytest.raises(ValueError, match=r"where \(2, 4\)"):
+    with pytest.raises(ValueError, match=r"cosine_similarity: predictions, targets and where "
+                                         r"must have shapes that broadcast together, got "
+                                         r"\(3, 4\), \(3, 4\) and \(2, 4\)"):
         cosine_similarity(p, p, where=torch.ones(2, 4, dtype=torch.bool))
-    with pytest.raises(TypeError, match="where must be a bool tensor, got dtype torch.int64"):
+    with pytest.raises(TypeError, match="cosine_distance: where must be a bool tensor, got "
+                                        "torch.int64"):
         cosine_distance(p, p, where=torch.ones(3, 4, dtype=torch.int64))
-    with pytest.raises(ValueError, match="axis=2 is out of range for a tensor of 2"):
+    with pytest.raises(ValueError, match=r"cosine_similarity: axis must be in \[-2, 2\) for a "
+                                         r"tensor of 2 dimension\(s\), got 2"):
         cosine_similarity(p, p, axis=2)
-    with pytest.raises(ValueError, match=r"axis=\(1, -1\) repeats a dimension"):
+    with pytest.raises(ValueError, match=r"cosine_similarity: axis must not repeat a "
+                                         r"dimension, got \(1, -1\)"):
         cosine_similarity(p, p, axis=(1, -1))
-    with pytest.raises(TypeError, match="axis must be an int, a sequence of ints or None"):
+    with pytest.raises(TypeError, match="cosine_similarity: axis must be an int, a sequence "
+                                        "of ints or None, got 1.0"):
         cosine_similarity(p, p, axis=1.0)
-    with pytest.raises(TypeError, match="targets must have a real floating-point dtype"):
+    with pytest.raises(TypeError, match="cosine_distance: targets must be a real "
+                                        "floating-point tensor, got torch.int32"):
         cosine_distance(p, torch.ones(3, 4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="epsilon must be >= 0, got -0.001"):
+    with pytest.raises(ValueError, match="cosine_similarity: epsilon must be >= 0, got -0.001"):
         cosine_similarity(p, p, epsilon=-1e-3)
 
 
@@ -394,11 +405,13 @@ def test_dice_apply_softmax_false_checks_probabilities_eagerly():
     gen = fresh_generator()
     probs = torch.softmax(randn(gen, 2, 4, 3), -1)
     targets = one_hot(gen, 2, 4, classes=3)
-    with pytest.raises(ValueError, match="must be valid probability distributions that "
-                                         "sum to 1 along the class axis"):
+    with pytest.raises(ValueError, match="dice_loss: predictions must be valid probability "
+                                         "distributions that sum to 1 along the class axis "
+                                         r"\(the last\) when apply_softmax=False, got sums"):
         dice_loss(torch.rand(2, 4, 3, generator=gen) + 0.1, targets, apply_softmax=False)
-    with pytest.raises(ValueError, match=r"single-channel predictions must be valid "
-                                         r"probabilities in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"binary_dice_loss: predictions must be valid "
+                                         r"probabilities in \[0, 1\] when apply_sigmoid=False "
+                                         r"\(a single channel\), got values in"):
         binary_dice_loss(randn(gen, 2, 4) + 3.0, targets[..., 0], apply_sigmoid=False)
     # Under vmap the values are not read: the loss is computed as given.
     batched = torch.func.vmap(lambda p, t: dice_loss(p[None], t[None],
@@ -423,26 +436,32 @@ def test_dice_gradients_and_vmap():
 
 def test_dice_errors():
     p, t = torch.zeros(2, 4, 4, 3), torch.zeros(2, 4, 4, 2)
-    with pytest.raises(ValueError, match=r"targets of shape \(2, 4, 4, 2\) do not match "
-                                         r"predictions of shape \(2, 4, 4, 3\)"):
+    with pytest.raises(ValueError, match=r"dice_loss: targets must have the shape of "
+                                         r"predictions \(2, 4, 4, 3\) .*, got \(2, 4, 4, 2\)"):
         dice_loss(p, t)
-    with pytest.raises(ValueError, match=r"targets of shape \(2, 4, 4, 2\) do not match"):
+    with pytest.raises(ValueError, match=r"multiclass_generalized_dice_loss: targets must "
+                                         r"have the shape of predictions \(2, 4, 4, 3\)"):
         multiclass_generalized_dice_loss(p, t)
     t = torch.zeros(2, 4, 4, 3)
-    with pytest.raises(ValueError, match="reduction must be one of .* got 'max'"):
+    with pytest.raises(ValueError, match="dice_loss: reduction must be one of .* got 'max'"):
         dice_loss(p, t, reduction="max")
-    with pytest.raises(ValueError, match=r"class_weights must be 1-D .* shape \(1, 3\)"):
+    with pytest.raises(ValueError, match=r"dice_loss: class_weights must be 1-D .* shape "
+                                         r"\(1, 3\)"):
         dice_loss(p, t, class_weights=torch.ones(1, 3))
-    with pytest.raises(ValueError, match=r"class_weights of shape \(2,\) do not match the "
-                                         r"per-class losses of shape \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"dice_loss: class_weights must have one weight per "
+                                         r"class of the per-class losses of shape \(2, 3\), "
+                                         r"got shape \(2,\)"):
         dice_loss(p, t, class_weights=torch.ones(2))
-    with pytest.raises(TypeError, match="predictions must have a real floating-point"):
+    with pytest.raises(TypeError, match="binary_dice_loss: predictions must be a real "
+                                        "floating-point tensor, got torch.int64"):
         binary_dice_loss(torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 4))
-    with pytest.raises(ValueError, match="need a class axis"):
+    with pytest.raises(ValueError, match="dice_loss: predictions and targets must have a "
+                                         "class axis"):
         dice_loss(torch.tensor(0.5), torch.tensor(1.0))
-    with pytest.raises(ValueError, match="smooth must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="dice_loss: smooth must be >= 0, got -1"):
         dice_loss(p, t, smooth=-1.0)
-    with pytest.raises(ValueError, match="axis=4 is out of range for a tensor of 4"):
+    with pytest.raises(ValueError, match=r"dice_loss: axis must be in \[-4, 4\) for a tensor "
+                                         r"of 4 dimension\(s\), got 4"):
         dice_loss(p, t, axis=4)
 
 
@@ -506,14 +525,16 @@ def test_ntxent_gradients_and_vmap():
 
 def test_ntxent_errors():
     z = torch.ones(4, 3)
-    with pytest.raises(ValueError, match=r"labels must be 1-D with one label per "
+    with pytest.raises(ValueError, match=r"ntxent: labels must be 1-D with one label per "
                                          r"embedding \(4\), got shape \(3,\)"):
         ntxent(z, torch.zeros(3))
-    with pytest.raises(ValueError, match=r"embeddings must be 2-D \[batch, features\]"):
+    with pytest.raises(ValueError, match=r"ntxent: embeddings must be 2-D \[batch, "
+                                         r"features\], got shape \(4,\)"):
         ntxent(torch.ones(4), torch.zeros(4))
-    with pytest.raises(TypeError, match="embeddings must have a real floating-point"):
+    with pytest.raises(TypeError, match="ntxent: embeddings must be a real floating-point "
+                                        "tensor, got torch.int64"):
         ntxent(torch.ones(4, 3, dtype=torch.int64), torch.zeros(4))
-    with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
+    with pytest.raises(ValueError, match="ntxent: temperature must be > 0, got 0"):
         ntxent(z, torch.zeros(4), temperature=0.0)
 
 
@@ -565,16 +586,20 @@ def test_triplet_margin_loss_example_gradients_and_vmap():
 
 def test_triplet_margin_loss_errors():
     x = torch.ones(4, 3)
-    with pytest.raises(ValueError, match=r"shapes do not broadcast: anchors \(4, 3\), "
-                                         r"positives \(4, 3\), negatives \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"triplet_margin_loss: anchors, positives and "
+                                         r"negatives must have shapes that broadcast "
+                                         r"together, got \(4, 3\), \(4, 3\) and \(2, 3\)"):
         triplet_margin_loss(x, x, torch.ones(2, 3))
-    with pytest.raises(ValueError, match="axis=2 is out of range"):
+    with pytest.raises(ValueError, match=r"triplet_margin_loss: axis must be in \[-2, 2\) "
+                                         r".*, got 2"):
         triplet_margin_loss(x, x, x, axis=2)
-    with pytest.raises(TypeError, match=r"axis must be an int, got \(0, 1\)"):
+    with pytest.raises(TypeError, match=r"triplet_margin_loss: axis must be an int, got "
+                                        r"\(0, 1\)"):
         triplet_margin_loss(x, x, x, axis=(0, 1))
-    with pytest.raises(ValueError, match="norm_degree must be > 0, got 0"):
+    with pytest.raises(ValueError, match="triplet_margin_loss: norm_degree must be > 0, got 0"):
         triplet_margin_loss(x, x, x, norm_degree=0)
-    with pytest.raises(ValueError, match="eps must be >= 0"):
+    with pytest.raises(ValueError, match="triplet_margin_loss: eps must be >= 0, got -1.0"):
         triplet_margin_loss(x, x, x, eps=-1.0)
-    with pytest.raises(TypeError, match="negatives must have a real floating-point"):
+    with pytest.raises(TypeError, match="triplet_margin_loss: negatives must be a real "
+                                        "floating-point tensor, got torch.int64"):
         triplet_margin_loss(x, x, torch.ones(4, 3, dtype=torch.int64))

@@ -199,26 +199,31 @@ def test_ctc_gradients_and_vmap():
 
 
 @pytest.mark.parametrize("change, error, match", [
-    (dict(logits=[[[0.0]]]), TypeError, "logits: expected a tensor"),
+    (dict(logits=[[[0.0]]]), TypeError, "ctc_loss: logits must be a torch.Tensor, got list"),
     (dict(logits=torch.zeros(2, 3, 4, dtype=torch.long)), TypeError,
-     "logits: expected a real floating-point"),
-    (dict(logits=torch.zeros(2, 3)), ValueError, r"logits: expected shape \(B, T, K\)"),
-    (dict(labels=torch.zeros(2, 2)), TypeError, "labels: expected an integer tensor"),
+     "ctc_loss: logits must be a real floating-point tensor, got torch.int64"),
+    (dict(logits=torch.zeros(2, 3)), ValueError,
+     r"ctc_loss: logits must have shape \(B, T, K\), got \(2, 3\)"),
+    (dict(labels=torch.zeros(2, 2)), TypeError,
+     "ctc_loss: labels must be a tensor of integer class labels"),
     (dict(labels=torch.zeros(2, dtype=torch.long)), ValueError,
-     r"labels: expected shape \(B, N\)"),
+     r"ctc_loss: labels must have shape \(B, N\), got \(2,\)"),
     (dict(logit_paddings=torch.zeros(2, 4)), ValueError,
-     r"logit_paddings: expected shape \(2, 3\)"),
+     r"ctc_loss: logit_paddings must have shape \(2, 3\) .*, got \(2, 4\)"),
     (dict(labels=torch.zeros(3, 2, dtype=torch.long)), ValueError,
-     "labels: expected batch size 2"),
+     "ctc_loss: labels must have batch size 2 .*, got 3"),
     (dict(label_paddings=torch.zeros(2, 3)), ValueError,
-     r"label_paddings: expected shape \(2, 2\)"),
+     r"ctc_loss: label_paddings must have shape \(2, 2\) .*, got \(2, 3\)"),
     (dict(logits=torch.zeros(2, 0, 4), logit_paddings=torch.zeros(2, 0)), ValueError,
-     "at least one frame"),
-    (dict(blank_id=4), ValueError, "blank_id: expected 0 <= blank_id < 4"),
-    (dict(blank_id=1.0), TypeError, "blank_id: expected an int"),
-    (dict(log_epsilon=0.5), ValueError, "log_epsilon: expected a finite negative"),
-    (dict(log_epsilon="x"), TypeError, "log_epsilon: expected a number"),
-    (dict(log_epsilon=torch.zeros(2)), ValueError, "log_epsilon: expected a number or"),
+     "ctc_loss: logits must have at least one frame"),
+    (dict(blank_id=4), ValueError, r"ctc_loss: blank_id must be in \[0, 4\) .*, got 4"),
+    (dict(blank_id=1.0), TypeError, "ctc_loss: blank_id must be an int, got float"),
+    (dict(log_epsilon=0.5), ValueError, "ctc_loss: log_epsilon must be < 0, got 0.5"),
+    (dict(log_epsilon="x"), TypeError,
+     "ctc_loss: log_epsilon must be a real number or a tensor, got str"),
+    (dict(log_epsilon=torch.zeros(2)), ValueError,
+     r"ctc_loss: log_epsilon must be a number or a 0-d floating-point tensor, got shape "
+     r"\(2,\)"),
 ])
 def test_ctc_errors(change, error, match):
     gen = fresh_generator()
@@ -313,19 +318,21 @@ def test_binary_sparsemax_loss():
 
 @pytest.mark.parametrize("call, error, match", [
     (lambda: sparsemax_loss(torch.zeros(3, dtype=torch.long), torch.zeros(3)), TypeError,
-     "logits: expected a real floating-point"),
+     "sparsemax_loss: logits must be a real floating-point tensor, got torch.int64"),
     (lambda: sparsemax_loss(torch.zeros(3), [0, 1, 0]), TypeError,
-     "labels: expected a tensor"),
+     "sparsemax_loss: labels must be a torch.Tensor, got list"),
     (lambda: sparsemax_loss(torch.zeros(3), torch.zeros(2)), ValueError,
-     "labels: expected a shape broadcastable"),
+     r"sparsemax_loss: logits and labels must have shapes that broadcast together, got "
+     r"\(3,\) and \(2,\)"),
     (lambda: multiclass_sparsemax_loss(torch.zeros(3, 4), torch.zeros(3)), TypeError,
-     "labels: expected an integer tensor"),
+     "multiclass_sparsemax_loss: labels must be a tensor of integer class labels"),
     (lambda: multiclass_sparsemax_loss(torch.zeros(3, 4), torch.zeros(4, dtype=torch.long)),
-     ValueError, r"labels: expected shape \(3,\)"),
+     ValueError, r"multiclass_sparsemax_loss: labels must have shape \(3,\) .*, got \(4,\)"),
     (lambda: multiclass_sparsemax_loss(torch.tensor(1.0), torch.tensor(0)), ValueError,
-     "scores: expected shape"),
+     r"multiclass_sparsemax_loss: scores must have shape \(\.\.\., K\) with K >= 1, "
+     r"got \(\)"),
     (lambda: multiclass_sparsemax_loss([[1.0]], torch.tensor([0])), TypeError,
-     "scores: expected a tensor"),
+     "multiclass_sparsemax_loss: scores must be a torch.Tensor, got list"),
 ])
 def test_sparsemax_errors(call, error, match):
     with pytest.raises(error, match=match):
@@ -398,18 +405,21 @@ def multiclass_sparsemax_proba(v: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda fy: make_fenchel_young_loss(3), TypeError, "max_fun: expected a callable"),
-    (lambda fy: fy([1.0], torch.zeros(1)), TypeError, "scores: expected a tensor"),
+    (lambda fy: make_fenchel_young_loss(3), TypeError,
+     "make_fenchel_young_loss: max_fun must be a callable, got int"),
+    (lambda fy: fy([1.0], torch.zeros(1)), TypeError,
+     "fenchel_young_loss: scores must be a torch.Tensor, got list"),
     (lambda fy: fy(torch.zeros(3), torch.zeros(3, dtype=torch.long)), TypeError,
-     "targets: expected a real floating-point"),
+     "fenchel_young_loss: targets must be a real floating-point tensor, got torch.int64"),
     (lambda fy: fy(torch.tensor(1.0), torch.zeros(1)), ValueError,
-     "scores: expected at least one axis"),
+     "fenchel_young_loss: scores must have at least one axis"),
     (lambda fy: fy(torch.zeros(2, 3), torch.zeros(2, 4)), ValueError,
-     "targets: expected a last axis of size 3"),
+     r"fenchel_young_loss: targets must have a last axis of size 3 .*, got shape \(2, 4\)"),
     (lambda fy: fy(torch.zeros(2, 3), torch.zeros(4, 3)), ValueError,
-     "targets: expected leading axes broadcastable"),
+     r"fenchel_young_loss: scores' leading axes and targets' leading axes must have shapes "
+     r"that broadcast together, got \(2,\) and \(4,\)"),
     (lambda fy: make_fenchel_young_loss(lambda v: v)(torch.zeros(2, 3), torch.zeros(3)),
-     ValueError, r"max_fun: expected a 0-d tensor .* got shape \(3,\)"),
+     ValueError, r"fenchel_young_loss: max_fun must return a 0-d tensor .* got shape \(3,\)"),
 ])
 def test_fenchel_young_errors(call, error, match):
     with pytest.raises(error, match=match):
@@ -526,17 +536,27 @@ def test_ranking_softmax_loss_masking_edges_and_vmap():
 
 
 @pytest.mark.parametrize("change, error, match", [
-    (dict(logits=[1.0, 2.0]), TypeError, "logits: expected a tensor"),
+    (dict(logits=[1.0, 2.0]), TypeError,
+     "ranking_softmax_loss: logits must be a torch.Tensor, got list"),
     (dict(logits=torch.zeros(3, dtype=torch.long)), TypeError,
-     "logits: expected a real floating-point"),
-    (dict(logits=torch.tensor(1.0)), ValueError, "logits: expected shape"),
-    (dict(labels=torch.zeros(4)), ValueError, r"labels: expected a shape broadcastable"),
-    (dict(labels=[1.0, 0.0, 0.0]), TypeError, "labels: expected a tensor"),
-    (dict(where=torch.ones(3)), TypeError, "where: expected a bool tensor"),
+     "ranking_softmax_loss: logits must be a real floating-point tensor, got torch.int64"),
+    (dict(logits=torch.tensor(1.0)), ValueError,
+     r"ranking_softmax_loss: logits must have shape \[\.\.\., list_size\], got a 0-d"),
+    (dict(labels=torch.zeros(4)), ValueError,
+     r"ranking_softmax_loss: labels must have a shape that broadcasts to logits' shape "
+     r"\(3,\), got \(4,\)"),
+    (dict(labels=[1.0, 0.0, 0.0]), TypeError,
+     "ranking_softmax_loss: labels must be a torch.Tensor, got list"),
+    (dict(where=torch.ones(3)), TypeError,
+     "ranking_softmax_loss: where must be a bool tensor, got torch.float32"),
     (dict(where=torch.ones(2, dtype=torch.bool)), ValueError,
-     "where: expected a shape broadcastable"),
-    (dict(weights=torch.ones(5)), ValueError, "weights: expected a shape broadcastable"),
-    (dict(reduce_fn="mean"), TypeError, "reduce_fn: expected torch.mean, torch.sum"),
+     r"ranking_softmax_loss: where must have a shape that broadcasts to logits' shape "
+     r"\(3,\), got \(2,\)"),
+    (dict(weights=torch.ones(5)), ValueError,
+     r"ranking_softmax_loss: weights must have a shape that broadcasts to logits' shape "
+     r"\(3,\), got \(5,\)"),
+    (dict(reduce_fn="mean"), TypeError,
+     "ranking_softmax_loss: reduce_fn must be torch.mean, torch.sum, None or a callable"),
 ])
 def test_ranking_errors(change, error, match):
     args = dict(logits=torch.randn(3, generator=fresh_generator()),

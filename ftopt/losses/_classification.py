@@ -39,11 +39,13 @@ Differences from optax, where JAX and torch differ or optax gives NaN:
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 
 import torch
 import torch.nn.functional as F
+
+from ftopt.losses import _checks as check
+from ftopt.losses._checks import Scalar
 
 __all__ = [
     "convex_kl_divergence", "generalized_kl_divergence", "hinge_loss", "kl_divergence",
@@ -55,86 +57,6 @@ __all__ = [
 
 Tensor = torch.Tensor
 Axis = int | tuple[int, ...] | None
-Scalar = float | Tensor
-
-
-# --- argument checks -------------------------------------------------------------------
-
-def _tensor(fn: str, name: str, x: object) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
-
-
-def _floating(fn: str, name: str, x: object) -> Tensor:
-    x = _tensor(fn, name, x)
-    if not x.is_floating_point():
-        raise TypeError(f"{fn}: {name} must be a real floating-point tensor, got {x.dtype}")
-    return x
-
-
-def _integer(fn: str, name: str, x: object) -> Tensor:
-    x = _tensor(fn, name, x)
-    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-        raise TypeError(f"{fn}: {name} must be a tensor of integer class labels "
-                        f"(e.g. torch.int64), got {x.dtype}")
-    return x
-
-
-def _broadcast(fn: str, a: tuple[str, Tensor], b: tuple[str, Tensor]) -> torch.Size:
-    try:
-        return torch.broadcast_shapes(a[1].shape, b[1].shape)
-    except RuntimeError:
-        raise ValueError(f"{fn}: the shapes of {a[0]} {tuple(a[1].shape)} and {b[0]} "
-                         f"{tuple(b[1].shape)} do not broadcast") from None
-
-
-def _dims(fn: str, axis: Axis, ndim: int) -> tuple[int, ...]:
-    """``axis`` as non-negative dimensions of a tensor of ``ndim`` dimensions, in order."""
-    if axis is None:
-        return tuple(range(ndim))
-    axes = axis if isinstance(axis, tuple) else (axis,)
-    if not axes or any(isinstance(a, bool) or not isinstance(a, int) for a in axes):
-        raise TypeError(f"{fn}: axis must be an int, a non-empty tuple of ints or None, "
-                        f"got {axis!r}")
-    if any(not -ndim <= a < ndim for a in axes):
-        raise ValueError(f"{fn}: axis {axis!r} is out of range for {ndim} dimensions")
-    dims = tuple(a % ndim for a in axes)
-    if len(set(dims)) != len(dims):
-        raise ValueError(f"{fn}: axis {axis!r} repeats a dimension")
-    return dims
-
-
-def _mask(fn: str, where: Tensor | None, shape: torch.Size,
-          dims: tuple[int, ...] | None = None) -> Tensor | None:
-    """``where`` broadcast to ``shape``; with ``dims``, a mask of the batch shape (``shape``
-    without ``dims``) first gets those dimensions back, of size 1."""
-    if where is None:
-        return None
-    if not isinstance(where, Tensor) or where.dtype != torch.bool:
-        got = where.dtype if isinstance(where, Tensor) else type(where).__name__
-        raise TypeError(f"{fn}: where must be a bool tensor, got {got}")
-    if dims is not None and where.ndim != len(shape):
-        if where.ndim + len(dims) != len(shape):
-            raise ValueError(f"{fn}: where must have the input's shape {tuple(shape)} or "
-                             f"its batch shape (without axis {dims}), got "
-                             f"{tuple(where.shape)}")
-        for d in sorted(dims):
-            where = where.unsqueeze(d)
-    try:
-        return where.expand(torch.broadcast_shapes(where.shape, shape))
-    except RuntimeError:
-        raise ValueError(f"{fn}: where of shape {tuple(where.shape)} does not broadcast "
-                         f"to the input's shape {tuple(shape)}") from None
-
-
-def _unit_interval(fn: str, name: str, x: object) -> None:
-    if isinstance(x, Tensor):
-        return  # a tensor's value is not read (see the module docstring)
-    if not isinstance(x, numbers.Real) or isinstance(x, bool):
-        raise TypeError(f"{fn}: {name} must be a number or a tensor, got {type(x).__name__}")
-    if not 0.0 <= x <= 1.0:
-        raise ValueError(f"{fn}: {name} must be in [0, 1], got {x}")
 
 
 def _masked_sum(x: Tensor, dims: tuple[int, ...], where: Tensor | None) -> Tensor:
@@ -164,9 +86,9 @@ def _cross_entropy_parts(fn: str, logits: Tensor, labels: Tensor, axis: Axis,
                          ) -> tuple[Tensor, tuple[int, ...], Tensor | None]:
     """The log-probabilities, dimensions to sum and mask of a softmax cross entropy over
     ``axis`` of ``logits`` (counted from its end in the product with ``labels``)."""
-    _broadcast(fn, ("logits", logits), ("labels", labels))
-    dims = _dims(fn, axis, logits.ndim)
-    where = _mask(fn, where, logits.shape, dims)
+    check.broadcast(fn, {"logits": logits, "labels": labels})
+    dims = check.dims(fn, axis, logits.ndim)
+    where = check.mask(fn, where, logits.shape, batch_dims=dims, widen=True)
     log_probs = _log_softmax(logits, dims, where)
     shift = max(labels.ndim - logits.ndim, 0)
     return log_probs, tuple(d + shift for d in dims), where
@@ -185,8 +107,8 @@ def softmax_cross_entropy(logits: Tensor, labels: Tensor, axis: Axis = -1,
     :func:`safe_softmax_cross_entropy`). Returns the batch shape.
     """
     fn = "softmax_cross_entropy"
-    _floating(fn, "logits", logits)
-    _tensor(fn, "labels", labels)
+    check.floating(fn, "logits", logits)
+    check.tensor(fn, "labels", labels)
     log_probs, dims, where = _cross_entropy_parts(fn, logits, labels, axis, where)
     return -_masked_sum(labels * log_probs, dims, where)
 
@@ -199,9 +121,9 @@ def safe_softmax_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     ``logits.shape[:-1]`` (broadcast with the labels').
     """
     fn = "safe_softmax_cross_entropy"
-    _floating(fn, "logits", logits)
-    _tensor(fn, "labels", labels)
-    _broadcast(fn, ("logits", logits), ("labels", labels))
+    check.floating(fn, "logits", logits)
+    check.tensor(fn, "labels", labels)
+    check.broadcast(fn, {"logits": logits, "labels": labels})
     if logits.ndim == 0:
         raise ValueError(f"{fn}: logits must have a class dimension, got a 0-d tensor")
     log_probs = torch.log_softmax(logits, -1)
@@ -224,12 +146,12 @@ def softmax_cross_entropy_with_integer_labels(
     only, and an example with none included gives 0.
     """
     fn = "softmax_cross_entropy_with_integer_labels"
-    _floating(fn, "logits", logits)
-    _integer(fn, "labels", labels)
+    check.floating(fn, "logits", logits)
+    check.integer(fn, "labels", labels)
     if axis is None or isinstance(axis, bool) or not isinstance(axis, (int, tuple)):
         raise TypeError(f"{fn}: axis must be an int or a tuple of ints, got {axis!r}")
-    dims = _dims(fn, axis, logits.ndim)
-    where = _mask(fn, where, logits.shape, dims)
+    dims = check.dims(fn, axis, logits.ndim)
+    where = check.mask(fn, where, logits.shape, batch_dims=dims, widen=True)
     batch = tuple(d for d in range(logits.ndim) if d not in dims)
     if labels.ndim != len(batch):
         raise ValueError(f"{fn}: labels must have the logits' shape without axis "
@@ -237,7 +159,7 @@ def softmax_cross_entropy_with_integer_labels(
                          f"{tuple(labels.shape)}")
     # Classes last, flattened into one dimension.
     logits = logits.permute(batch + dims).flatten(len(batch))
-    _broadcast(fn, ("logits (batch shape)", logits[..., 0]), ("labels", labels))
+    check.broadcast(fn, {"logits (batch shape)": logits[..., 0], "labels": labels})
     classes = logits.shape[-1]
     index = labels.long()
     index = torch.where(index < 0, index + classes, index)
@@ -265,8 +187,8 @@ def poly_loss_cross_entropy(logits: Tensor, labels: Tensor, *, epsilon: Scalar =
     the batch shape is accepted too).
     """
     fn = "poly_loss_cross_entropy"
-    _floating(fn, "logits", logits)
-    _floating(fn, "labels", labels)
+    check.floating(fn, "logits", logits)
+    check.floating(fn, "labels", labels)
     log_probs, dims, where = _cross_entropy_parts(fn, logits, labels, axis, where)
     cross_entropy = -_masked_sum(labels * log_probs, dims, where)
     one_minus_pt = _masked_sum(labels * (1.0 - torch.exp(log_probs)), dims, where)
@@ -275,6 +197,18 @@ def poly_loss_cross_entropy(logits: Tensor, labels: Tensor, *, epsilon: Scalar =
 
 # --- sigmoid losses --------------------------------------------------------------------
 
+def _sigmoid_labels(fn: str, logits: Tensor, labels: Tensor) -> Tensor:
+    """``labels`` checked against ``logits`` and cast to their dtype."""
+    check.floating(fn, "logits", logits)
+    check.tensor(fn, "labels", labels)
+    check.broadcast(fn, {"logits": logits, "labels": labels})
+    return labels.to(logits.dtype)
+
+
+def _sigmoid_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    return -labels * F.logsigmoid(logits) - (1.0 - labels) * F.logsigmoid(-logits)
+
+
 def sigmoid_binary_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     r"""Element-wise cross entropy of ``sigmoid(logits)`` and ``labels`` in [0, 1]:
     :math:`-y \log \sigma(x) - (1 - y) \log \sigma(-x)`.
@@ -282,12 +216,8 @@ def sigmoid_binary_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     ``labels`` (binary or probabilities, any real dtype) are cast to the logits' dtype
     and broadcast with them.
     """
-    fn = "sigmoid_binary_cross_entropy"
-    _floating(fn, "logits", logits)
-    _tensor(fn, "labels", labels)
-    _broadcast(fn, ("logits", logits), ("labels", labels))
-    labels = labels.to(logits.dtype)
-    return -labels * F.logsigmoid(logits) - (1.0 - labels) * F.logsigmoid(-logits)
+    labels = _sigmoid_labels("sigmoid_binary_cross_entropy", logits, labels)
+    return _sigmoid_cross_entropy(logits, labels)
 
 
 def sigmoid_focal_loss(logits: Tensor, labels: Tensor, *, alpha: Scalar | None = None,
@@ -303,12 +233,10 @@ def sigmoid_focal_loss(logits: Tensor, labels: Tensor, *, alpha: Scalar | None =
     any ``gamma > 0``. A number ``alpha`` must be in [0, 1].
     """
     fn = "sigmoid_focal_loss"
-    _floating(fn, "logits", logits)
-    _tensor(fn, "labels", labels)
+    labels = _sigmoid_labels(fn, logits, labels)
     if alpha is not None:
-        _unit_interval(fn, "alpha", alpha)
-    cross_entropy = sigmoid_binary_cross_entropy(logits, labels)
-    labels = labels.to(logits.dtype)
+        check.number(fn, "alpha", alpha, "in [0, 1]")
+    cross_entropy = _sigmoid_cross_entropy(logits, labels)
     log_one_minus_pt = torch.logaddexp(torch.log(labels) + F.logsigmoid(-logits),
                                        torch.log1p(-labels) + F.logsigmoid(logits))
     loss = cross_entropy * torch.exp(gamma * log_one_minus_pt)
@@ -328,9 +256,9 @@ def hinge_loss(predictor_outputs: Tensor, targets: Tensor) -> Tensor:
     r"""Binary hinge loss, element-wise: :math:`\max(0, 1 - s t)` for targets
     :math:`t \in \{-1, 1\}` (not {0, 1}); the shapes broadcast."""
     fn = "hinge_loss"
-    _floating(fn, "predictor_outputs", predictor_outputs)
-    _tensor(fn, "targets", targets)
-    _broadcast(fn, ("predictor_outputs", predictor_outputs), ("targets", targets))
+    check.floating(fn, "predictor_outputs", predictor_outputs)
+    check.tensor(fn, "targets", targets)
+    check.broadcast(fn, {"predictor_outputs": predictor_outputs, "targets": targets})
     return _relu(1.0 - predictor_outputs * targets)
 
 
@@ -338,8 +266,8 @@ def perceptron_loss(predictor_outputs: Tensor, targets: Tensor) -> Tensor:
     r"""Binary perceptron loss, element-wise: :math:`\max(0, -s t)` for targets
     :math:`t \in \{-1, 1\}`; both arguments have the same shape."""
     fn = "perceptron_loss"
-    _floating(fn, "predictor_outputs", predictor_outputs)
-    _tensor(fn, "targets", targets)
+    check.floating(fn, "predictor_outputs", predictor_outputs)
+    check.tensor(fn, "targets", targets)
     if predictor_outputs.shape != targets.shape:
         raise ValueError(f"{fn}: predictor_outputs and targets must have the same shape, "
                          f"got {tuple(predictor_outputs.shape)} and {tuple(targets.shape)}")
@@ -347,11 +275,11 @@ def perceptron_loss(predictor_outputs: Tensor, targets: Tensor) -> Tensor:
 
 
 def _one_hot(fn: str, scores: Tensor, labels: Tensor) -> Tensor:
-    _floating(fn, "scores", scores)
-    _integer(fn, "labels", labels)
+    check.floating(fn, "scores", scores)
+    check.integer(fn, "labels", labels)
     if scores.ndim == 0:
         raise ValueError(f"{fn}: scores must have a class dimension, got a 0-d tensor")
-    _broadcast(fn, ("scores (batch shape)", scores[..., 0]), ("labels", labels))
+    check.broadcast(fn, {"scores (batch shape)": scores[..., 0], "labels": labels})
     classes = torch.arange(scores.shape[-1], device=scores.device)
     # A label outside [0, C) selects no class (optax's one_hot gives a zero row).
     return (labels.unsqueeze(-1) == classes).to(scores.dtype)
@@ -375,10 +303,10 @@ def multiclass_perceptron_loss(scores: Tensor, labels: Tensor) -> Tensor:
 
 def _kl_args(fn: str, log_predictions: Tensor, targets: Tensor, targets_name: str,
              axis: Axis, where: Tensor | None) -> tuple[tuple[int, ...], Tensor | None]:
-    _floating(fn, "log_predictions", log_predictions)
-    _floating(fn, targets_name, targets)
-    shape = _broadcast(fn, ("log_predictions", log_predictions), (targets_name, targets))
-    return _dims(fn, axis, len(shape)), _mask(fn, where, shape)
+    check.floating(fn, "log_predictions", log_predictions)
+    check.floating(fn, targets_name, targets)
+    shape = check.broadcast(fn, {"log_predictions": log_predictions, targets_name: targets})
+    return check.dims(fn, axis, len(shape)), check.mask(fn, where, shape, widen=True)
 
 
 def kl_divergence(log_predictions: Tensor, targets: Tensor, axis: Axis = -1,
@@ -415,7 +343,12 @@ def generalized_kl_divergence(log_predictions: Tensor, targets: Tensor, axis: Ax
     r"""Generalised KL divergence, for unnormalised distributions, over ``axis``:
     :math:`\sum_j q_j (\log q_j - \log p_j) - q_j + p_j` (the Bregman divergence of
     :math:`x \log x - x`), with predictions given as :math:`\log p`."""
-    fn = "generalized_kl_divergence"
+    return _generalized_kl_divergence("generalized_kl_divergence", log_predictions, targets,
+                                      axis, where)
+
+
+def _generalized_kl_divergence(fn: str, log_predictions: Tensor, targets: Tensor,
+                               axis: Axis, where: Tensor | None) -> Tensor:
     dims, where = _kl_args(fn, log_predictions, targets, "targets", axis, where)
     divergence = kl_divergence(log_predictions, targets, axis=axis, where=where)
     return divergence + _masked_sum(torch.exp(log_predictions) - targets, dims, where)
@@ -427,4 +360,5 @@ def convex_kl_divergence(log_predictions: Tensor, targets: Tensor, axis: Axis = 
     ``DeprecationWarning``): :math:`\sum_j q_j (\log q_j - \log p_j) - q_j + p_j`."""
     warnings.warn("convex_kl_divergence is deprecated: use generalized_kl_divergence",
                   DeprecationWarning, stacklevel=2)
-    return generalized_kl_divergence(log_predictions, targets, axis=axis, where=where)
+    return _generalized_kl_divergence("convex_kl_divergence", log_predictions, targets,
+                                      axis, where)

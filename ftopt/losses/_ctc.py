@@ -28,6 +28,8 @@ import numbers
 
 import torch
 
+from ftopt.losses import _checks as check
+
 __all__ = ["ctc_loss", "ctc_loss_with_forward_probs"]
 
 
@@ -37,50 +39,38 @@ def _check_inputs(fn: str, logits: torch.Tensor, logit_paddings: torch.Tensor,
     named = {"logits": logits, "logit_paddings": logit_paddings, "labels": labels,
              "label_paddings": label_paddings}
     for name, x in named.items():
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{fn}: {name}: expected a tensor, got {type(x).__name__}")
-    if not logits.is_floating_point():
-        raise TypeError(f"{fn}: logits: expected a real floating-point tensor, "
-                        f"got {logits.dtype}")
+        check.tensor(fn, name, x)
+    check.floating(fn, "logits", logits)
     if logits.dim() != 3:
-        raise ValueError(f"{fn}: logits: expected shape (B, T, K), got "
+        raise ValueError(f"{fn}: logits must have shape (B, T, K), got "
                          f"{tuple(logits.shape)}")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise TypeError(f"{fn}: labels: expected an integer tensor, got {labels.dtype}")
+    check.integer(fn, "labels", labels)
     if labels.dim() != 2:
-        raise ValueError(f"{fn}: labels: expected shape (B, N), got {tuple(labels.shape)}")
+        raise ValueError(f"{fn}: labels must have shape (B, N), got {tuple(labels.shape)}")
     for name in ("logit_paddings", "label_paddings"):
-        if named[name].is_complex():
-            raise TypeError(f"{fn}: {name}: expected a real or bool tensor, "
-                            f"got {named[name].dtype}")
+        check.real(fn, name, named[name])
     batch, frames, classes = logits.shape
     if tuple(logit_paddings.shape) != (batch, frames):
-        raise ValueError(f"{fn}: logit_paddings: expected shape {(batch, frames)} "
+        raise ValueError(f"{fn}: logit_paddings must have shape {(batch, frames)} "
                          f"(logits' first two), got {tuple(logit_paddings.shape)}")
     if labels.shape[0] != batch:
-        raise ValueError(f"{fn}: labels: expected batch size {batch} (logits'), "
+        raise ValueError(f"{fn}: labels must have batch size {batch} (logits'), "
                          f"got {labels.shape[0]}")
     if label_paddings.shape != labels.shape:
-        raise ValueError(f"{fn}: label_paddings: expected shape {tuple(labels.shape)} "
+        raise ValueError(f"{fn}: label_paddings must have shape {tuple(labels.shape)} "
                          f"(labels'), got {tuple(label_paddings.shape)}")
     if frames == 0:
-        raise ValueError(f"{fn}: logits: expected at least one frame (T >= 1), got T = 0")
+        raise ValueError(f"{fn}: logits must have at least one frame (T >= 1), got T = 0")
     if not isinstance(blank_id, numbers.Integral) or isinstance(blank_id, bool):
-        raise TypeError(f"{fn}: blank_id: expected an int, got {type(blank_id).__name__}")
+        raise TypeError(f"{fn}: blank_id must be an int, got {type(blank_id).__name__}")
     if not 0 <= blank_id < classes:
-        raise ValueError(f"{fn}: blank_id: expected 0 <= blank_id < {classes} "
-                         f"(the number of classes), got {blank_id}")
-    if isinstance(log_epsilon, torch.Tensor):
-        if log_epsilon.dim() != 0 or not log_epsilon.is_floating_point():
-            raise ValueError(f"{fn}: log_epsilon: expected a number or a 0-d floating "
-                             f"tensor, got shape {tuple(log_epsilon.shape)} "
-                             f"{log_epsilon.dtype}")
-    elif not isinstance(log_epsilon, numbers.Real) or isinstance(log_epsilon, bool):
-        raise TypeError(f"{fn}: log_epsilon: expected a number, "
-                        f"got {type(log_epsilon).__name__}")
-    elif not -float("inf") < log_epsilon < 0:
-        raise ValueError(f"{fn}: log_epsilon: expected a finite negative number "
-                         f"(a stand-in for log 0), got {log_epsilon}")
+        raise ValueError(f"{fn}: blank_id must be in [0, {classes}) (the classes), "
+                         f"got {blank_id}")
+    if isinstance(log_epsilon, torch.Tensor) and (log_epsilon.dim() != 0
+                                                  or not log_epsilon.is_floating_point()):
+        raise ValueError(f"{fn}: log_epsilon must be a number or a 0-d floating-point "
+                         f"tensor, got shape {tuple(log_epsilon.shape)} {log_epsilon.dtype}")
+    check.number(fn, "log_epsilon", log_epsilon, "< 0")
 
 
 def _add_after_first(phi: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
@@ -126,7 +116,14 @@ def ctc_loss_with_forward_probs(
         ``(T, B, N + 1)`` :math:`\log\alpha_\phi` and ``(T, B, N)`` :math:`\log\alpha_y`
         (time first, as optax's).
     """
-    fn = "ctc_loss_with_forward_probs"
+    return _ctc("ctc_loss_with_forward_probs", logits, logit_paddings, labels,
+                label_paddings, blank_id, log_epsilon)
+
+
+def _ctc(fn: str, logits: torch.Tensor, logit_paddings: torch.Tensor, labels: torch.Tensor,
+         label_paddings: torch.Tensor, blank_id: int, log_epsilon: float | torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ctc_loss_with_forward_probs`, its errors naming ``fn``."""
     _check_inputs(fn, logits, logit_paddings, labels, label_paddings, blank_id, log_epsilon)
     batch, frames, _ = logits.shape
     num_labels = labels.shape[1]
@@ -185,5 +182,5 @@ def ctc_loss(
 
     The arguments are :func:`ctc_loss_with_forward_probs`'s; returns its ``(B,)`` loss.
     """
-    return ctc_loss_with_forward_probs(logits, logit_paddings, labels, label_paddings,
-                                       blank_id=blank_id, log_epsilon=log_epsilon)[0]
+    return _ctc("ctc_loss", logits, logit_paddings, labels, label_paddings, blank_id,
+                log_epsilon)[0]

@@ -21,19 +21,11 @@ from typing import Any
 import torch
 import torch.func
 
+from ftopt.losses import _checks as check
+
 __all__ = ["make_fenchel_young_loss"]
 
 MaxFun = Callable[..., torch.Tensor]
-
-
-def _check_tensor(name: str, x: object) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"fenchel_young_loss: {name}: expected a tensor, "
-                        f"got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"fenchel_young_loss: {name}: expected a real floating-point "
-                        f"tensor, got {x.dtype}")
-    return x
 
 
 def make_fenchel_young_loss(max_fun: MaxFun) -> Callable[..., torch.Tensor]:
@@ -57,37 +49,34 @@ def make_fenchel_young_loss(max_fun: MaxFun) -> Callable[..., torch.Tensor]:
         The loss function.
     """
     if not callable(max_fun):
-        raise TypeError(f"make_fenchel_young_loss: max_fun: expected a callable, "
+        raise TypeError(f"make_fenchel_young_loss: max_fun must be a callable, "
                         f"got {type(max_fun).__name__}")
+    fn = "fenchel_young_loss"  # the name of the returned function
 
     def one(vector: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         value = max_fun(vector, *args, **kwargs)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             got = (f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
                    else type(value).__name__)
-            raise ValueError(f"fenchel_young_loss: max_fun: expected a 0-d tensor from a "
-                             f"1-d score vector, got {got}")
+            raise ValueError(f"{fn}: max_fun must return a 0-d tensor for a 1-d score "
+                             f"vector, got {got}")
         return value
 
     def fenchel_young_loss(scores: torch.Tensor, targets: torch.Tensor, *args: Any,
                            **kwargs: Any) -> torch.Tensor:
         r""":math:`\Omega^*(z) - \langle y, z\rangle` over the last axis of ``scores``
         (:math:`z`) and ``targets`` (:math:`y`)."""
-        _check_tensor("scores", scores)
-        _check_tensor("targets", targets)
+        check.floating(fn, "scores", scores)
+        check.floating(fn, "targets", targets)
         if scores.dim() == 0:
-            raise ValueError("fenchel_young_loss: scores: expected at least one axis "
-                             "(the scores are on the last), got a 0-d tensor")
+            raise ValueError(f"{fn}: scores must have at least one axis (the scores are on "
+                             "the last), got a 0-d tensor")
         if targets.dim() == 0 or targets.shape[-1] not in (1, scores.shape[-1]):
-            raise ValueError(f"fenchel_young_loss: targets: expected a last axis of size "
+            raise ValueError(f"{fn}: targets must have a last axis of size "
                              f"{scores.shape[-1]} (scores'), got shape "
                              f"{tuple(targets.shape)}")
-        try:
-            torch.broadcast_shapes(scores.shape[:-1], targets.shape[:-1])
-        except RuntimeError:
-            raise ValueError(f"fenchel_young_loss: targets: expected leading axes "
-                             f"broadcastable with scores' {tuple(scores.shape[:-1])}, got "
-                             f"{tuple(targets.shape[:-1])}") from None
+        check.broadcast(fn, {"scores' leading axes": scores.shape[:-1],
+                             "targets' leading axes": targets.shape[:-1]})
         inner = (targets * scores).sum(-1)
         if scores.dim() == 1:
             max_value = one(scores, *args, **kwargs)

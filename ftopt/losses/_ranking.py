@@ -18,25 +18,18 @@ from collections.abc import Callable
 
 import torch
 
+from ftopt.losses import _checks as check
+
 __all__ = ["ranking_softmax_loss"]
 
 ReduceFn = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _broadcast(fn: str, name: str, x: object, shape: torch.Size, *,
-               boolean: bool = False) -> torch.Tensor:
-    """``x`` checked and broadcast to ``shape`` (that of ``logits``)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{fn}: {name}: expected a tensor, got {type(x).__name__}")
-    if boolean and x.dtype != torch.bool:
-        raise TypeError(f"{fn}: {name}: expected a bool tensor, got {x.dtype}")
-    if not boolean and x.is_complex():
-        raise TypeError(f"{fn}: {name}: expected a real tensor, got {x.dtype}")
-    try:
-        return x.broadcast_to(shape)
-    except RuntimeError:
-        raise ValueError(f"{fn}: {name}: expected a shape broadcastable to logits' "
-                         f"{tuple(shape)}, got {tuple(x.shape)}") from None
+def _list_values(fn: str, name: str, x: object, logits: torch.Tensor) -> torch.Tensor:
+    """``x`` (labels or weights) checked, broadcast to ``logits``' shape and cast to
+    their dtype."""
+    x = check.real(fn, name, x)
+    return check.broadcast_to(fn, name, x, logits.shape, of="logits'").to(logits.dtype)
 
 
 def _reduce(loss: torch.Tensor, valid: torch.Tensor | None,
@@ -82,22 +75,18 @@ def ranking_softmax_loss(
         The reduced loss, or the ``[...]`` per-list losses if ``reduce_fn`` is None.
     """
     fn = "ranking_softmax_loss"
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"{fn}: logits: expected a tensor, got {type(logits).__name__}")
-    if not logits.is_floating_point():
-        raise TypeError(f"{fn}: logits: expected a real floating-point tensor, "
-                        f"got {logits.dtype}")
+    check.floating(fn, "logits", logits)
     if logits.dim() == 0:
-        raise ValueError(f"{fn}: logits: expected shape [..., list_size], got a 0-d tensor")
+        raise ValueError(f"{fn}: logits must have shape [..., list_size], got a 0-d tensor")
     if reduce_fn is not None and not callable(reduce_fn):
-        raise TypeError(f"{fn}: reduce_fn: expected torch.mean, torch.sum, None or a "
+        raise TypeError(f"{fn}: reduce_fn must be torch.mean, torch.sum, None or a "
                         f"callable, got {type(reduce_fn).__name__}")
-    labels = _broadcast(fn, "labels", labels, logits.shape).to(logits.dtype)
+    labels = _list_values(fn, "labels", labels, logits)
     if weights is not None:
-        labels = labels * _broadcast(fn, "weights", weights, logits.shape).to(logits.dtype)
+        labels = labels * _list_values(fn, "weights", weights, logits)
+    where = check.mask(fn, where, logits.shape, of="logits'")
     valid = None
     if where is not None:
-        where = _broadcast(fn, "where", where, logits.shape, boolean=True)
         valid = where.any(dim=-1)
         # Masked items get a score of -inf (out of the softmax); a list with no valid
         # item keeps finite scores so that nothing, its gradient included, is NaN.

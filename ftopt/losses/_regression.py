@@ -20,17 +20,18 @@ Conventions shared by every function:
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 
 import torch
+
+from ftopt.losses import _checks as check
+from ftopt.losses._checks import Scalar
 
 __all__ = [
     "cosine_distance", "cosine_similarity", "huber_loss", "l2_loss", "log_cosh",
     "squared_error",
 ]
 
-Scalar = float | torch.Tensor
 Axis = int | Sequence[int] | None
 
 _LOG2 = math.log(2.0)
@@ -40,59 +41,7 @@ _LOG2 = math.log(2.0)
 _LOG_COSH_SWITCH = 1.0
 
 
-# --- argument checks (shared with the segmentation and self-supervised losses) ----------
-
-def _require_tensor(x: object, name: str, *, floating: bool = False) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if floating and not x.is_floating_point():
-        raise TypeError(f"{name} must have a real floating-point dtype, got {x.dtype}")
-    return x
-
-
-def _require_number(value: object, name: str, *, positive: bool = False,
-                    non_negative: bool = False) -> None:
-    """Checks a Python-number hyper-parameter; a tensor one passes unread."""
-    if isinstance(value, torch.Tensor):
-        return
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a real number or a tensor, got "
-                        f"{type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if positive and value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    if non_negative and value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-
-
-def _broadcast_shape(named: dict[str, torch.Tensor]) -> torch.Size:
-    try:
-        return torch.broadcast_shapes(*(t.shape for t in named.values()))
-    except RuntimeError:
-        shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in named.items())
-        raise ValueError(f"shapes do not broadcast: {shapes}") from None
-
-
-def _dims(axis: Axis, ndim: int, name: str = "axis") -> tuple[int, ...]:
-    """``axis`` (an int, a sequence of ints or ``None`` for all) as sorted non-negative
-    dims of an ``ndim``-dimensional tensor, checked."""
-    if axis is None:
-        return tuple(range(ndim))
-    items = (axis,) if isinstance(axis, int) else axis
-    if isinstance(items, torch.Tensor) or not isinstance(items, Sequence) or any(
-            not isinstance(a, int) or isinstance(a, bool) for a in items):
-        raise TypeError(f"{name} must be an int, a sequence of ints or None, got {axis!r}")
-    dims = []
-    for a in items:
-        if not -ndim <= a < ndim:
-            raise ValueError(f"{name}={axis!r} is out of range for a tensor of {ndim} "
-                             f"dimension(s)")
-        dims.append(a % ndim)
-    if len(set(dims)) != len(dims):
-        raise ValueError(f"{name}={axis!r} repeats a dimension")
-    return tuple(sorted(dims))
-
+# --- helpers ---------------------------------------------------------------------------
 
 def _sum(x: torch.Tensor, dims: tuple[int, ...], *, keepdim: bool = False) -> torch.Tensor:
     """Sum over ``dims``; an empty ``dims`` sums nothing (``torch.sum(dim=())`` would sum
@@ -100,12 +49,13 @@ def _sum(x: torch.Tensor, dims: tuple[int, ...], *, keepdim: bool = False) -> to
     return x.sum(dim=dims, keepdim=keepdim) if dims else x
 
 
-def _error(predictions: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
-    _require_tensor(predictions, "predictions", floating=True)
+def _error(fn: str, predictions: torch.Tensor,
+           targets: torch.Tensor | None) -> torch.Tensor:
+    check.floating(fn, "predictions", predictions)
     if targets is None:
         return predictions
-    _require_tensor(targets, "targets")
-    _broadcast_shape({"predictions": predictions, "targets": targets})
+    check.tensor(fn, "targets", targets)
+    check.broadcast(fn, {"predictions": predictions, "targets": targets})
     return predictions - targets
 
 
@@ -118,21 +68,26 @@ def squared_error(predictions: torch.Tensor,
     ``targets`` must have exactly ``predictions``' shape (as optax checks; no
     broadcasting). A mean squared error is ``squared_error(p, t).mean()``.
     """
-    _require_tensor(predictions, "predictions", floating=True)
-    if targets is not None:
-        _require_tensor(targets, "targets")
-        if targets.shape != predictions.shape:
-            raise ValueError(f"targets must have predictions' shape "
-                             f"{tuple(predictions.shape)}, got {tuple(targets.shape)}")
-    e = _error(predictions, targets)
-    return e * e
+    return _squared_error("squared_error", predictions, targets)
 
 
 def l2_loss(predictions: torch.Tensor,
             targets: torch.Tensor | None = None) -> torch.Tensor:
     r"""Element-wise :math:`\tfrac12 (p - t)^2`: half the :func:`squared_error`, with its
     shape rule. The factor 1/2 (Bishop's convention) makes the gradient :math:`p - t`."""
-    return 0.5 * squared_error(predictions, targets)
+    return 0.5 * _squared_error("l2_loss", predictions, targets)
+
+
+def _squared_error(fn: str, predictions: torch.Tensor,
+                   targets: torch.Tensor | None) -> torch.Tensor:
+    check.floating(fn, "predictions", predictions)
+    if targets is not None:
+        check.tensor(fn, "targets", targets)
+        if targets.shape != predictions.shape:
+            raise ValueError(f"{fn}: targets must have predictions' shape "
+                             f"{tuple(predictions.shape)}, got {tuple(targets.shape)}")
+    e = _error(fn, predictions, targets)
+    return e * e
 
 
 def huber_loss(predictions: torch.Tensor, targets: torch.Tensor | None = None, *,
@@ -147,8 +102,9 @@ def huber_loss(predictions: torch.Tensor, targets: torch.Tensor | None = None, *
     :math:`[-\delta, \delta]`. ``targets`` broadcasts against ``predictions``; ``delta``
     (a number > 0, or a tensor that broadcasts) is the switch point.
     """
-    _require_number(delta, "delta", positive=True)
-    abs_e = _error(predictions, targets).abs()
+    fn = "huber_loss"
+    check.number(fn, "delta", delta, "> 0")
+    abs_e = _error(fn, predictions, targets).abs()
     # min(|e|, delta) carries the quadratic part, the excess over delta the linear part;
     # written this way no branch ever squares a large error.
     inner = torch.clamp(abs_e, max=delta)
@@ -164,7 +120,7 @@ def log_cosh(predictions: torch.Tensor,
     Evaluated without overflow for any finite error, and to full relative precision for
     tiny ones. ``targets`` broadcasts against ``predictions``.
     """
-    e = _error(predictions, targets)
+    e = _error("log_cosh", predictions, targets)
     abs_e = e.abs()
     small = abs_e < _LOG_COSH_SWITCH
     # cosh(e) - 1 = 2 sinh(e/2)^2 exactly, so log1p of it has no cancellation near 0. The
@@ -196,17 +152,30 @@ def cosine_similarity(predictions: torch.Tensor, targets: torch.Tensor, *,
     result has that shape without ``axis``. With the default ``epsilon=0`` a zero
     vector gives NaN, as in optax.
     """
-    _require_tensor(predictions, "predictions", floating=True)
-    _require_tensor(targets, "targets", floating=True)
-    _require_number(epsilon, "epsilon", non_negative=True)
+    return _cosine_similarity("cosine_similarity", predictions, targets, epsilon, axis,
+                              where)
+
+
+def cosine_distance(predictions: torch.Tensor, targets: torch.Tensor, *,
+                    epsilon: Scalar = 0.0, axis: Axis = -1,
+                    where: torch.Tensor | None = None) -> torch.Tensor:
+    r"""Cosine distance :math:`1 - \cos\theta`, in :math:`[0, 2]`: one minus
+    :func:`cosine_similarity` with the same arguments."""
+    return 1.0 - _cosine_similarity("cosine_distance", predictions, targets, epsilon, axis,
+                                    where)
+
+
+def _cosine_similarity(fn: str, predictions: torch.Tensor, targets: torch.Tensor,
+                       epsilon: Scalar, axis: Axis,
+                       where: torch.Tensor | None) -> torch.Tensor:
+    check.floating(fn, "predictions", predictions)
+    check.floating(fn, "targets", targets)
+    check.number(fn, "epsilon", epsilon, ">= 0")
     named = {"predictions": predictions, "targets": targets}
     if where is not None:
-        _require_tensor(where, "where")
-        if where.dtype != torch.bool:
-            raise TypeError(f"where must be a bool tensor, got dtype {where.dtype}")
-        named["where"] = where
-    shape = _broadcast_shape(named)
-    dims = _dims(axis, len(shape))
+        named["where"] = check.boolean(fn, "where", where)
+    shape = check.broadcast(fn, named)
+    dims = check.dims(fn, axis, len(shape), any_sequence=True, allow_empty=True)
     p, t = predictions.expand(shape), targets.expand(shape)
 
     def masked_sum(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
@@ -218,11 +187,3 @@ def cosine_similarity(predictions: torch.Tensor, targets: torch.Tensor, *,
     t_norm = torch.clamp(masked_sum(t * t, True), min=epsilon).sqrt()
     return masked_sum((p / p_norm) * (t / t_norm), False)
 
-
-def cosine_distance(predictions: torch.Tensor, targets: torch.Tensor, *,
-                    epsilon: Scalar = 0.0, axis: Axis = -1,
-                    where: torch.Tensor | None = None) -> torch.Tensor:
-    r"""Cosine distance :math:`1 - \cos\theta`, in :math:`[0, 2]`: one minus
-    :func:`cosine_similarity` with the same arguments."""
-    return 1.0 - cosine_similarity(predictions, targets, epsilon=epsilon, axis=axis,
-                                   where=where)

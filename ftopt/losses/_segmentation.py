@@ -29,14 +29,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ftopt.losses._regression import (
-    Axis,
-    Scalar,
-    _dims,
-    _require_number,
-    _require_tensor,
-    _sum,
-)
+from ftopt.losses import _checks as check
+from ftopt.losses._checks import Scalar
+from ftopt.losses._regression import Axis, _sum
 
 __all__ = ["binary_dice_loss", "dice_loss", "multiclass_generalized_dice_loss"]
 
@@ -46,8 +41,9 @@ _REDUCTIONS = ("mean", "sum", "none")
 _FREQUENCY_EPS = 1e-7
 
 
-def _check_probabilities(probs: torch.Tensor) -> None:
-    """Eager check that ``probs`` holds probabilities over its last (class) axis."""
+def _check_probabilities(fn: str, flag: str, probs: torch.Tensor) -> None:
+    """Eager check that ``probs`` holds probabilities over its last (class) axis; ``flag``
+    names the argument that says the predictions are probabilities."""
     if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(
             probs):
         return
@@ -56,15 +52,26 @@ def _check_probabilities(probs: torch.Tensor) -> None:
         low, high = values.min().item(), values.max().item()
         if low < 0.0 or high > 1.0:
             raise ValueError(
-                "When apply_softmax=False, single-channel predictions must be valid "
-                f"probabilities in [0, 1]; found range [{low:.6f}, {high:.6f}]")
+                f"{fn}: predictions must be valid probabilities in [0, 1] when {flag}=False "
+                f"(a single channel), got values in [{low:.6f}, {high:.6f}]")
         return
     sums = values.sum(dim=-1)
     if not torch.allclose(sums, torch.ones_like(sums), rtol=1e-5, atol=1e-8):
         raise ValueError(
-            "When apply_softmax=False, predictions must be valid probability "
-            "distributions that sum to 1 along the class axis (the last); found sums "
-            f"in [{sums.min().item():.6f}, {sums.max().item():.6f}]")
+            f"{fn}: predictions must be valid probability distributions that sum to 1 "
+            f"along the class axis (the last) when {flag}=False, got sums in "
+            f"[{sums.min().item():.6f}, {sums.max().item():.6f}]")
+
+
+def _check_pair(fn: str, predictions: torch.Tensor, targets: torch.Tensor) -> None:
+    """``predictions`` and ``targets`` of one shape ``[..., classes]``."""
+    if predictions.shape != targets.shape:
+        raise ValueError(f"{fn}: targets must have the shape of predictions "
+                         f"{tuple(predictions.shape)} (one-hot [..., classes]), got "
+                         f"{tuple(targets.shape)}")
+    if predictions.ndim == 0:
+        raise ValueError(f"{fn}: predictions and targets must have a class axis (the "
+                         "last), got 0-dimensional tensors")
 
 
 def dice_loss(predictions: torch.Tensor, targets: torch.Tensor, *,
@@ -84,31 +91,38 @@ def dice_loss(predictions: torch.Tensor, targets: torch.Tensor, *,
     ``"none"`` to keep them. Result ``[batch]`` for ``[batch, *spatial, classes]``
     inputs (``[batch, classes]`` with ``"none"``).
     """
-    _require_tensor(predictions, "predictions", floating=True)
-    _require_tensor(targets, "targets")
+    return _dice("dice_loss", "apply_softmax", predictions, targets,
+                 class_weights=class_weights, smooth=smooth, alpha=alpha, beta=beta,
+                 apply_softmax=apply_softmax, reduction=reduction,
+                 ignore_background=ignore_background, axis=axis)
+
+
+def _dice(fn: str, flag: str, predictions: torch.Tensor, targets: torch.Tensor, *,
+          class_weights: torch.Tensor | Sequence[float] | None, smooth: Scalar,
+          alpha: Scalar, beta: Scalar, apply_softmax: bool, reduction: str,
+          ignore_background: bool, axis: Axis) -> torch.Tensor:
+    """:func:`dice_loss`, its errors naming ``fn`` and, for ``apply_softmax``, ``flag``."""
+    check.floating(fn, "predictions", predictions)
+    check.tensor(fn, "targets", targets)
     if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        raise ValueError(f"{fn}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     for name, value in (("smooth", smooth), ("alpha", alpha), ("beta", beta)):
-        _require_number(value, name, non_negative=True)
+        check.number(fn, name, value, ">= 0")
     if predictions.ndim == targets.ndim - 1:
         predictions = predictions.unsqueeze(-1)
     elif targets.ndim == predictions.ndim - 1:
         targets = targets.unsqueeze(-1)
-    if predictions.shape != targets.shape:
-        raise ValueError(f"targets of shape {tuple(targets.shape)} do not match predictions "
-                         f"of shape {tuple(predictions.shape)} (one-hot [..., classes])")
-    if predictions.ndim == 0:
-        raise ValueError("predictions and targets need a class axis (the last); got "
-                         "0-dimensional tensors")
+    _check_pair(fn, predictions, targets)
     num_classes = predictions.shape[-1]
     if apply_softmax:
         probs = (torch.sigmoid(predictions) if num_classes == 1
                  else torch.softmax(predictions, dim=-1))
     else:
-        _check_probabilities(predictions)
+        _check_probabilities(fn, flag, predictions)
         probs = predictions
     targets = targets.to(probs.dtype)
-    dims = tuple(range(1, probs.ndim - 1)) if axis is None else _dims(axis, probs.ndim)
+    dims = (tuple(range(1, probs.ndim - 1)) if axis is None
+            else check.dims(fn, axis, probs.ndim, any_sequence=True, allow_empty=True))
 
     overlap = _sum(probs * targets, dims)
     false_pos = _sum(probs, dims) - overlap
@@ -120,11 +134,12 @@ def dice_loss(predictions: torch.Tensor, targets: torch.Tensor, *,
         if not isinstance(class_weights, torch.Tensor):
             class_weights = torch.as_tensor(class_weights)
         if class_weights.ndim != 1:
-            raise ValueError(f"class_weights must be 1-D (one weight per class), got "
-                             f"shape {tuple(class_weights.shape)}")
+            raise ValueError(f"{fn}: class_weights must be 1-D (one weight per class), "
+                             f"got shape {tuple(class_weights.shape)}")
         if loss.ndim == 0 or class_weights.shape[0] not in (1, loss.shape[-1]):
-            raise ValueError(f"class_weights of shape {tuple(class_weights.shape)} do not "
-                             f"match the per-class losses of shape {tuple(loss.shape)}")
+            raise ValueError(f"{fn}: class_weights must have one weight per class of the "
+                             f"per-class losses of shape {tuple(loss.shape)}, got shape "
+                             f"{tuple(class_weights.shape)}")
         loss = loss * class_weights.to(dtype=loss.dtype, device=loss.device)
     if ignore_background and num_classes > 1:
         loss = loss[..., 1:]
@@ -146,20 +161,16 @@ def multiclass_generalized_dice_loss(predictions: torch.Tensor, targets: torch.T
     ``predictions`` and ``targets`` have one shape ``[..., classes]``; rare classes weigh
     more, which counters class imbalance.
     """
-    _require_tensor(predictions, "predictions", floating=True)
-    _require_tensor(targets, "targets")
-    if predictions.shape != targets.shape:
-        raise ValueError(f"targets of shape {tuple(targets.shape)} do not match predictions "
-                         f"of shape {tuple(predictions.shape)} (one-hot [..., classes])")
-    if predictions.ndim == 0:
-        raise ValueError("predictions and targets need a class axis (the last); got "
-                         "0-dimensional tensors")
+    fn = "multiclass_generalized_dice_loss"
+    check.floating(fn, "predictions", predictions)
+    check.tensor(fn, "targets", targets)
+    _check_pair(fn, predictions, targets)
     counts = _sum(targets.to(predictions.dtype), tuple(range(targets.ndim - 1)))
     weights = 1.0 / (counts * counts + _FREQUENCY_EPS)
     weights = weights * (weights.shape[0] / weights.sum())
-    return dice_loss(predictions, targets, class_weights=weights, smooth=smooth,
-                     apply_softmax=apply_softmax, reduction="none",
-                     ignore_background=ignore_background).mean()
+    return _dice(fn, "apply_softmax", predictions, targets, class_weights=weights,
+                 smooth=smooth, alpha=0.5, beta=0.5, apply_softmax=apply_softmax,
+                 reduction="none", ignore_background=ignore_background, axis=None).mean()
 
 
 def binary_dice_loss(predictions: torch.Tensor, targets: torch.Tensor, *,
@@ -170,10 +181,12 @@ def binary_dice_loss(predictions: torch.Tensor, targets: torch.Tensor, *,
     ``predictions`` and ``targets`` are ``[...]`` or ``[..., 1]``; the result has the
     batch dimensions only (``[batch]`` for ``[batch, *spatial]`` inputs).
     """
-    _require_tensor(predictions, "predictions", floating=True)
-    _require_tensor(targets, "targets")
+    fn = "binary_dice_loss"
+    check.floating(fn, "predictions", predictions)
+    check.tensor(fn, "targets", targets)
     if predictions.ndim == targets.ndim and (predictions.ndim == 0
                                              or predictions.shape[-1] != 1):
         predictions, targets = predictions.unsqueeze(-1), targets.unsqueeze(-1)
-    return dice_loss(predictions, targets, smooth=smooth, apply_softmax=apply_sigmoid,
-                     reduction="mean")
+    return _dice(fn, "apply_sigmoid", predictions, targets, class_weights=None,
+                 smooth=smooth, alpha=0.5, beta=0.5, apply_softmax=apply_sigmoid,
+                 reduction="mean", ignore_background=False, axis=None)

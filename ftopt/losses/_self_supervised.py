@@ -15,13 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ftopt.losses._regression import (
-    Scalar,
-    _broadcast_shape,
-    _dims,
-    _require_number,
-    _require_tensor,
-)
+from ftopt.losses import _checks as check
+from ftopt.losses._checks import Scalar
 
 __all__ = ["ntxent", "triplet_margin_loss"]
 
@@ -41,14 +36,15 @@ def ntxent(embeddings: torch.Tensor, labels: torch.Tensor,
     members of a positive group (e.g. ``[0, 0, 1, 1]`` for two pairs). Returns a scalar;
     NaN when no two samples share a label (no positive pair), as in optax.
     """
-    _require_tensor(embeddings, "embeddings", floating=True)
-    _require_tensor(labels, "labels")
-    _require_number(temperature, "temperature", positive=True)
+    fn = "ntxent"
+    check.floating(fn, "embeddings", embeddings)
+    check.tensor(fn, "labels", labels)
+    check.number(fn, "temperature", temperature, "> 0")
     if embeddings.ndim != 2:
-        raise ValueError(f"embeddings must be 2-D [batch, features], got shape "
+        raise ValueError(f"{fn}: embeddings must be 2-D [batch, features], got shape "
                          f"{tuple(embeddings.shape)}")
     if labels.ndim != 1 or labels.shape[0] != embeddings.shape[0]:
-        raise ValueError(f"labels must be 1-D with one label per embedding "
+        raise ValueError(f"{fn}: labels must be 1-D with one label per embedding "
                          f"({embeddings.shape[0]}), got shape {tuple(labels.shape)}")
     eps = torch.finfo(embeddings.dtype).eps
     norms = torch.clamp((embeddings * embeddings).sum(-1, keepdim=True), min=eps).sqrt()
@@ -86,16 +82,17 @@ def triplet_margin_loss(anchors: torch.Tensor, positives: torch.Tensor,
     ``torch.nn.functional.triplet_margin_loss`` adds its ``eps`` to the differences
     instead; both agree at ``eps=0``.
     """
+    fn = "triplet_margin_loss"
     named = {"anchors": anchors, "positives": positives, "negatives": negatives}
     for name, value in named.items():
-        _require_tensor(value, name, floating=True)
+        check.floating(fn, name, value)
     if not isinstance(axis, int) or isinstance(axis, bool):
-        raise TypeError(f"axis must be an int, got {axis!r}")
-    _require_number(norm_degree, "norm_degree", positive=True)
-    _require_number(margin, "margin")
-    _require_number(eps, "eps", non_negative=True)
-    shape = _broadcast_shape(named)
-    (dim,) = _dims(axis, len(shape))
+        raise TypeError(f"{fn}: axis must be an int, got {axis!r}")
+    check.number(fn, "norm_degree", norm_degree, "> 0")
+    check.number(fn, "margin", margin)
+    check.number(fn, "eps", eps, ">= 0")
+    shape = check.broadcast(fn, named)
+    (dim,) = check.dims(fn, axis, len(shape))
     anchors = anchors.expand(shape)
 
     def distance(other: torch.Tensor) -> torch.Tensor:

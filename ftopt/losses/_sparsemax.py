@@ -18,17 +18,10 @@ from __future__ import annotations
 import torch
 import torch.func
 
+from ftopt.losses import _checks as check
 from ftopt.projections import projection_simplex
 
 __all__ = ["multiclass_sparsemax_loss", "sparsemax_loss"]
-
-
-def _check_float(fn: str, name: str, x: object) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{fn}: {name}: expected a tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{fn}: {name}: expected a real floating-point tensor, got {x.dtype}")
-    return x
 
 
 def sparsemax_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -48,14 +41,9 @@ def sparsemax_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         The loss, of the broadcast shape of ``logits`` and ``labels``.
     """
     fn = "sparsemax_loss"
-    _check_float(fn, "logits", logits)
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"{fn}: labels: expected a tensor, got {type(labels).__name__}")
-    try:
-        torch.broadcast_shapes(logits.shape, labels.shape)
-    except RuntimeError:
-        raise ValueError(f"{fn}: labels: expected a shape broadcastable with logits' "
-                         f"{tuple(logits.shape)}, got {tuple(labels.shape)}") from None
+    check.floating(fn, "logits", logits)
+    check.tensor(fn, "labels", labels)
+    check.broadcast(fn, {"logits": logits, "labels": labels})
     x = torch.where(labels != 0, -logits, logits)
     middle = (x.clamp(-1.0, 1.0) + 1.0).square() / 4.0
     return torch.where(x >= 1.0, x, middle)
@@ -85,16 +73,13 @@ def multiclass_sparsemax_loss(scores: torch.Tensor, labels: torch.Tensor) -> tor
         The ``(...)`` loss.
     """
     fn = "multiclass_sparsemax_loss"
-    _check_float(fn, "scores", scores)
+    check.floating(fn, "scores", scores)
     if scores.dim() == 0 or scores.shape[-1] == 0:
-        raise ValueError(f"{fn}: scores: expected shape (..., K) with K >= 1, "
+        raise ValueError(f"{fn}: scores must have shape (..., K) with K >= 1, "
                          f"got {tuple(scores.shape)}")
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"{fn}: labels: expected a tensor, got {type(labels).__name__}")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise TypeError(f"{fn}: labels: expected an integer tensor, got {labels.dtype}")
+    check.integer(fn, "labels", labels)
     if labels.shape != scores.shape[:-1]:
-        raise ValueError(f"{fn}: labels: expected shape {tuple(scores.shape[:-1])} "
+        raise ValueError(f"{fn}: labels must have shape {tuple(scores.shape[:-1])} "
                          f"(scores' without the last axis), got {tuple(labels.shape)}")
     if scores.numel() == 0:
         return scores.sum(-1)
