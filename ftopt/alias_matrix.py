@@ -124,8 +124,13 @@ def _named_matrices(dims: Any):
     where a leaf has dimension numbers, "adam" where it has ``None``."""
     def labels(params: Any) -> Any:
         found = iter(leaf_dims("muon", dims, params))
-        return optree.tree_map(lambda _: "muon" if next(found) is not None else "adam",
-                               params, none_is_leaf=True, namespace="ftopt")
+
+        def label(param: Any) -> str | None:
+            leaf = next(found)  # (one per position, a None param's too)
+            if param is None:
+                return None  # a param held as None is an empty subtree: no label
+            return "muon" if leaf is not None else "adam"
+        return optree.tree_map(label, params, none_is_leaf=True, namespace="ftopt")
     return labels
 
 

@@ -107,6 +107,36 @@ def test_the_ways_of_naming_leaves_agree():
     assert not torch.equal(outs[0]["stack"]["a"], passed["stack"]["a"])  # (control)
 
 
+@pytest.mark.parametrize("make", [ftopt.muon, ftopt.normuon])
+@pytest.mark.parametrize("how", ["prefix", "function"])
+def test_a_param_held_as_none_is_an_empty_subtree(make, how):
+    """A frozen param held as None (an empty subtree, as optax reads it) beside named
+    leaves: its update stays None and the others step as they do without it, bit for
+    bit (the partition's labels once put a label where the params hold None)."""
+    gen = fresh_generator()
+    params = {"stack": _randn(gen, 3, 5, 4), "vec": _randn(gen, 7)}
+    grads = [{"stack": _randn(gen, 3, 5, 4), "vec": _randn(gen, 7)} for _ in range(2)]
+    dims = ({"stack": D(-2, -1), "vec": None} if how == "prefix" else
+            lambda tree: ftopt.tree.map(lambda x: D(-2, -1) if x.ndim == 3 else None, tree))
+    with_none = {"frozen": None, **dims} if how == "prefix" else dims
+    runs = []
+    for frozen in (False, True):
+        tx = make(1e-2, ns_dtype=torch.float32,
+                  muon_weight_dimension_numbers=with_none if frozen else dims)
+        p = {"frozen": None, **params} if frozen else dict(params)
+        state = tx.init(p)
+        for g in grads:
+            g = {"frozen": None, **g} if frozen else g
+            u, state = tx.update(g, state, p)
+            p = ftopt.apply_updates(p, u)
+        if frozen:
+            assert u["frozen"] is None and p["frozen"] is None
+        runs.append(p)
+    for name in ("stack", "vec"):
+        assert torch.equal(runs[0][name], runs[1][name]), name
+    assert not torch.equal(runs[0]["stack"], params["stack"])  # (control: it stepped)
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_zeros_keeps_an_idle_expert(skip):
     """An expert that saw no tokens (its gradient all zero) keeps its params and momentum
