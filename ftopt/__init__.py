@@ -9,6 +9,7 @@ from ftopt import (
     experimental,
     losses,
     microbatching,
+    optax_namespaces,  # noqa: F401 (adds optax's names to ftopt.transforms and .schedules)
     perturbations,
     projections,
     schedules,

@@ -10,8 +10,8 @@ inner step only when it is taken.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -24,6 +24,14 @@ __all__ = ["ConditionallyTransformState", "ConditionallyMaskState",
 
 # Keywords ftopt itself passes down a chain: never a condition's arguments.
 _OWN_EXTRA = ("zero_mask", "backend")
+
+
+class ConditionFn(Protocol):
+    """optax's type of ``should_transform_fn``: the step count (a 0-d int32 tensor) and,
+    with ``forward_extra_args``, the update's extra keywords, to a bool or 0-d bool
+    tensor."""
+
+    def __call__(self, step: torch.Tensor, **extra_args: Any) -> Any: ...
 
 
 @register_state
@@ -49,7 +57,7 @@ class Conditionally:
                       "select between the inner step and none on the condition")
 
     def __init__(self, name: str, inner: GradientTransformation,
-                 should_transform_fn: Callable[..., Any], forward_extra_args: bool):
+                 should_transform_fn: ConditionFn, forward_extra_args: bool):
         if not isinstance(inner, GradientTransformation):
             raise TypeError(f"{name}: inner must be a GradientTransformation, got "
                             f"{type(inner).__name__}")
@@ -113,7 +121,7 @@ class Conditionally:
 
 
 def conditionally_transform(inner: GradientTransformation,
-                            should_transform_fn: Callable[..., Any],
+                            should_transform_fn: ConditionFn,
                             forward_extra_args: bool = False) -> GradientTransformation:
     """Runs ``inner`` on the calls where ``should_transform_fn(step)`` holds; on the
     others the updates pass through unchanged and ``inner``'s state is kept (as optax).
@@ -131,7 +139,7 @@ def conditionally_transform(inner: GradientTransformation,
 
 
 def conditionally_mask(inner: GradientTransformation,
-                       should_transform_fn: Callable[..., Any],
+                       should_transform_fn: ConditionFn,
                        forward_extra_args: bool = False) -> GradientTransformation:
     """Runs ``inner`` on the calls where ``should_transform_fn(step)`` holds; on the
     others the updates are zero (``-0.0``: ``p + u`` keeps every param's bits) and

@@ -83,6 +83,27 @@ l2_loss log_cosh squared_error binary_dice_loss dice_loss multiclass_generalized
 ntxent triplet_margin_loss smooth_labels
 """.split()
 
+# optax.transforms and optax.schedules, less optax's ZeroNansState (ftopt's zero_nans keeps
+# no state) and MaskedNode (masked's state holds the selected leaves only, no placeholders)
+TRANSFORMS = """
+ema EmaState MultiSteps MultiStepsState ShouldSkipUpdateFunction skip_large_updates
+skip_not_finite trace TraceState add_decayed_weights add_noise AddNoiseState
+adaptive_grad_clip clip clip_by_block_rms clip_by_global_norm per_example_global_norm_clip
+per_example_layer_norm_clip unitwise_clip unitwise_norm chain named_chain partition
+PartitionState apply_if_finite ApplyIfFiniteState conditionally_mask conditionally_transform
+ConditionallyMaskState ConditionallyTransformState ConditionFn keep_params_nonnegative
+NonNegativeParamsState zero_nans freeze selective_transform flatten masked MaskedState
+measure_with_ema monitor MonitorState snapshot SnapshotState
+""".split()
+SCHEDULES = """
+Schedule StatefulSchedule inject_hyperparams inject_stateful_hyperparams
+InjectHyperparamsState InjectStatefulHyperparamsState WrappedSchedule join_schedules
+constant_schedule cosine_decay_schedule cosine_onecycle_schedule exponential_decay
+linear_onecycle_schedule linear_schedule piecewise_constant_schedule
+piecewise_interpolate_schedule polynomial_schedule sgdr_schedule warmup_constant_schedule
+warmup_cosine_decay_schedule warmup_exponential_decay_schedule
+""".split()
+
 # optax.tree_utils, less JAX's PRNG-key helpers (tree_split_key_like,
 # tree_unwrap_random_key_data)
 TREE_UTILS = """
@@ -145,3 +166,17 @@ def test_losses_holds_optax_losses_names_and_the_top_level_names_them_too():
     assert len(top) == 19
     differ = [n for n in top if getattr(ftopt, n) is not getattr(ftopt.losses, n)]
     assert not differ, differ
+
+
+def test_transforms_and_schedules_hold_optax_s_names_there():
+    """``optax.transforms.masked``, ``optax.schedules.inject_hyperparams``: the same objects
+    as ftopt's top level, and listed in the subpackages' ``__all__``."""
+    for package, names in ((ftopt.transforms, TRANSFORMS), (ftopt.schedules, SCHEDULES)):
+        missing = [n for n in names if n not in package.__all__ or not hasattr(package, n)]
+        assert not missing, (package.__name__, missing)
+        differ = [n for n in names if hasattr(ftopt, n)
+                  and getattr(package, n) is not getattr(ftopt, n)]
+        assert not differ, (package.__name__, differ)
+    schedule = ftopt.schedules.inject_hyperparams(ftopt.sgd)(learning_rate=0.1)
+    params = {"w": torch.ones(3)}
+    assert isinstance(schedule.init(params), ftopt.schedules.InjectHyperparamsState)
