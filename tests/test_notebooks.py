@@ -29,6 +29,8 @@ PRINTS = {
     "porting.ipynb": ["ported step count: 30", "back in torch: step 70"],
     "matrix_optimizers.ipynb": ["final loss of each below half its first",
                                 "normuon row moments"],
+    "from_optax.ipynb": ["learning rate now 0.003", "per-example clipped accuracy",
+                         "names found: True"],
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")
