@@ -1,8 +1,11 @@
 """Loss functions (optax's ``optax.losses``), for torch tensors.
 
-Each takes and returns tensors, reduces only the axes it names (no mean over the batch:
-take ``.mean()`` yourself, as with optax), and differentiates through autograd and
-``torch.func`` (``grad``, ``vmap``). Arguments are optax's: ``axis`` and ``where`` where
+Each takes and returns tensors, reduces what optax's reduces (nothing for the regression
+losses, the class axis for the classification losses; ``ntxent`` and
+``multiclass_generalized_dice_loss`` the batch too, ``ranking_softmax_loss`` by its
+``reduce_fn``), so take ``.mean()`` yourself where optax's users do, and differentiates
+through autograd and ``torch.func`` (``grad``, ``vmap``). Arguments are optax's: ``axis``
+and ``where`` where
 optax has them, integer labels as int64 tensors. Differences from optax are stated in
 each function's docstring; bad input raises an error naming the argument.
 """
