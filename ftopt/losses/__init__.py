@@ -5,9 +5,9 @@ losses, the class axis for the classification losses; ``ntxent`` and
 ``multiclass_generalized_dice_loss`` the batch too, ``ranking_softmax_loss`` by its
 ``reduce_fn``), so take ``.mean()`` yourself where optax's users do, and differentiates
 through autograd and ``torch.func`` (``grad``, ``vmap``). Arguments are optax's: ``axis``
-and ``where`` where
-optax has them, integer labels as int64 tensors. Differences from optax are stated in
-each function's docstring; bad input raises an error naming the argument.
+and ``where`` where optax has them, integer labels as int64 tensors. Differences from
+optax are stated in each function's docstring; bad input raises an error naming the
+argument.
 """
 
 from __future__ import annotations
