@@ -303,6 +303,27 @@ def _fill_like(grads, full):
         spec.flatten_up_to(grads), ftopt.tree.leaves(full))])
 
 
+@pytest.mark.parametrize("name", sorted(TXS))
+@pytest.mark.parametrize("use_step", [False, True])
+def test_none_param_leaf(name, use_step):
+    """A frozen param held as ``None`` (an empty subtree, as optax reads it; its gradient
+    ``None`` too): its update and param stay ``None``, and the other leaves step exactly as
+    in the tree without it (masks, labels and dimension numbers built from the params
+    must give it nothing)."""
+    gen = _gen(SEED + 5)
+    params = _none_case(gen)
+    grads_seq = [_grads_like(params, gen, zero_frac=0.0) for _ in range(2)]
+    frozen_params = {"frozen": None, **params}
+    frozen_grads = [{"frozen": None, **g} for g in grads_seq]
+    fp, _ = _run(TXS[name](), frozen_params, frozen_grads, use_step)
+    assert fp["frozen"] is None
+    sp, _ = _run(TXS[name](), params, grads_seq, use_step)
+    for a, b in zip(ftopt.tree.leaves({k: v for k, v in fp.items() if k != "frozen"}),
+                    ftopt.tree.leaves(sp)):
+        assert torch.equal(a, b)
+    assert not torch.equal(sp["b"], params["b"]) or not _moves(name)
+
+
 def _states_at(state, path: str) -> list:
     """The state tensors stored under the params path ``path`` (e.g. ``['c'][1]``)."""
     paths, leaves, _ = ftopt.tree.flatten_with_paths(state)

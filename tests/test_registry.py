@@ -216,6 +216,7 @@ SUITES = [
     ("test_purity", "test_inputs_never_modified", "name", {}, lambda: registry.TRANSFORMS),
     *[("test_pytrees", t, "name", {}, lambda: registry.TRANSFORMS) for t in (
         "test_tree_kinds_equal_flat_list", "test_none_gradient_leaf", "test_all_none_gradients",
+        "test_none_param_leaf",
         "test_empty_tree", "test_zero_dim_and_empty_leaves",
         "test_zero_dim_leaves_with_tensor_hyperparameters")],
     *[("test_errors", t, "name", {}, lambda: registry.TRANSFORMS) for t in (
