@@ -117,6 +117,17 @@ def test_huber_loss_optax_values_and_tensor_delta():
     ref = torch.tensor([[huber_reference(a, d) for a, d in zip(row, delta.tolist())]
                         for row in p.tolist()], dtype=F64)
     close(huber_loss(p, delta=delta), ref, rtol=1e-6, atol=1e-7)
+    # A number delta takes torch's kernel, a tensor one (or mixed dtypes) the formula:
+    # the same values and gradients either way.
+    t = randn(gen, 7)
+    for targets in (t, t.double()):
+        by_number = torch.func.grad(
+            lambda x, y=targets: huber_loss(x, y, delta=0.7).sum())(p)
+        by_tensor = torch.func.grad(
+            lambda x, y=targets: huber_loss(x, y, delta=torch.tensor(0.7)).sum())(p)
+        torch.testing.assert_close(by_number, by_tensor)
+        torch.testing.assert_close(huber_loss(p, targets, delta=0.7),
+                                   huber_loss(p, targets, delta=torch.tensor(0.7)))
 
 
 def test_huber_loss_errors():

@@ -49,14 +49,17 @@ def _sum(x: torch.Tensor, dims: tuple[int, ...], *, keepdim: bool = False) -> to
     return x.sum(dim=dims, keepdim=keepdim) if dims else x
 
 
+def _check_args(fn: str, predictions: torch.Tensor, targets: torch.Tensor | None) -> None:
+    check.floating(fn, "predictions", predictions)
+    if targets is not None:
+        check.tensor(fn, "targets", targets)
+        check.broadcast(fn, {"predictions": predictions, "targets": targets})
+
+
 def _error(fn: str, predictions: torch.Tensor,
            targets: torch.Tensor | None) -> torch.Tensor:
-    check.floating(fn, "predictions", predictions)
-    if targets is None:
-        return predictions
-    check.tensor(fn, "targets", targets)
-    check.broadcast(fn, {"predictions": predictions, "targets": targets})
-    return predictions - targets
+    _check_args(fn, predictions, targets)
+    return predictions if targets is None else predictions - targets
 
 
 # --- element-wise losses ---------------------------------------------------------------
@@ -104,7 +107,13 @@ def huber_loss(predictions: torch.Tensor, targets: torch.Tensor | None = None, *
     """
     fn = "huber_loss"
     check.number(fn, "delta", delta, "> 0")
-    abs_e = _error(fn, predictions, targets).abs()
+    _check_args(fn, predictions, targets)
+    if (targets is not None and targets.dtype == predictions.dtype
+            and not isinstance(delta, torch.Tensor)):
+        # torch's one kernel of the same function (forward and backward)
+        p, t = torch.broadcast_tensors(predictions, targets)
+        return torch.nn.functional.huber_loss(p, t, reduction="none", delta=float(delta))
+    abs_e = (predictions if targets is None else predictions - targets).abs()
     # min(|e|, delta) carries the quadratic part, the excess over delta the linear part;
     # written this way no branch ever squares a large error.
     inner = torch.clamp(abs_e, max=delta)
