@@ -12,7 +12,6 @@ chunked). Prints the medians and the compile time; writes nothing.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,9 @@ except ImportError:  # run from a checkout without installing it
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import ftopt
 
+sys.path[:0] = [str(Path(__file__).resolve().parent)]
+from timing import median_host_ms  # noqa: E402
+
 N = 10_130_000
 HP = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=0.01)
 
@@ -36,17 +38,6 @@ def adamw_ops(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2_sqrt):
     p.copy_(p2)
     m.copy_(m2)
     v.copy_(v2)
-
-
-def median_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -82,7 +73,7 @@ def main() -> None:
     print(f"| step, one {N / 1e6:.2f}M fp32 tensor, {args.threads} threads | median ms |")
     print("| --- | ---: |")
     for name, fn in rows:
-        print(f"| {name} | {median_ms(fn, args.iters):.2f} |")
+        print(f"| {name} | {median_host_ms(fn, args.iters):.2f} |")
 
 
 if __name__ == "__main__":

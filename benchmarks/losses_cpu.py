@@ -1,5 +1,5 @@
 """``ftopt.losses`` against torch's own losses where they compute the same function, on
-the CPU: forward and backward of the loss's mean, median of 10 after 2 warm-ups.
+the CPU: forward and backward of the loss's mean, median of 10 after 3 warm-ups.
 
 torch's column reduces inside its kernel (``reduction="mean"``); ours returns one loss
 per element or example (optax's convention) and then takes ``.mean()``. Prints a
@@ -11,9 +11,7 @@ markdown table; writes nothing.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,16 +23,8 @@ except ImportError:  # run from a checkout without installing it
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import ftopt
 
-
-def median_ms(fn, iters: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+sys.path[:0] = [str(Path(__file__).resolve().parent)]
+from timing import median_host_ms  # noqa: E402
 
 
 def backward_of(loss):
@@ -78,7 +68,7 @@ def main() -> None:
     print(f"| loss, forward + backward, {args.threads} threads | ftopt ms | torch ms | ratio |")
     print("| --- | ---: | ---: | ---: |")
     for name, ours, theirs in rows:
-        a, b_ = median_ms(backward_of(ours)), median_ms(backward_of(theirs))
+        a, b_ = median_host_ms(backward_of(ours), 10), median_host_ms(backward_of(theirs), 10)
         print(f"| {name} | {a:.2f} | {b_:.2f} | {a / b_:.2f}x |")
 
 

@@ -7,7 +7,8 @@ CUDA events, so that every table measures the same way.
 * :func:`event_ms`: CUDA events around ``n`` back-to-back calls, ``reps`` times.
 * :func:`donated_step_ms`: :func:`event_ms` of donated ``ftopt.step`` calls of a transform.
 * :func:`host_us`: host time of each call in microseconds, no synchronisation (for
-  benchmarks whose kernel launch is stubbed).
+  benchmarks whose kernel launch is stubbed); :func:`median_host_ms`, its median in ms
+  (a CPU benchmark's time).
 * :func:`kernel_us`: each kernel's mean device time over donated steps (torch.profiler):
   a step's GPU time without its host time.
 """
@@ -15,6 +16,7 @@ CUDA events, so that every table measures the same way.
 from __future__ import annotations
 
 import collections
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -154,6 +156,11 @@ def host_us(fn: Callable, iters: int, warmup: int = 5) -> list[float]:
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
     return times
+
+
+def median_host_ms(fn: Callable, iters: int, warmup: int = 3) -> float:
+    """The median of :func:`host_us` in ms: a CPU call's time (nothing to synchronise)."""
+    return statistics.median(host_us(fn, iters, warmup)) / 1e3
 
 
 def cuda_events(step: Callable[[], None], steps: int) -> list:
