@@ -20,7 +20,7 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt.aliasing import check_disjoint
-from ftopt.lowering import branches, checks, launch, leaf_slots, reductions, streams
+from ftopt.lowering import branches, checks, devices, launch, leaf_slots, reductions, streams
 from ftopt.lowering.codegen import output_roles
 from ftopt.lowering.counts import advance_counts, advance_running, counts_on, increment
 from ftopt.lowering.flat import dict_list_getter, flat_dict_getter, flat_dict_leaves
@@ -237,14 +237,14 @@ class PreparedStep:
             # The same tensors as the last launch (a donated step over checked memory):
             # the bound launches, with this step's scalars.
             args = scalars if bound[0] else (scalars,)
-            with launch.device_guard(self.device):
+            with devices.device_guard(self.device):
                 # (a carve's spanned group beside the others: see streams)
                 streams.run_bound(self.device, *bound[4:], args)
                 self._copy_back()
                 for group in self.watched:
                     group.watch.after()
             return
-        with launch.device_guard(self.device):
+        with devices.device_guard(self.device):
             leaf_bufs, global_buf = reductions.run_reductions(traced, groups, scalars,
                                                               self.device)
             if not launch.run_main(traced, groups, scalars, leaf_bufs, global_buf,

@@ -9,7 +9,6 @@ every leaf of the group.
 from __future__ import annotations
 
 import array
-import contextlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -29,16 +28,6 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return host.clone()
     return host.to(device, non_blocking=True)
-
-
-def device_guard(device: torch.device):
-    """Makes ``device`` the current one while kernels launch (Triton launches on the
-    current device and stream); nothing to do when it already is."""
-    module = getattr(torch, device.type, None)
-    current = getattr(module, "current_device", None)
-    if device.index is None or current is None or current() == device.index:
-        return contextlib.nullcontext()
-    return module.device(device.index)
 
 
 # Triton's register cap (``maxnreg``) is an option of its NVIDIA backend only.

@@ -20,6 +20,7 @@ from ftopt._counts import device_decided, host_count, remember_count
 from ftopt.combine import owner
 from ftopt.lowering import tiles
 from ftopt.lowering.codegen import trace_chain
+from ftopt.lowering.devices import unsupported as device_unsupported
 from ftopt.rule_transform import RuleTransform
 from ftopt.rules import QuantizedSlot, hparams_require_grad, step_scalars
 from ftopt.stages import chain_stages, state_at
@@ -244,6 +245,10 @@ def call_reason(plan: ChainPlan, p_flat, g_flat, active, backend: str,
                 return f"{name} at {where[i]}: dtype {t.dtype} is not fp32/fp16/bf16"
             if not t.is_contiguous():
                 return f"{name} at {where[i]} is not contiguous"
+    for device in devices:  # last: its first call compiles a probe kernel
+        reason = device_unsupported(device)
+        if reason is not None:
+            return reason
     return None
 
 
