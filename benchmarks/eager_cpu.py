@@ -173,6 +173,10 @@ def make_variants(params, grads, which: str, lr: float = 1e-3, wd: float = 1e-2)
                                                         fused=True, **ref),
         f"ftopt.step({which}, eager, donate=False)": FtoptRunner(tx, params, grads, False),
         f"ftopt.step({which}, eager, donate=True)": FtoptRunner(tx, params, grads, True),
+        # 8-bit states (leaves of 4096 elements and more), as bitsandbytes' 8-bit Adam
+        f"ftopt.step({which}, state_bits=8, eager, donate=True)": FtoptRunner(
+            ftopt.adam(lr, state_bits=8) if which == "adam"
+            else ftopt.adamw(lr, weight_decay=wd, state_bits=8), params, grads, True),
     }
 
 
