@@ -138,6 +138,8 @@ def block_absmax(x: torch.Tensor, block_size: int = 256) -> torch.Tensor:
     flat = x.reshape(-1).to(torch.float32).abs()
     # Non-finite magnitudes do not count (see the module docstring).
     flat = torch.where(flat < float("inf"), flat, torch.zeros((), dtype=flat.dtype))
+    if flat.numel() % block_size == 0:  # whole blocks: no padded copy
+        return flat.view(-1, block_size).amax(dim=1)
     num_blocks = -(-flat.numel() // block_size)
     padded = flat.new_zeros(num_blocks * block_size)
     padded[: flat.numel()] = flat
@@ -289,8 +291,8 @@ def encode_with_absmax(x: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor
     absmax = absmax.to(torch.float32)
     positive = absmax > 0
     safe = torch.where(positive, absmax, torch.ones_like(absmax))
-    v = torch.where(positive, x / safe, torch.zeros_like(x))
-    v = torch.where(v == v, v, torch.zeros((), dtype=v.dtype)).clamp_(-1.0, 1.0)
+    zero = torch.zeros((), dtype=torch.float32, device=x.device)
+    v = torch.nan_to_num(torch.where(positive, x / safe, zero), nan=0.0).clamp_(-1.0, 1.0)
     table = _bucket_table(qmap)
     if table is None or _traced(v):
         return _searched_code(v.contiguous(), _checked_map(qmap)).to(torch.uint8)
