@@ -161,10 +161,19 @@ def nearest_code(v: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
     false). Computed through the map's bucket table (:func:`_bucket_table`), which gives
     these codes for every float32 value, where the map has one.
     """
-    table, v = _bucket_table(qmap), v.to(torch.float32)
+    return _codes(v.to(torch.float32), qmap, finite=False)
+
+
+def _codes(v: torch.Tensor, qmap: torch.Tensor, finite: bool) -> torch.Tensor:
+    """uint8 codes of float32 ``v``: through the map's bucket table where it has one and
+    ``v`` is a plain tensor outside ``torch.func``, else by the search. ``finite``: the
+    caller has no NaN in ``v`` (the table gives a NaN inf's code, patched otherwise)."""
+    table = _bucket_table(qmap)
     if table is None or _traced(v):
         return _searched_code(v.contiguous(), _checked_map(qmap)).to(torch.uint8)
     codes = _table_code(v, table)
+    if finite:
+        return codes
     return torch.where(v == v, codes, torch.full((), qmap.numel() - 2, dtype=torch.uint8,
                                                  device=codes.device))
 
@@ -192,7 +201,7 @@ def _searched_code(v: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
 # 15 for the signed dynamic map, 16 for the unsigned one. Every one of the 2**32 float32
 # patterns then gets the searched code (benchmarks/quant_table_exhaustive.py); four
 # elementwise ops and two gathers in place of a search: 4M elements on two CPU threads,
-# 11-15 ms against 140-167 ms.
+# 12-22 ms against 99-198 ms (benchmarks/RESULTS.md, 2026-12-05).
 _TABLE_BITS = range(12, 21)
 _TABLES: dict[int, tuple] = {}  # id(map) -> (weakref to it, its _version, its table)
 
@@ -293,10 +302,7 @@ def encode_with_absmax(x: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor
     safe = torch.where(positive, absmax, torch.ones_like(absmax))
     zero = torch.zeros((), dtype=torch.float32, device=x.device)
     v = torch.nan_to_num(torch.where(positive, x / safe, zero), nan=0.0).clamp_(-1.0, 1.0)
-    table = _bucket_table(qmap)
-    if table is None or _traced(v):
-        return _searched_code(v.contiguous(), _checked_map(qmap)).to(torch.uint8)
-    return _table_code(v, table)  # (no NaN is left)
+    return _codes(v, qmap, finite=True)  # (no NaN is left)
 
 
 def quantize_blockwise(
