@@ -7,14 +7,22 @@ and prints the first step, the sum of the steps past the first that took over 50
 (kernels compiled later: skip_zeros' counting variants, the watch's probe), and the
 median step.
 
-    python3 benchmarks/first_steps_gpu.py OUT [--steps=80] [--device=cuda]
+With ``--profile`` the filled-cache run of each layout also profiles its first step
+(cProfile, host side) into ``OUT/profile_<layout>.txt``: the 40 costliest calls by
+cumulative time, then by own time.
+
+    python3 benchmarks/first_steps_gpu.py OUT [--steps=80] [--device=cuda] [--profile]
+    [--layouts=fp32,8-bit states]
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
 import pathlib
+import pstats
 import statistics
 import subprocess
 import sys
@@ -47,7 +55,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def child(layout: str, steps: int, device: str) -> dict:
+def _profiled(fn, path: str):
+    """``fn()`` under cProfile, its 40 costliest calls written to ``path``."""
+    prof = cProfile.Profile()
+    out = prof.runcall(fn)
+    text = io.StringIO()
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
+    pathlib.Path(path).write_text(text.getvalue())
+    return out
+
+
+def child(layout: str, steps: int, device: str, profile: str = "") -> dict:
     kw = dict(LAYOUTS[layout])
     dtype = getattr(torch, kw.pop("param_dtype", "float32"))
     if "state_dtype" in kw:
@@ -59,9 +78,16 @@ def child(layout: str, steps: int, device: str) -> dict:
     state = tx.init(params)
     _sync(device)
     times = []
-    for _ in range(steps):
+    for i in range(steps):
         t0 = time.perf_counter()
-        params, state = ftopt.step(tx, params, grads, state, donate=True)
+        if i == 0 and profile:
+            def first(p=params, s=state):
+                out = ftopt.step(tx, p, grads, s, donate=True)
+                _sync(device)
+                return out
+            params, state = _profiled(first, profile)
+        else:
+            params, state = ftopt.step(tx, params, grads, state, donate=True)
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return {"first_ms": times[0], "later_slow_ms": sum(t for t in times[1:] if t > SLOW_MS),
@@ -71,21 +97,26 @@ def child(layout: str, steps: int, device: str) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        print(json.dumps(child(sys.argv[2], int(sys.argv[3]), sys.argv[4])))
+        print(json.dumps(child(sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])))
         return
     out = pathlib.Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    opts = dict(a[2:].split("=", 1) for a in sys.argv[2:] if a.startswith("--"))
+    opts = dict(a[2:].split("=", 1) for a in sys.argv[2:] if a.startswith("--") and "=" in a)
     steps, device = int(opts.get("steps", 80)), opts.get("device", "cuda")
+    profile = "--profile" in sys.argv[2:]
+    layouts = opts["layouts"].split(",") if "layouts" in opts else list(LAYOUTS)
     rows = {}
     print("| layout | cache | first step ms | later compiles ms (steps) | median step ms |")
     print("| --- | --- | ---: | ---: | ---: |")
-    for layout in LAYOUTS:
+    for layout in layouts:
         cache = tempfile.mkdtemp(prefix="triton-cold-")
         for kind in ("empty", "filled"):
             env = {**os.environ, "TRITON_CACHE_DIR": cache}
+            prof = []
+            if profile and kind == "filled":
+                prof = [str(out / f"profile_{layout.replace(' ', '_').replace(',', '')}.txt")]
             run = subprocess.run([sys.executable, __file__, "--child", layout, str(steps),
-                                  device],
+                                  device, *prof],
                                  env=env, capture_output=True, text=True)
             if run.returncode:
                 print(f"| {layout} | {kind} | failed: {run.stderr.strip()[-300:]} | | |")
