@@ -12,7 +12,7 @@ With ``--profile`` the filled-cache run of each layout also profiles its first s
 cumulative time, then by own time.
 
     python3 benchmarks/first_steps_gpu.py OUT [--steps=80] [--device=cuda] [--profile]
-    [--layouts=fp32,8-bit states]
+    [--layouts="fp32;8-bit states"]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import pstats
+import re
 import statistics
 import subprocess
 import sys
@@ -104,7 +105,10 @@ def main() -> None:
     opts = dict(a[2:].split("=", 1) for a in sys.argv[2:] if a.startswith("--") and "=" in a)
     steps, device = int(opts.get("steps", 80)), opts.get("device", "cuda")
     profile = "--profile" in sys.argv[2:]
-    layouts = opts["layouts"].split(",") if "layouts" in opts else list(LAYOUTS)
+    layouts = opts["layouts"].split(";") if "layouts" in opts else list(LAYOUTS)
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown:
+        sys.exit(f"unknown layouts {unknown}; they are {list(LAYOUTS)}, given as --layouts='a;b'")
     rows = {}
     print("| layout | cache | first step ms | later compiles ms (steps) | median step ms |")
     print("| --- | --- | ---: | ---: | ---: |")
@@ -114,7 +118,7 @@ def main() -> None:
             env = {**os.environ, "TRITON_CACHE_DIR": cache}
             prof = []
             if profile and kind == "filled":
-                prof = [str(out / f"profile_{layout.replace(' ', '_').replace(',', '')}.txt")]
+                prof = [str(out / f"profile_{re.sub('[^A-Za-z0-9]+', '_', layout)}.txt")]
             run = subprocess.run([sys.executable, __file__, "--child", layout, str(steps),
                                   device, *prof],
                                  env=env, capture_output=True, text=True)
