@@ -28,10 +28,11 @@ from typing import Any
 import torch
 
 from ftopt import shards
+from ftopt import tree as tree_lib
 from ftopt.base import GradientTransformation
 
-__all__ = ["install", "backend", "loaded", "missing", "eager_updates", "in_eager_update",
-           "update_entry"]
+__all__ = ["install", "backend", "loaded", "missing", "fused_for", "eager_updates",
+           "in_eager_update", "update_entry"]
 
 _MODULES: dict[str, str] = {}  # role -> module name
 _LOADED: dict[str, Any] = {}
@@ -82,6 +83,23 @@ def missing(role: str) -> str | None:
     return None if backend(role) is not None else _FAILED[role]
 
 
+def fused_for(choice: str, *trees: Any) -> Any:
+    """The fused backend for a step or update asked with ``backend=choice`` over
+    ``trees``, or ``None``. ``"auto"`` fuses only on an accelerator, so while no step has
+    loaded the backend, ``"auto"`` over leaves that are all on the CPU (or meta) runs
+    eagerly without importing it: a CPU-only program never imports Triton."""
+    if choice == "eager":
+        return None
+    found = _LOADED.get("fused")
+    if found is not None or choice != "auto":
+        return found if found is not None else backend("fused")
+    for tree in trees:
+        for leaf in tree_lib.leaves(tree):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type not in ("cpu", "meta"):
+                return backend("fused")
+    return None
+
+
 # Set while updates run eagerly: the updates a chain (or an eager step) calls inside its
 # own eager update run eagerly too, instead of each fusing on its own.
 _IN_EAGER_UPDATE = contextvars.ContextVar("ftopt_in_eager_update", default=False)
@@ -119,7 +137,7 @@ def update_entry(obj: Any, updates: Any, state: Any, params: Any, extra: dict, r
         if result is not None:
             return result
     fusible = choice != "eager" and set(extra) <= {"backend"} and not compiling
-    fused = backend("fused") if fusible else None
+    fused = fused_for(choice, updates, params) if fusible else None
     tx = GradientTransformation(obj.init, obj.update) if fused is not None else None
     if fused is not None:
         # A cached fused update proves its leaves plain tensors: no DTensor scan.
@@ -131,7 +149,7 @@ def update_entry(obj: Any, updates: Any, state: Any, params: Any, extra: dict, r
         if distributed is None:
             raise RuntimeError(f"DTensor updates: {missing('distributed')}")
         return distributed.update(obj, updates, state, params, extra)
-    if fusible:
+    if fusible and (fused is not None or choice == "fused"):
         if fused is None:
             reason = missing("fused")
         else:

@@ -106,7 +106,8 @@ def step(
             result = distributed.cached_call(tx, params, grads, state, backend)
             if result is not None:
                 return result
-    fused = dispatch.backend("fused") if backend != "eager" else None
+    fused = dispatch.fused_for(backend, params) if not compiling else (
+        dispatch.backend("fused") if backend != "eager" else None)
     if fused is not None and not compiling:
         distributed = dispatch.loaded("distributed") if donate else None
         if distributed is not None:
@@ -125,7 +126,7 @@ def step(
         compiled = dispatch.backend("compile")
         if compiled is not None:
             return compiled.compiled_step(tx, params, grads, state, donate, backend)
-    if backend != "eager":
+    if backend != "eager" and (fused is not None or backend == "fused"):
         if fused is None:
             reason = dispatch.missing("fused")
         else:

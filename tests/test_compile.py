@@ -3,6 +3,8 @@ step captured in a CUDA graph."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -119,3 +121,33 @@ def test_importing_ftopt_imports_neither_triton_nor_dynamo():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["False", "False"], out
+
+
+def test_cpu_steps_and_updates_import_no_triton_until_a_step_may_fuse():
+    """``backend="auto"`` fuses only on an accelerator: steps and updates whose leaves
+    are all on the CPU run eagerly without importing the fused backend (Triton); one that
+    asks for the fused backend imports it (the control)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch, ftopt
+p = {"w": torch.randn(8, 3), "b": None}
+g = {"w": torch.randn(8, 3), "b": None}
+tx = ftopt.chain(ftopt.clip_by_global_norm(1.0), ftopt.adam(1e-2, skip_zeros=True))
+s = tx.init(p)
+p2, s2 = ftopt.step(tx, p, g, s)
+u, _ = tx.update(g, s, p)
+same = torch.allclose(p2["w"], ftopt.apply_updates(p, u)["w"])
+p3, _ = ftopt.step(tx, p, g, s, donate=True)
+print('triton' in sys.modules, 'ftopt.lowering.entry' in sys.modules, same)
+try:
+    ftopt.step(tx, p3, g, s, backend="fused")
+except RuntimeError:
+    pass
+print('ftopt.lowering.entry' in sys.modules)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=env).stdout.split()
+    assert out == ["False", "False", "True", "True"], out
