@@ -106,8 +106,10 @@ def step(
             result = distributed.cached_call(tx, params, grads, state, backend)
             if result is not None:
                 return result
-    fused = dispatch.fused_for(backend, params) if not compiling else (
-        dispatch.backend("fused") if backend != "eager" else None)
+    if compiling:  # (no tree scan inside a trace)
+        fused = dispatch.backend("fused") if backend != "eager" else None
+    else:
+        fused = dispatch.fused_for(backend, params)
     if fused is not None and not compiling:
         distributed = dispatch.loaded("distributed") if donate else None
         if distributed is not None:
