@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from timing import donated_step_ms  # noqa: E402
 
 import ftopt  # noqa: E402
-from ftopt.lowering import codegen, quantized, tiles  # noqa: E402
+from ftopt.lowering import kernel_files, quantized, tiles  # noqa: E402
 
 dev = torch.device("cuda")
 orig_store, orig_load = quantized.store_lines, quantized.load_lines
@@ -64,7 +64,7 @@ def time_variant(params, grads, encoder, tile, cap, n=40, reps=5):
 
 def registers() -> list[str]:
     out = []
-    for key, mod in codegen._MODULES.items():
+    for key, mod in kernel_files._MODULES.items():
         fn = getattr(mod, "ftopt_main", None)
         for cache in (fn.device_caches.values() if fn is not None else ()):
             out += [f"{key[:8]} regs {k.n_regs} spills {k.n_spills}"

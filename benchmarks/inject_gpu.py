@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import gpt2_shapes, random_tree  # noqa: E402
 
 import ftopt  # noqa: E402
-from ftopt.lowering import codegen  # noqa: E402
+from ftopt.lowering import kernel_files  # noqa: E402
 
 
 def _time(step, iters: int) -> tuple[float, float]:
@@ -79,11 +79,11 @@ def run(iters: int, warmup: int) -> list[dict]:
 
             for _ in range(warmup):
                 step()
-            modules = len(codegen._MODULES)
+            modules = len(kernel_files._MODULES)
             host, latency = _time(step, iters)
             rows.append({"case": name, "donate": donate, "host_us": round(host, 1),
                          "latency_us": round(latency, 1),
-                         "compiled_after_warmup": len(codegen._MODULES) - modules})
+                         "compiled_after_warmup": len(kernel_files._MODULES) - modules})
     return rows
 
 

@@ -26,7 +26,7 @@ import time
 import torch
 
 import ftopt
-from ftopt.lowering import codegen
+from ftopt.lowering import kernel_files
 
 
 def _model(device, width):
@@ -61,10 +61,10 @@ def checks(device, width, batches, backend):
               for o in (opt, ref))
     _train(ours, opt, batches[:2], s1)
     _train(theirs, ref, batches[:2], s2)
-    modules = len(codegen._MODULES)
+    modules = len(kernel_files._MODULES)
     _train(ours, opt, batches[2:], s1)
     _train(theirs, ref, batches[2:], s2)
-    assert len(codegen._MODULES) == modules, "a kernel was compiled after the first steps"
+    assert len(kernel_files._MODULES) == modules, "a kernel was compiled after the first steps"
     err = max(((p - q).abs().max() / q.abs().max()).item()
               for p, q in zip(ours.parameters(), theirs.parameters()))
     print(f"vs torch AdamW under OneCycleLR: max relative error {err:.2e}")

@@ -21,7 +21,7 @@ import gpu_step  # noqa: E402
 import torch  # noqa: E402
 
 import ftopt  # noqa: E402
-from ftopt.lowering import codegen, tiles  # noqa: E402
+from ftopt.lowering import kernel_files, tiles  # noqa: E402
 
 dev = torch.device("cuda")
 cfg = gpu_step.gpt2_tree_config(dev)
@@ -53,7 +53,7 @@ for cap, tile, mode in itertools.product(CAPS, TILES, MODES):
     print(f"maxnreg {str(cap):5s} tile {row['tile']:6s} {mode:12s} dense {row['dense']:.3f} "
           f"sparse {row['sparse']:.3f} mixed {row['mixed']:.3f}", flush=True)
 regs = []
-for key, mod in codegen._MODULES.items():
+for key, mod in kernel_files._MODULES.items():
     fn = getattr(mod, "ftopt_main", None)
     for cache in (fn.device_caches.values() if fn is not None else ()):
         for k in cache[0].values():

@@ -111,9 +111,9 @@ out = pathlib.Path(ARGS[0])
 out.mkdir(parents=True, exist_ok=True)
 (out / "skipmodes.json").write_text(json.dumps(res, indent=1))
 
-from ftopt.lowering import codegen  # noqa: E402
+from ftopt.lowering import kernel_files  # noqa: E402
 
-for key, mod in codegen._MODULES.items():
+for key, mod in kernel_files._MODULES.items():
     src = open(mod.__file__).read()
     tags = " ".join(t for t, on in (
         ("8bit", "qmap" in src), ("tiles", "if tl.sum((tl.load(g_ptr" in src),

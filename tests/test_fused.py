@@ -13,7 +13,7 @@ import torch
 from registry import standalone
 
 import ftopt
-from ftopt.lowering import codegen
+from ftopt.lowering import kernel_files
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -291,12 +291,12 @@ def test_hyperparameter_change_compiles_nothing():
         state = tx.init(params)
         params, state = ftopt.step(tx, params, _tree(gen, torch.float32), state,
                                    backend="fused", donate=True)
-        modules = len(codegen._MODULES)
+        modules = len(kernel_files._MODULES)
         for value in (0.5, 0.001, 0.3):
             lr.fill_(value)
             params, state = ftopt.step(tx, params, _tree(gen, torch.float32), state,
                                        backend="fused", donate=True)
-        assert len(codegen._MODULES) == modules
+        assert len(kernel_files._MODULES) == modules
 
 
 def test_tensor_hyperparameters_take_effect():

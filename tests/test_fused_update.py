@@ -12,7 +12,7 @@ from step_checks import field_leaves, without_fields
 
 import ftopt
 from ftopt.chunked import entry as chunked_entry
-from ftopt.lowering import codegen, entry
+from ftopt.lowering import entry, kernel_files
 from tests.test_fused import CHAINS, DEVICE, QUANT_SHAPES, _bits, _rel_err, _tree
 
 # Chains that read no params: the registry's (of test_fused.CHAINS) and two composites.
@@ -257,10 +257,10 @@ def test_fused_update_compiles_once_per_layout():
     params = _tree(gen, torch.float32)
     state = tx.init(params)
     state = tx.update(_tree(gen, torch.float32), state, params, backend="fused")[1]
-    modules = len(codegen._MODULES)
+    modules = len(kernel_files._MODULES)
     for _ in range(3):
         state = tx.update(_tree(gen, torch.float32), state, params, backend="fused")[1]
-    assert len(codegen._MODULES) == modules
+    assert len(kernel_files._MODULES) == modules
 
 
 MIXED = {"a": ((7, 5), torch.float32), "b": ((1031,), torch.bfloat16),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ftopt
-from ftopt.lowering import codegen
+from ftopt.lowering import kernel_files
 from tests.step_checks import assert_trees_close
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -74,10 +74,10 @@ def _run(tx, case: str, backend: str, donate: bool, launches=None, assign: bool 
         if t == 3 and assign and case in CASES:
             for hyper in _hyperparams(state, case):
                 hyper["learning_rate"] = 3e-2
-        modules, count = len(codegen._MODULES), len(launches or ())
+        modules, count = len(kernel_files._MODULES), len(launches or ())
         params, state = ftopt.step(tx, params, _tree(gen), state, donate=donate,
                                    backend=backend)
-        compiled.append(len(codegen._MODULES) - modules)
+        compiled.append(len(kernel_files._MODULES) - modules)
         launched.append(len(launches or ()) - count)
     return params, state, compiled, launched
 

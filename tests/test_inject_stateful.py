@@ -13,7 +13,7 @@ from step_checks import fresh_generator
 
 import ftopt
 from ftopt.combine import update_keywords
-from ftopt.lowering import codegen
+from ftopt.lowering import kernel_files
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -134,9 +134,9 @@ def test_a_stateful_wrapper_inside_a_chain_fuses(kernel_launches):
         grads["b"][::2] = 0.0
         l0 = len(kernel_launches)
         p1, s1 = ftopt.step(plain, p1, grads, s1, backend="fused")
-        modules, l1 = len(codegen._MODULES), len(kernel_launches)
+        modules, l1 = len(kernel_files._MODULES), len(kernel_launches)
         p2, s2 = ftopt.step(wrapped, p2, grads, s2, backend="fused")
-        assert len(codegen._MODULES) == modules, "not the plain chain's kernels"
+        assert len(kernel_files._MODULES) == modules, "not the plain chain's kernels"
         assert len(kernel_launches) - l1 == l1 - l0 > 0
         p3, s3 = ftopt.step(wrapped, p3, grads, s3, backend="eager")
         assert _bits_equal(p1, p2), i

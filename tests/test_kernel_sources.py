@@ -12,7 +12,7 @@ import torch
 from step_checks import fresh_generator
 
 import ftopt
-from ftopt.lowering import codegen, launch
+from ftopt.lowering import codegen, kernel_files, launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -47,32 +47,32 @@ def test_an_edited_kernel_runs_in_place_of_the_generated_one(monkeypatch, tmp_pa
     monkeypatch.setattr(codegen, "compile_source", spy)
     want, _ = _step(params, grads)
     monkeypatch.setattr(codegen, "compile_source", real)
-    assert new and new <= set(codegen._MODULES)
+    assert new and new <= set(kernel_files._MODULES)
     try:
         for key in new:
             name = f"ftopt_{key}.py"
-            with open(os.path.join(codegen._CACHE_DIR, name)) as f:
+            with open(os.path.join(kernel_files._CACHE_DIR, name)) as f:
                 source = f.read()
             assert "tl.store(p_out + offs, " in source
             # the edit: every stored param zero
             edited = source.replace("tl.store(p_out + offs, ", "tl.store(p_out + offs, 0.0 * ")
             (tmp_path / name).write_text(edited)
-            del codegen._MODULES[key]
+            del kernel_files._MODULES[key]
         _clear_launch_caches()
-        monkeypatch.setattr(codegen, "_SOURCES", str(tmp_path))
+        monkeypatch.setattr(kernel_files, "_SOURCES", str(tmp_path))
         with pytest.warns(UserWarning, match="FTOPT_KERNEL_SOURCES"):
             got, _ = _step(params, grads)
         assert torch.equal(got["w"], torch.zeros_like(got["w"]))
         assert not torch.equal(want["w"], torch.zeros_like(want["w"]))  # (the control)
         # A folder without the kernel's name: the generated kernel, no warning.
         for key in new:
-            del codegen._MODULES[key]
+            del kernel_files._MODULES[key]
         _clear_launch_caches()
-        monkeypatch.setattr(codegen, "_SOURCES", str(tmp_path / "none"))
+        monkeypatch.setattr(kernel_files, "_SOURCES", str(tmp_path / "none"))
         again, _ = _step(params, grads)
         assert torch.equal(again["w"], want["w"])
     finally:  # (no edited kernel stays compiled for the tests after this one)
         for key in new:
-            codegen._MODULES.pop(key, None)
+            kernel_files._MODULES.pop(key, None)
         _clear_launch_caches()
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ftopt
-from ftopt.lowering import codegen
+from ftopt.lowering import kernel_files
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,9 +114,9 @@ def test_live_hyperparameters_equal_fixed_ones_bit_for_bit(backend):
             p.grad = gi.clone()
         opt.step()
         if step == 0:
-            modules = len(codegen._MODULES)
+            modules = len(kernel_files._MODULES)
     assert opt._runs[0].tx is first_tx
-    assert len(codegen._MODULES) == modules
+    assert len(kernel_files._MODULES) == modules
     expected = _reference_run(
         ftopt.adamw, [dict(learning_rate=lr, b1=b1, weight_decay=0.05) for lr, b1 in
                       zip(lrs, b1s)], params, grads, backend)

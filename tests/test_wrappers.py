@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ftopt
-from ftopt.lowering import codegen
+from ftopt.lowering import kernel_files
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -90,7 +90,7 @@ def test_inject_hyperparams_matches_float64_adam_and_changes_without_recompiling
     modules = {}
     lr, b1 = 1e-2, 0.9
     for t in range(1, 23):
-        modules[t] = len(codegen._MODULES)
+        modules[t] = len(kernel_files._MODULES)
         if t == 8:
             lr = 3e-2
             state.hyperparams["learning_rate"] = lr  # a number: known on the host
@@ -113,7 +113,7 @@ def test_inject_hyperparams_matches_float64_adam_and_changes_without_recompiling
             assert torch.allclose(params[n].double(), ref[n], rtol=1e-5, atol=1e-6), (t, n)
     assert modules[13] == modules[2], "a hyperparameter known on the host compiled a kernel"
     assert modules[14] <= modules[13] + 1
-    assert len(codegen._MODULES) == modules[14], "changing a hyperparameter compiled a kernel"
+    assert len(kernel_files._MODULES) == modules[14], "changing a hyperparameter compiled a kernel"
     assert int(state.count) == 22
 
 
@@ -152,10 +152,10 @@ def test_inject_step_is_the_plain_chains_kernel(donate, kernel_launches):
     for t in range(6):
         grads = _tree(gen)
         p_plain, s_plain = ftopt.step(plain, p_plain, grads, s_plain, backend="fused")
-        modules, launches = len(codegen._MODULES), len(kernel_launches)
+        modules, launches = len(kernel_files._MODULES), len(kernel_launches)
         before = (params, state.count, state.inner_state[0].mu)
         params, state = ftopt.step(tx, params, grads, state, donate=donate, backend="fused")
-        assert len(codegen._MODULES) == modules, "not the plain chain's kernel"
+        assert len(kernel_files._MODULES) == modules, "not the plain chain's kernel"
         assert len(kernel_launches) == launches + 1  # one main kernel, as the plain chain
         if donate:  # written in place: the same tensor objects
             assert all(params[n] is before[0][n] for n in params)

@@ -8,20 +8,13 @@ address tables (one entry per leaf and role), so one launch covers every leaf.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import os
-import pathlib
-import sys
-import tempfile
-import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from ftopt import program
 from ftopt.lowering import half_tiles, lanes, leaf_slots, quantized, split, tiles, word_selects
-from ftopt.lowering.knobs import text as knob_text
+from ftopt.lowering.kernel_files import compile_source  # noqa: F401 (launch, devices)
 from ftopt.lowering.roles import input_roles, kept_stores, output_roles, role_dtypes, slot_signs
 from ftopt.lowering.sym_algebra import SymbolicAlgebra, as_name
 from ftopt.lowering.symbolic import Graph, Reduction
@@ -419,31 +412,3 @@ def _kernel(name: str, signature: str, lines: list[str], helpers: dict | None = 
     called = "".join(source + "\n\n" for _, source in sorted((helpers or {}).items()))
     return ("import triton\nimport triton.language as tl\n\n\n" + called + "@triton.jit\n"
             f"def {name}({signature}):\n" + "\n".join("    " + x for x in lines) + "\n")
-
-
-_MODULES: dict[str, object] = {}
-_CACHE_DIR: str | None = None
-# Named as the generated kernels they replace (sass_count.py --dump)
-_SOURCES = knob_text("FTOPT_KERNEL_SOURCES", "", "a folder of hand-edited kernels to time")
-
-
-def compile_source(source: str, name: str):
-    """Import generated source (from a file, so Triton can read it back) once."""
-    global _CACHE_DIR
-    key = hashlib.sha256(source.encode()).hexdigest()[:24]
-    module = _MODULES.get(key)
-    if module is None:
-        if _CACHE_DIR is None:
-            _CACHE_DIR = tempfile.mkdtemp(prefix="ftopt_kernels_")
-        path = os.path.join(_CACHE_DIR, f"ftopt_{key}.py")
-        if _SOURCES and os.path.exists(edited := os.path.join(_SOURCES, f"ftopt_{key}.py")):
-            warnings.warn(f"FTOPT_KERNEL_SOURCES: {edited} in place of its kernel", stacklevel=2)
-            source = pathlib.Path(edited).read_text()
-        with open(path, "w") as f:
-            f.write(source)
-        spec = importlib.util.spec_from_file_location(f"ftopt_kernels_{key}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        _MODULES[key] = module
-    return getattr(module, name)
