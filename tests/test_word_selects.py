@@ -5,7 +5,11 @@ and gradients, two steps."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import registry
@@ -13,7 +17,7 @@ import torch
 from step_checks import fresh_generator
 
 import ftopt
-from ftopt.lowering import codegen, half_tiles, lanes, launch
+from ftopt.lowering import codegen, half_tiles, lanes, launch, word_selects
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 bf16, fp16 = torch.bfloat16, torch.float16
@@ -24,16 +28,20 @@ def _clear_launch_caches() -> None:
         cache.cache_clear()
 
 
-@pytest.mark.parametrize("convert", [True, False])
+@pytest.mark.parametrize("convert,packed", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("opt", ["adam", "lion", "madgrad"])
 @pytest.mark.parametrize("p_dtype,state_dtype,rounding", [
     (bf16, bf16, "nearest"), (bf16, fp16, "nearest"), (fp16, bf16, "nearest"),
     (fp16, fp16, "nearest"), (bf16, bf16, "stochastic")])
 def test_word_selects_keep_the_bits_of_value_selects(monkeypatch, p_dtype, state_dtype,
-                                                     rounding, opt, convert):
+                                                     rounding, opt, convert, packed):
     """(Stochastic rounding's kernels, which read the element's index, only with
-    "indexed" in ``FTOPT_SELECT_WORDS``.)"""
+    "indexed" in ``FTOPT_SELECT_WORDS``; ``packed``: the words picked in pairs,
+    ``FTOPT_PACKED_WORDS``.)"""
     monkeypatch.setattr(lanes, "BF16_CONVERT", convert)
+    indexed = {"indexed"} if rounding == "stochastic" else set()
+    monkeypatch.setattr(word_selects, "PACKED",
+                        frozenset({"16-bit states"} | indexed) if packed else frozenset())
     gen = fresh_generator()
     seed = gen.initial_seed()
 
@@ -77,17 +85,23 @@ def test_word_selects_keep_the_bits_of_value_selects(monkeypatch, p_dtype, state
         return t.reshape(-1).view(torch.uint8)
 
     def words_in(sources: list) -> list:
-        return [s for s in sources if re.search(r"tl\.where\(zero[^,]*, st\d+_\w+_old_raw", s)]
+        stored = (r"tl\.where\(zero[^,]*, st\d+_\w+_old_raw|"
+                  r"ftopt_pick_words\(nz, .*, st\d+_\w+_old_raw\)")
+        return [s for s in sources if re.search(stored, s)]
 
     before = run(frozenset())
     assert sources and not words_in(sources)
     if rounding == "stochastic":
         run(frozenset({"16-bit states"}))
         assert sources and not words_in(sources)
-    after = run(frozenset({"16-bit states"} | ({"indexed"} if rounding == "stochastic" else set())))
-    # (the words took effect, on the states and the param)
+    after = run(frozenset({"16-bit states"} | indexed))
+    # (the words took effect, on the states and the param, picked in pairs or not)
     stored = words_in(sources)
-    assert stored and any("tl.where(zero | (" in s and "p_raw" in s for s in stored)
+    p_word = ", p_raw).to(" if packed else "tl.where(zero | ("
+    assert stored and any(p_word in s and "p_raw" in s for s in stored)
+    assert all(("ftopt_pick_words(nz, " in s) == packed for s in stored)
+    # (the param's value passes through no skip select: its word is stored where zero)
+    assert not any("tl.where(zero, neg_zero" in s for s in stored)
     for step_before, step_after in zip(before, after):
         for a, b in zip(step_before, step_after):
             assert a.dtype == b.dtype and torch.equal(bits(a), bits(b)), f"seed {seed}"
@@ -121,7 +135,8 @@ def test_word_selects_leave_other_kernels_alone(monkeypatch):
         p = {"w": torch.randn(3000).to(DEVICE, p_dtype)}
         tx = ftopt.adam(1e-2, **kw)
         ftopt.step(tx, p, p, tx.init(p), backend="fused")
-    assert sources and not any("_old_raw, b_st" in s or "), p_raw," in s for s in sources)
+    assert sources and not any("_old_raw, b_st" in s or "), p_raw," in s
+                               or "ftopt_pick_words" in s for s in sources)
     _clear_launch_caches()
 
 
@@ -214,3 +229,108 @@ def test_indexed_takes_stochastic_roundings_select_kernels(monkeypatch, on):
     for a, b in zip(*out):
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     _clear_launch_caches()
+
+
+def _run_ptx(text: str, args: list[int]) -> int:
+    """The 32-bit result ``$0`` of the inline PTX ``text`` (``and``, ``add``, ``prmt``,
+    ``lop3`` on ``.b32``/``.u32`` registers and immediates) for the operands ``$1``..."""
+    regs = {f"${i + 1}": a for i, a in enumerate(args)}
+    body = text.replace("{", " ").replace("}", " ")
+    for statement in filter(None, (x.strip() for x in body.split(";"))):
+        op, _, rest = statement.partition(" ")
+        if op.startswith(".reg"):
+            continue
+        dst, *srcs = [x.strip() for x in rest.split(",")]
+        v = [regs[x] if x in regs else int(x, 0) for x in srcs]
+        kind = op.split(".")[0]
+        if kind == "and":
+            out = v[0] & v[1]
+        elif kind == "add":
+            out = (v[0] + v[1]) & 0xFFFFFFFF
+        elif kind == "prmt":  # bytes of {b, a}; a selector nibble's bit 3: the sign byte
+            pool = (v[1] << 32) | v[0]
+            out = 0
+            for i in range(4):
+                nib = (v[2] >> (4 * i)) & 0xF
+                byte = (pool >> (8 * (nib & 7))) & 0xFF
+                out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << (8 * i)
+        elif kind == "lop3":  # bit i of the table at (a << 2 | b << 1 | c)
+            out = 0
+            for bit in range(32):
+                a, b, c = ((x >> bit) & 1 for x in v[:3])
+                out |= ((v[3] >> (a << 2 | b << 1 | c)) & 1) << bit
+        else:
+            raise AssertionError(f"no model of {op}")
+        regs[dst] = out
+    return regs["$0"]
+
+
+def _asm(helper: str) -> str:
+    """The PTX string of each inline_asm_elementwise call in ``helper``'s source."""
+    calls = re.findall(r"inline_asm_elementwise\(\s*((?:\"[^\"]*\"\s*)+)", helper)
+    return ["".join(re.findall(r'"([^"]*)"', c)) for c in calls]
+
+
+def test_packed_picks_ptx_model_over_every_word():
+    """The NVIDIA helpers' PTX, run by a model of its instructions: the mask is 0xFFFF
+    exactly where a 16-bit float's word is not +-0 (every word, in either half of the
+    pair, beside a word of each kind), and the pick is new there, old elsewhere."""
+    mask_asm, pick_asm = _asm(word_selects.HELPERS["ptx"])
+    gen = fresh_generator()
+    words = list(range(1 << 16))
+    others = torch.randint(0, 1 << 16, (len(words),), generator=gen).tolist()
+    for i, (w, o) in enumerate(zip(words, others)):
+        o = (0, 0x8000, 1, o)[i % 4]  # (beside +0, -0, the smallest denormal, any)
+        for lo, hi in ((w, o), (o, w)):
+            nz = _run_ptx(mask_asm, [lo | hi << 16])
+            want = (0xFFFF if lo & 0x7FFF else 0) | (0xFFFF0000 if hi & 0x7FFF else 0)
+            assert nz == want, (hex(lo), hex(hi), hex(nz))
+    for _ in range(200):
+        nz, new, old = torch.randint(0, 1 << 16, (3, 2), generator=gen).tolist()
+        nz = [0xFFFF * (x & 1) for x in nz]
+        pack = [a | b << 16 for a, b in (nz, new, old)]
+        want = [n if m else o for m, n, o in zip(nz, new, old)]
+        assert _run_ptx(pick_asm, pack) == want[0] | want[1] << 16
+    # (the model can fail: a mask that forgets the sign bit marks -0 as non-zero)
+    wrong = mask_asm.replace("0x7FFF7FFF;", "0xFFFFFFFF;", 1)
+    assert _run_ptx(wrong, [0x8000]) != 0
+
+
+_COMPILE = """
+import importlib.util, json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+spec = importlib.util.spec_from_file_location("ftopt_packed", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+out = []
+for block, warps in ((512, 2), (64, 2)):
+    src = triton.compiler.ASTSource(
+        fn=module.ftopt_main, constexprs={"BLOCK": block},
+        signature={"g_ptr": "*bf16", "a_ptr": "*u16", "b_ptr": "*u16", "BLOCK": "constexpr"})
+    sass = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps}).asm["sass"]
+    out.append(re.findall(r"\\b(LOP3|PRMT|SEL|FSEL|ISETP|FSETP|HSETP2)\\b", sass))
+print(json.dumps(out))
+"""
+
+
+def test_packed_picks_compile_for_an_nvidia_gpu(tmp_path):
+    """The NVIDIA helpers through Triton's whole pipeline and ptxas for sm_90 (in a
+    process where Triton is not interpreted), at 8 and at 1 element a thread: ``lop3``
+    and byte permutes, no compare or select an element."""
+    path = tmp_path / "ftopt_packed.py"
+    path.write_text(
+        "import triton\nimport triton.language as tl\n\n\n" + word_selects.HELPERS["ptx"]
+        + "\n\n@triton.jit\ndef ftopt_main(g_ptr, a_ptr, b_ptr, BLOCK: tl.constexpr):\n"
+        "    offs = tl.arange(0, BLOCK)\n"
+        "    nz = ftopt_nonzero_words(tl.load(g_ptr + offs))\n"
+        "    tl.store(a_ptr + offs, ftopt_pick_words(nz, tl.load(b_ptr + offs), "
+        "tl.load(a_ptr + offs)))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, str(path)], text=True,
+                          capture_output=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for ops in json.loads(done.stdout):
+        assert "LOP3" in ops and "PRMT" in ops, ops
+        assert not {"SEL", "FSEL", "FSETP", "HSETP2"} & set(ops), ops

@@ -233,7 +233,8 @@ def _count_lines(traced: TracedChain) -> tuple[list[str], list[str]]:
 
 
 def _body_lines(traced: TracedChain, nodes, masks: dict[str, str],
-                variant: Variant, tail: bool, p_word: bool = False) -> list[str]:
+                variant: Variant, tail: bool, p_word: bool = False,
+                packed: bool = False) -> list[str]:  # (packed: g's word mask nz beside it)
     signs = slot_signs(traced) if variant.quant_block else {}
     half = dict(variant.slot_dtypes)
     lines = []
@@ -251,10 +252,13 @@ def _body_lines(traced: TracedChain, nodes, masks: dict[str, str],
             load = f"tl.load({role}_in + offs{lanes.load_mask(traced, masks, tail, role)})"
             lines += lanes.half_load_lines(node.name, load, half[role], True)
             continue
-        if node.name == "p" and variant.p_dtype in (torch.float16, torch.bfloat16):
+        if (node.name == "g" and packed) or (node.name == "p" and variant.p_dtype in (
+                torch.float16, torch.bfloat16)):
             load, _, cast = expr.rpartition(".to(")
             assert cast == "tl.float32)", expr
-            lines += lanes.half_load_lines("p", load, variant.p_dtype, False, p_word)
+            lines += ([f"g_raw = {load}", "nz = ftopt_nonzero_words(g_raw)",
+                       "g = g_raw.to(tl.float32)"] if node.name == "g" else
+                      lanes.half_load_lines("p", load, variant.p_dtype, False, p_word))
             continue
         if variant.scalar_args and node.name.startswith("s") and expr.startswith(
                 "tl.load(scalars_ptr"):
@@ -290,7 +294,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
         prelude = prelude[:1]
     else:
         body = (split.deferred_blocks if variant.defer == 2 else split.full_or_tail)(*bodies)
-    helpers = traced.graph.helpers
+    helpers = {**traced.graph.helpers, **word_selects.helpers(traced, variant)}
     if word_selects.takes(traced, variant, half_tiles.VOLATILE[
             "select" if any(traced.skips) else "plain"]):
         body = [lanes.volatile_loads(x) for x in body]
@@ -335,7 +339,8 @@ def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, varian
                      dtypes: dict, tail: bool, words: dict) -> list[str]:
     # (words: role -> the loaded value whose word it stores where zero, word_selects.moved)
     signs = slot_signs(traced) if variant.quant_block else {}
-    lines = _body_lines(traced, nodes, masks, variant, tail, "p_out" in words)
+    packed = bool(words) and word_selects.packed(traced, variant)
+    lines = _body_lines(traced, nodes, masks, variant, tail, "p_out" in words, packed)
     names = {node.name for node in nodes}
     for role, node in traced.running_stores:  # (every group's program 0: the same value)
         lines.append(f"tl.store({role}_ptr + offs * 0, {_broadcast(node)}, "
@@ -368,10 +373,11 @@ def _body_and_stores(traced: TracedChain, nodes, kept: list, masks: dict, varian
         if dict(variant.slot_dtypes).get(slot) == torch.bfloat16:
             stores += lanes.bf16_store_lines(role, slot, value, store_mask, old,
                                              lanes.bf16_convert(traced),
-                                             lanes.nan_from_word(traced) or bool(keep), keep)
+                                             lanes.nan_from_word(traced) or bool(keep), keep,
+                                             packed)
             continue
         if old is not None and dtypes[role] in ("tl.float16", "tl.bfloat16"):
-            value = lanes.half_value(value, old, dtypes[role], keep)
+            value = lanes.half_value(value, old, dtypes[role], keep, packed)
         stores.append(f"tl.store({_pointer_var(role)} + offs, ({value}).to({dtypes[role]})"
                       f"{store_mask})")
     if not (variant.skip_stores and traced.skips and all(traced.skips)):

@@ -9,7 +9,7 @@ import re
 
 import torch
 
-from ftopt.lowering import knobs, tiles
+from ftopt.lowering import knobs, tiles, word_selects
 
 __all__ = ["masks", "flag_mask", "load_mask", "bf16_store_lines", "bf16_convert", "nan_from_word",
            "half_load_lines", "half_value", "rows", "with_live_rows", "fast_math", "FAST_SQRT",
@@ -87,14 +87,16 @@ def nan_from_word(traced) -> bool:
 
 def bf16_store_lines(role: str, slot: str, value: str, mask: str,
                      old: str | None = None, convert: bool = False,
-                     raw: bool = False, keep: str | None = None) -> list[str]:
+                     raw: bool = False, keep: str | None = None,
+                     packed: bool = False) -> list[str]:
     """Stores fp32 ``value`` as bf16 bits, rounded to nearest even (NaN: 0x7FC0), as
     torch's ``.to(torch.bfloat16)`` rounds: by the conversion instruction (``convert``:
     :func:`bf16_convert`) or by integer operations, exact on every backend (Triton's
     interpreter converts by truncation). ``old``: the slot's loaded value (fp32, widened
     exactly), whose bits a NaN that stays a NaN keeps (``ftopt.numerics.keep_nan_bits``);
     ``raw``: read them from its loaded 16-bit word (``{old}_raw``; :func:`nan_from_word`).
-    ``keep``: the word stored where ``zero`` holds (``ftopt.lowering.word_selects``).
+    ``keep``: the word stored where ``zero`` holds (``ftopt.lowering.word_selects``;
+    ``packed``: picked in pairs, :func:`ftopt.lowering.word_selects.pick`).
     """
     b = f"b_{slot}"
     nan = "32704" if old is None else (
@@ -109,7 +111,7 @@ def bf16_store_lines(role: str, slot: str, value: str, mask: str,
         lines += [f"{b}_u = {b}_x.to(tl.uint32, bitcast=True)",
                   f"{b}_u = ({b}_u + 32767 + (({b}_u >> 16) & 1)) >> 16"]
     word = f"{b}_u.to(tl.uint16)"
-    word = f"tl.where(zero, {keep}, {word})" if keep else word
+    word = word_selects.pick(keep, word, packed) if keep else word
     return lines + [f"{b}_u = tl.where({b}_x == {b}_x, {b}_u, {nan})",
                     f"tl.store({role} + offs, {word}{mask})"]
 
@@ -132,13 +134,17 @@ def half_load_lines(name: str, load: str, dtype, as_bits: bool,
     return [f"{name}_raw = {load}", f"{name} = {name}_raw.to(tl.float32)"]
 
 
-def half_value(value: str, old: str, dtype: str, keep: str | None = None) -> str:
+def half_value(value: str, old: str, dtype: str, keep: str | None = None,
+               packed: bool = False) -> str:
     """fp32 ``value`` converted to the 16-bit ``dtype`` (``"tl.float16"`` or
     ``"tl.bfloat16"``), with the bits of ``old`` (loaded by :func:`half_load_lines`)
     where both are NaN: the GPU's conversions and arithmetic give the canonical NaN, and
     a skipped element keeps its bytes, a NaN's too (``ftopt.numerics.keep_nan_bits``).
     ``keep``: ``old``'s loaded word, stored there and where ``zero`` holds
-    (``ftopt.lowering.word_selects``)."""
+    (``ftopt.lowering.word_selects``; ``packed``: picked in pairs)."""
+    if keep and packed:
+        nan = f"tl.where(({value} != {value}) & ({old} != {old}), {keep}, ({value}).to({dtype}))"
+        return f"{word_selects.pick(keep, nan, True)}.to({dtype}, bitcast=True)"
     if keep:
         return (f"tl.where(zero | (({value} != {value}) & ({old} != {old})), {keep}, "
                 f"({value}).to({dtype}))")
