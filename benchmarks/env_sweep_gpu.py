@@ -7,7 +7,8 @@ ratios with the queue primed), and the host's ms a call; writes ``OUT/sweep.json
 ``--steps=N``: the A/B's steps between two events; ``--opt=NAME``: its ``ftopt`` alias.
 ``--harness=loop``: ``skip_in_loop_gpu.py`` in place of the A/B (each step behind a
 matrix-product burst, timed by its own events; dense and sparse gradients; ``--steps``
-is its timed steps, ``--burst=N`` its burst's size), the watch against off.
+is its timed steps, ``--burst=N`` its burst's size, ``--names`` its layouts by name),
+the watch against off.
 
     python3 benchmarks/env_sweep_gpu.py OUT --set FTOPT_CARVE_WARPS=,8-bit=2 \\
         --set "FTOPT_CARVE_SPAN=8-bit=2,8-bit=4" [--layouts=8-bit] [--rounds=2] [--repeats=2]
@@ -91,6 +92,8 @@ def main() -> None:
                         help="the A/B's steps between two events (default: its own)")
     parser.add_argument("--opt", default="", help="the A/B's ftopt alias (default: adam)")
     parser.add_argument("--harness", default="ab", choices=["ab", "loop"])
+    parser.add_argument("--names", default="",
+                        help="--harness=loop: its layouts by name, ';'-separated")
     parser.add_argument("--burst", type=int, default=0,
                         help="--harness=loop: the burst's size (default: its own)")
     parser.add_argument("--dry-run", action="store_true")
@@ -111,6 +114,7 @@ def main() -> None:
             cmd += [f"--steps={args.steps}"] if args.steps else []
             cmd += [f"--opt={args.opt}"] if args.opt and not loop else []
             cmd += [f"--burst={args.burst}"] if args.burst and loop else []
+            cmd += [f"--names={args.names}"] if args.names and loop else []
             print(f"== {label(update)} (repeat {rep}): {' '.join(cmd)}", flush=True)
             if args.dry_run:
                 if rep == 0:

@@ -958,13 +958,13 @@ def layout_key(name: str, kw: dict) -> str:
             else "fp32" if name == "fp32" else "16-bit")
 
 
-def layout_trees(cfg: Config, only: list) -> Iterator[tuple]:
+def layout_trees(cfg: Config, only: list, names: list = ()) -> Iterator[tuple]:
     """(name, adam kwargs, key, params, grads) of each layout of :data:`LAYOUTS` whose
-    ``tiles.SKIP_MODES`` key (:func:`layout_key`) is in ``only`` (empty: every one): the
-    GPT-2 tree, seed 21, one layout at a time."""
+    ``tiles.SKIP_MODES`` key (:func:`layout_key`) is in ``only`` and whose name is in
+    ``names`` (empty: every one): the GPT-2 tree, seed 21, one layout at a time."""
     for name, (dtype, kw, _) in LAYOUTS.items():
         key = layout_key(name, kw)
-        if not only or key in only:
+        if (not only or key in only) and (not names or name in names):
             yield (name, kw, key, *_tree(cfg, dtype, seed=21))
 
 

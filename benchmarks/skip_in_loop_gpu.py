@@ -11,7 +11,8 @@ matrix product of ``--burst`` (8192: about 2 ms on an H200), an event, one donat
 an event; a step's time is the time between its events.
 
 GPT-2 Adam on each layout of ``gpu_step.LAYOUTS`` (``--layouts=8-bit,fp32``: only those
-keys of ``tiles.SKIP_MODES``), no skip_zeros ("off") against skip_zeros with the watch
+keys of ``tiles.SKIP_MODES``; ``--names="bf16 params, bf16 states;fp32"``: only
+those of its names), no skip_zeros ("off") against skip_zeros with the watch
 (the default), dense gradients and 90% of the embedding's rows zero ("sparse"),
 ``--rounds=N`` (4) rounds with the two variants' order swapped every other round, each
 case ``--steps=N`` (128) timed iterations after 70 untimed ones (the watch's counts and
@@ -32,8 +33,8 @@ the device time a step of each kernel but the burst's (CUPTI: the kernels alone,
 the gaps between them), so that a step's time in this position can be told apart into
 its kernels' (written to ``in_loop.json`` as ``kernels_us``).
 
-    python3 benchmarks/skip_in_loop_gpu.py OUT [--layouts=...] [--rounds=4] [--steps=128]
-        [--burst=8192] [--kernels]
+    python3 benchmarks/skip_in_loop_gpu.py OUT [--layouts=...] [--names=...] [--rounds=4]
+        [--steps=128] [--burst=8192] [--kernels]
 """
 import collections
 import contextlib
@@ -58,6 +59,7 @@ def _option(name: str, default: str) -> str:
 
 
 ONLY = [x for x in _option("layouts", "").split(",") if x]
+NAMES = [x for x in _option("names", "").split(";") if x]
 ROUNDS = int(_option("rounds", "4"))
 STEPS = int(_option("steps", "128"))
 BURST = int(_option("burst", "8192"))
@@ -115,7 +117,7 @@ def main() -> None:
     print(f"burst: {BURST}^2 bf16 product, {burst_ms:.3f} ms", flush=True)
     cfg = gpu_step.gpt2_tree_config(dev)
     rows = []
-    for name, kw, _, params, grads in gpu_step.layout_trees(cfg, ONLY):
+    for name, kw, _, params, grads in gpu_step.layout_trees(cfg, ONLY, NAMES):
         sparse, _ = gpu_step._sparse_wte(grads, cfg)
         seen: dict = {}  # (variant, kind) -> each round's per-step us
         per_kernel: dict = {}  # (variant, kind) -> each round's us a step by kernel
