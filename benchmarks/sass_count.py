@@ -231,11 +231,15 @@ def compile_jobs(jobs: list[dict]) -> list[dict]:
     out = []
     for job in jobs:
         # (recorded under the interpreter: its helpers in place of the GPU's)
-        from ftopt.lowering import quantized
+        from ftopt.lowering import quantized, word_selects
 
         path = pathlib.Path(job["path"])
         source = path.read_text()
         gpu = source.replace(quantized.LG2_HELPER["interpreter"], quantized.LG2_HELPER["cuda"])
+        # (the packed picks' PTX; the bf16 states' with the GPU's conversions, as counted)
+        gpu = gpu.replace(word_selects._PICKS["portable"], word_selects._PICKS["ptx"])
+        for name, text in word_selects._KEEPS["portable"].items():
+            gpu = gpu.replace(text, word_selects._KEEPS["ptx"][name])
         if gpu != source:
             path = path.with_name(path.stem + "_gpu.py")
             path.write_text(gpu)

@@ -86,7 +86,7 @@ def test_word_selects_keep_the_bits_of_value_selects(monkeypatch, p_dtype, state
 
     def words_in(sources: list) -> list:
         stored = (r"tl\.where\(zero[^,]*, st\d+_\w+_old_raw|"
-                  r"ftopt_pick_words\(nz, .*, st\d+_\w+_old_raw\)")
+                  r"ftopt_keep_\w+\(nz, .*, st\d+_\w+_old_raw, ")
         return [s for s in sources if re.search(stored, s)]
 
     before = run(frozenset())
@@ -97,9 +97,9 @@ def test_word_selects_keep_the_bits_of_value_selects(monkeypatch, p_dtype, state
     after = run(frozenset({"16-bit states"} | indexed))
     # (the words took effect, on the states and the param, picked in pairs or not)
     stored = words_in(sources)
-    p_word = ", p_raw).to(" if packed else "tl.where(zero | ("
-    assert stored and any(p_word in s and "p_raw" in s for s in stored)
-    assert all(("ftopt_pick_words(nz, " in s) == packed for s in stored)
+    p_word = r"ftopt_keep_\w+16\(nz, .*, p_raw, " if packed else r"tl\.where\(zero \| \("
+    assert stored and any(re.search(p_word, s) and "p_raw" in s for s in stored)
+    assert all(bool(re.search(r"= ftopt_nonzero_words\(g_raw\)", s)) == packed for s in stored)
     # (the param's value passes through no skip select: its word is stored where zero)
     assert not any("tl.where(zero, neg_zero" in s for s in stored)
     for step_before, step_after in zip(before, after):
@@ -275,7 +275,7 @@ def test_packed_picks_ptx_model_over_every_word():
     """The NVIDIA helpers' PTX, run by a model of its instructions: the mask is 0xFFFF
     exactly where a 16-bit float's word is not +-0 (every word, in either half of the
     pair, beside a word of each kind), and the pick is new there, old elsewhere."""
-    mask_asm, pick_asm = _asm(word_selects.HELPERS["ptx"])
+    mask_asm, pick_asm, *_ = _asm(word_selects.HELPERS["ptx"])
     gen = fresh_generator()
     words = list(range(1 << 16))
     others = torch.randint(0, 1 << 16, (len(words),), generator=gen).tolist()
@@ -294,6 +294,46 @@ def test_packed_picks_ptx_model_over_every_word():
     # (the model can fail: a mask that forgets the sign bit marks -0 as non-zero)
     wrong = mask_asm.replace("0x7FFF7FFF;", "0xFFFFFFFF;", 1)
     assert _run_ptx(wrong, [0x8000]) != 0
+
+
+def _is_nan(word: int, kind: str) -> bool:
+    return (word & 0x7FFF) > (0x7C00 if kind == "fp16" else 0x7F80)
+
+
+@pytest.mark.parametrize("kind", ["state_bf16", "bf16", "fp16"])
+def test_packed_keeps_ptx_model(kind):
+    """The NVIDIA helpers that pick a stored pair and keep a NaN's bits, run by the model
+    of their PTX, against the rule they replace (``ftopt.numerics.keep_nan_bits``): where
+    the gradient is zero the old word; a NaN over a NaN the old word; a bf16 state's NaN
+    over a number 0x7FC0; else the new word. Every pair of words of each kind (zeros,
+    infinities, NaNs at the edges of their range, numbers), in either half, and random
+    words."""
+    asm = _asm(word_selects._KEEPS["ptx"][f"ftopt_keep_{kind}"])[0]
+    half = "fp16" if kind == "fp16" else "bf16"
+    inf = 0x7C00 if half == "fp16" else 0x7F80
+    special = [0, 0x8000, 1, 0x3C00, 0xBF80, 0x7BFF, 0x7F7F, inf, inf | 0x8000, inf + 1,
+               (inf + 1) | 0x8000, 0x7FC0, 0x7E00, 0x7FFF, 0xFFFF, 0x7C01, 0x7F81]
+    gen = fresh_generator()
+    rand = torch.randint(0, 1 << 16, (400,), generator=gen).tolist()
+
+    def want(nz: int, new: int, old: int) -> int:
+        if not nz:
+            return old
+        if _is_nan(new, half):
+            return old if _is_nan(old, half) else (0x7FC0 if kind == "state_bf16" else new)
+        return new
+
+    cases = [(nz, a, b) for nz in (0, 0xFFFF) for a in special for b in special]
+    cases += [(0xFFFF * (r & 1), r, q) for r, q in zip(rand, rand[1:] + rand[:1])]
+    for i, (nz, new, old) in enumerate(cases):
+        o_nz, o_new, o_old = cases[(i * 7 + 3) % len(cases)]  # (the other half)
+        got = _run_ptx(asm, [nz | o_nz << 16, new | o_new << 16, old | o_old << 16])
+        assert got == want(nz, new, old) | want(o_nz, o_new, o_old) << 16, (
+            kind, hex(nz), hex(new), hex(old), hex(got))
+    # (the model can fail: a NaN test one above the infinity marks it as a NaN)
+    wrong = asm.replace("0x007F007F" if half == "bf16" else "0x03FF03FF",
+                        "0x00800080" if half == "bf16" else "0x04000400")
+    assert _run_ptx(wrong, [0xFFFF, inf, 0x7FC0]) != _run_ptx(asm, [0xFFFF, inf, 0x7FC0])
 
 
 _COMPILE = """
@@ -325,8 +365,13 @@ def test_packed_picks_compile_for_an_nvidia_gpu(tmp_path):
         + "\n\n@triton.jit\ndef ftopt_main(g_ptr, a_ptr, b_ptr, BLOCK: tl.constexpr):\n"
         "    offs = tl.arange(0, BLOCK)\n"
         "    nz = ftopt_nonzero_words(tl.load(g_ptr + offs))\n"
-        "    tl.store(a_ptr + offs, ftopt_pick_words(nz, tl.load(b_ptr + offs), "
-        "tl.load(a_ptr + offs)))\n")
+        "    b = tl.load(b_ptr + offs)\n"
+        "    a = ftopt_pick_words(nz, b, tl.load(a_ptr + offs))\n"
+        "    x = b.to(tl.bfloat16, bitcast=True).to(tl.float32)\n"
+        "    a = ftopt_keep_state_bf16(nz, b, a, x, x)\n"
+        "    a = ftopt_keep_bf16(nz, b, a, x, x)\n"
+        "    a = ftopt_keep_fp16(nz, b, a, x, x)\n"
+        "    tl.store(a_ptr + offs, a)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, str(path)], text=True,
                           capture_output=True, env=env, timeout=300)

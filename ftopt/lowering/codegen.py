@@ -294,7 +294,8 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
         prelude = prelude[:1]
     else:
         body = (split.deferred_blocks if variant.defer == 2 else split.full_or_tail)(*bodies)
-    helpers = {**traced.graph.helpers, **word_selects.helpers(traced, variant)}
+    helpers = {**traced.graph.helpers,
+               **word_selects.helpers(traced, variant, lanes.bf16_convert(traced))}
     if word_selects.takes(traced, variant, half_tiles.VOLATILE[
             "select" if any(traced.skips) else "plain"]):
         body = [lanes.volatile_loads(x) for x in body]

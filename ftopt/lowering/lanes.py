@@ -111,6 +111,9 @@ def bf16_store_lines(role: str, slot: str, value: str, mask: str,
         lines += [f"{b}_u = {b}_x.to(tl.uint32, bitcast=True)",
                   f"{b}_u = ({b}_u + 32767 + (({b}_u >> 16) & 1)) >> 16"]
     word = f"{b}_u.to(tl.uint16)"
+    if keep and packed:  # (the NaN's bits kept in the pick)
+        word = word_selects.keep("state_bf16", word, keep, f"{b}_x", old or keep)
+        return lines + [f"tl.store({role} + offs, {word}{mask})"]
     word = word_selects.pick(keep, word, packed) if keep else word
     return lines + [f"{b}_u = tl.where({b}_x == {b}_x, {b}_u, {nan})",
                     f"tl.store({role} + offs, {word}{mask})"]
@@ -143,8 +146,9 @@ def half_value(value: str, old: str, dtype: str, keep: str | None = None,
     ``keep``: ``old``'s loaded word, stored there and where ``zero`` holds
     (``ftopt.lowering.word_selects``; ``packed``: picked in pairs)."""
     if keep and packed:
-        nan = f"tl.where(({value} != {value}) & ({old} != {old}), {keep}, ({value}).to({dtype}))"
-        return f"{word_selects.pick(keep, nan, True)}.to({dtype}, bitcast=True)"
+        kind = "bf16" if dtype == "tl.bfloat16" else "fp16"
+        word = word_selects.keep(kind, f"({value}).to({dtype})", keep, value, old)
+        return f"{word}.to({dtype}, bitcast=True)"
     if keep:
         return (f"tl.where(zero | (({value} != {value}) & ({old} != {old})), {keep}, "
                 f"({value}).to({dtype}))")

@@ -31,10 +31,18 @@ where its word is not +-0, and a byte permute copies that bit over the half), an
 bitwise select of each stored pair (``ftopt_pick_words``, one ``lop3``), in place of a
 compare, predicates and a select an element per stored value (:data:`HELPERS`;
 elsewhere, and under the interpreter, the same picks by Triton's integer operations).
-Static sm_90 count, the full blocks' path of that select kernel at 512x2/56: 565
-instructions and 24 spilled bytes -> 533 and none (499 without skip_zeros). H200, the
+Each store's pick keeps a NaN's bits as well (``ftopt_keep_*``): on NVIDIA GPUs from
+NaN masks of the new and the old words, three instructions each for two words, then two
+or three ``lop3``, in place of fp32 NaN compares and selects an element; the GPU's
+conversions give every NaN a NaN word (bf16 states only with them,
+:func:`ftopt.lowering.lanes.bf16_convert`).
+
+Static sm_90 counts of the full blocks' path of that select kernel at 512x2/56: 565
+instructions and 24 spilled bytes with a select an element; 533 and none with the picks
+(499 without skip_zeros); 483 with the picks keeping the NaNs. H200, the
 same step in a training loop's position (``benchmarks/skip_in_loop_gpu.py``), skip_zeros
-against none, dense / 90% of the embedding's rows zero, packed and not in turn twice:
+against none, dense / 90% of the embedding's rows zero, the picks (NaNs kept apart) and
+the selects in turn twice:
 +4.9%, +3.9% / 1.213x, 1.209x against +6.2%, +6.1% / 1.179x, 1.190x; the kernel alone
 (CUPTI) 457 us against 470, 445 without skip_zeros (2026-12-05 15:27 UTC).
 """
@@ -47,7 +55,8 @@ import torch
 
 from ftopt.lowering import half_tiles, knobs, tiles
 
-__all__ = ["HELPERS", "PACKED", "applies", "helpers", "moved", "packed", "pick", "takes"]
+__all__ = ["HELPERS", "PACKED", "applies", "helpers", "keep", "moved", "packed", "pick",
+           "takes"]
 
 PACKED = knobs.layout_set("FTOPT_PACKED_WORDS", "16-bit states", "layouts whose select "
                           "kernels pick two stored words an instruction", extra=("indexed",))
@@ -55,7 +64,36 @@ PACKED = knobs.layout_set("FTOPT_PACKED_WORDS", "16-bit states", "layouts whose 
 # inline assembly).
 _NVIDIA = not knobs.INTERPRETING and torch.version.cuda is not None and torch.version.hip is None
 
-HELPERS = {
+def _nan_mask(reg: str, src: str, add: str) -> str:
+    """PTX: ``reg`` 0xFFFF where a half of ``src`` is a NaN: ``(w & 0x7FFF) + add`` sets
+    the half's top bit exactly above the largest infinity's magnitude."""
+    return (f'"and.b32 {reg}, {src}, 0x7FFF7FFF; add.u32 {reg}, {reg}, {add}; '
+            f'prmt.b32 {reg}, {reg}, 0, 0xBB99; "')
+
+
+def _ptx_keep(name: str, add: str, canonical: str | None) -> str:
+    """A PTX pick of two stored words with a NaN's bits kept: the new word where the
+    gradient is not zero (``nz``), except that a NaN over a NaN keeps the old word, and
+    (``canonical``, a bf16 state) a NaN over a number stores ``canonical``. Over words of
+    the GPU's conversions, which give every NaN a NaN word."""
+    if canonical:
+        tail = (f'"lop3.b32 t, $1, a, b, 0x8F; lop3.b32 s, a, {canonical}, $2, 0xCA; '
+                'lop3.b32 $0, t, $3, s, 0xCA; }"')
+    else:
+        tail = '"lop3.b32 t, $1, a, b, 0x70; lop3.b32 $0, t, $2, $3, 0xCA; }"'
+    return f"""@triton.jit
+def {name}(nz, new, old, x, x_old):
+    return tl.inline_asm_elementwise(
+        "{{ .reg .b32 a, b, t, s; "
+        {_nan_mask("a", "$2", add)}
+        {_nan_mask("b", "$3", add)}
+        {tail},
+        "=r,r,r,r", [nz, new.to(tl.uint16, bitcast=True), old.to(tl.uint16, bitcast=True)],
+        dtype=tl.uint16, is_pure=True, pack=2)
+"""
+
+
+_PICKS = {
     "ptx": """@triton.jit
 def ftopt_nonzero_words(w):
     return tl.inline_asm_elementwise(
@@ -80,6 +118,26 @@ def ftopt_nonzero_words(w):
 def ftopt_pick_words(nz, new, old):
     return (new.to(tl.uint16, bitcast=True) & nz) | (old.to(tl.uint16, bitcast=True) & ~nz)
 """}
+# The stores' picks with a NaN's bits kept (ftopt.numerics.keep_nan_bits), from the fp32
+# values (``x`` the new, ``x_old`` the old): a bf16 state's (its NaN over a number 0x7FC0)
+# and a param's or fp16 state's (its NaN over a number the conversion's own).
+_KEEPS = {
+    "portable": {
+        "ftopt_keep_state_bf16": """@triton.jit
+def ftopt_keep_state_bf16(nz, new, old, x, x_old):
+    nan = tl.where((old & 32767) > 32640, old.to(tl.uint32), 32704).to(tl.uint16)
+    return ftopt_pick_words(nz, tl.where(x == x, new, nan), old)
+""",
+        **{name: f"""@triton.jit
+def {name}(nz, new, old, x, x_old):
+    return ftopt_pick_words(nz, tl.where((x != x) & (x_old != x_old), old, new), old)
+""" for name in ("ftopt_keep_bf16", "ftopt_keep_fp16")}},
+    "ptx": {"ftopt_keep_state_bf16": _ptx_keep("ftopt_keep_state_bf16", "0x007F007F",
+                                               "0x7FC07FC0"),
+            "ftopt_keep_bf16": _ptx_keep("ftopt_keep_bf16", "0x007F007F", None),
+            "ftopt_keep_fp16": _ptx_keep("ftopt_keep_fp16", "0x03FF03FF", None)}}
+HELPERS = {kind: "\n\n".join([_PICKS[kind], *_KEEPS[kind].values()]) for kind in _PICKS}
+
 
 _SELECT = re.compile(r"tl\.where\(zero, (\w+), (\w+)\)")
 
@@ -106,17 +164,31 @@ def packed(traced, variant) -> bool:
     return applies(traced, variant) and takes(traced, variant, PACKED)
 
 
-def helpers(traced, variant) -> dict[str, str]:
-    """The ``@triton.jit`` helpers of :func:`packed` picks, by name (none without)."""
+def helpers(traced, variant, convert: bool) -> dict[str, str]:
+    """The ``@triton.jit`` helpers of :func:`packed` picks, by name (none without):
+    NVIDIA's PTX, the bf16 states' NaN tests on the words only where ``convert``
+    (:func:`ftopt.lowering.lanes.bf16_convert`: every NaN converts to a NaN word)."""
     if not packed(traced, variant):
         return {}
-    return {"ftopt_pick_words": HELPERS["ptx" if _NVIDIA else "portable"]}
+    kind = "ptx" if _NVIDIA else "portable"
+    keeps = dict(_KEEPS[kind])
+    if not convert:
+        keeps["ftopt_keep_state_bf16"] = _KEEPS["portable"]["ftopt_keep_state_bf16"]
+    return {"ftopt_pick_words": _PICKS[kind], **keeps}
 
 
 def pick(keep: str, word: str, packed: bool) -> str:
     """The word a store writes: ``keep`` where ``zero`` holds, ``word`` elsewhere."""
     return (f"ftopt_pick_words(nz, {word}, {keep})" if packed
             else f"tl.where(zero, {keep}, {word})")
+
+
+def keep(kind: str, word: str, old_word: str, value: str, old: str) -> str:
+    """The word a packed pick stores (:func:`packed`), a NaN's bits kept: ``kind``
+    "state_bf16" (a bf16 state), "bf16" or "fp16" (a param's or fp16 state's word);
+    ``word`` and ``old_word`` the new and loaded words, ``value`` and ``old`` their fp32
+    values."""
+    return f"ftopt_keep_{kind}(nz, {word}, {old_word}, {value}, {old})"
 
 
 def moved(traced, kept: list[tuple[str, str]],
