@@ -96,7 +96,8 @@ def bf16_store_lines(role: str, slot: str, value: str, mask: str,
     exactly), whose bits a NaN that stays a NaN keeps (``ftopt.numerics.keep_nan_bits``);
     ``raw``: read them from its loaded 16-bit word (``{old}_raw``; :func:`nan_from_word`).
     ``keep``: the word stored where ``zero`` holds (``ftopt.lowering.word_selects``;
-    ``packed``: picked in pairs, :func:`ftopt.lowering.word_selects.pick`).
+    ``packed``: picked in pairs, a NaN's bits kept in the pick,
+    :func:`ftopt.lowering.word_selects.keep`).
     """
     b = f"b_{slot}"
     nan = "32704" if old is None else (
@@ -114,7 +115,7 @@ def bf16_store_lines(role: str, slot: str, value: str, mask: str,
     if keep and packed:  # (the NaN's bits kept in the pick)
         word = word_selects.keep("state_bf16", word, keep, f"{b}_x", old or keep)
         return lines + [f"tl.store({role} + offs, {word}{mask})"]
-    word = word_selects.pick(keep, word, packed) if keep else word
+    word = word_selects.pick(keep, word) if keep else word
     return lines + [f"{b}_u = tl.where({b}_x == {b}_x, {b}_u, {nan})",
                     f"tl.store({role} + offs, {word}{mask})"]
 

@@ -177,10 +177,10 @@ def helpers(traced, variant, convert: bool) -> dict[str, str]:
     return {"ftopt_pick_words": _PICKS[kind], **keeps}
 
 
-def pick(keep: str, word: str, packed: bool) -> str:
-    """The word a store writes: ``keep`` where ``zero`` holds, ``word`` elsewhere."""
-    return (f"ftopt_pick_words(nz, {word}, {keep})" if packed
-            else f"tl.where(zero, {keep}, {word})")
+def pick(keep: str, word: str) -> str:
+    """The word a store writes: ``keep`` where ``zero`` holds, ``word`` elsewhere (not
+    :func:`packed`; packed, :func:`keep`)."""
+    return f"tl.where(zero, {keep}, {word})"
 
 
 def keep(kind: str, word: str, old_word: str, value: str, old: str) -> str:
