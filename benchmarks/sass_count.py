@@ -8,7 +8,9 @@ step of each case under the Triton interpreter, records the kernels it launches 
 Triton's whole pipeline and the ``ptxas`` it ships, and counts the SASS instructions by
 kind: a way to compare two versions of a kernel before timing them on the GPU. Counts
 are static: a kernel's full and tail blocks are both counted, loops once. The kernels
-are generated with the GPU's bf16 conversions (``FTOPT_BF16_CONVERT=1`` unless set). The
+are generated with the GPU's bf16 conversions (``FTOPT_BF16_CONVERT=1`` unless set), and
+compiled with NVIDIA's helpers in place of the interpreter's (the 8-bit ``lg2``, the
+packed picks of ``ftopt.lowering.word_selects``). The
 local Triton may be newer than the GPU machine's: for its counts put that version first
 on the path (``pip install --target DIR triton==3.6.0``, then ``PYTHONPATH=DIR``); 3.9
 and 3.6 give registers up to 8 apart.
