@@ -64,6 +64,7 @@ PACKED = knobs.layout_set("FTOPT_PACKED_WORDS", "16-bit states", "layouts whose 
 # inline assembly).
 _NVIDIA = not knobs.INTERPRETING and torch.version.cuda is not None and torch.version.hip is None
 
+
 def _nan_mask(reg: str, src: str, add: str) -> str:
     """PTX: ``reg`` 0xFFFF where a half of ``src`` is a NaN: ``(w & 0x7FFF) + add`` sets
     the half's top bit exactly above the largest infinity's magnitude."""
