@@ -21,12 +21,13 @@ TEST_CACHE := $(CURDIR)/build/triton-cache
 # Test files run in parallel, one process per core up to 4 (pytest-xdist; a file's tests
 # stay in one process, in order): 2 cores, 7 min (2026-12-03). Handing out single
 # tests instead (`--dist worksteal`) took 11 min: each process then builds every file's
-# kernels and fixtures again.
+# kernels and fixtures again. Files are handed out longest first (tests/conftest.py's
+# LONGEST_FIRST), not by their number of tests (xdist's default reorder).
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: $(VENV)/.ready
 	rm -rf $(TEST_CACHE) && mkdir -p $(TEST_CACHE)
-	TRITON_CACHE_DIR=$(TEST_CACHE) $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+	TRITON_CACHE_DIR=$(TEST_CACHE) $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check ftopt tests benchmarks

@@ -123,3 +123,12 @@ def test_the_checks_see_the_package():
     assert "ftopt.rules" in EDGES["ftopt.rule_transform"]
     assert "ftopt.dispatch" in EDGES["ftopt.update"]
     assert {"ftopt.lowering", "ftopt.dispatch"} <= EDGES["ftopt"] | {"ftopt.lowering"}
+
+
+def test_the_longest_first_files_exist():
+    """conftest's LONGEST_FIRST names test files that exist (a renamed file would
+    otherwise be handed out in its plain turn)."""
+    import conftest
+
+    tests = ROOT.parent / "tests"
+    assert [name for name in conftest.LONGEST_FIRST if not (tests / name).is_file()] == []
