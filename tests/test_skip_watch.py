@@ -284,8 +284,9 @@ def test_split_in_place_runs_select_while_most_blocks_are_part_zero(layout, smal
     never: list = []
     assert same_bits(watched, _run(ftopt.adam(1e-2, skip_zeros=True, **kw), params,
                                    state, grads, never))
-    assert not any(never)  # (the control: it never switched; "select" throughout
-    # gives these bytes too: test_skip_tiles' modes each equal the full step)
+    assert not any(never)  # (the control: it never switched)
+    # ("select" throughout gives these bytes too: test_skip_tiles' modes each equal the
+    # full step)
 
 
 @pytest.mark.parametrize("layout", ["fp32", "8-bit"])
