@@ -19,7 +19,7 @@ demo: $(VENV)/.ready
 # cache hides failures in Triton's code generator (compiled kernels are cache hits).
 TEST_CACHE := $(CURDIR)/build/triton-cache
 # Test files run in parallel, one process per core up to 4 (pytest-xdist; a file's tests
-# stay in one process, in order): 2 cores, 7 min (2026-12-03). Handing out single
+# stay in one process, in order): 2 cores, 8-11 min (2026-12-05). Handing out single
 # tests instead (`--dist worksteal`) took 11 min: each process then builds every file's
 # kernels and fixtures again. Files are handed out longest first (tests/conftest.py's
 # LONGEST_FIRST), not by their number of tests (xdist's default reorder).
