@@ -44,7 +44,10 @@ same step in a training loop's position (``benchmarks/skip_in_loop_gpu.py``), sk
 against none, dense / 90% of the embedding's rows zero, the picks (NaNs kept apart) and
 the selects in turn twice:
 +4.9%, +3.9% / 1.213x, 1.209x against +6.2%, +6.1% / 1.179x, 1.190x; the kernel alone
-(CUPTI) 457 us against 470, 445 without skip_zeros (2026-12-05 15:27 UTC).
+(CUPTI) 457 us against 470, 445 without skip_zeros (2026-12-05 15:27 UTC). H100, the
+picks keeping the NaNs against the selects, four calls: -0.8..-1.1% / 1.289-1.293x
+against +1.5..+1.7% / 1.255-1.260x; the kernel 573-579 us against 579-588 without
+skip_zeros (2026-12-05 16:22-18:29 UTC; not yet run on an H200).
 """
 
 from __future__ import annotations
