@@ -123,8 +123,7 @@ def test_the_vector_check_sees_a_kernel_without_alignment_hints(tmp_path):
     source.write_text(stripped)
     ((row, sass),) = _compile(tmp_path, ["adam"], "--sources", str(edit))
     assert _vectors(sass) == (0, 0), row
-    ((row, sass),) = _compile(tmp_path / "again", ["adam"])
-    assert _vectors(sass) >= (4, 3), row
+    # (the same kernel with its hints: at least (4, 3), test_kernels_compile_to_sm90_...)
 
 
 def _load_lines(sass: str) -> list[int]:
