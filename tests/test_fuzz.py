@@ -307,6 +307,18 @@ def test_seed94_case516_nan_params_keep_their_bits_where_skipped():
     assert {k: v for k, v in checks.run_all(case).items() if v} == {}
 
 
+def test_seed165_case27_a_16bit_leaf_passed_through_a_segment_reaches_the_next_as_fp32():
+    """Found by the CPU fuzz (seed 165, example 27; 10 of its 494 examples): a decay
+    masked to matrices in front of Muon, fp16 params. The segment before Muon's matrix
+    stage passed the 1-D leaf through and cast its update back to fp16, as an update's
+    output is; the last segment read it as fp32, past the tensor's bytes (fused params
+    and Adam moments from memory no one wrote). Segment outputs now stay fp32
+    (``tests/test_muon_fused.py`` checks each such chain at each dtype)."""
+    runner = _runner()
+    case = _pinned(runner, 165, 27, DEVICE)
+    assert {k: v for k, v in checks.run_all(case).items() if v} == {}
+
+
 @pytest.mark.parametrize("index", [508, 150])
 def test_seed110_a_global_norm_sums_its_leaves_in_the_same_order_with_skip_zeros(index):
     """Found by the CPU fuzz (seed 110, examples 150 and 508): a global norm's sum over
@@ -385,6 +397,15 @@ PINNED = {
         Part("scale_by_ademamix[warmup]", (("warmup", 1),))),
         skip="marker", skip_at=4, bits=8, quant="wrapper", min_size=200, state_dtype="",
         tensors=False, schedules=True, named=False), ("bf16", "fp32")),
+    # A leaf passed through the segment before Muon's matrix stage (the decay's mask
+    # leaves 1-D leaves out) came back cast to its fp16 gradient's dtype, and the next
+    # segment read those bytes as fp32.
+    (165, 27): (Structure(parts=(
+        Part("add_decayed_weights", (("mask", "ndim"),)),
+        Part("muon[dims]", (("adaptive", True), ("nesterov", False),
+                            ("ns_dtype", torch.float32), ("weight_decay_mask", "none")))),
+        skip="wrap", skip_at=2, bits=32, quant="wrapper", min_size=0, state_dtype="",
+        tensors=False, schedules=False, named=False), ("fp32", "fp16")),
 }
 
 

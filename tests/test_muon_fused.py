@@ -215,3 +215,54 @@ def test_general_partitions_with_matrix_stages_match_eager(name):
     tx = GENERAL[name]()
     assert plan_lib.plan_chain(tx).segments is not None
     _close(_run(tx, "fused", donate=True), _run(tx, "eager"))
+
+
+def _ndim_at_least_two(tree):
+    return {k: v.ndim >= 2 for k, v in tree.items()}
+
+
+# A segment before the matrix stage that passes some leaves through unchanged (a masked
+# stage in front of Muon: the 1-D, 0-d and 3-D leaves), read by the last segment as its
+# input; a matrix stage that computes in bf16; leaves that every part passes through.
+SEEDED_THROUGH = {
+    "masked decay, muon": lambda: ftopt.chain(
+        ftopt.add_decayed_weights(0.03, mask=_ndim_at_least_two), _muon()),
+    "masked decay, muon in bf16": lambda: ftopt.chain(
+        ftopt.add_decayed_weights(0.03, mask=_ndim_at_least_two),
+        ftopt.muon(0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)),
+    "masked decay, masked muon, masked scale": lambda: ftopt.chain(
+        ftopt.add_decayed_weights(0.03, mask=_ndim_at_least_two),
+        ftopt.masked(ftopt.scale_by_muon(ns_dtype=torch.float32), _matrices),
+        ftopt.masked(ftopt.scale_by_learning_rate(0.05), _ndim_at_least_two)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("name", list(SEEDED_THROUGH))
+def test_16bit_leaves_passed_through_a_segment_match_eager(name, dtype):
+    """A leaf the first segment passes through (no stage there applies to it) reaches the
+    next segment as that segment reads every seeded input: fp32 (the update kernel's
+    output), whatever the params' and gradients' dtype; an update passed through every
+    part keeps the gradient's dtype, as on the eager path. Each step from the same
+    inputs."""
+    tx = SEEDED_THROUGH[name]()
+    gen = torch.Generator().manual_seed(5)
+    params = _tree(gen, dtype=dtype)
+    state = tx.init(params)
+    for _ in range(3):
+        grads = _tree(gen, zeros=True, dtype=dtype)
+        pe, se = ftopt.step(tx, params, grads, state, backend="eager")
+        for _ in range(2):  # (a read of memory no one wrote differs from call to call)
+            pf, sf = ftopt.step(tx, params, grads, state, backend="fused")
+            assert_trees_close(sf, se, rtol=2e-5, atol=1e-6)
+            for k in pe:
+                assert pf[k].dtype == dtype
+                ulp = torch.finfo(dtype).eps * pe[k].float().abs()
+                assert ((pf[k].float() - pe[k].float()).abs() <= ulp + 1e-6).all(), k
+        ue, _ = tx.update(grads, state, params, backend="eager")
+        uf, _ = tx.update(grads, state, params, backend="fused")
+        for k in ue:
+            assert uf[k].dtype == ue[k].dtype, (k, uf[k].dtype, ue[k].dtype)
+            torch.testing.assert_close(uf[k], ue[k], rtol=2e-5, atol=1e-6)
+        params, state = pe, se

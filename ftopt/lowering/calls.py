@@ -10,7 +10,7 @@ from ftopt.lowering.plan import ChainPlan, call_reason, get_checked, slot_reason
 from ftopt.stages import with_state_at
 from ftopt.validate import check_count, check_leaf, check_running, check_slots
 
-__all__ = ["checked_call", "launch_call", "with_stage_states"]
+__all__ = ["checked_call", "launch_call", "passed_through", "with_stage_states"]
 
 
 def checked_call(plan: ChainPlan, params, state, paths, p_flat, g_flat, backend: str,
@@ -56,19 +56,26 @@ def checked_call(plan: ChainPlan, params, state, paths, p_flat, g_flat, backend:
 
 
 def launch_call(plan: ChainPlan, checked, params, state, spec, paths, p_flat, g_flat,
-                donate: bool, output: str, x_flat=None, remember: bool = True):
+                donate: bool, output: str, x_flat=None, remember: bool = True,
+                through_dtypes: list | None = None):
     """The kernels of a checked call: ``(new params or updates, new state)``.
-    ``remember``: keep the tables for the next non-donated call (a whole chain's)."""
+    ``remember``: keep the tables for the next non-donated call (a whole chain's).
+    ``through_dtypes``: per leaf, the dtype of its update where no position applies to it
+    (by default its input's, as the eager path passes it through; a segment's: the dtype
+    its input has on the eager path, which may not be ``x``'s, read as fp32)."""
     stage_states, slot_flat, active, selection = checked
     new, new_stage_states, prepared = execute.execute(
         plan, spec, paths, p_flat, g_flat, stage_states, slot_flat, active, params, state,
         donate, output, x_flat, selection)
-    through = _passed_through(plan, selection, active) if output == "u" else []
+    through = passed_through(plan, selection, active) if output == "u" else []
     if through:
         # The update of a leaf that no position applies to is its input, in its input's
         # dtype, as the eager path passes it through (the kernels write fp32 updates).
         flat = tree_lib.flatten_like(spec, new, "updates", paths)
         for i in through:
+            if through_dtypes is not None:
+                flat[i] = flat[i].to(through_dtypes[i])
+                continue
             source = x_flat[i] if x_flat is not None and x_flat[i] is not None else g_flat[i]
             flat[i] = flat[i].to(source.dtype)
         new = tree_lib.unflatten(spec, flat)
@@ -78,7 +85,7 @@ def launch_call(plan: ChainPlan, checked, params, state, spec, paths, p_flat, g_
     return new, with_stage_states(plan, state, new_stage_states)
 
 
-def _passed_through(plan: ChainPlan, selection, active: list) -> list:
+def passed_through(plan: ChainPlan, selection, active: list) -> list:
     """The active leaves that no position of ``plan`` applies to (a mask's others)."""
     masks = [selection.values[(k, "mask")] for k in range(len(plan.positions))]
     return [i for i in active if not any(m[i] for m in masks)]

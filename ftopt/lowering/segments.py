@@ -26,12 +26,14 @@ import torch
 
 from ftopt import tree as tree_lib
 from ftopt._counts import host_count, remember_count
-from ftopt.lowering.calls import checked_call, launch_call
+from ftopt.lowering.calls import checked_call, launch_call, passed_through
 from ftopt.lowering.plan import ChainPlan
 from ftopt.lowering.runs import leaves_of
 from ftopt.stages import state_at, with_state_at
 
 __all__ = ["run", "leaves_of"]
+
+_FP32 = [torch.float32]
 
 
 def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: str,
@@ -56,6 +58,9 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
             return None, reason
         checked[k] = got
     u_flat = list(g_flat)  # each leaf's input to the next part (first: the raw gradient)
+    # ... and its dtype on the eager path, where a leaf a segment passes through keeps
+    # its input's (u_flat holds the kernel's fp32 update: a seeded segment reads fp32)
+    dtypes = [None if g is None else g.dtype for g in g_flat]
     zero_flat = None
     new = None
     for k, (part, mine) in enumerate(zip(parts, found)):
@@ -68,6 +73,7 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
                 state_at(state, path), p_flat, spec, paths)
             u_flat = [_aligned(u) if on else old
                       for u, old, on in zip(out_flat, u_flat, mine)]
+            dtypes = [u.dtype if on else d for u, d, on in zip(out_flat, dtypes, mine)]
             if donate:
                 stage_state = _write_back(state_at(state, path), stage_state)
             state = with_state_at(state, path, stage_state)
@@ -76,10 +82,14 @@ def run(plan: ChainPlan, params, state, spec, paths, p_flat, g_flat, backend: st
         last = k == len(parts) - 1
         new, state = launch_call(part, checked[k], params, state, spec, paths, p_flat,
                                  _only(g_flat, on), donate, output if last else "u",
-                                 x_flat=_only(u_flat, seeded), remember=False)
+                                 x_flat=_only(u_flat, seeded), remember=False,
+                                 through_dtypes=dtypes if last else _FP32 * len(dtypes))
         if not last:
             got = tree_lib.flatten_like(spec, new, "updates", paths)
             u_flat = [u if o else old for u, old, o in zip(got, u_flat, on)]
+            through = set(passed_through(part, checked[k][3], checked[k][2]))
+            dtypes = [torch.float32 if o and i not in through else d
+                      for i, (d, o) in enumerate(zip(dtypes, on))]
     return (new, state), None
 
 
