@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 
 import pytest
+import registry
 import torch
 
 import ftopt
@@ -221,36 +222,37 @@ def _ndim_at_least_two(tree):
     return {k: v.ndim >= 2 for k, v in tree.items()}
 
 
-# A segment before the matrix stage that passes some leaves through unchanged (a masked
-# stage in front of Muon: the 1-D, 0-d and 3-D leaves), read by the last segment as its
-# input; a matrix stage that computes in bf16; leaves that every part passes through.
-SEEDED_THROUGH = {
-    "masked decay, muon": lambda: ftopt.chain(
-        ftopt.add_decayed_weights(0.03, mask=_ndim_at_least_two), _muon()),
-    "masked decay, muon in bf16": lambda: ftopt.chain(
-        ftopt.add_decayed_weights(0.03, mask=_ndim_at_least_two),
-        ftopt.muon(0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)),
-    "masked decay, masked muon, masked scale": lambda: ftopt.chain(
-        ftopt.add_decayed_weights(0.03, mask=_ndim_at_least_two),
-        ftopt.masked(ftopt.scale_by_muon(ns_dtype=torch.float32), _matrices),
-        ftopt.masked(ftopt.scale_by_learning_rate(0.05), _ndim_at_least_two)),
-}
+# Every fusible entry with a matrix stage (``tests/registry.py``, trait ``mixes``) after
+# a decay masked to matrices, so that a segment before the matrix stage passes the 1-D,
+# 0-d and 3-D leaves through and the next reads them as its input; and a chain every
+# part of which passes some leaves through.
+MATRIX_FUSIBLE = registry.names(e for e in registry.fusible() if e.mixes)
+PASSED_THROUGH_ALL = "masked muon, masked scale"
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
-                         ids=["fp16", "bf16", "fp32"])
-@pytest.mark.parametrize("name", list(SEEDED_THROUGH))
+def _after_a_masked_decay(name: str):
+    if name == PASSED_THROUGH_ALL:
+        rest = ftopt.chain(ftopt.masked(ftopt.scale_by_muon(ns_dtype=torch.float32), _matrices),
+                           ftopt.masked(ftopt.scale_by_learning_rate(0.05), _ndim_at_least_two))
+    else:
+        rest = registry.standalone(name)
+    return ftopt.chain(ftopt.add_decayed_weights(0.03, mask=_ndim_at_least_two), rest)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", MATRIX_FUSIBLE + [PASSED_THROUGH_ALL])
 def test_16bit_leaves_passed_through_a_segment_match_eager(name, dtype):
     """A leaf the first segment passes through (no stage there applies to it) reaches the
     next segment as that segment reads every seeded input: fp32 (the update kernel's
     output), whatever the params' and gradients' dtype; an update passed through every
     part keeps the gradient's dtype, as on the eager path. Each step from the same
     inputs."""
-    tx = SEEDED_THROUGH[name]()
+    tx = _after_a_masked_decay(name)
+    assert plan_lib.plan_chain(tx).segments is not None
     gen = torch.Generator().manual_seed(5)
     params = _tree(gen, dtype=dtype)
     state = tx.init(params)
-    for _ in range(3):
+    for _ in range(2):
         grads = _tree(gen, zeros=True, dtype=dtype)
         pe, se = ftopt.step(tx, params, grads, state, backend="eager")
         for _ in range(2):  # (a read of memory no one wrote differs from call to call)

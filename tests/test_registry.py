@@ -253,6 +253,8 @@ SUITES = [
     ("test_state_dtype", "test_tracks_float64_reference_within_rounding", "name", {},
      lambda: [e for e in registry.eight_bit()
               if e.kind == "alias" and not e.mixes and not e.running_scale]),
+    ("test_muon_fused", "test_16bit_leaves_passed_through_a_segment_match_eager", "name",
+     {}, lambda: [e for e in registry.fusible() if e.mixes]),
     ("test_skip_zeros", "test_skip_zeros", "name", {},
      lambda: by_trait(kind="alias", mixes=False)),
     ("test_aliases_vs_reference", "test_every_registry_alias_has_a_reference", "name", {},
@@ -276,12 +278,13 @@ def test_suites_cover_the_registry(suite, test, argname, where, relevant):
 
 
 def test_a_new_entry_reaches_every_suite(monkeypatch):
-    """One added ``Entry`` (a copy of an existing transform and of an alias under new names)
-    is picked up by every suite on import; the skip_zeros and reference suites, which need
-    per-alias data (an oracle Case, a float64 reference), fail (not skip) for the alias
-    until that data is added."""
+    """One added ``Entry`` (a copy of an existing transform, of an alias and of an alias
+    with a matrix stage under new names) is picked up by every suite on import; the
+    skip_zeros and reference suites, which need per-alias data (an oracle Case, a float64
+    reference), fail (not skip) for the alias until that data is added."""
     new = [replace(BY_NAME["scale_by_adam"], name="scale_by_adam[new]"),
-           replace(BY_NAME["adamw"], name="adamw[new]")]
+           replace(BY_NAME["adamw"], name="adamw[new]"),
+           replace(BY_NAME["muon"], name="muon[new]")]
     monkeypatch.setattr(registry, "TRANSFORMS", [*TRANSFORMS, *new])
     monkeypatch.setattr(registry, "BY_NAME", {e.name: e for e in registry.TRANSFORMS})
     saved = {k: sys.modules.get(k) for k in ("tests.test_fused",)}
