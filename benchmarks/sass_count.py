@@ -112,6 +112,14 @@ def _cases() -> dict:
         "adam8_skip": lambda: ftopt.adam(1e-3, state_bits=8, skip_zeros=True),
         "ademamix8": lambda: ftopt.ademamix(1e-3, state_bits=8),
         "ademamix8_skip": lambda: ftopt.ademamix(1e-3, state_bits=8, skip_zeros=True),
+        # (fuzz seed 102's chain of six 8-bit states: at cap 64 its split+defer main
+        # kernel gave wrong Lion moments on sm_90)
+        "ademamix_stddev_lion8_skip_bf16_params": lambda: ftopt.quantize_states(
+            ftopt.skip_zeros(ftopt.chain(
+                ftopt.scale_by_ademamix(alpha=ftopt.ademamix_alpha_warmup(5.0, 1),
+                                        b3=ftopt.ademamix_b3_warmup(0.9, 0.9999, 1)),
+                ftopt.scale_by_stddev(0.5, 1e-5, bias_correction=True, eps_in_sqrt=False),
+                ftopt.scale_by_lion())), bits=8, min_size=200),
         "noisy_sgd": lambda: ftopt.noisy_sgd(1e-2),
         "novograd": lambda: ftopt.novograd(1e-2),
         "fromage": lambda: ftopt.fromage(1e-2),
