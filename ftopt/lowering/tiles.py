@@ -115,14 +115,12 @@ QUANT_SKIP_MAXNREG = knobs.integer("FTOPT_QUANT_SKIP_MAXNREG", 72, "with skip_ze
 QUANT_DEFER_MAXNREG = knobs.integer("FTOPT_QUANT_DEFER_MAXNREG", 64, "register cap of "
                                     "8-bit \"split+defer\" main kernels")
 # A capped kernel whose compile spills more registers than this (Triton's ``n_spills``)
-# runs at the compiler's choice. Past its cap ptxas (Triton 3.6, sm_90) miscompiled long
-# 8-bit chains: AdEMAMix -> Adadelta -> AMSGrad at 64 registers, 174 spilled, 84 of 520
-# elements of a moment wrong (each thread's 7th and 8th); AdEMAMix -> stddev -> Lion's
-# split+defer main kernel at 64, 44 spilled, Lion's moment wrong in 148 of 257 elements
-# (H100, fuzz seed 102); uncapped, none spilled, both right. The tuned kernels fit their
-# caps or nearly: 8-bit Adam's main kernels spill nothing at 64, bf16 states' select
-# kernels 2-4 registers at 56 (benchmarks/sass_count.py); 8-bit skip_zeros kernels at 72
-# spill 24-82 and now run uncapped (benchmarks/RESULTS.md, 2026-12-05).
+# runs at the compiler's choice: past their caps ptxas (CUDA 12.8, sm_90) miscompiled 8-bit
+# chains, AdEMAMix -> Adadelta -> AMSGrad at 64 (174 spilled: 84 of 520 elements of a
+# moment wrong) and AdEMAMix -> stddev -> Lion's split+defer main kernel at 64 (44: Lion's
+# moment wrong in 148 of 257; fuzz seed 102). Main kernels spill nothing at 64, bf16
+# states' select kernels 2-4 registers at 56; 8-bit skip_zeros kernels at 72 spill 24-98
+# and run uncapped (benchmarks/RESULTS.md, 2026-12-05).
 CAP_SPILLS = knobs.integer("FTOPT_CAP_SPILLS", 16, "a capped kernel spilling more "
                            "registers than this compiles uncapped")
 # Flags (main programs) a program of the deferred kernel reads at once; where one is set
