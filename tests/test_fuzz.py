@@ -324,8 +324,9 @@ def test_seed102_case9637_a_capped_kernel_that_spills_is_compiled_uncapped():
     a donated step's Lion moment differed from the step without donation in most of its
     8-bit codes (up to 255 apart), and from eager; the params agreed. The donated step's
     split+defer main kernel holds six 8-bit states' plain body, which at the register cap
-    of 64 spilled 44 registers, and ptxas miscompiled it (uncapped, or with fewer
-    registers to keep, it was right). A capped kernel that spills more than
+    of 64 spilled 44 registers, and ptxas miscompiled it (uncapped it was right; the
+    split+select kernel and the kernel without fast math, which spilled past the old
+    limit of 128, ran uncapped and were right). A capped kernel that spills more than
     ``tiles.CAP_SPILLS`` (16) registers now compiles at the compiler's choice
     (``tests/test_register_cap.py``). On a CPU this holds the contract in the
     interpreter; on a GPU it is the case itself."""
