@@ -224,19 +224,32 @@ def _launch(kernel, grid: tuple, args: list, constants: tuple, device: torch.dev
         with interpreter.patches_undone():
             kernel[grid](*args, **named)
         return
-    if "maxnreg" in named and _spills_at_cap(kernel.warmup(*args, grid=grid, **named)):
-        del named["maxnreg"]
+    if "maxnreg" in named:
+        _fit_cap(kernel, args, grid, named)
     compiled = kernel[grid](*args, **named)
     if _DIRECT and compiled is not None:
         tail = [named[name] for name in kernel.arg_names[len(args):]]
         _COMPILED[cache_key] = (compiled, tail)
 
 
-def _spills_at_cap(compiled) -> bool:
-    """Whether a kernel compiled under its register cap spills more than
-    :data:`tiles.CAP_SPILLS` registers (then it runs at the compiler's choice)."""
+def _fit_cap(kernel, args: list, grid: tuple, named: dict) -> None:
+    """Raises ``named["maxnreg"]`` by :data:`tiles.CAP_STEP` (to 128 at most) until the
+    kernel compiles spilling at most :data:`tiles.CAP_SPILLS` registers; drops it (the
+    compiler's choice) if none does."""
+    while True:
+        if _spills(kernel.warmup(*args, grid=grid, **named)) <= tiles.CAP_SPILLS:
+            return
+        cap = named["maxnreg"] + tiles.CAP_STEP
+        if tiles.CAP_STEP <= 0 or cap > 128:
+            del named["maxnreg"]
+            return
+        named["maxnreg"] = cap
+
+
+def _spills(compiled) -> int:
+    """The registers a compiled kernel spills."""
     compiled._init_handles()
-    return compiled.n_spills > tiles.CAP_SPILLS
+    return compiled.n_spills
 
 
 @lru_cache(maxsize=16)
