@@ -115,14 +115,14 @@ QUANT_SKIP_MAXNREG = knobs.integer("FTOPT_QUANT_SKIP_MAXNREG", 72, "with skip_ze
 QUANT_DEFER_MAXNREG = knobs.integer("FTOPT_QUANT_DEFER_MAXNREG", 64, "register cap of "
                                     "8-bit \"split+defer\" main kernels")
 # A capped kernel whose compile spills more registers than CAP_SPILLS (Triton's
-# ``n_spills``) compiles again with its cap CAP_STEP higher, up to 128, then uncapped: past
-# their caps ptxas (CUDA 12.8, sm_90) miscompiled 8-bit chains, AdEMAMix -> Adadelta ->
-# AMSGrad at 64 (174 spilled: 84 of 520 elements of a moment wrong) and AdEMAMix -> stddev
-# -> Lion's split+defer main kernel at 64 (44: Lion's moment wrong in 148 of 257; fuzz
-# seed 102). Main kernels spill nothing at 64 (benchmarks/RESULTS.md, 2026-12-05).
+# ``n_spills``) compiles again with its cap CAP_STEP higher (by default 0, none: not yet
+# timed on a GPU), up to 128, then uncapped: past their caps ptxas (CUDA 12.8, sm_90)
+# miscompiled 8-bit chains, AdEMAMix -> Adadelta -> AMSGrad at 64 (174 spilled: 84 of 520
+# elements of a moment wrong) and AdEMAMix -> stddev -> Lion's split+defer main kernel at
+# 64 (44: Lion's moment wrong in 148 of 257; fuzz seed 102). Main kernels spill nothing.
 CAP_SPILLS = knobs.integer("FTOPT_CAP_SPILLS", 16, "a capped kernel spilling more "
                            "registers than this compiles with a higher cap")
-CAP_STEP = knobs.integer("FTOPT_CAP_STEP", 16, "register cap step past spills (0: uncapped)")
+CAP_STEP = knobs.integer("FTOPT_CAP_STEP", 0, "register cap step past spills (0: uncapped)")
 # Flags (main programs) a program of the deferred kernel reads at once; where one is set
 # it runs their bodies in turn. H200, GPT-2 8-bit Adam, dense / 90% of the embedding's
 # rows zero / every block part zero (ms; off 0.607-0.613): 8 0.644 / 0.550 / 1.002, 16
