@@ -121,7 +121,7 @@ QUANT_DEFER_MAXNREG = knobs.integer("FTOPT_QUANT_DEFER_MAXNREG", 64, "register c
 # elements of a moment wrong) and AdEMAMix -> stddev -> Lion's split+defer main kernel at
 # 64 (44: Lion's moment wrong in 148 of 257; fuzz seed 102). Main kernels spill nothing.
 CAP_SPILLS = knobs.integer("FTOPT_CAP_SPILLS", 16, "a capped kernel spilling more "
-                           "registers than this compiles with a higher cap")
+                           "registers than this compiles at a higher cap or uncapped")
 CAP_STEP = knobs.integer("FTOPT_CAP_STEP", 0, "register cap step past spills (0: uncapped)")
 # Flags (main programs) a program of the deferred kernel reads at once; where one is set
 # it runs their bodies in turn. H200, GPT-2 8-bit Adam, dense / 90% of the embedding's
