@@ -9,6 +9,7 @@ every leaf of the group.
 from __future__ import annotations
 
 import array
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -232,35 +233,40 @@ def _launch(kernel, grid: tuple, args: list, constants: tuple, device: torch.dev
         _COMPILED[cache_key] = (compiled, tail)
 
 
+# The most spilled registers one register of cap takes back, the steepest measured:
+# ptxas 12.8 (H100), 8-bit skip_zeros kernels capped at 72, spilled at 72 / first cap
+# within 16: Adam 98 / 120, 48 / 96; AdEMAMix 78 / 112; Lion 48 / 96; LAMB 86 / 112,
+# 52 / 96 (1.3-1.75 a register; benchmarks/results/register_caps_step8_h100_1206.log).
+_SPILLS_PER_REGISTER = 1.75
+
+
 def _fit_cap(kernel, args: list, grid: tuple, named: dict) -> None:
     """Sets ``named["maxnreg"]`` to the lowest cap of the grid ``cap + k * CAP_STEP``
     (at most 128) at which the kernel spills at most :data:`tiles.CAP_SPILLS` registers,
-    or drops it (the compiler's choice) if none does or the step is 0. Spills fall as
-    the cap rises, so it bisects: the given cap, then the top one, then halfway between
-    the highest that spills and the lowest that fits (at most five compiles from 72 by
-    8, where stepping up one at a time took up to nine)."""
-    low = named["maxnreg"]
-    if _fits(kernel, args, grid, named, low):
-        return
+    or drops it (the compiler's choice) if none does or the step is 0.
+
+    From a cap that spills S registers it compiles next at the first cap of the grid
+    (S - CAP_SPILLS) / :data:`_SPILLS_PER_REGISTER` registers higher or more: where
+    spills fall no faster than that, every cap below it spills too, so the first cap
+    that fits is the lowest. Each kernel measured fits at its first guess: two compiles,
+    as many as capped then uncapped (stepping up one cap at a time took up to nine)."""
+    cap = named["maxnreg"]
+    spills = _spills_at(kernel, args, grid, named, cap)
     step = tiles.CAP_STEP
-    high = low + (128 - low) // step * step if step > 0 else low
-    if high == low or not _fits(kernel, args, grid, named, high):
-        del named["maxnreg"]
-        return
-    while high - low > step:
-        middle = low + (high - low) // step // 2 * step
-        if _fits(kernel, args, grid, named, middle):
-            high = middle
-        else:
-            low = middle
-    named["maxnreg"] = high
+    top = cap + (128 - cap) // step * step if step > 0 else cap
+    while spills > tiles.CAP_SPILLS:
+        if cap >= top:
+            del named["maxnreg"]
+            return
+        short = (spills - tiles.CAP_SPILLS) / (_SPILLS_PER_REGISTER * step)
+        cap = min(cap + math.ceil(short) * step, top)
+        spills = _spills_at(kernel, args, grid, named, cap)
 
 
-def _fits(kernel, args: list, grid: tuple, named: dict, cap: int) -> bool:
-    """Whether the kernel compiled at register cap ``cap`` spills at most
-    :data:`tiles.CAP_SPILLS` registers."""
+def _spills_at(kernel, args: list, grid: tuple, named: dict, cap: int) -> int:
+    """The registers the kernel spills compiled at register cap ``cap``."""
     named["maxnreg"] = cap
-    return _spills(kernel.warmup(*args, grid=grid, **named)) <= tiles.CAP_SPILLS
+    return _spills(kernel.warmup(*args, grid=grid, **named))
 
 
 def _spills(compiled) -> int:
