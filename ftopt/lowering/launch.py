@@ -248,18 +248,17 @@ def _fit_cap(kernel, args: list, grid: tuple, named: dict) -> None:
     From a cap that spills S registers it compiles next at the first cap of the grid
     (S - CAP_SPILLS) / :data:`_SPILLS_PER_REGISTER` registers higher or more: where
     spills fall no faster than that, every cap below it spills too, so the first cap
-    that fits is the lowest. Each kernel measured fits at its first guess: two compiles,
-    as many as capped then uncapped (stepping up one cap at a time took up to nine)."""
+    that fits is the lowest, and past 128 none fits. Each kernel measured compiles twice,
+    as many times as capped then uncapped (stepping up one cap at a time: up to nine)."""
     cap = named["maxnreg"]
     spills = _spills_at(kernel, args, grid, named, cap)
     step = tiles.CAP_STEP
-    top = cap + (128 - cap) // step * step if step > 0 else cap
     while spills > tiles.CAP_SPILLS:
-        if cap >= top:
+        short = (spills - tiles.CAP_SPILLS) / (_SPILLS_PER_REGISTER * max(step, 1))
+        cap += math.ceil(short) * step
+        if step <= 0 or cap > 128:
             del named["maxnreg"]
             return
-        short = (spills - tiles.CAP_SPILLS) / (_SPILLS_PER_REGISTER * step)
-        cap = min(cap + math.ceil(short) * step, top)
         spills = _spills_at(kernel, args, grid, named, cap)
 
 
