@@ -1,13 +1,16 @@
 """Which register cap each kernel compiles with (``ftopt.lowering.tiles.CAP_SPILLS`` and
 ``CAP_STEP``): each capped compile's cap, registers and spills (a kernel spilling more
 than CAP_SPILLS compiles again at a higher cap), and every compiled kernel's registers,
-spills, the cap it asked for and the one it compiled with, and its constants. 8-bit and 32-bit
+spills, the cap it asked for and the one it compiled with, and its constants; each cap
+search's compiles and seconds (cold where the Triton cache is). 8-bit and 32-bit
 Adam, AdamW, AdEMAMix, Lion and LAMB, with and without skip_zeros, over a 1M-element
 leaf and a 4096x768 one (dense, then most rows zero), three donated steps each.
 
     python3 benchmarks/register_caps_gpu.py
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -16,6 +19,7 @@ from ftopt.lowering import launch
 
 NAMES = ("adam", "adamw", "ademamix", "lion", "lamb")
 _spills = launch._spills
+_fit_cap = launch._fit_cap
 
 
 def _logged(compiled) -> int:
@@ -25,8 +29,16 @@ def _logged(compiled) -> int:
     return spills
 
 
+def _timed(kernel, args, grid, named) -> None:
+    start = time.perf_counter()
+    _fit_cap(kernel, args, grid, named)
+    print(f"cap search: {time.perf_counter() - start:.1f} s, runs at "
+          f"{named.get('maxnreg', 'uncapped')}")
+
+
 def main() -> None:
     launch._spills = _logged
+    launch._fit_cap = _timed
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in NAMES:
         for bits in (8, 32):
