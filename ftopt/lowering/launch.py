@@ -241,15 +241,15 @@ _SPILLS_PER_REGISTER = 1.75
 
 
 def _fit_cap(kernel, args: list, grid: tuple, named: dict) -> None:
-    """Sets ``named["maxnreg"]`` to the lowest cap of the grid ``cap + k * CAP_STEP``
-    (at most 128) at which the kernel spills at most :data:`tiles.CAP_SPILLS` registers,
-    or drops it (the compiler's choice) if none does or the step is 0.
+    """Sets ``named["maxnreg"]`` to a cap of the grid ``cap + k * CAP_STEP`` (at most
+    128) at which the kernel spills at most :data:`tiles.CAP_SPILLS` registers, or drops
+    it (the compiler's choice) if none is found or the step is 0.
 
     From a cap that spills S registers it compiles next at the first cap of the grid
-    (S - CAP_SPILLS) / :data:`_SPILLS_PER_REGISTER` registers higher or more: where
-    spills fall no faster than that, every cap below it spills too, so the first cap
-    that fits is the lowest, and past 128 none fits. Each kernel measured compiles twice,
-    as many times as capped then uncapped (stepping up one cap at a time: up to nine)."""
+    (S - CAP_SPILLS) / :data:`_SPILLS_PER_REGISTER` registers higher or more. Where
+    spills fall no faster than that, every cap below it spills too: the first cap that
+    fits is the lowest, and past 128 none fits. Each kernel measured compiles twice, as
+    many times as capped then uncapped (stepping up one cap at a time: up to nine)."""
     cap = named["maxnreg"]
     spills = _spills_at(kernel, args, grid, named, cap)
     step = tiles.CAP_STEP

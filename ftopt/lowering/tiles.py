@@ -115,8 +115,8 @@ QUANT_SKIP_MAXNREG = knobs.integer("FTOPT_QUANT_SKIP_MAXNREG", 72, "with skip_ze
 QUANT_DEFER_MAXNREG = knobs.integer("FTOPT_QUANT_DEFER_MAXNREG", 64, "register cap of "
                                     "8-bit \"split+defer\" main kernels")
 # A capped kernel whose compile spills more registers than CAP_SPILLS (Triton's
-# ``n_spills``) runs at the lowest cap of its cap + k * CAP_STEP (to 128; by default 0,
-# none) that fits (launch._fit_cap), else uncapped: past their caps ptxas (CUDA 12.8, sm_90)
+# ``n_spills``) runs at a cap of its cap + k * CAP_STEP that fits (to 128, guessed from its
+# spills: launch._fit_cap; by default 0, none), else uncapped: past their caps ptxas (12.8)
 # miscompiled 8-bit chains, AdEMAMix -> Adadelta -> AMSGrad at 64 (174 spilled: 84 of 520
 # elements of a moment wrong) and AdEMAMix -> stddev -> Lion's split+defer main kernel at
 # 64 (44: Lion's moment wrong in 148 of 257; fuzz seed 102). Main kernels spill nothing.
