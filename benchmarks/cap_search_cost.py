@@ -155,13 +155,9 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.out:
-        import triton
-
-        head = (f"# The cap search's cold compiles (sm_90, compiled on a CPU with triton "
-                f"{triton.__version__})\n\nCommand: `python benchmarks/cap_search_cost.py "
-                f"{' '.join(args.cases)} --steps {args.steps}`.\n\n")
-        pathlib.Path(args.out + ".md").write_text(head + table + "\n")
-        pathlib.Path(args.out + ".json").write_text(json.dumps(rows, indent=1))
+        sass_count.write(args.out, "The cap search's cold compiles",
+                         f"cap_search_cost.py {' '.join(args.cases)} --steps {args.steps}",
+                         "", table, rows)
 
 
 if __name__ == "__main__":

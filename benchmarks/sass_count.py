@@ -342,13 +342,19 @@ def main() -> None:
         for row in rows:
             print(f"{row['case']} {row['kernel']} {row['tile']}: {row['vectors']}")
     if args.out:
-        import triton
+        write(args.out, "Static SASS counts", f"sass_count.py {' '.join(args.cases)}",
+              "Static: full and tail blocks both counted.", table, rows)
 
-        head = (f"# Static SASS counts (sm_90, compiled on a CPU with triton "
-                f"{triton.__version__})\n\nCommand: `python benchmarks/sass_count.py "
-                f"{' '.join(args.cases)}`. Static: full and tail blocks both counted.\n\n")
-        pathlib.Path(args.out + ".md").write_text(head + table + "\n")
-        pathlib.Path(args.out + ".json").write_text(json.dumps(rows, indent=1))
+
+def write(out: str, title: str, command: str, note: str, table: str, rows: list) -> None:
+    """``out``.md (the table under a heading naming Triton's version and the command)
+    and ``out``.json (the rows)."""
+    import triton
+
+    head = (f"# {title} (sm_90, compiled on a CPU with triton {triton.__version__})\n\n"
+            f"Command: `python benchmarks/{command}`.{' ' + note if note else ''}\n\n")
+    pathlib.Path(out + ".md").write_text(head + table + "\n")
+    pathlib.Path(out + ".json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
