@@ -431,6 +431,12 @@ PINNED = {
         Part("scale_by_stddev[bias_correction]", (("eps_in_sqrt", False),)),
         Part("scale_by_lion", ())), skip="wrap", skip_at=3, bits=8, quant="wrapper",
         min_size=200, state_dtype="", tensors=False, schedules=False, named=False), None),
+    # A snapshot's sum over updates that cancel: fused and eager 5e-4 apart, relative.
+    (197, 768): (Structure(parts=(
+        Part("normalize_by_update_norm", ()), Part("scale_by_adan", ()),
+        Part("snapshot", (("measure", "sum"),)), Part("weight_decay", (("mask", "none"),))),
+        skip="wrap", skip_at=2, bits=32, quant="wrapper", min_size=0, state_dtype="",
+        tensors=True, schedules=False, named=False), ("fp32", "fp16")),
 }
 
 
@@ -582,6 +588,34 @@ def test_state_check_admits_fused_as_accurate_as_the_cpus_eager():
     for host in (None, lambda: None, lambda: [exact.clone()]):
         with pytest.raises(AssertionError, match="relative error"):
             checks._close_states([fused], [exact], "s", ref, None, host)
+
+
+def test_state_check_admits_fused_as_near_float64_as_eagers_draws():
+    """Seed 197's snapshot sum (a cancellation): fused on the other side of float64 from
+    eager, farther from eager than its draws reach but no farther from float64 than
+    twice theirs, passes; twice as far again does not."""
+    r = torch.tensor(-7.0933009e-4, dtype=torch.float64)
+    eager = torch.tensor(-7.0941448e-4)
+    draws = [torch.tensor(x) for x in (-7.0935488e-4, -7.0947409e-4, -7.0953369e-4)]
+    ref = lambda: ([r], [1.6e-7])  # noqa: E731
+    for fused, ok in ((-7.0905685e-4, True), (-7.0878e-4, False)):
+        f = torch.tensor(fused)
+        assert checks._as_near_float64_as_moved(f, lambda: (r, 1.6e-7), lambda: draws) == ok
+        if ok:
+            checks._close_states([f], [eager], "s", ref, lambda: [[d] for d in draws])
+        else:
+            with pytest.raises(AssertionError, match="relative error"):
+                checks._close_states([f], [eager], "s", ref, lambda: [[d] for d in draws])
+
+
+def test_seed197_a_sum_that_cancels_is_checked_against_float64():
+    """Found by the CPU fuzz (seed 197, example 768): a snapshot's sum of the updates
+    (nine near 0.4 that cancel to -7.09e-4) 5e-4 from eager's, relative; fused is no
+    farther from float64 than eager's draws are (``fuzz_checks._as_near_float64_as_moved``)."""
+    runner = _runner()
+    case = _pinned(runner, 197, 768, "cpu")
+    assert case.structure.tensors and case.structure.parts[2].name == "snapshot"
+    assert checks.run_all(case)["fused_vs_eager"] is None
 
 
 def test_host_tx_moves_hyperparameter_tensors_to_the_cpu():
