@@ -503,15 +503,10 @@ def _close_states(f: Any, e: Any, what: str, ref=None, moved=None, host=None) ->
                                    "elements beyond one ulp")
         else:
             err = _rel(x, y)
-            if err > 1e-6 and ((lr is not None and _as_accurate(x, y, lr()[0][i], lr()[1][i]))
-                               or _within_fp32_spread(x, y, moved and (
-                                   lambda i=i: [_host(m[i]) for m in moved()]))
-                               or _as_near_float64_as_moved(
-                                   x, lr and (lambda i=i: (lr()[0][i], lr()[1][i])),
-                                   moved and (lambda i=i: [_host(m[i]) for m in moved()]))
-                               or _as_accurate_as_host(
-                                   x, lr and (lambda i=i: (lr()[0][i], lr()[1][i])),
-                                   host and (lambda i=i: _nth(host(), i)))):
+            if err > 1e-6 and _ill_conditioned(
+                    x, y, lr and (lambda i=i: (lr()[0][i], lr()[1][i])),
+                    moved and (lambda i=i: [_host(m[i]) for m in moved()]),
+                    host and (lambda i=i: _nth(host(), i))):
                 continue
             assert err <= 1e-6, f"{what}: state leaf {i}: relative error {err:.3g} > 1e-6"
 
