@@ -250,12 +250,11 @@ def _fit_cap(kernel, args: list, grid: tuple, named: dict) -> None:
     spills fall no faster than that, every cap below it spills too: the first cap that
     fits is the lowest, and past 128 none fits. Each kernel measured compiles twice, as
     many times as capped then uncapped (stepping up one cap at a time: up to nine)."""
-    cap = named["maxnreg"]
+    cap, step = named["maxnreg"], tiles.CAP_STEP
     spills = _spills_at(kernel, args, grid, named, cap)
-    step = tiles.CAP_STEP
     while spills > tiles.CAP_SPILLS:
-        short = (spills - tiles.CAP_SPILLS) / (_SPILLS_PER_REGISTER * max(step, 1))
-        cap += math.ceil(short) * step
+        if step > 0:
+            cap += math.ceil((spills - tiles.CAP_SPILLS) / (_SPILLS_PER_REGISTER * step)) * step
         if step <= 0 or cap > 128:
             del named["maxnreg"]
             return
