@@ -198,11 +198,11 @@ def test_without_a_step_a_spilling_kernel_runs_uncapped(gpu_policy, monkeypatch)
     assert _caps(kernel) == ([64], None)
 
 
-def test_the_spill_limit_is_16_registers_and_the_step_none_unless_set():
+def test_the_spill_limit_is_16_registers_and_the_step_8():
     import os
 
     assert tiles.CAP_SPILLS == int(os.environ.get("FTOPT_CAP_SPILLS", 16))
-    assert tiles.CAP_STEP == int(os.environ.get("FTOPT_CAP_STEP", 0))
+    assert tiles.CAP_STEP == int(os.environ.get("FTOPT_CAP_STEP", 8))
 
 
 def test_an_uncapped_kernel_compiles_once(monkeypatch):

@@ -114,15 +114,15 @@ QUANT_SKIP_MAXNREG = knobs.integer("FTOPT_QUANT_SKIP_MAXNREG", 72, "with skip_ze
 # (benchmarks/RESULTS.md, 2026-12-02).
 QUANT_DEFER_MAXNREG = knobs.integer("FTOPT_QUANT_DEFER_MAXNREG", 64, "register cap of "
                                     "8-bit \"split+defer\" main kernels")
-# A capped kernel whose compile spills more registers than CAP_SPILLS (Triton's
-# ``n_spills``) runs at a cap of its cap + k * CAP_STEP that fits (to 128, guessed from its
-# spills: launch._fit_cap; by default 0, none), else uncapped: past their caps ptxas (12.8)
-# miscompiled 8-bit chains, AdEMAMix -> Adadelta -> AMSGrad at 64 (174 spilled: 84 of 520
-# elements of a moment wrong) and AdEMAMix -> stddev -> Lion's split+defer main kernel at
-# 64 (44: Lion's moment wrong in 148 of 257; fuzz seed 102). Main kernels spill nothing.
+# A capped kernel spilling more than CAP_SPILLS registers (Triton's n_spills) runs at its
+# cap + k * CAP_STEP that fits (to 128, guessed from its spills: launch._fit_cap; step 0:
+# none), else uncapped: past their caps ptxas 12.8 miscompiled 8-bit chains (AdEMAMix ->
+# Adadelta -> AMSGrad at 64, 174 spilled; AdEMAMix -> stddev -> Lion, split+defer, 64, 44:
+# fuzz seed 102). Step 8 vs 0 (H100, GPT-2 8-bit Adam, skip_zeros vs off, one gradient in
+# 97 zero): +14.0..14.9% vs +33.6..33.8%; both chains pass at its caps (RESULTS 12-06).
 CAP_SPILLS = knobs.integer("FTOPT_CAP_SPILLS", 16, "a capped kernel spilling more "
                            "registers than this compiles at a higher cap or uncapped")
-CAP_STEP = knobs.integer("FTOPT_CAP_STEP", 0, "register cap step past spills (0: uncapped)")
+CAP_STEP = knobs.integer("FTOPT_CAP_STEP", 8, "register cap step past spills (0: uncapped)")
 # Flags (main programs) a program of the deferred kernel reads at once; where one is set
 # it runs their bodies in turn. H200, GPT-2 8-bit Adam, dense / 90% of the embedding's
 # rows zero / every block part zero (ms; off 0.607-0.613): 8 0.644 / 0.550 / 1.002, 16
