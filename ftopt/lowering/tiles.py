@@ -183,10 +183,10 @@ WATCH = knobs.switch("FTOPT_SKIP_WATCH", True, "the skip watch (0: every \"split
 SPLIT_SELECT_ABOVE = knobs.real("FTOPT_SPLIT_SELECT_ABOVE", 0.2, "a \"split\" group runs "
                                 "select while f - weight * z > this (blocks: f some zero, z all)")
 SPLIT_ZERO_WEIGHT = knobs.real("FTOPT_SPLIT_ZERO_WEIGHT", 7.5, "z's weight in that")
-# 16-bit states rounded to nearest run select unless ~1% of the blocks are all zero: with
-# dense gradients it costs less than split+in_place (H200, against no skip_zeros: +5.5%
-# vs +8.7%, 2026-12-04). Stochastic rounding keeps SPLIT_SELECT_ABOVE (select +8.1%
-# against +6.9%).
+# 16-bit states rounded to nearest run select unless ~1% of the blocks are all zero: dense,
+# against none, it beats split+in_place (H200 +5.5% vs +8.7%; H100 in a loop -0.9% vs
+# +3.3% (256x1, uncapped, its best) and split+defer +3.5%: RESULTS 12-04, 12-06).
+# Stochastic rounding keeps SPLIT_SELECT_ABOVE (select +8.1% against +6.9%).
 SPLIT_SELECT_ABOVE_STATES = knobs.real("FTOPT_SPLIT_SELECT_ABOVE_STATES", -0.08, "FTOPT_SPLIT_"
                                        "SELECT_ABOVE of 16-bit states rounded to nearest")
 # A "split" group of these layouts whose programs hold one block (not in SPANS) runs
