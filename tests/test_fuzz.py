@@ -437,6 +437,13 @@ PINNED = {
         Part("snapshot", (("measure", "sum"),)), Part("weight_decay", (("mask", "none"),))),
         skip="wrap", skip_at=2, bits=32, quant="wrapper", min_size=0, state_dtype="",
         tensors=True, schedules=False, named=False), ("fp32", "fp16")),
+    # A bf16 element stepped from -0.0 to -4.6e-8, where eager's draws scatter two ulps
+    # either side of float64 and eager sits two off; fused is at float64.
+    (207, 482): (Structure(parts=(
+        Part("normuon", (("nesterov", True), ("ns_dtype", torch.float32),
+                         ("weight_decay_mask", "none"))),),
+        skip="marker", skip_at=1, bits=8, quant="wrapper", min_size=200, state_dtype="",
+        tensors=False, schedules=False, named=False), ("bf16", "fp32")),
 }
 
 
@@ -615,6 +622,37 @@ def test_seed197_a_sum_that_cancels_is_checked_against_float64():
     runner = _runner()
     case = _pinned(runner, 197, 768, "cpu")
     assert case.structure.tensors and case.structure.parts[2].name == "snapshot"
+    assert checks.run_all(case)["fused_vs_eager"] is None
+
+
+def test_param_check_judges_the_elements_beyond_an_ulp_alone():
+    """A 16-bit param leaf whose largest difference is one ulp of a large element, and
+    whose element beyond an ulp is a tiny one: it passes where eager's own draws scatter
+    over that element as far (or fused is at float64 there), and only then. Seed 207's
+    numbers."""
+    bf16 = lambda *x: torch.tensor(x, dtype=torch.bfloat16)  # noqa: E731
+    old = bf16(3.5, -0.0)
+    eager = bf16(3.53125, -4.6798959e-8)
+    fused = bf16(3.546875, -4.6333298e-8)  # (one ulp above eager, then two ulps)
+    r = torch.tensor([3.5322, -4.6347030e-8], dtype=torch.float64)
+    scattered = [bf16(3.53125, -4.6566129e-8), bf16(3.53125, -4.5867637e-8)]
+    still = [eager.clone(), eager.clone()]
+    checks._close_param(fused, eager, old, "p", lambda: (r, 0.0), lambda: scattered)
+    checks._close_param(fused, eager, old, "p", lambda: (r, 0.0), lambda: still)
+    far = eager.double()  # float64 at eager's values: fused is the one off
+    with pytest.raises(AssertionError, match="beyond one ulp"):
+        checks._close_param(fused, eager, old, "p", lambda: (far, 0.0), lambda: still)
+    # Judged over the whole leaf, the large element's ulp outweighs the draws' spread.
+    assert not checks._ill_conditioned(fused, eager, lambda: (r, 0.0), lambda: scattered,
+                                       None, old)
+
+
+def test_seed207_a_tiny_element_eager_scatters_over_passes():
+    """Found by the CPU fuzz (seed 207, example 482): NorMuon with bf16 params, one
+    element beyond an ulp at -4.6e-8 (:func:`fuzz_checks._only`)."""
+    runner = _runner()
+    case = _pinned(runner, 207, 482, "cpu")
+    assert case.structure.parts[0].name == "normuon"
     assert checks.run_all(case)["fused_vs_eager"] is None
 
 
