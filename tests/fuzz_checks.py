@@ -447,13 +447,15 @@ def _only(mask: torch.Tensor, f, e, ref, moved, host, old) -> tuple:
     leaf's largest difference, which one element of a large magnitude a 16-bit ulp apart
     can hold while the elements beyond an ulp are tiny ones that eager's own draws scatter
     over (CPU fuzz seed 207: NorMuon, a bf16 element stepped from -0.0 to -4.6e-8, fused
-    at float64's, eager two ulps off and its draws up to two either side)."""
+    at float64's, eager two ulps off and its draws up to two either side; seed 210: Muon
+    then Adan, fp16 states, subnormal elements of a leaf whose largest is 0.14).
+    ``old``: ``None`` for states."""
     at = lambda x: _host(x)[mask]  # noqa: E731
     return (at(f), at(e),
             None if ref is None else lambda: (lambda r, spread: (at(r), spread))(*ref()),
             None if moved is None else lambda: [at(m) for m in moved()],
             None if host is None else lambda: (lambda h: None if h is None else at(h))(host()),
-            at(old))
+            None if old is None else at(old))
 
 
 def _nth(leaves: list | None, i: int):
@@ -504,6 +506,10 @@ def _close_states(f: Any, e: Any, what: str, ref=None, moved=None, host=None) ->
             continue
         assert x.dtype == y.dtype and x.shape == y.shape, f"{what}: state leaf {i} layout"
         x, y = _host(x), _host(y)
+        # (this leaf of the float64 reference, of eager's draws, of eager on the CPU)
+        refs = (lr and (lambda i=i: (lr()[0][i], lr()[1][i])),
+                moved and (lambda i=i: [_host(m[i]) for m in moved()]),
+                host and (lambda i=i: _nth(host(), i)))
         if not x.is_floating_point():
             assert torch.equal(x, y), f"{what}: state leaf {i}: {x} vs {y}"
         elif x.dtype in (torch.float16, torch.bfloat16):
@@ -515,14 +521,14 @@ def _close_states(f: Any, e: Any, what: str, ref=None, moved=None, host=None) ->
             tol = fi.eps * torch.maximum(ee.abs(), torch.tensor(fi.smallest_normal)) \
                 + 1e-6 * scale
             bad = (ef - ee).abs() > tol
+            if bad.any() and (_ill_conditioned(x, y, *refs)
+                              or _ill_conditioned(*_only(bad, x, y, *refs, None))):
+                continue  # (an ill-conditioned chain, as for 16-bit params)
             assert not bad.any(), (f"{what}: 16-bit state leaf {i}: {int(bad.sum())} "
                                    "elements beyond one ulp")
         else:
             err = _rel(x, y)
-            if err > 1e-6 and _ill_conditioned(
-                    x, y, lr and (lambda i=i: (lr()[0][i], lr()[1][i])),
-                    moved and (lambda i=i: [_host(m[i]) for m in moved()]),
-                    host and (lambda i=i: _nth(host(), i))):
+            if err > 1e-6 and _ill_conditioned(x, y, *refs):
                 continue
             assert err <= 1e-6, f"{what}: state leaf {i}: relative error {err:.3g} > 1e-6"
 

@@ -444,6 +444,15 @@ PINNED = {
                          ("weight_decay_mask", "none"))),),
         skip="marker", skip_at=1, bits=8, quant="wrapper", min_size=200, state_dtype="",
         tensors=False, schedules=False, named=False), ("bf16", "fp32")),
+    # fp16 states after Muon: subnormal elements (2e-5) of a leaf whose largest is 0.14,
+    # six of their ulps apart, over which eager's own draws scatter.
+    (210, 318): (Structure(parts=(
+        Part("scale_by_muon", (("adaptive", False), ("nesterov", False),
+                               ("ns_dtype", torch.float32), ("ns_steps", 5))),
+        Part("add_cautious_weight_decay[schedule]", (("mask", "none"), ("schedule", "cosine"))),
+        Part("scale_by_adan", ()), Part("weight_decay", (("mask", "none"),))),
+        skip="marker", skip_at=3, bits=32, quant="wrapper", min_size=0,
+        state_dtype="float16", tensors=False, schedules=False, named=False), ("bf16", "fp16")),
 }
 
 
@@ -645,6 +654,36 @@ def test_param_check_judges_the_elements_beyond_an_ulp_alone():
     # Judged over the whole leaf, the large element's ulp outweighs the draws' spread.
     assert not checks._ill_conditioned(fused, eager, lambda: (r, 0.0), lambda: scattered,
                                        None, old)
+
+
+def test_state_check_judges_16bit_elements_beyond_an_ulp_alone():
+    """The same for a 16-bit state leaf (``state_dtype``): fp16 subnormals six of their
+    ulps from eager pass where eager's draws scatter as far, or fused is nearer float64;
+    not where eager is at float64 and its draws stay. Seed 210's numbers."""
+    fp16 = lambda *x: torch.tensor(x, dtype=torch.float16)  # noqa: E731
+    eager = fp16(0.1378, -2.1100e-5, 7.7903e-5)
+    fused = fp16(0.13792, -2.1458e-5, 7.7367e-5)  # (one ulp above eager, then six)
+    r = torch.tensor([0.1378, -2.1945e-5, 7.7520e-5], dtype=torch.float64)
+    scattered = [fp16(0.1378, -2.1756e-5, 7.7963e-5), fp16(0.1378, -2.1219e-5, 7.7546e-5)]
+    still = [eager.clone(), eager.clone()]
+    for draws, ref in ((scattered, r), (still, r), (scattered, eager.double())):
+        checks._close_states([fused], [eager], "s", lambda ref=ref: ([ref], [0.0]),
+                             lambda draws=draws: [[d] for d in draws])
+    with pytest.raises(AssertionError, match="beyond one ulp"):
+        checks._close_states([fused], [eager], "s", lambda: ([eager.double()], [0.0]),
+                             lambda: [[d] for d in still])
+    # Judged over the whole leaf, the large element's ulp outweighs the draws' spread.
+    assert not checks._ill_conditioned(fused, eager, lambda: (r, 0.0),
+                                       lambda: scattered)
+
+
+def test_seed210_fp16_state_subnormals_eager_scatters_over_pass():
+    """Found by the CPU fuzz (seed 210, example 318): Muon, cautious decay, Adan and
+    decay with fp16 states; twelve subnormal elements of Adan's state beyond an ulp."""
+    runner = _runner()
+    case = _pinned(runner, 210, 318, "cpu")
+    assert case.structure.state_dtype == "float16"
+    assert checks.run_all(case)["fused_vs_eager"] is None
 
 
 def test_seed207_a_tiny_element_eager_scatters_over_passes():
