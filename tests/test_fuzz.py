@@ -453,6 +453,16 @@ PINNED = {
         Part("scale_by_adan", ()), Part("weight_decay", (("mask", "none"),))),
         skip="marker", skip_at=3, bits=32, quant="wrapper", min_size=0,
         state_dtype="float16", tensors=False, schedules=False, named=False), ("bf16", "fp16")),
+    # SOAP's first eigenbases from Kronecker factors 1.7e-7 apart (fused and eager), two
+    # of 16 eigenvectors negated by LAPACK: the bases are signed now.
+    (213, 639): (Structure(parts=(
+        Part("scale_by_stddev[bias_correction]", (("eps_in_sqrt", False),)),
+        Part("centralize", ()),
+        Part("scale_by_soap", (("max_precond_dim", 10000), ("precondition_1d", True),
+                               ("precondition_frequency", 1))),
+        Part("scale_by_param_block_norm", ()), Part("scale_by_radam", (("nesterov", False),))),
+        skip="marker", skip_at=3, bits=8, quant="wrapper", min_size=64, state_dtype="",
+        tensors=True, schedules=False, named=False), ("fp16", "bf16")),
 }
 
 
@@ -683,6 +693,17 @@ def test_seed210_fp16_state_subnormals_eager_scatters_over_pass():
     runner = _runner()
     case = _pinned(runner, 210, 318, "cpu")
     assert case.structure.state_dtype == "float16"
+    assert checks.run_all(case)["fused_vs_eager"] is None
+
+
+def test_seed213_soaps_bases_agree_in_sign_between_backends():
+    """Found by the CPU fuzz (seed 213, example 639): SOAP's eigenbasis of one leaf had
+    two columns negated between fused and eager (``eigh`` of factors 1.7e-7 apart); the
+    update was the same, the state not. The bases are signed
+    (``ftopt.transforms.soap._signed``)."""
+    runner = _runner()
+    case = _pinned(runner, 213, 639, "cpu")
+    assert case.structure.parts[2].name == "scale_by_soap"
     assert checks.run_all(case)["fused_vs_eager"] is None
 
 

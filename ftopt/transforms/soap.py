@@ -8,7 +8,9 @@ orthogonal basis ``Q_i``. The gradient is rotated into the basis (each axis mult
 only builds the factors and their eigenbases (its update is zero); every
 ``precondition_frequency`` steps after it the bases are refined by one power iteration
 and a QR decomposition, the second moment permuted to the new order of the eigenvalues
-and the momentum carried over into the new basis.
+and the momentum carried over into the new basis. Each basis vector is signed, its
+largest entry positive, so every backend and device keeps the same bases (optax keeps
+LAPACK's signs, which the update does not depend on).
 
 Rotated states have no element of the parameter's own: with ``skip_zeros`` the update
 is zero (the param kept) where the gradient is zero, and every state advances (as GaLore's
@@ -237,16 +239,29 @@ def _project_back(g, q, on) -> torch.Tensor:
     return _rotate(g, q, on, back=True)
 
 
+def _signed(q: torch.Tensor) -> torch.Tensor:
+    """Each basis vector (a column of each matrix of ``q``) with its entry of the largest
+    magnitude positive. An eigenvector's or QR column's sign is arbitrary, and LAPACK's
+    choice flips under perturbations at rounding level: from two Kronecker factors 1.7e-7
+    apart, relative, ``eigh`` returned two of 16 well separated eigenvectors negated
+    (CPU fuzz seed 213, fused against eager). The update does not depend on these signs;
+    the state, a checkpoint and other backends and devices then hold the same basis."""
+    at = q.abs().argmax(dim=-2, keepdim=True)
+    return q * torch.where(torch.take_along_dim(q, at, dim=-2) < 0, -1.0, 1.0).to(q.dtype)
+
+
 def _eigenbasis(f: torch.Tensor) -> torch.Tensor:
-    """The eigenvectors of each factor (plus 1e-30·I), largest eigenvalue first."""
+    """The eigenvectors of each factor (plus 1e-30·I), largest eigenvalue first, signed
+    (:func:`_signed`)."""
     eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
     # (row-major, as the state's buffers are: LAPACK returns column-major)
-    return torch.linalg.eigh(f + 1e-30 * eye).eigenvectors.flip(-1).contiguous()
+    return _signed(torch.linalg.eigh(f + 1e-30 * eye).eigenvectors.flip(-1)).contiguous()
 
 
 def _refine(gg, q, v, on) -> tuple[list, torch.Tensor]:
     """One power iteration and QR per preconditioned axis, the basis first ordered by
-    its estimated eigenvalues (descending; ``v`` permuted alike along that axis)."""
+    its estimated eigenvalues (descending; ``v`` permuted alike along that axis), then
+    signed (:func:`_signed`)."""
     new = list(q)
     for i, flag in enumerate(on):
         if not flag:
@@ -257,7 +272,7 @@ def _refine(gg, q, v, on) -> tuple[list, torch.Tensor]:
         shape[i + 1] = order.shape[1]
         v = torch.take_along_dim(v, order.reshape(shape), dim=i + 1)
         ordered = torch.take_along_dim(q[i], order[:, None, :], dim=2)
-        new[i] = torch.linalg.qr(gg[i] @ ordered).Q.contiguous()
+        new[i] = _signed(torch.linalg.qr(gg[i] @ ordered).Q).contiguous()
     return new, v
 
 
