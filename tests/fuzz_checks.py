@@ -203,11 +203,17 @@ def _widen(x: Any, jitter: torch.Generator | None) -> Any:
 def _jitter32(x: Any, jitter: torch.Generator, widen: bool) -> Any:
     """``x`` with its fp32 tensors (every floating one, widened to fp32, if ``widen``)
     each moved by a random relative amount of up to one fp32 ulp; 16-bit tensors not
-    widened and 8-bit slots stay as they are."""
+    widened. An 8-bit slot keeps its codes, and its absmax moves as an fp32 tensor does:
+    a chain of 8-bit states whose only other stage is one that rounds its input away
+    (Rprop's signs) then still sees a rounding move before the stages that amplify it
+    (CPU fuzz seed 219: Muon's momentum into Newton-Schulz, NorMuon's row moments 7e-6
+    apart, relative, between fused and eager while eager's draws did not move)."""
     is_q = lambda t: isinstance(t, QuantizedSlot)  # noqa: E731
 
     def move(t):
-        if is_q(t) or not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        if is_q(t):
+            return QuantizedSlot(t.codes, move(t.absmax))
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             return t
         if t.dtype != torch.float32 and not widen:
             return t

@@ -463,6 +463,15 @@ PINNED = {
         Part("scale_by_param_block_norm", ()), Part("scale_by_radam", (("nesterov", False),))),
         skip="marker", skip_at=3, bits=8, quant="wrapper", min_size=64, state_dtype="",
         tensors=True, schedules=False, named=False), ("fp16", "bf16")),
+    # Every elementwise state 8-bit and Rprop's signs before NorMuon: eager's draws moved
+    # nothing the Newton-Schulz iteration amplifies until the absmax moved too.
+    (219, 631): (Structure(parts=(
+        Part("scale_by_ademamix[warmup]", (("warmup", 10),)), Part("scale_by_adamax", ()),
+        Part("normalize", ()), Part("scale_by_rprop", ()),
+        Part("scale_by_normuon", (("nesterov", False), ("ns_coeffs", (3.4445, -4.775, 2.0315)),
+                                  ("ns_dtype", torch.float32)))),
+        skip="marker", skip_at=0, bits=8, quant="wrapper", min_size=64,
+        state_dtype="bfloat16", tensors=False, schedules=False, named=False), ("fp16", "bf16")),
 }
 
 
@@ -705,6 +714,22 @@ def test_seed213_soaps_bases_agree_in_sign_between_backends():
     case = _pinned(runner, 213, 639, "cpu")
     assert case.structure.parts[2].name == "scale_by_soap"
     assert checks.run_all(case)["fused_vs_eager"] is None
+
+
+def test_seed219_eagers_draws_move_the_8bit_absmax():
+    """Found by the CPU fuzz (seed 219, example 631): NorMuon's row moments 7e-6 apart
+    between fused and eager, after Newton-Schulz amplified a rounding of Muon's momentum,
+    where eager's draws had not moved at all (every elementwise state 8-bit, Rprop's signs
+    before). The draws move each 8-bit slot's absmax by up to an ulp too, and its codes
+    not."""
+    runner = _runner()
+    case = _pinned(runner, 219, 631, "cpu")
+    assert checks.run_all(case)["fused_vs_eager"] is None
+    slot = checks.QuantizedSlot(torch.tensor([3, 250], dtype=torch.uint8),
+                                torch.tensor([0.5, 2.0]))
+    moved = checks._jitter32([slot], torch.Generator().manual_seed(0), False)[0]
+    assert torch.equal(moved.codes, slot.codes) and not torch.equal(moved.absmax, slot.absmax)
+    assert torch.allclose(moved.absmax, slot.absmax, rtol=2e-7, atol=0)
 
 
 def test_seed207_a_tiny_element_eager_scatters_over_passes():
