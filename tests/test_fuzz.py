@@ -472,6 +472,13 @@ PINNED = {
                                   ("ns_dtype", torch.float32)))),
         skip="marker", skip_at=0, bits=8, quant="wrapper", min_size=64,
         state_dtype="bfloat16", tensors=False, schedules=False, named=False), ("fp16", "bf16")),
+    # LAMB's u cancelling 33-fold (0.861 - 0.835) in a one-element fp16 leaf with 8-bit
+    # states: the trust ratio's norm was taken of a u rounded otherwise than the u it
+    # scaled (the reduction kernel without the main kernel's fast math), on a GPU only.
+    (106, 3544): (Structure(parts=(Part("lamb", (("mask", "none"),)),), skip="marker",
+                            skip_at=1, bits=8, quant="wrapper", min_size=0,
+                            state_dtype="float16", tensors=False, schedules=False,
+                            named=False), None),
 }
 
 
@@ -648,7 +655,7 @@ def test_seed197_a_sum_that_cancels_is_checked_against_float64():
     (nine near 0.4 that cancel to -7.09e-4) 5e-4 from eager's, relative; fused is no
     farther from float64 than eager's draws are (``fuzz_checks._as_near_float64_as_moved``)."""
     runner = _runner()
-    case = _pinned(runner, 197, 768, "cpu")
+    case = _pinned(runner, 197, 768, DEVICE)
     assert case.structure.tensors and case.structure.parts[2].name == "snapshot"
     assert checks.run_all(case)["fused_vs_eager"] is None
 
@@ -700,7 +707,7 @@ def test_seed210_fp16_state_subnormals_eager_scatters_over_pass():
     """Found by the CPU fuzz (seed 210, example 318): Muon, cautious decay, Adan and
     decay with fp16 states; twelve subnormal elements of Adan's state beyond an ulp."""
     runner = _runner()
-    case = _pinned(runner, 210, 318, "cpu")
+    case = _pinned(runner, 210, 318, DEVICE)
     assert case.structure.state_dtype == "float16"
     assert checks.run_all(case)["fused_vs_eager"] is None
 
@@ -711,7 +718,7 @@ def test_seed213_soaps_bases_agree_in_sign_between_backends():
     update was the same, the state not. The bases are signed
     (``ftopt.transforms.soap._signed``)."""
     runner = _runner()
-    case = _pinned(runner, 213, 639, "cpu")
+    case = _pinned(runner, 213, 639, DEVICE)
     assert case.structure.parts[2].name == "scale_by_soap"
     assert checks.run_all(case)["fused_vs_eager"] is None
 
@@ -723,7 +730,7 @@ def test_seed219_eagers_draws_move_the_8bit_absmax():
     before). The draws move each 8-bit slot's absmax by up to an ulp too, and its codes
     not."""
     runner = _runner()
-    case = _pinned(runner, 219, 631, "cpu")
+    case = _pinned(runner, 219, 631, DEVICE)
     assert checks.run_all(case)["fused_vs_eager"] is None
     slot = checks.QuantizedSlot(torch.tensor([3, 250], dtype=torch.uint8),
                                 torch.tensor([0.5, 2.0]))
@@ -736,7 +743,7 @@ def test_seed207_a_tiny_element_eager_scatters_over_passes():
     """Found by the CPU fuzz (seed 207, example 482): NorMuon with bf16 params, one
     element beyond an ulp at -4.6e-8 (:func:`fuzz_checks._only`)."""
     runner = _runner()
-    case = _pinned(runner, 207, 482, "cpu")
+    case = _pinned(runner, 207, 482, DEVICE)
     assert case.structure.parts[0].name == "normuon"
     assert checks.run_all(case)["fused_vs_eager"] is None
 
@@ -776,3 +783,15 @@ def test_stage_replay_names_every_prefix_of_the_chain():
     names = [part.entry.name for part in case.structure.parts]
     assert [line.split(" ")[1] for line in lines[::3]] == names
     assert all("fused-eager" in x and "fused-f64" in x and "eager-f64" in x for x in lines)
+
+
+def test_seed106_lambs_norm_is_of_the_u_it_scales():
+    """Found by the H100's fuzz (seed 106, example 3544): LAMB with 8-bit states, a
+    one-element fp16 leaf whose u cancels 33-fold; fused 2.2e-6 from float64 (eager 3e-8)
+    since the reduction kernel took the norm of u with the correctly rounded square root
+    and division, and the main kernel scaled the fast-math u by it. On a CPU the two
+    round alike; ``test_state_dtype.py`` checks the sources."""
+    runner = _runner()
+    case = _pinned(runner, 106, 3544, DEVICE)
+    assert case.structure.parts[0].name == "lamb"
+    assert checks.run_all(case)["fused_vs_eager"] is None

@@ -672,6 +672,34 @@ def test_fast_math_keeps_the_8bit_encoder_exact(monkeypatch):
     assert "tl.div_rn(1.0, q_st0_mu_ms)" in source
 
 
+@pytest.mark.parametrize("eight", [True, False], ids=["8-bit", "fp32 states"])
+def test_a_norms_reduction_kernel_takes_the_main_kernels_math(eight):
+    """A trust ratio's norm is of the u it scales: each square root and division of the
+    reduction kernels is the main kernel's line, approximate under fast math and correctly
+    rounded without (seed 106 of the GPU fuzz: LAMB's u cancelling 33-fold, rounded
+    otherwise in the two kernels, put 2e-6 into the update)."""
+    from ftopt.lowering import codegen, quantized
+    from ftopt.lowering.plan import plan_chain
+
+    tx = ftopt.lamb(1e-3, state_bits=8 if eight else 32)
+    traced = plan_chain(tx).traced(eight)
+    assert traced.levels >= 1
+
+    def math(source):
+        return {line.strip() for line in source.splitlines()
+                if "sqrt" in line or "div" in line} - {"def ftopt_fast_sqrt(x):"}
+
+    for fast in (False, True):
+        variant = codegen.Variant(torch.float32, torch.float32, True, True,
+                                  quant_block=256 if eight else 0, fast_math=fast,
+                                  encoder=quantized.ENCODER if eight else "arithmetic")
+        main = math(codegen.main_source(traced, variant))
+        reduced = set().union(*(math(codegen.reduction_source(traced, level, variant))
+                                for level in range(traced.levels + 1)))
+        assert reduced and reduced <= main, reduced - main
+        assert any("ftopt_fast_sqrt(" in line for line in reduced) == fast
+
+
 def test_stochastic_rounding_with_a_frozen_none_param_fused_equals_eager():
     """A param held as ``None`` (frozen) counts as a leaf in the rounding's hash (as in
     add_noise's): fused and eager store the same bits, and the other leaves the bits

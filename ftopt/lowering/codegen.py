@@ -299,9 +299,7 @@ def main_source(traced: TracedChain, variant: Variant) -> str:
     if word_selects.takes(traced, variant, half_tiles.VOLATILE[
             "select" if any(traced.skips) else "plain"]):
         body = [lanes.volatile_loads(x) for x in body]
-    if variant.fast_math:
-        body = [lanes.fast_math(x) for x in body]
-        helpers = {**helpers, "ftopt_fast_sqrt": lanes.FAST_SQRT}
+    body, helpers = _with_fast_math(body, helpers, variant)
     if variant.quant_block and variant.encoder.startswith("lg2"):
         helpers = {**helpers, "ftopt_lg2": quantized.LG2_HELPER[
             "interpreter" if tiles.INTERPRETING else "cuda"]}
@@ -407,8 +405,21 @@ def reduction_source(traced: TracedChain, level: int, variant: Variant) -> str:
                          f"tl.sum({square}))")
         bodies.append(lines)
     lines = _prelude(roles, dtypes, variant) + split.full_or_tail(*bodies)
+    # The main kernel's math, approximate where its is: a trust ratio's norm of ``u`` then
+    # scales the ``u`` it was taken of (LAMB's ``u`` cancelling 33-fold put an ulp of it,
+    # rounded one way here and another there, 2e-6 into the update, the H100's fuzz).
+    lines, helpers = _with_fast_math(lines, traced.graph.helpers, variant)
     sig = _signature(roles, ["partials_ptr"], len(traced.graph.scalars), variant)
-    return _kernel(f"ftopt_reduce_{level}", sig, lines, traced.graph.helpers)
+    return _kernel(f"ftopt_reduce_{level}", sig, lines, helpers)
+
+
+def _with_fast_math(lines: list[str], helpers: dict, variant: Variant) -> tuple[list, dict]:
+    """``lines`` and ``helpers`` with the approximate square root and division of a
+    fast-math variant (:data:`tiles.FAST_MATH`), the same in every kernel of a step."""
+    if not variant.fast_math:
+        return lines, helpers
+    return ([lanes.fast_math(x) for x in lines],
+            {**helpers, "ftopt_fast_sqrt": lanes.FAST_SQRT})
 
 
 def level_reductions(traced: TracedChain, level: int) -> list[Reduction]:
