@@ -235,6 +235,7 @@ class Reference:
 
     DRAWS = 2
     DRAWS32 = 8
+    MORE32 = 32  # (:meth:`more_draws`)
 
     def __init__(self, tx, p, g, s, moved_tx=None, host_eager: bool = False, host_tx=None):
         """``moved_tx``: random.Random -> the transformation with its hyperparameters
@@ -251,6 +252,7 @@ class Reference:
         self.updates = None
         self._moved: dict[str, list] = {}
         self._state = None
+        self.draws32 = self.DRAWS32
 
     def _run(self, kind: str, jitter: torch.Generator | None):
         tx, p, g, s = self.args
@@ -271,19 +273,28 @@ class Reference:
         (CPU fuzz, seed 82 example 410: Muon -> AdEMAMix, whose draws range 0.29e-6 to
         3.79e-6; fused, an ulp off eager's Muon momentum, was 6.82e-6 from eager, refused
         at three draws and admitted at eight). Made only where fp32 results disagree."""
-        key = "fp32 " + kind
-        if key not in self._moved:
-            tx, p, g, s = self.args
-            runs = []
-            for k in range(self.DRAWS32):
-                if self.moved_tx is not None:
-                    tx = self.moved_tx(random.Random(1000 + k))
-                jitter = torch.Generator().manual_seed(1000 + k)
-                wide = [_jitter32(x, jitter, i == 1) for i, x in enumerate((p, g, s))]
-                runs.append(tx.update(wide[1], wide[2], wide[0], backend="eager")
-                            if kind == "update" else ftopt.step(tx, *wide, backend="eager"))
-            self._moved[key] = runs
-        return self._moved[key]
+        runs = self._moved.setdefault("fp32 " + kind, [])
+        tx, p, g, s = self.args
+        for k in range(len(runs), self.draws32):
+            if self.moved_tx is not None:
+                tx = self.moved_tx(random.Random(1000 + k))
+            jitter = torch.Generator().manual_seed(1000 + k)
+            wide = [_jitter32(x, jitter, i == 1) for i, x in enumerate((p, g, s))]
+            runs.append(tx.update(wide[1], wide[2], wide[0], backend="eager")
+                        if kind == "update" else ftopt.step(tx, *wide, backend="eager"))
+        return runs
+
+    def more_draws(self) -> bool:
+        """Take :attr:`MORE32` draws of eager from now on, where fewer were taken and some
+        were (a comparison they did not settle): whether it did. An ill-conditioned chain's
+        result can be two-valued at the ulp level, and eight draws may all land on eager's
+        side (CPU fuzz seed 226 example 840: SM3's accumulator after a bias-corrected
+        stddev whose variance cancels, 25 of 64 draws near fused's value, 39 near eager's;
+        the first eight all near eager's). A real difference stays outside 32 draws too."""
+        if self.draws32 >= self.MORE32 or not any(k.startswith("fp32 ") for k in self._moved):
+            return False
+        self.draws32 = self.MORE32
+        return True
 
     def host_leaf(self, kind: str, spec, j: int) -> torch.Tensor | None:
         """Leaf ``j`` of the eager params (``"step"``) or update (``"update"``) computed
@@ -550,39 +561,56 @@ def fused_vs_eager(case: Case) -> None:
         ref = Reference(tx, p, g, s, case.moved_tx,
                         host_eager=torch.device(case.device).type != "cpu",
                         host_tx=case.host_tx if case.structure.tensors else None)
-        paths, flat_old, spec = ftopt.tree.flatten_with_paths(p)
-        for j, (path, old, a, b) in enumerate(zip(paths, flat_old, spec.flatten_up_to(pf),
-                                                  spec.flatten_up_to(pe))):
-            _close_param(a, b, old, f"step {k}, param {path}",
-                         functools.partial(ref.param, spec, j),
-                         functools.partial(ref.moved_leaf, "step", spec, j),
-                         functools.partial(ref.host_leaf, "step", spec, j))
-        _close_states(sf, se, f"step {k}, state", ref.state,
-                      functools.partial(ref.moved_states, "step"),
-                      functools.partial(ref.host_states, "step"))
+        updates = None
         if case.update_too:
-            ue, sue = pure_update(case, tx, p, g, s, "eager")
-            uf, suf = pure_update(case, tx, p, g, s, "fused")
-            lu_f, lu_e = spec.flatten_up_to(uf), spec.flatten_up_to(ue)
-            for j, (path, a, b) in enumerate(zip(paths, lu_f, lu_e)):
-                assert (a is None) == (b is None), f"update {k} at {path}: None on one side"
-                if a is not None:
-                    assert a.dtype == b.dtype, f"update {k} at {path}: {a.dtype} vs {b.dtype}"
-                    err = _rel(a, b)
-                    if err > 1e-6 and _ill_conditioned(
-                            a, b, functools.partial(ref.update, spec, j),
-                            functools.partial(ref.moved_leaf, "update", spec, j),
-                            functools.partial(ref.host_leaf, "update", spec, j)):
-                        continue  # ill-conditioned: fused about as accurate as eager
-                    r, spread = ref.update(spec, j)
-                    assert err <= 1e-6, (f"update {k} at {path}: relative error {err:.3g} "
-                                         f"(against float64: fused {_rel(a, r):.3g}, eager "
-                                         f"{_rel(b, r):.3g}, spread {spread:.3g})")
-            # (the update's new state is the step's: the same float64 reference)
-            _close_states(suf, sue, f"update {k}, state", ref.state,
-                          functools.partial(ref.moved_states, "update"),
-                          functools.partial(ref.host_states, "update"))
+            ue = pure_update(case, tx, p, g, s, "eager")
+            updates = (pure_update(case, tx, p, g, s, "fused"), ue)
+        counted = STATS["code_diff_elements"]
+        try:
+            _compare_step(k, p, (pf, sf), (pe, se), updates, ref)
+        except AssertionError:
+            if not ref.more_draws():
+                raise
+            STATS["code_diff_elements"] = counted  # (counted again)
+            _compare_step(k, p, (pf, sf), (pe, se), updates, ref)
         p, s = pe, se
+
+
+def _compare_step(k: int, p, fused, eager, updates, ref: Reference) -> None:
+    """Step ``k``'s params and states (and its update and the update's state, where
+    ``updates``: ((fused), (eager))) of fused against eager."""
+    (pf, sf), (pe, se) = fused, eager
+    paths, flat_old, spec = ftopt.tree.flatten_with_paths(p)
+    for j, (path, old, a, b) in enumerate(zip(paths, flat_old, spec.flatten_up_to(pf),
+                                              spec.flatten_up_to(pe))):
+        _close_param(a, b, old, f"step {k}, param {path}",
+                     functools.partial(ref.param, spec, j),
+                     functools.partial(ref.moved_leaf, "step", spec, j),
+                     functools.partial(ref.host_leaf, "step", spec, j))
+    _close_states(sf, se, f"step {k}, state", ref.state,
+                  functools.partial(ref.moved_states, "step"),
+                  functools.partial(ref.host_states, "step"))
+    if updates is not None:
+        (uf, suf), (ue, sue) = updates
+        lu_f, lu_e = spec.flatten_up_to(uf), spec.flatten_up_to(ue)
+        for j, (path, a, b) in enumerate(zip(paths, lu_f, lu_e)):
+            assert (a is None) == (b is None), f"update {k} at {path}: None on one side"
+            if a is not None:
+                assert a.dtype == b.dtype, f"update {k} at {path}: {a.dtype} vs {b.dtype}"
+                err = _rel(a, b)
+                if err > 1e-6 and _ill_conditioned(
+                        a, b, functools.partial(ref.update, spec, j),
+                        functools.partial(ref.moved_leaf, "update", spec, j),
+                        functools.partial(ref.host_leaf, "update", spec, j)):
+                    continue  # ill-conditioned: fused about as accurate as eager
+                r, spread = ref.update(spec, j)
+                assert err <= 1e-6, (f"update {k} at {path}: relative error {err:.3g} "
+                                     f"(against float64: fused {_rel(a, r):.3g}, eager "
+                                     f"{_rel(b, r):.3g}, spread {spread:.3g})")
+        # (the update's new state is the step's: the same float64 reference)
+        _close_states(suf, sue, f"update {k}, state", ref.state,
+                      functools.partial(ref.moved_states, "update"),
+                      functools.partial(ref.host_states, "update"))
 
 
 # ------------------------------------------------------------------------------------------
