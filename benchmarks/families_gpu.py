@@ -114,6 +114,13 @@ def time_family(tx, params, grads, iters: int, device) -> tuple[float, float]:
 
 PROFILED = 10
 
+# How each family's states are stored (``--states``): the alias as made, or wrapped.
+STATES = {
+    "32": lambda tx: tx,
+    "8": lambda tx: ftopt.quantize_states(tx, bits=8),
+    "bf16": lambda tx: ftopt.quantize_states(tx, bits=32, state_dtype=torch.bfloat16),
+}
+
 
 def profile_kernels(tx, params, grads) -> list:
     """(kernel, device microseconds a step, launches a step) of ``PROFILED`` donated
@@ -143,6 +150,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also each family's kernels: device time a step (torch.profiler)")
     ap.add_argument("--tag", default="", help="suffix of the output files' names")
+    ap.add_argument("--states", choices=tuple(STATES), default="32",
+                    help="state storage: 32 (fp32, default), 8 (8-bit blockwise) or bf16")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
     import gpu_step
@@ -167,10 +176,16 @@ def main() -> int:
         tx = e.make(**e.example)
         if named:
             tx = ftopt.chain(tx, ftopt.scale(-1e-3))
+        tx = STATES[args.states](tx)
         with contextlib.redirect_stdout(io.StringIO()):
             plan = ftopt.explain(tx, params, grads, donate=True, backend="fused")
-        moved = re.search(r"main kernel reads (\d+), writes (\d+)", plan)
-        reread = re.search(r"norm passes read (\d+) more", plan)
+        # Per group (fp32 small leaves beside 8-bit ones): its elements and bytes per
+        # element, summed over the tree.
+        groups = re.findall(r"(\d+) elements\n(?:.*\n)*?  bytes per element: main kernel "
+                            r"reads ([\d.]+), writes ([\d.]+)(?:; norm passes read ([\d.]+) more)?",
+                            plan)
+        moved = sum(int(k) * (float(r) + float(w)) for k, r, w, _ in groups)
+        reread = sum(int(k) * float(x or 0) for k, _, _, x in groups)
         passes = re.search(r"\((\d+) norm pass", plan)
         note = "torch stage + fused" if "matrix stage" in plan else ""
         if passes and int(passes.group(1)):
@@ -179,8 +194,8 @@ def main() -> int:
         if running:  # (tiny kernels, a few microseconds each on a GPU)
             note = (note + "; " if note else "") + f"{running.group(1)} + 1 ops on 0-d tensors"
         ms, loop_ms = time_family(tx, params, grads, 2 if args.smoke else args.iters, device)
-        per_elt = int(moved.group(1)) + int(moved.group(2))
-        step_elt = per_elt + (int(reread.group(1)) if reread else 0)
+        per_elt = moved / n
+        step_elt = (moved + reread) / n
         tbps = n * per_elt / (ms * 1e-3) / 1e12
         step_tbps = n * step_elt / (ms * 1e-3) / 1e12
         kernels = profile_kernels(tx, params, grads) if args.profile and copy else None
@@ -194,17 +209,19 @@ def main() -> int:
                      if copy else None})
         frac = "" if copy is None else (f"{tbps / copy:.2f} / {step_tbps / copy:.2f} of copy;"
                                         f" loop {rows[-1]['loop_of_copy']:.2f}")
-        print(f"{e.name:28s} {ms:8.3f} ms (loop {loop_ms:6.3f})  {per_elt:3d} / {step_elt:3d}"
+        print(f"{e.name:28s} {ms:8.3f} ms (loop {loop_ms:6.3f})  {per_elt:6.2f} / {step_elt:6.2f}"
               f" B/elt  {tbps:6.3f} / {step_tbps:6.3f} TB/s  {frac}", flush=True)
         for name, us, calls in kernels or ():
             print(f"    {us:9.1f} us  x{calls:<3d} {name[:90]}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "copy_tbps": copy, "numel": n, "leaves": len(params),
+            "copy_tbps": copy, "numel": n, "leaves": len(params), "states": args.states,
             "date": time.strftime("%Y-%m-%d")}
     (args.out / f"families{args.tag}.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1))
-    md = [f"# Fused families, GPT-2 fp32 ({n / 1e6:.1f}M params, {len(params)} leaves)", "",
+    kept = {"32": "fp32", "8": "8-bit", "bf16": "bf16"}[args.states]
+    md = [f"# Fused families, GPT-2 fp32 ({n / 1e6:.1f}M params, {len(params)} leaves, "
+          f"{kept} states)", "",
           f"device {meta['device']}, copy {copy and round(copy, 3)} TB/s, {meta['date']}", "",
           "B/elt: the main kernel's bytes per element (explain); step B/elt: the whole "
           "step's, norm passes included. Both fractions of copy use the whole step's time "
@@ -218,7 +235,7 @@ def main() -> int:
         oc, soc, loc = ("-" if r[k] is None else f"{r[k]:.2f}"
                         for k in ("of_copy", "step_of_copy", "loop_of_copy"))
         md.append(f"| {r['name']} | {', '.join(r['states']) or '-'} | {r['ms']:.3f} | "
-                  f"{r['B_per_elt']} | {r['tbps']:.3f} | {oc} | {r['step_B_per_elt']} | "
+                  f"{r['B_per_elt']:.2f} | {r['tbps']:.3f} | {oc} | {r['step_B_per_elt']:.2f} | "
                   f"{r['step_tbps']:.3f} | {soc} | {r['loop_ms']:.3f} | {loc} | "
                   f"{r['note']} |")
     for r in rows:
