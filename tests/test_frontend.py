@@ -25,6 +25,7 @@ from test_fused import CHAINS, _tree
 
 import ftopt
 from ftopt.lowering import launch, tiles
+from ftopt.lowering.plan import plan_chain
 
 pytestmark = [pytest.mark.skipif(not tiles.INTERPRETING, reason="the interpreter's launches "
                                  "are what is recorded; a GPU compiles every kernel anyway"),
@@ -295,6 +296,59 @@ def test_reduction_and_noise_kernels_get_the_heavy_tile(monkeypatch):
         eager, _ = ftopt.step(tx, p, g, tx.init(p), backend="eager")
         for k in p:
             torch.testing.assert_close(fused[k], eager[k], rtol=1e-6, atol=1e-7)
+
+
+def test_8bit_reduction_passes_get_the_heavy_tile_over_a_table_of_their_own(monkeypatch):
+    """An 8-bit group's reduction pass runs tiles.HEAVY_TILE, over a work table of its
+    own, where that tile holds whole 8-bit blocks and is larger than the group's (one
+    8-bit block a program on a GPU); its main kernel keeps the 8-bit tile. The steps
+    equal eager's, and the steps with one tile for both within a norm's rounding."""
+    quant, heavy = (1024, 4), (4096, 4)
+    monkeypatch.setattr(tiles, "QUANT_TILE", quant)
+
+    def fresh():
+        launch._constants_cached.cache_clear()
+        launch._kernel.cache_clear()
+
+    def run(tx, p, g):
+        fresh()
+        s = tx.init(p)
+        out = []
+        for backend in ("fused", "eager"):
+            q, t = {k: v.clone() for k, v in p.items()}, ftopt.tree.map(torch.clone, s)
+            for _ in range(3):
+                q, t = ftopt.step(tx, q, g, t, backend=backend, donate=backend == "fused")
+            out.append(q)
+        groups = plan_chain(tx).prepared.groups
+        return out, [gr.reduce_work is not None for gr in groups if gr.quant_block]
+
+    gen = fresh_generator()
+    p = {"big": torch.randn(4 * 4096 + 1000, generator=gen),
+         "odd": torch.randn(4096 + 256 + 3, generator=gen),
+         "small": torch.randn(7, 5, generator=gen)}
+    g = {k: torch.randn(v.shape, generator=gen) for k, v in p.items()}
+    g["big"][:3000] = 0.0
+    try:
+        for make in (lambda: ftopt.lamb(1e-2, state_bits=8),
+                     lambda: ftopt.novograd(1e-2, state_bits=8, skip_zeros=True),
+                     lambda: ftopt.lars(1e-2, state_bits=8)):
+            monkeypatch.setattr(tiles, "HEAVY_TILE", heavy)
+            fresh()
+            blocks = {}
+            for (_, name, _), (_, _, c) in _kernels([_steps(make(), donate=(True,))]).items():
+                if "QBLOCK" in c:
+                    blocks.setdefault(name, set()).add(c["BLOCK"])
+            assert blocks == {"ftopt_reduce_1": {heavy[0]}, "ftopt_main": {quant[0]}}, blocks
+            (fused, eager), own = run(make(), p, g)
+            assert own == [True]
+            monkeypatch.setattr(tiles, "HEAVY_TILE", quant)  # (the control: one table)
+            (same, _), own = run(make(), p, g)
+            assert own == [False]
+            for k in p:
+                torch.testing.assert_close(fused[k], eager[k], rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(fused[k], same[k], rtol=1e-6, atol=1e-7)
+    finally:
+        fresh()
 
 
 def test_plain_kernels_of_a_layout_get_its_plain_tile(monkeypatch):

@@ -87,11 +87,16 @@ class GroupLaunch:
     defer_flags: int = 0  # its watch's choice of the deferred kernel's flags a program
     pick: object = None  # itemgetter of the group's leaves among the active ones
     grad_addresses: list = field(default_factory=list)
+    # The reduction pass's own tile and work table where they are not the main kernel's
+    # (8-bit groups: tiles.HEAVY_TILE, ftopt.lowering.groups.build_group).
+    reduce_tile: tuple = ()
+    reduce_work: work.WorkTable | None = None
 
     def args(self, roles, scalars, reductions, global_reductions, main: bool = True) -> list:
         """``scalars``: a list of floats (kernel arguments) or a device buffer; ``main``:
-        the blocks in the main kernel's order, else in the reduction pass's."""
-        w = self.work
+        the blocks in the main kernel's order, else in the reduction pass's (its table:
+        :attr:`reduce_work`)."""
+        w = self.work if main else self.reduce_work or self.work
         scalar_args = scalars if isinstance(scalars, list) else [scalars]
         leaf, start = (w.main_leaf, w.main_start) if main else (w.block_leaf, w.block_start)
         return [leaf, start, w.numel, *[self.addresses[r] for r in roles],
@@ -147,12 +152,13 @@ class GroupLaunch:
 @lru_cache(maxsize=256)
 def _constants_cached(traced, quant_block: int, count: bool | None = None,
                       defer: int = 0, kind: str = "", pdl: bool = False,
-                      warps: int = 0, elem_bytes: int = 4) -> tuple:
+                      warps: int = 0, elem_bytes: int = 4, tile: tuple = ()) -> tuple:
     """Constexprs and launch options (``count``: the main kernel's ``COUNT``; ``defer``:
     :attr:`codegen.Variant.defer`; ``kind``: the group's layout, :func:`tiles.layout`;
     ``pdl``: :attr:`codegen.Variant.pdl`; ``warps``: :attr:`GroupLaunch.warps`;
-    ``elem_bytes``: :attr:`GroupLaunch.elem_bytes`)."""
-    block, tile_warps = tiles.tile(traced, quant_block, kind, elem_bytes)
+    ``elem_bytes``: :attr:`GroupLaunch.elem_bytes`; ``tile``: (elements, warps) in place
+    of the layout's, :attr:`GroupLaunch.reduce_tile`)."""
+    block, tile_warps = tile or tiles.tile(traced, quant_block, kind, elem_bytes)
     warps = warps or tile_warps
     constants = {
         "N_LEAF_VALUES": max(len(traced.graph.leaf_values), 1),

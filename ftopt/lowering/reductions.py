@@ -118,7 +118,7 @@ def run_reductions(traced, groups: list, scalars, device: torch.device):
         cols = _columns(traced, level, None, device)
         level_sums = []
         for group, buf in zip(groups, leaf_bufs):
-            w = group.work
+            w = group.reduce_work or group.work
             if w.num_blocks == 0:
                 if sharded:  # (every rank takes part in the collective below)
                     level_sums.append(torch.zeros(w.num_leaves * len(reds),
@@ -131,7 +131,8 @@ def run_reductions(traced, groups: list, scalars, device: torch.device):
             launch._launch(kernel, (w.num_blocks,),
                            [*group.args(roles, scalars, buf, global_buf, False), partials],
                            launch._constants_cached(group.traced, group.quant_block,
-                                                    kind=group.kind), device)
+                                                    kind=group.kind,
+                                                    tile=group.reduce_tile), device)
             # Local shards: a leaf's sums go to the collective first, in the level's order.
             out, stride = buf, n_red
             if sharded:
