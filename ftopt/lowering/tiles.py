@@ -292,13 +292,13 @@ INTERLEAVE = knobs.integer("FTOPT_INTERLEAVE", 0, "interleave all-zero leaves' b
                            "with the others' (0: no)")
 
 
-# Kernels with per-program work beyond their elements (norms' partial sums and per-leaf
-# ratios: LARS, LAMB, NovoGrad, Fromage, Prodigy; noise's per-leaf key): twice the
-# elements halve it (H200, GPT-2 fp32: Fromage 0.676 -> 0.601 ms, noisy_sgd 0.418 ->
-# 0.367; 1024x8, 256x2 no faster than 512x4).
-HEAVY_TILE = knobs.tile("FTOPT_HEAVY_TILE", f"{BLOCK}x{NUM_WARPS}" if INTERPRETING or
-                        "FTOPT_BLOCK" in os.environ else "1024x4", "the tile of kernels "
-                        "with per-program work (norms, noise keys)")
+# Kernels with per-program work beyond their elements (norms' partial sums, per-leaf ratios:
+# LARS, LAMB, NovoGrad, Fromage, Prodigy; noise keys): twice the elements halve it (H200,
+# GPT-2 fp32: Fromage 0.676 -> 0.601 ms, noisy_sgd 0.418 -> 0.367; 1024x8, 256x2 no faster
+# than 512x4). The interpreter's, as a GPU's, twice the block (8-bit norms' own table).
+HEAVY_TILE = knobs.tile("FTOPT_HEAVY_TILE", f"{2 * BLOCK}x{NUM_WARPS}" if INTERPRETING else
+                        f"{BLOCK}x{NUM_WARPS}" if "FTOPT_BLOCK" in os.environ else "1024x4",
+                        "the tile of kernels with per-program work (norms, noise keys)")
 
 
 def tile(traced, quant_block: int = 0, kind: str = "", elem_bytes: int = 4) -> tuple[int, int]:
