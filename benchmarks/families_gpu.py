@@ -38,6 +38,7 @@ near the other norm families'. ``madgrad`` likewise no longer writes x0 (B/elt 3
 36).
 
     python3 benchmarks/families_gpu.py --out DIR        # GPU; writes families.json / .md
+    python3 benchmarks/families_gpu.py --out DIR --states 8   # 8-bit states (or bf16)
     python3 benchmarks/families_gpu.py --smoke --out DIR  # CPU interpreter, tiny tree
 """
 
