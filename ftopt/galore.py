@@ -33,7 +33,7 @@ from ftopt.combine import chain
 from ftopt.combine import skip_zeros as skip_zeros_marker
 from ftopt.domains import check_finite, check_int
 from ftopt.finite import safe_increment
-from ftopt.matrix import check_shards
+from ftopt.matrix import check_shards, decompose_finite
 from ftopt.program import skip_update
 from ftopt.quantize import quantize_states
 from ftopt.rules import checked_params, compute_dtype
@@ -268,7 +268,9 @@ class ScaleByGaLore:
         """The batch's new projectors from the SVD of its gradients (fp32, fp64 for fp64
         gradients)."""
         svd_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
-        u, _, vh = torch.linalg.svd(g.to(svd_dtype), full_matrices=False)
+        # (a gradient with a NaN or an infinity: NaN projectors, where LAPACK refuses it)
+        u, _, vh = decompose_finite(lambda x: torch.linalg.svd(x, full_matrices=False),
+                                    g.to(svd_dtype), torch.zeros((), dtype=svd_dtype))
         if lay.left:
             return u[..., :, :lay.rank]
         return vh[..., :lay.rank, :].transpose(-1, -2)

@@ -236,6 +236,25 @@ def flat_params(params: Any) -> tuple[Any, list[str], list]:
     return spec, paths, flat
 
 
+def decompose_finite(fn: Callable[[torch.Tensor], Any], x: torch.Tensor,
+                     stand_in: torch.Tensor) -> Any:
+    """``fn(x)`` of a batch of matrices ``x`` ``(..., m, n)`` by a LAPACK decomposition
+    that refuses a matrix holding a NaN or an infinity (``eigh``, ``svd``: "failed to
+    converge"): such a matrix is decomposed as ``stand_in`` instead and its outputs are
+    NaN, as a non-finite gradient makes every other state, with no host synchronisation.
+    ``fn`` returns a tensor or a tuple of tensors, each batched as ``x``."""
+    finite = torch.isfinite(x).flatten(-2).all(-1)
+    out = fn(torch.where(finite[..., None, None], x, stand_in))
+
+    def nan_where_not(y: torch.Tensor) -> torch.Tensor:
+        keep = finite.reshape(finite.shape + (1,) * (y.dim() - finite.dim()))
+        return torch.where(keep, y, y.new_full((), float("nan")))
+
+    if isinstance(out, tuple):
+        return tuple(nan_where_not(y) for y in out)
+    return nan_where_not(out)
+
+
 def refuse_split(name: str, path: str, placements: Any, reads: str) -> None:
     """Raise for a leaf split over ranks that a stage keeps whole state of (``reads``:
     what of it the stage's state reads)."""

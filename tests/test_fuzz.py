@@ -486,6 +486,16 @@ PINNED = {
                             skip_at=1, bits=8, quant="wrapper", min_size=0,
                             state_dtype="float16", tensors=False, schedules=False,
                             named=False), None),
+    # normalize's 0/0 of all-zero gradients before SOAP's first step: LAPACK's eigh
+    # refused the NaN factors ("failed to converge") in the chain without skip_zeros.
+    (248, 234): (Structure(parts=(
+        Part("normalize", ()), Part("scale_by_dog", (("init_step", ("learning_rate", 0.001)),)),
+        Part("scale_by_novograd", ()),
+        Part("scale_by_soap", (("max_precond_dim", 10000), ("precondition_1d", True),
+                               ("precondition_frequency", 3))),
+        Part("trace", (("nesterov", True),))), skip="wrap", skip_at=4, bits=32,
+        quant="wrapper", min_size=0, state_dtype="", tensors=True, schedules=False,
+        named=True), ("fp32", "fp16")),
 }
 
 
@@ -831,3 +841,16 @@ def test_more_draws_only_where_some_were_taken_and_once():
     runs = ref.moved32("step")
     assert len(runs) == checks.Reference.MORE32
     assert len({float(r[0]["w"][0]) for r in runs}) > 1  # (each draw its own)
+
+
+def test_seed248_a_nan_factor_is_no_lapack_error():
+    """Found by the CPU fuzz (seed 248, examples 234 and 271): the first step's
+    gradients all zero, ``normalize`` made them NaN (0/0) and SOAP's ``eigh`` raised on
+    the NaN factors in the chain without skip_zeros, on both backends. Those factors now
+    get NaN bases (``ftopt.matrix.decompose_finite``); skip_zeros' check then holds."""
+    runner = _runner()
+    case = _pinned(runner, 248, 234, DEVICE)
+    assert case.structure.parts[3].name == "scale_by_soap"
+    assert all(bool((g == 0).all()) for g in optree.tree_leaves(case.grads[0]))
+    results = checks.run_all(case)
+    assert all(m is None for m in results.values()), results

@@ -224,6 +224,22 @@ def test_skip_zeros_keeps_params_and_unprojected_states():
     assert torch.equal(s1[0].projector["a"], t1[0].projector["a"])
 
 
+def test_a_gradient_with_a_nan_gets_nan_projectors_not_an_error():
+    """LAPACK's ``svd`` refuses a matrix with a NaN or an infinity: such a leaf gets NaN
+    projectors and NaN updates, as a NaN makes any other state; the other leaf of its
+    batch (same shape) keeps its projector and update (the control: as without the NaN
+    beside it)."""
+    p, gs = _draw(6, 1, torch.float32, {"a": (16, 12), "b": (16, 12)})
+    bad = {**gs[0], "b": gs[0]["b"].clone()}
+    bad["b"][2, 3] = float("inf")
+    tx = ftopt.galore(0.05, rank=4)
+    u, s = tx.update(bad, tx.init(p), p)
+    want, clean = tx.update(gs[0], tx.init(p), p)
+    assert bool(s[0].projector["b"].isnan().all()) and bool(u["b"].isnan().all())
+    assert torch.equal(s[0].projector["a"], clean[0].projector["a"])
+    assert torch.equal(u["a"], want["a"]) and bool(u["a"].isfinite().all())
+
+
 def test_state_options_reach_the_base_optimizer():
     p, gs = _draw(5, 2, torch.float32, {"a": (64, 64), "b": (5,)})
     tx = ftopt.galore(0.01, rank=64, state_dtype=torch.bfloat16)

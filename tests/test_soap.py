@@ -128,6 +128,35 @@ def test_first_step_builds_the_bases_and_moves_nothing():
     assert torch.allclose(q.T @ q, torch.eye(8, device=DEVICE), atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_a_nan_factor_gets_a_nan_basis_not_an_error(backend):
+    """LAPACK's ``eigh`` refuses a matrix with a NaN ("failed to converge"): a factor of
+    a gradient holding a NaN gets a NaN basis and its leaf NaN updates, as a NaN makes
+    any other state; the other leaf of its batch (same shape) keeps the basis and the
+    step it has without the NaN beside it (the control). ``normalize`` of all-zero
+    gradients (0/0) gives every leaf such factors (CPU fuzz seed 248)."""
+    gen = fresh_generator()
+    tx = ftopt.scale_by_soap(max_precond_dim=8)
+    shapes = {"a": (8, 8), "b": (8, 8)}
+    params, grads = _tree(gen, shapes), _tree(gen, shapes)
+    bad = {**grads, "b": grads["b"].clone()}
+    bad["b"][3, 4] = float("nan")
+    _, state = ftopt.step(tx, params, bad, tx.init(params), backend=backend)
+    _, clean = ftopt.step(tx, params, grads, tx.init(params), backend=backend)
+    for axis, want in zip(state.q, clean.q):
+        assert bool(axis["b"].isnan().all())
+        assert torch.equal(axis["a"], want["a"])
+    more = _tree(gen, shapes)
+    new, _ = ftopt.step(tx, params, more, state, backend=backend)
+    want, _ = ftopt.step(tx, params, more, clean, backend=backend)
+    assert bool(new["b"].isnan().all())
+    assert torch.equal(new["a"], want["a"]) and bool(new["a"].isfinite().all())
+    zero = {k: torch.zeros_like(v) for k, v in grads.items()}
+    chain = ftopt.chain(ftopt.normalize(), ftopt.scale_by_soap(max_precond_dim=8))
+    _, state = ftopt.step(chain, params, zero, chain.init(params), backend=backend)
+    assert all(bool(q.isnan().all()) for axis in state[1].q for q in axis.values())
+
+
 def _largest_entries(q: torch.Tensor) -> torch.Tensor:
     """Each column's entry of the largest magnitude."""
     return torch.take_along_dim(q, q.abs().argmax(dim=0, keepdim=True), dim=0)[0]

@@ -30,7 +30,7 @@ from ftopt import tree as tree_lib
 from ftopt._counts import new_count, remember_count
 from ftopt.base import GradientTransformation, register_owner, register_state
 from ftopt.domains import NONNEG, UNIT_OPEN, check_finite
-from ftopt.matrix import StatefulStage, flat_params, refuse_split
+from ftopt.matrix import StatefulStage, decompose_finite, flat_params, refuse_split
 from ftopt.program import skip_update
 from ftopt.rules import compute_dtype, state_dtype
 from ftopt.validate import check_count, check_leaf, check_stage_state
@@ -254,8 +254,11 @@ def _eigenbasis(f: torch.Tensor) -> torch.Tensor:
     """The eigenvectors of each factor (plus 1e-30·I), largest eigenvalue first, signed
     (:func:`_signed`)."""
     eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-    # (row-major, as the state's buffers are: LAPACK returns column-major)
-    return _signed(torch.linalg.eigh(f + 1e-30 * eye).eigenvectors.flip(-1)).contiguous()
+    # (row-major, as the state's buffers are: LAPACK returns column-major; a factor with a
+    # NaN, from a gradient with one or normalized from all zeros, gets a NaN basis)
+    vectors = decompose_finite(lambda x: torch.linalg.eigh(x).eigenvectors, f + 1e-30 * eye,
+                               eye)
+    return _signed(vectors.flip(-1)).contiguous()
 
 
 def _refine(gg, q, v, on) -> tuple[list, torch.Tensor]:
