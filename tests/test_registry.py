@@ -214,6 +214,10 @@ def _checkpoint_8bit():
 # suite, each test that runs over all entries of a kind.
 SUITES = [
     ("test_purity", "test_inputs_never_modified", "name", {}, lambda: registry.TRANSFORMS),
+    ("test_nonfinite", "test_a_non_finite_gradient_raises_nothing", "name",
+     {"backend": "eager"}, lambda: registry.TRANSFORMS),
+    ("test_nonfinite", "test_a_non_finite_gradient_raises_nothing", "name",
+     {"backend": "fused"}, registry.fusible),
     *[("test_pytrees", t, "name", {}, lambda: registry.TRANSFORMS) for t in (
         "test_tree_kinds_equal_flat_list", "test_none_gradient_leaf", "test_all_none_gradients",
         "test_none_param_leaf",
