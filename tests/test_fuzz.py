@@ -475,6 +475,10 @@ PINNED = {
     # LAMB's u cancelling 33-fold (0.861 - 0.835) in a one-element fp16 leaf with 8-bit
     # states: the trust ratio's norm was taken of a u rounded otherwise than the u it
     # scaled (the reduction kernel without the main kernel's fast math), on a GPU only.
+    (106, 3544): (Structure(parts=(Part("lamb", (("mask", "none"),)),), skip="marker",
+                            skip_at=1, bits=8, quant="wrapper", min_size=0,
+                            state_dtype="float16", tensors=False, schedules=False,
+                            named=False), None),
     # A bias-corrected stddev whose variance cancels, then SM3: its accumulator is
     # two-valued at the ulp level, and eager's first eight draws all landed on one value.
     (226, 840): (Structure(parts=(
@@ -482,10 +486,6 @@ PINNED = {
         Part("centralize", ()), Part("scale_by_sm3", ())), skip="wrap", skip_at=2, bits=32,
         quant="wrapper", min_size=0, state_dtype="", tensors=False, schedules=False,
         named=False), ("fp16", "fp32")),
-    (106, 3544): (Structure(parts=(Part("lamb", (("mask", "none"),)),), skip="marker",
-                            skip_at=1, bits=8, quant="wrapper", min_size=0,
-                            state_dtype="float16", tensors=False, schedules=False,
-                            named=False), None),
     # normalize's 0/0 of all-zero gradients before SOAP's first step: LAPACK's eigh
     # refused the NaN factors ("failed to converge") in the chain without skip_zeros.
     (248, 234): (Structure(parts=(

@@ -96,11 +96,16 @@ class GroupLaunch:
         """``scalars``: a list of floats (kernel arguments) or a device buffer; ``main``:
         the blocks in the main kernel's order, else in the reduction pass's (its table:
         :attr:`reduce_work`)."""
-        w = self.work if main else self.reduce_work or self.work
+        w = self.work if main else self.pass_work
         scalar_args = scalars if isinstance(scalars, list) else [scalars]
         leaf, start = (w.main_leaf, w.main_start) if main else (w.block_leaf, w.block_start)
         return [leaf, start, w.numel, *[self.addresses[r] for r in roles],
                 *scalar_args, self.leaf_values, reductions, global_reductions, *self.qmaps]
+
+    @property
+    def pass_work(self) -> work.WorkTable:
+        """The reduction pass's work table: :attr:`reduce_work`, else the main kernel's."""
+        return self.reduce_work or self.work
 
     @property
     def elem_bytes(self) -> int:

@@ -118,7 +118,7 @@ def run_reductions(traced, groups: list, scalars, device: torch.device):
         cols = _columns(traced, level, None, device)
         level_sums = []
         for group, buf in zip(groups, leaf_bufs):
-            w = group.reduce_work or group.work
+            w = group.pass_work
             if w.num_blocks == 0:
                 if sharded:  # (every rank takes part in the collective below)
                     level_sums.append(torch.zeros(w.num_leaves * len(reds),
