@@ -201,8 +201,9 @@ def test_a_non_finite_gradient_raises_nothing(name, backend):
     where the entry fuses (its host logic reads no NaN it would refuse)."""
     gen = fresh_generator()
     shapes = {"big": (64, 80), "w": (7, 5), "b": (33,), "s": ()}
-    params = {k: torch.randn(s, generator=gen, device=DEVICE) for k, s in shapes.items()}
-    grads = [{k: torch.randn(s, generator=gen, device=DEVICE) for k, s in shapes.items()}
+    # (drawn on the CPU, whose generator this is, then moved)
+    params = {k: torch.randn(s, generator=gen).to(DEVICE) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=gen).to(DEVICE) for k, s in shapes.items()}
              for _ in range(3)]
     # (LAPACK raises for the small matrix; for (64, 80)'s factors it returns NaNs)
     grads[0]["w"][1, 2] = grads[0]["big"][3, 4] = float("nan")
