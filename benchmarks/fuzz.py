@@ -24,7 +24,8 @@ failure is recorded with its case and ``--replay SEED:INDEX`` to rerun it alone 
 run's ``--structures`` and ``--dtypes``; ``SEED:WORKER:INDEX`` replays an example of a
 run made before shards existed). A replay names that case at the run's commit: a seed's
 structures are drawn from the test registry, so a new entry changes the pools (the cases
-``tests/test_fuzz.py`` replays are pinned by their structures, in its ``PINNED``).
+``tests/test_fuzz_pinned.py`` replays are pinned by their structures, in
+``tests/fuzz_pins.py``).
 
 Kernel variety, measured on a CPU (distinct compile keys, as Triton would specialize them,
 counted by hooking the launch path under ``TRITON_INTERPRET=1``; seed 0, 30 structures,

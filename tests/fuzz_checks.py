@@ -1,9 +1,10 @@
 """The properties the fuzzed contract checks on one :class:`fuzz_cases.Case`.
 
 Each check raises ``AssertionError`` (a :class:`PurityError` when an input was modified)
-with a message that names the step, the leaf and the values; both ``tests/test_fuzz.py``
-and ``benchmarks/fuzz.py`` call them. Every non-donated call they make is also checked for
-purity (SPEC §1): its inputs, hyperparameter tensors included, keep their bits.
+with a message that names the step, the leaf and the values; ``tests/test_fuzz.py``,
+``tests/test_fuzz_pinned.py`` and ``benchmarks/fuzz.py`` call them. Every non-donated call
+they make is also checked for purity (SPEC §1): its inputs, hyperparameter tensors
+included, keep their bits.
 
 * :func:`fused_vs_eager`: ``step`` (and for some cases ``tx.update``) on both backends
   from the same inputs at every step, within SPEC §6's tolerance (fp32: relative 1e-6 per

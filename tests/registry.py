@@ -109,7 +109,7 @@ class HP:
     def draw(self, src: Source) -> float:
         """An edge value a fifth of the time (where edges are bugs' favourite places),
         magnitudes below fp32's smallest normal (2**-126) included
-        (``test_fuzz.py::test_tiny_hyperparameter_in_the_interpreter``)."""
+        (``test_fuzz_pinned.py::test_tiny_hyperparameter_in_the_interpreter``)."""
         edge = src.integers(0, 9)
         if edge == 0:
             return self.lo

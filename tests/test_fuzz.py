@@ -23,7 +23,9 @@ import fuzz_checks as checks
 import optree
 import pytest
 import torch
-from fuzz_cases import DTYPES, HypothesisSource, Part, Structure, draw_case, draw_structure
+from fuzz_cases import DTYPES, HypothesisSource, draw_case, draw_structure
+from fuzz_pins import pinned
+from fuzz_pins import runner as fuzz_runner
 from hypothesis import HealthCheck, Phase, given, note, seed, settings
 from hypothesis import strategies as st
 
@@ -190,8 +192,7 @@ def test_fp32_spread_sees_roundings_inside_a_chain():
     difference is refused."""
     import ftopt
 
-    runner = _runner()
-    case = _pinned(runner, 17, 8920, "cpu")
+    case = pinned(17, 8920, "cpu")
     ill = case.tx()
     p1, s1 = ftopt.step(ill, case.params, case.grads[0], ill.init(case.params),
                         backend="eager")
@@ -249,267 +250,12 @@ def test_codes_far_apart_only_where_eager_is_far_from_float64():
 
 
 # ------------------------------------------------------------------------------------------
-# Regressions found by the fuzz
-# ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="the Triton interpreter runs on the CPU only")
-@pytest.mark.parametrize("wd", [1e-40, 1e-149])
-def test_tiny_hyperparameter_in_the_interpreter(wd):
-    """Found by the fuzz (b1 and weight_decay ~1e-149 in an AdEMAMix/rss chain): a
-    hyperparameter inside its domain but below fp32's smallest normal. Triton types such
-    a Python float as an fp64 argument; the fused path passes the per-step scalars as an
-    fp32 buffer then."""
-    import ftopt
-
-    gen = torch.Generator().manual_seed(3)
-    p = {"w": torch.randn(8, generator=gen)}
-    g = {"w": torch.randn(8, generator=gen)}
-    tx = ftopt.chain(ftopt.add_decayed_weights(wd), ftopt.scale_by_rss(0.1, 1e-7))
-    fused, _ = ftopt.step(tx, p, g, tx.init(p), backend="fused")
-    eager, _ = ftopt.step(tx, p, g, tx.init(p), backend="eager")
-    torch.testing.assert_close(fused, eager, rtol=1e-6, atol=0)
-
-
-def test_stddev_variance_cancels_alike_on_every_backend():
-    """Found by the H200's fuzz (seed 86 example 1840: ... -> scale_by_sign ->
-    scale_by_stddev with bias correction, fp16 states). After the sign the inputs are
-    exact, and the variance n̂ − m̂² cancels: fused rounded m̂ = mu/bc as mu·(1/bc),
-    eager divides, and the cancellation magnified that ulp to 1.3e-5 (fused 14x farther
-    from float64 than eager). The variance is now (nu·bc − mu²)/bc², whose cancelling
-    terms are products every backend rounds alike; the whole contract holds."""
-    import ftopt
-
-    runner = _runner()
-    case = _pinned(runner, 86, 1840, DEVICE)
-    assert {k: v for k, v in checks.run_all(case).items() if v} == {}
-    for decay in (0.048, 0.3):  # mostly one sign: n̂ − m̂² ≪ n̂, often 0 (before: 0.27 apart)
-        gen = torch.Generator().manual_seed(15)
-        p = {"w": torch.randn(4096, generator=gen).to(DEVICE)}
-        tx = ftopt.chain(ftopt.scale_by_sign(),
-                         ftopt.scale_by_stddev(decay, 1e-8, bias_correction=True))
-        s_f = s_e = tx.init(p)
-        for _ in range(4):
-            g = {"w": (torch.randn(4096, generator=gen) + 1.5).to(DEVICE)}
-            u_f, s_f = tx.update(g, s_f, p, backend="fused")
-            u_e, s_e = tx.update(g, s_e, p, backend="eager")
-            torch.testing.assert_close(u_f["w"], u_e["w"], rtol=1e-6, atol=0)
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="the Triton interpreter runs on the CPU only")
-def test_seed94_case516_nan_params_keep_their_bits_where_skipped():
-    """Found by the CPU fuzz (seed 94, example 516): normalize's 0/0 after ADOPT's zero
-    first update makes 16-bit params NaN, and the next step's zero-gradient elements came
-    back as other NaNs (fp16 0xFE00 as 0x7FFF: torch's CPU conversion to fp32 and back).
-    A NaN param now keeps its bits through ``p + u``; the whole contract holds."""
-    runner = _runner()
-    case = _pinned(runner, 94, 516, "cpu")
-    assert {k: v for k, v in checks.run_all(case).items() if v} == {}
-
-
-def test_seed165_case27_a_16bit_leaf_passed_through_a_segment_reaches_the_next_as_fp32():
-    """Found by the CPU fuzz (seed 165, example 27; 10 of its 494 examples): a decay
-    masked to matrices in front of Muon, fp16 params. The segment before Muon's matrix
-    stage passed the 1-D leaf through and cast its update back to fp16, as an update's
-    output is; the last segment read it as fp32, past the tensor's bytes (fused params
-    and Adam moments from memory no one wrote). Segment outputs now stay fp32
-    (``tests/test_muon_fused.py`` checks each such chain at each dtype)."""
-    runner = _runner()
-    case = _pinned(runner, 165, 27, DEVICE)
-    assert {k: v for k, v in checks.run_all(case).items() if v} == {}
-
-
-def test_seed102_case9637_a_capped_kernel_that_spills_is_compiled_uncapped():
-    """Found by the H100's fuzz (seed 102, 32 of 9,439 examples, all of this structure):
-    a donated step's Lion moment differed from the step without donation in most of its
-    8-bit codes (up to 255 apart), and from eager; the params agreed. The donated step's
-    split+defer main kernel holds six 8-bit states' plain body, which at the register cap
-    of 64 spilled 44 registers, and ptxas miscompiled it (uncapped it was right; the
-    split+select kernel and the kernel without fast math, which spilled past the old
-    limit of 128, ran uncapped and were right). A capped kernel that spills more than
-    ``tiles.CAP_SPILLS`` (16) registers now compiles at the compiler's choice
-    (``tests/test_register_cap.py``). On a CPU this holds the contract in the
-    interpreter; on a GPU it is the case itself."""
-    runner = _runner()
-    case = _pinned(runner, 102, 9637, DEVICE)
-    assert [x.dtype for x in optree.tree_leaves(case.params)] == [torch.bfloat16]
-    assert {k: v for k, v in checks.run_all(case).items() if v} == {}
-
-
-@pytest.mark.parametrize("index", [508, 150])
-def test_seed110_a_global_norm_sums_its_leaves_in_the_same_order_with_skip_zeros(index):
-    """Found by the CPU fuzz (seed 110, examples 150 and 508): a global norm's sum over
-    the leaves' rows took the rows where each group's padding put them, and the
-    skip_zeros chain's extra reduction padded them differently, so its params and states
-    differed from the plain chain's by a few ulps off the zeros. The sum now runs in the
-    leaves' order in the tree."""
-    runner = _runner()
-    case = _pinned(runner, 110, index, DEVICE)
-    assert checks.run_all(case)["skip_zeros"] is None
-
-
-# ------------------------------------------------------------------------------------------
 # The GPU runner's bookkeeping (benchmarks/fuzz.py): shards, dtypes per structure, merge
 # ------------------------------------------------------------------------------------------
 
 
-def _runner():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "fuzz.py"
-    spec = importlib.util.spec_from_file_location("fuzz_runner", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# Cases the fuzz found, pinned by their structures: a seed's pool is drawn from the
-# registry, which grows, so SEED:INDEX names another case once entries are added; the
-# case's own draws (hyperparameters, params, gradients) come from its key and are the same
-# given its structure. Written from the pools of 2026-12-03 (before scale_by_schedule).
-PINNED = {
-    (17, 8920): (Structure(parts=(
-        Part("scale_by_yogi", ()), Part("scale_by_adan", ()),
-        Part("scale_by_rms", (("eps_in_sqrt", True),)), Part("scale_by_adan", ()),
-        Part("identity", ())), skip="off", skip_at=0, bits=8, quant="wrapper", min_size=200,
-        state_dtype="", tensors=False, schedules=False, named=False), ("fp16", "bf16")),
-    (22, 644): (Structure(parts=(
-        Part("scale_by_adam", (("nesterov", False),)), Part("scale_by_trust_ratio", ()),
-        Part("scale_by_muon", (("adaptive", False), ("nesterov", True),
-                               ("ns_dtype", torch.float32), ("ns_steps", 2))),
-        Part("scale_by_optimistic_gradient", ()), Part("scale_by_ademamix", ())),
-        skip="off", skip_at=4, bits=8, quant="wrapper", min_size=0, state_dtype="",
-        tensors=False, schedules=False, named=True), ("bf16", "fp32")),
-    (22, 2453): (Structure(parts=(
-        Part("scale_by_yogi", ()), Part("scale_by_optimistic_gradient", ()),
-        Part("trace", (("nesterov", True),)), Part("keep_params_nonnegative", ()),
-        Part("scale_by_amsgrad", (("bias_correction_mu", True),
-                                  ("bias_correction_nu", False)))),
-        skip="marker", skip_at=4, bits=32, quant="wrapper", min_size=0, state_dtype="",
-        tensors=False, schedules=False, named=True), ("bf16", "fp16")),
-    (86, 1840): (Structure(parts=(
-        Part("scale_by_ademamix", ()), Part("normalize_by_update_norm", ()),
-        Part("scale_by_rms", (("eps_in_sqrt", False),)), Part("scale_by_sign", ()),
-        Part("scale_by_stddev[bias_correction]", (("eps_in_sqrt", False),))),
-        skip="wrap", skip_at=5, bits=32, quant="wrapper", min_size=0,
-        state_dtype="float16", tensors=False, schedules=False, named=False),
-        ("fp16", "fp32")),
-    # ADOPT's first update is zero, so normalize's 0/0 makes the params NaN; the next
-    # step's skipped elements must keep those NaNs' bits (torch's CPU conversions of 16-bit
-    # floats to fp32 and back do not).
-    (94, 516): (Structure(parts=(
-        Part("scale_by_adopt", (("nesterov", False), ("use_clipping", True))),
-        Part("scale_by_factored_rms", (("factored", True), ("min_dim_size_to_factor", 2))),
-        Part("trace", (("nesterov", False),)), Part("scale_by_ademamix", ()),
-        Part("normalize", ())), skip="marker", skip_at=0, bits=8, quant="wrapper",
-        min_size=64, state_dtype="", tensors=False, schedules=False, named=False),
-        ("bf16", "fp16")),
-    # A global norm summed over rows whose places moved with the groups' padding: the
-    # skip_zeros chain's extra reduction (DoG's count of non-zero gradients) padded the
-    # 32-bit group's rows differently, so the 8-bit leaf's row sat elsewhere in the sum.
-    (110, 508): (Structure(parts=(
-        Part("normalize_by_update_norm", ()), Part("scale_by_distance_over_gradients", ()),
-        Part("scale_by_stddev", (("eps_in_sqrt", False),)),
-        Part("scale_by_ademamix[warmup]", (("warmup", 1),))),
-        skip="marker", skip_at=4, bits=8, quant="wrapper", min_size=200, state_dtype="",
-        tensors=False, schedules=True, named=False), ("bf16", "fp32")),
-    # A leaf passed through the segment before Muon's matrix stage (the decay's mask
-    # leaves 1-D leaves out) came back cast to its fp16 gradient's dtype, and the next
-    # segment read those bytes as fp32.
-    (165, 27): (Structure(parts=(
-        Part("add_decayed_weights", (("mask", "ndim"),)),
-        Part("muon[dims]", (("adaptive", True), ("nesterov", False),
-                            ("ns_dtype", torch.float32), ("weight_decay_mask", "none")))),
-        skip="wrap", skip_at=2, bits=32, quant="wrapper", min_size=0, state_dtype="",
-        tensors=False, schedules=False, named=False), ("fp32", "fp16")),
-    # Six 8-bit states in one kernel: at its register cap of 64 the split+defer main kernel
-    # spilled 44 registers, and ptxas (Triton 3.6, sm_90) miscompiled it: Lion's moment
-    # wrong in 148 of 257 elements of a donated step, the params right.
-    (102, 9637): (Structure(parts=(
-        Part("scale_by_ademamix[warmup]", (("warmup", 1),)),
-        Part("scale_by_stddev[bias_correction]", (("eps_in_sqrt", False),)),
-        Part("scale_by_lion", ())), skip="wrap", skip_at=3, bits=8, quant="wrapper",
-        min_size=200, state_dtype="", tensors=False, schedules=False, named=False), None),
-    # A snapshot's sum over updates that cancel: fused and eager 5e-4 apart, relative.
-    (197, 768): (Structure(parts=(
-        Part("normalize_by_update_norm", ()), Part("scale_by_adan", ()),
-        Part("snapshot", (("measure", "sum"),)), Part("weight_decay", (("mask", "none"),))),
-        skip="wrap", skip_at=2, bits=32, quant="wrapper", min_size=0, state_dtype="",
-        tensors=True, schedules=False, named=False), ("fp32", "fp16")),
-    # A bf16 element stepped from -0.0 to -4.6e-8, where eager's draws scatter two ulps
-    # either side of float64 and eager sits two off; fused is at float64.
-    (207, 482): (Structure(parts=(
-        Part("normuon", (("nesterov", True), ("ns_dtype", torch.float32),
-                         ("weight_decay_mask", "none"))),),
-        skip="marker", skip_at=1, bits=8, quant="wrapper", min_size=200, state_dtype="",
-        tensors=False, schedules=False, named=False), ("bf16", "fp32")),
-    # fp16 states after Muon: subnormal elements (2e-5) of a leaf whose largest is 0.14,
-    # six of their ulps apart, over which eager's own draws scatter.
-    (210, 318): (Structure(parts=(
-        Part("scale_by_muon", (("adaptive", False), ("nesterov", False),
-                               ("ns_dtype", torch.float32), ("ns_steps", 5))),
-        Part("add_cautious_weight_decay[schedule]", (("mask", "none"), ("schedule", "cosine"))),
-        Part("scale_by_adan", ()), Part("weight_decay", (("mask", "none"),))),
-        skip="marker", skip_at=3, bits=32, quant="wrapper", min_size=0,
-        state_dtype="float16", tensors=False, schedules=False, named=False), ("bf16", "fp16")),
-    # SOAP's first eigenbases from Kronecker factors 1.7e-7 apart (fused and eager), two
-    # of 16 eigenvectors negated by LAPACK: the bases are signed now.
-    (213, 639): (Structure(parts=(
-        Part("scale_by_stddev[bias_correction]", (("eps_in_sqrt", False),)),
-        Part("centralize", ()),
-        Part("scale_by_soap", (("max_precond_dim", 10000), ("precondition_1d", True),
-                               ("precondition_frequency", 1))),
-        Part("scale_by_param_block_norm", ()), Part("scale_by_radam", (("nesterov", False),))),
-        skip="marker", skip_at=3, bits=8, quant="wrapper", min_size=64, state_dtype="",
-        tensors=True, schedules=False, named=False), ("fp16", "bf16")),
-    # Every elementwise state 8-bit and Rprop's signs before NorMuon: eager's draws moved
-    # nothing the Newton-Schulz iteration amplifies until the absmax moved too.
-    (219, 631): (Structure(parts=(
-        Part("scale_by_ademamix[warmup]", (("warmup", 10),)), Part("scale_by_adamax", ()),
-        Part("normalize", ()), Part("scale_by_rprop", ()),
-        Part("scale_by_normuon", (("nesterov", False), ("ns_coeffs", (3.4445, -4.775, 2.0315)),
-                                  ("ns_dtype", torch.float32)))),
-        skip="marker", skip_at=0, bits=8, quant="wrapper", min_size=64,
-        state_dtype="bfloat16", tensors=False, schedules=False, named=False), ("fp16", "bf16")),
-    # LAMB's u cancelling 33-fold (0.861 - 0.835) in a one-element fp16 leaf with 8-bit
-    # states: the trust ratio's norm was taken of a u rounded otherwise than the u it
-    # scaled (the reduction kernel without the main kernel's fast math), on a GPU only.
-    (106, 3544): (Structure(parts=(Part("lamb", (("mask", "none"),)),), skip="marker",
-                            skip_at=1, bits=8, quant="wrapper", min_size=0,
-                            state_dtype="float16", tensors=False, schedules=False,
-                            named=False), None),
-    # A bias-corrected stddev whose variance cancels, then SM3: its accumulator is
-    # two-valued at the ulp level, and eager's first eight draws all landed on one value.
-    (226, 840): (Structure(parts=(
-        Part("normalize", ()), Part("scale_by_stddev[bias_correction]", (("eps_in_sqrt", True),)),
-        Part("centralize", ()), Part("scale_by_sm3", ())), skip="wrap", skip_at=2, bits=32,
-        quant="wrapper", min_size=0, state_dtype="", tensors=False, schedules=False,
-        named=False), ("fp16", "fp32")),
-    # normalize's 0/0 of all-zero gradients before SOAP's first step: LAPACK's eigh
-    # refused the NaN factors ("failed to converge") in the chain without skip_zeros.
-    (248, 234): (Structure(parts=(
-        Part("normalize", ()), Part("scale_by_dog", (("init_step", ("learning_rate", 0.001)),)),
-        Part("scale_by_novograd", ()),
-        Part("scale_by_soap", (("max_precond_dim", 10000), ("precondition_1d", True),
-                               ("precondition_frequency", 3))),
-        Part("trace", (("nesterov", True),))), skip="wrap", skip_at=4, bits=32,
-        quant="wrapper", min_size=0, state_dtype="", tensors=True, schedules=False,
-        named=True), ("fp32", "fp16")),
-}
-
-
-PINNED[110, 150] = PINNED[110, 508]
-
-
-def _pinned(runner, seed: int, index: int, device: str):
-    """The fuzz's case ``seed:index`` of :data:`PINNED`: a pool of its structure only, so
-    that the example's pick lands on it."""
-    return runner.example(seed, index, [PINNED[seed, index]] * 30, device)
-
-
 def test_runner_shards_are_disjoint_and_draw_the_same_cases():
-    runner = _runner()
+    runner = fuzz_runner()
     shards = [list(runner.shard_indices(50, (k, 3))) for k in range(3)]
     assert sorted(i for s in shards for i in s) == list(range(50))
     pool = runner.structure_pool(1, 6, dtypes=2)
@@ -526,7 +272,7 @@ def test_runner_shards_are_disjoint_and_draw_the_same_cases():
 def test_runner_merge_sums_shards_and_refuses_overlaps(tmp_path):
     import json
 
-    runner = _runner()
+    runner = fuzz_runner()
     base = {"seeds": [0], "examples_per_seed": 10, "structures": 30, "dtypes": 2,
             "torch": torch.__version__, "replay_flags": "--structures 30 --dtypes 2",
             "device": "X", "gpus": 1, "workers": 2, "code_diff_elements": 1,
@@ -601,8 +347,7 @@ def test_host_eager_runs_the_same_step_on_the_cpu():
 
     import ftopt
 
-    runner = _runner()
-    case = _pinned(runner, 22, 644, "cpu")
+    case = pinned(22, 644, "cpu")
     assert case.structure.bits == 8 and not case.structure.tensors
     tx = case.tx()
     p, g = case.params, case.grads[0]
@@ -667,16 +412,6 @@ def test_state_check_admits_fused_as_near_float64_as_eagers_draws():
                 checks._close_states([f], [eager], "s", ref, lambda: [[d] for d in draws])
 
 
-def test_seed197_a_sum_that_cancels_is_checked_against_float64():
-    """Found by the CPU fuzz (seed 197, example 768): a snapshot's sum of the updates
-    (nine near 0.4 that cancel to -7.09e-4) 5e-4 from eager's, relative; fused is no
-    farther from float64 than eager's draws are (``fuzz_checks._as_near_float64_as_moved``)."""
-    runner = _runner()
-    case = _pinned(runner, 197, 768, DEVICE)
-    assert case.structure.tensors and case.structure.parts[2].name == "snapshot"
-    assert checks.run_all(case)["fused_vs_eager"] is None
-
-
 def test_param_check_judges_the_elements_beyond_an_ulp_alone():
     """A 16-bit param leaf whose largest difference is one ulp of a large element, and
     whose element beyond an ulp is a tiny one: it passes where eager's own draws scatter
@@ -720,57 +455,12 @@ def test_state_check_judges_16bit_elements_beyond_an_ulp_alone():
                                        lambda: scattered)
 
 
-def test_seed210_fp16_state_subnormals_eager_scatters_over_pass():
-    """Found by the CPU fuzz (seed 210, example 318): Muon, cautious decay, Adan and
-    decay with fp16 states; twelve subnormal elements of Adan's state beyond an ulp."""
-    runner = _runner()
-    case = _pinned(runner, 210, 318, DEVICE)
-    assert case.structure.state_dtype == "float16"
-    assert checks.run_all(case)["fused_vs_eager"] is None
-
-
-def test_seed213_soaps_bases_agree_in_sign_between_backends():
-    """Found by the CPU fuzz (seed 213, example 639): SOAP's eigenbasis of one leaf had
-    two columns negated between fused and eager (``eigh`` of factors 1.7e-7 apart); the
-    update was the same, the state not. The bases are signed
-    (``ftopt.transforms.soap._signed``)."""
-    runner = _runner()
-    case = _pinned(runner, 213, 639, DEVICE)
-    assert case.structure.parts[2].name == "scale_by_soap"
-    assert checks.run_all(case)["fused_vs_eager"] is None
-
-
-def test_seed219_eagers_draws_move_the_8bit_absmax():
-    """Found by the CPU fuzz (seed 219, example 631): NorMuon's row moments 7e-6 apart
-    between fused and eager, after Newton-Schulz amplified a rounding of Muon's momentum,
-    where eager's draws had not moved at all (every elementwise state 8-bit, Rprop's signs
-    before). The draws move each 8-bit slot's absmax by up to an ulp too, and its codes
-    not."""
-    runner = _runner()
-    case = _pinned(runner, 219, 631, DEVICE)
-    assert checks.run_all(case)["fused_vs_eager"] is None
-    slot = checks.QuantizedSlot(torch.tensor([3, 250], dtype=torch.uint8),
-                                torch.tensor([0.5, 2.0]))
-    moved = checks._jitter32([slot], torch.Generator().manual_seed(0), False)[0]
-    assert torch.equal(moved.codes, slot.codes) and not torch.equal(moved.absmax, slot.absmax)
-    assert torch.allclose(moved.absmax, slot.absmax, rtol=2e-7, atol=0)
-
-
-def test_seed207_a_tiny_element_eager_scatters_over_passes():
-    """Found by the CPU fuzz (seed 207, example 482): NorMuon with bf16 params, one
-    element beyond an ulp at -4.6e-8 (:func:`fuzz_checks._only`)."""
-    runner = _runner()
-    case = _pinned(runner, 207, 482, DEVICE)
-    assert case.structure.parts[0].name == "normuon"
-    assert checks.run_all(case)["fused_vs_eager"] is None
-
-
 def test_host_tx_moves_hyperparameter_tensors_to_the_cpu():
     """:meth:`Case.host_tx`: the same transformation with its hyperparameter tensors on
     the CPU (the fuzz's CPU eager run of a structure with tensor hyperparameters)."""
     import ftopt
 
-    runner = _runner()
+    runner = fuzz_runner()
     pool = runner.structure_pool(26, 30, 2)
     case = next(c for c in (runner.example(26, i, pool, "cpu") for i in range(200))
                 if c.structure.tensors and c.hparam_tensors())
@@ -794,39 +484,11 @@ def test_stage_replay_names_every_prefix_of_the_chain():
     spec = importlib.util.spec_from_file_location("fuzz_stages", path)
     stages = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stages)
-    runner = _runner()
-    case = _pinned(runner, 22, 2453, DEVICE)
+    case = pinned(22, 2453, DEVICE)
     lines = stages.prefixes(case, 0)
     names = [part.entry.name for part in case.structure.parts]
     assert [line.split(" ")[1] for line in lines[::3]] == names
     assert all("fused-eager" in x and "fused-f64" in x and "eager-f64" in x for x in lines)
-
-
-def test_seed106_lambs_norm_is_of_the_u_it_scales():
-    """Found by the H100's fuzz (seed 106, example 3544): LAMB with 8-bit states, a
-    one-element fp16 leaf whose u cancels 33-fold; fused 2.2e-6 from float64 (eager 3e-8)
-    since the reduction kernel took the norm of u with the correctly rounded square root
-    and division, and the main kernel scaled the fast-math u by it. On a CPU the two
-    round alike; ``test_state_dtype.py`` checks the sources."""
-    runner = _runner()
-    case = _pinned(runner, 106, 3544, DEVICE)
-    assert case.structure.parts[0].name == "lamb"
-    assert checks.run_all(case)["fused_vs_eager"] is None
-
-
-def test_seed226_a_comparison_the_draws_did_not_settle_takes_more(monkeypatch):
-    """Found by the CPU fuzz (seed 226, example 840): SM3's accumulator after a
-    bias-corrected stddev whose variance cancels, fused 2.7e-5 from eager. Of 64 draws of
-    eager, 25 land near fused's value and 39 near eager's; the first eight all near
-    eager's. A comparison the draws do not settle takes 32 (``Reference.more_draws``); with
-    eight only, the case fails on the CPU."""
-    runner = _runner()
-    case = _pinned(runner, 226, 840, DEVICE)
-    assert case.structure.parts[3].name == "scale_by_sm3"
-    assert checks.run_all(case)["fused_vs_eager"] is None
-    if DEVICE == "cpu":
-        monkeypatch.setattr(checks.Reference, "MORE32", checks.Reference.DRAWS32)
-        assert "relative error" in checks.run_all(case)["fused_vs_eager"]
 
 
 def test_more_draws_only_where_some_were_taken_and_once():
@@ -843,14 +505,3 @@ def test_more_draws_only_where_some_were_taken_and_once():
     assert len({float(r[0]["w"][0]) for r in runs}) > 1  # (each draw its own)
 
 
-def test_seed248_a_nan_factor_is_no_lapack_error():
-    """Found by the CPU fuzz (seed 248, examples 234 and 271): the first step's
-    gradients all zero, ``normalize`` made them NaN (0/0) and SOAP's ``eigh`` raised on
-    the NaN factors in the chain without skip_zeros, on both backends. Those factors now
-    get NaN bases (``ftopt.matrix.decompose_finite``); skip_zeros' check then holds."""
-    runner = _runner()
-    case = _pinned(runner, 248, 234, DEVICE)
-    assert case.structure.parts[3].name == "scale_by_soap"
-    assert all(bool((g == 0).all()) for g in optree.tree_leaves(case.grads[0]))
-    results = checks.run_all(case)
-    assert all(m is None for m in results.values()), results

@@ -4,7 +4,7 @@ The caps of the 8-bit and in-place kernels were tuned on kernels that fit them; 
 chain of 8-bit transforms does not. Past its cap ptxas miscompiled such chains: spilling
 174 registers (AdEMAMix -> Adadelta -> AMSGrad, 8-bit: a moment wrong in a sixth of its
 elements) and 44 (AdEMAMix -> stddev -> Lion: Lion's moment wrong in most elements;
-``tests/test_fuzz.py``), so a capped kernel that spills more than ``CAP_SPILLS`` (16)
+``tests/test_fuzz_pinned.py``), so a capped kernel that spills more than ``CAP_SPILLS`` (16)
 registers runs at a cap ``CAP_STEP`` apart (up to 128) that fits, guessed from its
 spills, else at the compiler's choice. On a CPU the interpreter has no registers: the
 policy is tested with a stand-in kernel, and the chain runs fused against eager (on a
