@@ -16,8 +16,8 @@ import step_checks  # noqa: E402
 # process (`--dist loadfile --no-loadscope-reorder`) the last files handed out are short
 # ones and no process waits on another's long file at the end.
 # The fuzz's two files come first although each takes ~20 s here: on a GPU, whose kernels
-# compile, they are the longest (one file until 2026-12-06: over 6 min on an H100:
-# its properties 166 s and 74 s, two pinned cases 73 s and 59 s).
+# compile, they hold the slowest tests (one file until 2026-12-06, whose four slowest
+# took 372 s on an H100: two properties 166 s and 74 s, two pinned cases 73 s and 59 s).
 LONGEST_FIRST = ("test_fuzz.py", "test_fuzz_pinned.py", "test_skip_watch.py",
                  "test_state_dtype.py", "test_fused.py", "test_gpu_compile.py",
                  "test_skip_tiles.py", "test_distributed.py", "test_skip_zeros.py",

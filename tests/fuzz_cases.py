@@ -117,6 +117,15 @@ class Structure:
         return last if last.entry.kind == "alias" else None
 
     @property
+    def reads_others(self) -> bool:
+        """Whether a stage reads elements other than its own (a norm, or a matrix stage).
+        :attr:`exact_off_zeros` holds for finite values: with a NaN or an infinity in the
+        step, a stage that keeps zeros gives 0·NaN = NaN at a zero gradient, which the
+        plain chain's norm then reads where skip_zeros' reads 0 (SPEC §3's norms)."""
+        return any((p.entry.norms or p.entry.mixes) and p.entry.kind != "combinator"
+                   for top in self.parts for p in top.flat())
+
+    @property
     def exact_off_zeros(self) -> bool:
         """Whether skip_zeros leaves the non-zero-gradient elements bit-identical to the
         plain chain: no norm or matrix stage reads an update (or its own state) that

@@ -166,6 +166,12 @@ PINNED = {
         Part("trace", (("nesterov", True),))), skip="wrap", skip_at=4, bits=32,
         quant="wrapper", min_size=0, state_dtype="", tensors=True, schedules=False,
         named=True), ("fp32", "fp16")),
+    (268, 1551): (Structure(parts=(
+        Part("set_to_zero", ()), Part("scale_by_param_block_norm", ()),
+        Part("scale_by_distance_over_gradients", ()), Part("normalize", ()),
+        Part("scale_by_simplified_ademamix", ())), skip="marker", skip_at=4, bits=32,
+        quant="wrapper", min_size=0, state_dtype="", tensors=True, schedules=False,
+        named=False), None),
 }
 
 

@@ -145,6 +145,41 @@ def test_checks_catch_a_planted_bug(prop, monkeypatch):
             checks.checkpoint(case, "eager")
 
 
+def test_skip_check_holds_a_finite_norm_chain_exact_off_the_zeros(monkeypatch):
+    """Chains with a norm are held to the zeros only where a NaN or an infinity is in play
+    (``Structure.reads_others``, CPU fuzz seed 268): with every value finite, a
+    skip_zeros step of a global-norm chain one ulp off the plain chain's at a non-zero
+    gradient fails, and the same step unbroken passes."""
+    from fuzz_cases import Case, Part, Structure
+
+    import ftopt
+
+    structure = Structure((Part("clip_by_global_norm", ()), Part("adam", (("nesterov", False),))),
+                          skip="marker", skip_at=1)
+    assert structure.reads_others and structure.exact_off_zeros
+    gen = torch.Generator().manual_seed(11)
+    params = {"w": torch.randn(6, 5, generator=gen)}
+    grads = [{"w": torch.randn(6, 5, generator=gen)} for _ in range(2)]
+    grads[0]["w"][2] = grads[1]["w"][4] = 0.0
+    params, grads = ftopt.tree.map(lambda x: x.to(DEVICE), (params, grads))
+    case = Case(structure, [{"max_norm": 1.0}, {"learning_rate": 0.01}], params, grads,
+                DEVICE, 0)
+    checks.skip_zeros_exact(case, "eager")
+    real_step, calls = ftopt.step, []
+
+    def broken_step(tx, p, g, s, **kw):
+        new_p, new_s = real_step(tx, p, g, s, **kw)
+        calls.append(tx)
+        if len(calls) % 2:  # (the skip_zeros run; the plain chain's comes second)
+            w = new_p["w"].view(-1)
+            w[0] = torch.nextafter(w[0], torch.tensor(float("inf"), device=w.device))
+        return new_p, new_s
+
+    monkeypatch.setattr(ftopt, "step", broken_step)
+    with pytest.raises(AssertionError, match="differs from the plain chain off the zeros"):
+        checks.skip_zeros_exact(case, "eager")
+
+
 def test_bit_diff_names_the_elements_and_their_ulps():
     a = torch.tensor([1.0, 2.0, 3.0, -0.0])
     b = a.clone()

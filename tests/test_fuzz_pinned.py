@@ -8,6 +8,7 @@ import fuzz_checks as checks
 import optree
 import pytest
 import torch
+from fuzz_cases import Structure
 from fuzz_pins import pinned
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -188,3 +189,23 @@ def test_seed248_a_nan_factor_is_no_lapack_error():
     assert all(bool((g == 0).all()) for g in optree.tree_leaves(case.grads[0]))
     results = checks.run_all(case)
     assert all(m is None for m in results.values()), results
+
+
+def test_seed268_a_norm_after_a_nan_holds_the_zeros_exact(monkeypatch):
+    """Found by the CPU fuzz (seed 268, four examples of one structure, any dtype):
+    set_to_zero -> a block norm -> DoG -> normalize -> skip_zeros() -> AdEMAMix. DoG's
+    state went NaN, so its update at a zero gradient was 0·NaN = NaN in the plain chain
+    and 0 with skip_zeros; each chain's global norm then read other NaNs and came out a
+    NaN of the other sign (0xFFC00000 against 0x7FC00000 on the CPU), and so did every
+    param off the zeros. SPEC §3 lets a norm differ where it reads what skip_zeros
+    masked; with a non-finite value in play a stage that keeps zeros no longer does, so
+    the check holds such chains (a norm or matrix stage, ``Structure.reads_others``)
+    exact at the zeros only. Off the zeros they are compared as before where every value
+    is finite."""
+    case = pinned(268, 1551, DEVICE)
+    assert case.structure.reads_others and case.structure.exact_off_zeros
+    assert checks.run_all(case)["skip_zeros"] is None
+    if DEVICE == "cpu":  # (the control; a GPU's arithmetic gives one NaN, the same bits)
+        monkeypatch.setattr(Structure, "reads_others", property(lambda self: False))
+        assert "differs from the plain chain off the zeros" in \
+            checks.run_all(case)["skip_zeros"]
