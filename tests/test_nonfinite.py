@@ -215,4 +215,3 @@ def test_a_non_finite_gradient_raises_nothing(name, backend):
     assert ftopt.tree.structure(p) == ftopt.tree.structure(params)
     assert [x.shape for x in ftopt.tree.leaves(p)] == [x.shape for x in
                                                        ftopt.tree.leaves(params)]
-
