@@ -77,22 +77,6 @@ def test_seed165_case27_a_16bit_leaf_passed_through_a_segment_reaches_the_next_a
     assert {k: v for k, v in checks.run_all(case).items() if v} == {}
 
 
-def test_seed102_case9637_a_capped_kernel_that_spills_is_compiled_uncapped():
-    """Found by the H100's fuzz (seed 102, 32 of 9,439 examples, all of this structure):
-    a donated step's Lion moment differed from the step without donation in most of its
-    8-bit codes (up to 255 apart), and from eager; the params agreed. The donated step's
-    split+defer main kernel holds six 8-bit states' plain body, which at the register cap
-    of 64 spilled 44 registers, and ptxas miscompiled it (uncapped it was right; the
-    split+select kernel and the kernel without fast math, which spilled past the old
-    limit of 128, ran uncapped and were right). A capped kernel that spills more than
-    ``tiles.CAP_SPILLS`` (16) registers now compiles at the compiler's choice
-    (``tests/test_register_cap.py``). On a CPU this holds the contract in the
-    interpreter; on a GPU it is the case itself."""
-    case = pinned(102, 9637, DEVICE)
-    assert [x.dtype for x in optree.tree_leaves(case.params)] == [torch.bfloat16]
-    assert {k: v for k, v in checks.run_all(case).items() if v} == {}
-
-
 @pytest.mark.parametrize("index", [508, 150])
 def test_seed110_a_global_norm_sums_its_leaves_in_the_same_order_with_skip_zeros(index):
     """Found by the CPU fuzz (seed 110, examples 150 and 508): a global norm's sum over

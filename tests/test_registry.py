@@ -239,7 +239,7 @@ SUITES = [
     ("test_checkpoint", "test_roundtrip_continues_bit_identically", "name", {"bits": 8},
      _checkpoint_8bit),
     ("test_fused", "test_fused_matches_eager_fp32", "name", {}, registry.fusible),
-    ("test_fused", "test_fused_8bit_matches_eager", "name", {}, _eight_bit_fusible),
+    ("test_fused_8bit", "test_fused_8bit_matches_eager", "name", {}, _eight_bit_fusible),
     ("test_fused_update", "test_fused_update_matches_eager", "name", {}, registry.fusible),
     ("test_fused_update", "test_fused_update_without_params", "name", {},
      _fusible_without_params),
