@@ -15,11 +15,11 @@ import step_checks  # noqa: E402
 # interpreter, 2026-12-05): they start first, so that with the Makefile's one file a
 # process (`--dist loadfile --no-loadscope-reorder`) the last files handed out are short
 # ones and no process waits on another's long file at the end.
-# Four files come first although each is short here: on a GPU, whose kernels compile,
-# they hold the slowest tests (an H100, 2026-12-06: the fuzz's two files 302 s and
-# 484 s, test_quant_arith.py 372 s, and fuzz seed 102's pinned case, 204 s, now in
-# test_register_cap.py). test_fused.py's 8-bit half (341 of its 447 s there) is a file of
-# its own, test_fused_8bit.py, so no file runs much past the others on 16 processes.
+# The first five are first for a GPU's sake: there, where kernels compile, they hold the
+# slowest tests (an H100, 2026-12-06: the fuzz's two files 302 s and 484 s,
+# test_quant_arith.py 372 s, fuzz seed 102's pinned case 204 s, now in
+# test_register_cap.py, and test_fused.py's 8-bit half 341 of its 447 s, now
+# test_fused_8bit.py), so no file runs much past the others on 16 processes.
 LONGEST_FIRST = ("test_fuzz.py", "test_fuzz_pinned.py", "test_quant_arith.py",
                  "test_register_cap.py", "test_fused_8bit.py", "test_skip_watch.py",
                  "test_state_dtype.py", "test_fused.py", "test_gpu_compile.py",
