@@ -15,11 +15,12 @@ import ftopt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# The other registry entries run on fewer blocks and steps (the interpreter and the eager
-# 8-bit steps cost per block and step): min_size 256, a partial last block in each
-# quantized leaf, 2 steps (the second reads the first's 8-bit state).
-QUANT_SMALL = {"small": (3, 5), "big": (12, 130), "odd_big": (517,)}
+# QUANT_FULL's chains run on test_fused.QUANT_SHAPES for 3 steps; the other registry
+# entries on fewer blocks and steps (the interpreter and the eager 8-bit steps cost per
+# block and step): min_size 256, a partial last block in each quantized leaf, 2 steps (the
+# second reads the first's 8-bit state).
 QUANT_FULL = {"adamw", "lion", "sgd[momentum]", "rmsprop", "ademamix", "bnb_lamb"}
+QUANT_SMALL = {"small": (3, 5), "big": (12, 130), "odd_big": (517,)}
 
 
 # Every fusible registry entry with 8-bit states, and a chain of several transforms.

@@ -257,8 +257,8 @@ def test_seed102_case9637_a_capped_kernel_that_spills_is_compiled_uncapped():
     split+select kernel and the kernel without fast math, which spilled past the old
     limit of 128, ran uncapped and were right). A capped kernel that spills more than
     ``tiles.CAP_SPILLS`` (16) registers now compiles at the compiler's choice (the
-    tests above). On a CPU this holds the contract in the
-    interpreter; on a GPU it is the case itself."""
+    tests above). On a CPU this holds the contract in the interpreter; on a GPU it is
+    the case itself."""
     case = pinned(102, 9637, DEVICE)
     assert [x.dtype for x in optree.tree_leaves(case.params)] == [torch.bfloat16]
     assert {k: v for k, v in checks.run_all(case).items() if v} == {}
