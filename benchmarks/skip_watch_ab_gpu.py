@@ -15,9 +15,13 @@ watch's modes over its steps and the host's time a call (near the step's time, t
 device waits for launches).
 
 ``--opt=ademamix``: that ``ftopt`` alias instead of ``adam`` (its defaults, lr 1e-3).
+``--per-step``: each case also times every step of its window apart
+(``timing.each_call_ms``; the median of 3 windows per position, in the JSON as
+``per_step_ms``) and prints the first step, the second and the median of the rest: where
+an unprimed window's excess over the primed one lies.
 
     python3 benchmarks/skip_watch_ab_gpu.py OUT [--layouts=...] [--rounds=2] [--kinds=...]
-        [--steps=40] [--opt=adam]
+        [--steps=40] [--opt=adam] [--per-step]
 """
 import collections
 import json
@@ -46,6 +50,7 @@ KINDS = [x for a in sys.argv[1:] if a.startswith("--kinds=")
 STEPS = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--steps=")),
                  "40"))
 OPT = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--opt=")), "adam")
+PER_STEP = "--per-step" in sys.argv[1:]
 
 
 # The watch's mode at each step of a case (0 the group's own, 1 its alternate, 2 its
@@ -64,13 +69,13 @@ def _counted_plan(self) -> int:
 skip_watch.SkipWatch.plan = _counted_plan
 
 
-def _step_and_host_ms(tx, params: dict, grads: dict) -> tuple[float, float, float]:
+def _step_and_host_ms(tx, params: dict, grads: dict) -> tuple[float, float, float, list]:
     """``gpu_step.median_step_ms``'s steps (3 untimed, 3 x :data:`STEPS` timed by
     events); the host's ms a call over 40 more, not waited for (where it is near the
     step's time, the device waits for launches); and the step's ms with one call queued
     before the first event (3 x :data:`STEPS`, the median), which leaves out the first
     call's host work before its first launch (events started on an idle device count it,
-    once in :data:`STEPS` steps)."""
+    once in :data:`STEPS` steps); with ``--per-step``, each step of a window apart."""
     step = timing.donated_stepper(tx, params, grads)
     for _ in range(3):
         step()
@@ -81,7 +86,8 @@ def _step_and_host_ms(tx, params: dict, grads: dict) -> tuple[float, float, floa
         step()
     host = (time.perf_counter() - start) / 40 * 1e3
     torch.cuda.synchronize()
-    return ms, host, statistics.median(timing.event_ms(step, STEPS, 3, primed=True))
+    primed = statistics.median(timing.event_ms(step, STEPS, 3, primed=True))
+    return ms, host, primed, timing.each_call_ms(step, STEPS, 3) if PER_STEP else []
 
 
 def main() -> None:
@@ -112,12 +118,17 @@ def main() -> None:
                                             ("mixed", mixed), ("sparse+mixed", both))
                                 if not KINDS or x[0] in KINDS]:
                     MODES.clear()
-                    ms, host, primed = _step_and_host_ms(tx, params, g)
+                    ms, host, primed, each = _step_and_host_ms(tx, params, g)
                     times.setdefault((variant, kind), []).append(ms)
-                    seen.setdefault((variant, kind), []).append((dict(MODES), host, primed))
+                    seen.setdefault((variant, kind), []).append((dict(MODES), host, primed,
+                                                                 each))
                     print(f"{rnd} {name:30s} {variant:9s} {kind:12s} {ms:.4f} ms (queue "
                           f"primed {primed:.4f}; host {host:.4f} ms a call; modes "
                           f"{dict(sorted(MODES.items()))})", flush=True)
+                    if each:
+                        print(f"  each step: first {each[0]:.4f}, second {each[1]:.4f}, "
+                              f"the rest's median {statistics.median(each[2:]):.4f} ms",
+                              flush=True)
         for (variant, kind), v in times.items():
             off = statistics.median(times[("off", kind)])
             med = statistics.median(v)
@@ -125,7 +136,8 @@ def main() -> None:
                              vs_off=med / off, native_check=native.status(),
                              modes=[x[0] for x in seen[(variant, kind)]],
                              host_ms=[x[1] for x in seen[(variant, kind)]],
-                             primed_ms=[x[2] for x in seen[(variant, kind)]]))
+                             primed_ms=[x[2] for x in seen[(variant, kind)]],
+                             per_step_ms=[x[3] for x in seen[(variant, kind)]]))
             primed = statistics.median([x[2] for x in seen[(variant, kind)]])
             primed_off = statistics.median([x[2] for x in seen[("off", kind)]])
             print(f"{name:30s} {variant:9s} {kind:12s} median {med:.4f} ms "

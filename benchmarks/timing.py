@@ -5,6 +5,8 @@ CUDA events, so that every table measures the same way.
   calls as a waiting caller sees them, host time (``gpu_step.py``'s sections).
 * :func:`wall_ms`: warm-up calls, then ms per call over back-to-back calls, one sync.
 * :func:`event_ms`: CUDA events around ``n`` back-to-back calls, ``reps`` times.
+* :func:`each_call_ms`: an event between every two of ``n`` back-to-back calls started
+  on an idle device: each position's ms (where in a window its time goes).
 * :func:`donated_step_ms`: :func:`event_ms` of donated ``ftopt.step`` calls of a transform.
 * :func:`host_us`: host time of each call in microseconds, no synchronisation (for
   benchmarks whose kernel launch is stubbed); :func:`median_host_ms`, its median in ms
@@ -118,6 +120,25 @@ def event_ms(fn: Callable, n: int = 40, reps: int = 3, primed: bool = False) -> 
         torch.cuda.synchronize()
         out.append(start.elapsed_time(end) / n)
     return out
+
+
+def each_call_ms(fn: Callable, n: int = 40, reps: int = 3) -> list[float]:
+    """ms of each of ``n`` back-to-back calls, the median of ``reps`` windows: an event
+    recorded before the first call and after every call, the device idle at the start
+    (as :func:`event_ms` unprimed). Position 0 holds the first call's host work before
+    its first launch; where the host keeps ahead, the later positions are device time."""
+    per: list[list[float]] = [[] for _ in range(n)]
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        events[0].record()
+        for k in range(n):
+            fn()
+            events[k + 1].record()
+        torch.cuda.synchronize()
+        for k in range(n):
+            per[k].append(events[k].elapsed_time(events[k + 1]))
+    return [statistics.median(x) for x in per]
 
 
 def donated_stepper(tx: Any, params: dict, grads: dict | list,
