@@ -3,10 +3,15 @@ rows zero with skip_zeros (the carve: five launches on two streams), dense with
 skip_zeros (three launches) and without (two). The device is synchronized before each
 call and only the call is timed (median of 300), the native tensor check loaded first.
 Run it in two checkouts in turn to compare them (``LABEL`` names the line).
+``--profile=DIR``: each case's 300 calls also run under cProfile, the 40 costliest
+functions by own time and by cumulative time in ``DIR/host_<case>.txt``.
 
-    python3 benchmarks/host_calls_gpu.py LABEL
+    python3 benchmarks/host_calls_gpu.py LABEL [--profile=DIR]
 """
+import cProfile
+import io
 import pathlib
+import pstats
 import statistics
 import sys
 import time
@@ -18,6 +23,24 @@ import torch  # noqa: E402
 
 import ftopt  # noqa: E402
 from ftopt.lowering import native  # noqa: E402
+
+PROFILE = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--profile=")), "")
+
+
+def _profile(step, path: pathlib.Path) -> None:
+    """300 calls of ``step`` under cProfile (the device synchronized before each, not
+    profiled), the costliest functions written to ``path``."""
+    prof = cProfile.Profile()
+    for _ in range(300):
+        torch.cuda.synchronize()
+        prof.enable()
+        step()
+        prof.disable()
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
 
 
 def main() -> None:
@@ -39,7 +62,10 @@ def main() -> None:
             step()
             times.append(time.perf_counter_ns() - t)
         out.append(f"{name} {statistics.median(times) / 1e3:.0f}")
-    print(sys.argv[1] if len(sys.argv) > 1 else "", "; ".join(out), flush=True)
+        if PROFILE:
+            _profile(step, pathlib.Path(PROFILE) / f"host_{name.replace(' ', '_')}.txt")
+    label = next((a for a in sys.argv[1:] if not a.startswith("--")), "")
+    print(label, "; ".join(out), flush=True)
 
 
 if __name__ == "__main__":
