@@ -18,11 +18,9 @@ cumulative time, then by own time.
 from __future__ import annotations
 
 import cProfile
-import io
 import json
 import os
 import pathlib
-import pstats
 import re
 import statistics
 import subprocess
@@ -35,6 +33,7 @@ import torch
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+import timing  # noqa: E402
 from gpu_step import gpt2_shapes, random_tree  # noqa: E402
 
 import ftopt  # noqa: E402
@@ -60,10 +59,7 @@ def _profiled(fn, path: str):
     """``fn()`` under cProfile, its 40 costliest calls written to ``path``."""
     prof = cProfile.Profile()
     out = prof.runcall(fn)
-    text = io.StringIO()
-    for key in ("cumulative", "tottime"):
-        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
-    pathlib.Path(path).write_text(text.getvalue())
+    pathlib.Path(path).write_text(timing.profile_text(prof))
     return out
 
 

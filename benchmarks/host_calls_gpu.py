@@ -4,14 +4,12 @@ skip_zeros (three launches) and without (two). The device is synchronized before
 call and only the call is timed (median of 300), the native tensor check loaded first.
 Run it in two checkouts in turn to compare them (``LABEL`` names the line).
 ``--profile=DIR``: each case's 300 calls also run under cProfile, the 40 costliest
-functions by own time and by cumulative time in ``DIR/host_<case>.txt``.
+functions by cumulative time and by own time in ``DIR/host_<case>.txt``.
 
     python3 benchmarks/host_calls_gpu.py LABEL [--profile=DIR]
 """
 import cProfile
-import io
 import pathlib
-import pstats
 import statistics
 import sys
 import time
@@ -36,11 +34,8 @@ def _profile(step, path: pathlib.Path) -> None:
         prof.enable()
         step()
         prof.disable()
-    text = io.StringIO()
-    for key in ("tottime", "cumulative"):
-        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text.getvalue())
+    path.write_text(timing.profile_text(prof))
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ CUDA events, so that every table measures the same way.
 * :func:`host_us`: host time of each call in microseconds, no synchronisation (for
   benchmarks whose kernel launch is stubbed); :func:`median_host_ms`, its median in ms
   (a CPU benchmark's time).
+* :func:`profile_text`: a cProfile's costliest functions by cumulative and by own time.
 * :func:`kernel_us`: each kernel's mean device time over donated steps (torch.profiler):
   a step's GPU time without its host time.
 """
@@ -18,6 +19,9 @@ CUDA events, so that every table measures the same way.
 from __future__ import annotations
 
 import collections
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -120,6 +124,14 @@ def event_ms(fn: Callable, n: int = 40, reps: int = 3, primed: bool = False) -> 
         torch.cuda.synchronize()
         out.append(start.elapsed_time(end) / n)
     return out
+
+
+def profile_text(prof: cProfile.Profile, n: int = 40) -> str:
+    """The ``n`` costliest functions of ``prof`` by cumulative time, then by own time."""
+    text = io.StringIO()
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(n)
+    return text.getvalue()
 
 
 def each_call_ms(fn: Callable, n: int = 40, reps: int = 3) -> list[float]:
