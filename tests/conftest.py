@@ -21,7 +21,12 @@ import step_checks  # noqa: E402
 # test_register_cap.py, and test_fused.py's 8-bit half 341 of its 447 s, now
 # test_fused_8bit.py). Started together on 16 processes of one H100 they each ran 25-50%
 # longer (benchmarks/RESULTS.md, 2026-12-06 23:33): there one file a process leaves the
-# suite as long as its slowest file, and single tests are handed out instead.
+# suite as long as its slowest file, and single tests are handed out instead
+# (`--dist worksteal`, which gives each process a contiguous stretch of the order to start
+# with and moves the ends of long queues to idle ones): dealt round-robin (see
+# pytest_collection_modifyitems), each process's stretch starts with a share of the long
+# files' tests rather than one process holding them all (H100, 2026-12-07: 63 tests left
+# at 390 s, among them the fuzz's longest, 292 s).
 LONGEST_FIRST = ("test_fuzz.py", "test_fuzz_pinned.py", "test_quant_arith.py",
                  "test_register_cap.py", "test_fused_8bit.py", "test_skip_watch.py",
                  "test_state_dtype.py", "test_fused.py", "test_gpu_compile.py",
@@ -31,11 +36,24 @@ LONGEST_FIRST = ("test_fuzz.py", "test_fuzz_pinned.py", "test_quant_arith.py",
                  "test_sophia.py")
 
 
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """(pytest-xdist, in the controlling process) Tells each worker how tests are handed
+    out: a worker's own ``dist`` option reads "no"."""
+    node.workerinput["ftopt_dist"] = node.config.getoption("dist")
+
+
+def pytest_collection_modifyitems(config, items):
     """The tests of LONGEST_FIRST's files first, in its order, then the others; each
-    file's tests in their own order."""
+    file's tests in their own order. Where pytest-xdist hands out single tests by work
+    stealing, that order dealt round-robin over its processes (every process collects
+    the same order)."""
     rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    worker = getattr(config, "workerinput", {})
+    if worker.get("ftopt_dist") == "worksteal":
+        n = worker["workercount"]
+        items[:] = [item for k in range(n) for item in items[k::n]]
 
 
 def pytest_runtest_setup(item):
