@@ -19,10 +19,11 @@ demo: $(VENV)/.ready
 # cache hides failures in Triton's code generator (compiled kernels are cache hits).
 TEST_CACHE := $(CURDIR)/build/triton-cache
 # Test files run in parallel, one process per core up to 4 (pytest-xdist; a file's tests
-# stay in one process, in order): 2 cores, 8-11 min (2026-12-05). Handing out single
-# tests instead (`--dist worksteal`) took 11 min: each process then builds every file's
-# kernels and fixtures again. Files are handed out longest first (tests/conftest.py's
-# LONGEST_FIRST), not by their number of tests (xdist's default reorder).
+# stay in one process, in order): 2 cores, about 6-7 min (2026-12-07: 352 s of tests).
+# Handing out single tests instead (`--dist worksteal`) took 11 min: each process then
+# builds every file's kernels and fixtures again. Files are handed out longest first
+# (tests/conftest.py's LONGEST_FIRST), not by their number of tests (xdist's default
+# reorder).
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: $(VENV)/.ready
