@@ -172,6 +172,16 @@ PINNED = {
         Part("scale_by_simplified_ademamix", ())), skip="marker", skip_at=4, bits=32,
         quant="wrapper", min_size=0, state_dtype="", tensors=True, schedules=False,
         named=False), None),
+    # bf16 params, which eager's draws do not move, through Muon's momentum (its lerp an
+    # ulp apart between the backends) into Newton-Schulz: NorMuon's row moments 1e-5
+    # apart, past the bound of two float64 draws' spread, within that of eight.
+    (330, 640): (Structure(parts=(
+        Part("keep_params_nonnegative", ()), Part("identity", ()),
+        Part("scale_by_normuon", (("nesterov", False), ("ns_coeffs", (3.4445, -4.775, 2.0315)),
+                                  ("ns_dtype", torch.float32))),
+        Part("scale_by_sm3", ())), skip="off", skip_at=2, bits=32, quant="wrapper",
+        min_size=0, state_dtype="bfloat16", tensors=True, schedules=True, named=False),
+        ("bf16", "fp32")),
 }
 
 
