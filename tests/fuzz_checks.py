@@ -231,8 +231,8 @@ class Reference:
     one ulp grows. Fused is then held to being about as accurate as eager: its error
     against float64 at most twice eager's, plus four times the chain's own *spread* (how
     far the float64 result moves when every input moves by up to one fp32 ulp, the largest
-    of two random draws: what one rounding early in the chain can do to the result), plus
-    1e-6 of the leaf's scale."""
+    of two random draws, eight on a retry: what one rounding early in the chain can do to
+    the result), plus 1e-6 of the leaf's scale."""
 
     DRAWS = 2
     MORE = 8  # (:meth:`more_draws`)
