@@ -301,9 +301,9 @@ class Reference:
         NorMuon's row moments 1e-5 apart, relative; the spread of two float64 draws put
         fused 1.5 times past the bound, eight put it within). A real difference stays
         outside them too."""
-        taken = {k for k in self._moved if not k.startswith("fp32 ")}
-        more = ((self.draws32 < self.MORE32 and len(taken) < len(self._moved))
-                or (self.draws < self.MORE and bool(taken)))
+        fp32 = any(k.startswith("fp32 ") for k in self._moved)
+        fp64 = any(not k.startswith("fp32 ") for k in self._moved)
+        more = (self.draws32 < self.MORE32 and fp32) or (self.draws < self.MORE and fp64)
         if more:
             self.draws32, self.draws = self.MORE32, self.MORE
             self._state = None  # (its spreads again, from the draws to come)
